@@ -1,0 +1,7 @@
+"""diffexp: train, ablate and compare differential-attention transformers."""
+
+from diffexp.config import ModelConfig
+from diffexp.model import Decoder
+
+__version__ = "0.1.0"
+__all__ = ["Decoder", "ModelConfig", "__version__"]

@@ -1,0 +1,3 @@
+from diffexp.model.decoder import Decoder
+
+__all__ = ["Decoder"]

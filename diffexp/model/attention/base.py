@@ -1,0 +1,137 @@
+"""What every attention variant shares: head reshaping, RoPE, and the causal attention call.
+
+`attend` runs one causal (GQA-capable) attention: query head i reads kv head i // (Hq / Hk).
+The fast path is PyTorch SDPA, or FlashAttention-2 when installed and the tensors are on CUDA;
+the eager path materialises the softmax map so variants can return their effective attention.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from diffexp.config import ModelConfig
+from diffexp.model.rope import RotaryEmbedding
+
+try:  # optional GPU extra
+    from flash_attn import flash_attn_func
+except ImportError:  # pragma: no cover - depends on the environment
+    flash_attn_func = None
+
+
+def split_heads(x: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """(B, T, n_heads * d) -> (B, n_heads, T, d)."""
+    b, t, _ = x.shape
+    return x.view(b, t, n_heads, -1).transpose(1, 2)
+
+
+def merge_heads(x: torch.Tensor) -> torch.Tensor:
+    """(B, n_heads, T, d) -> (B, T, n_heads * d)."""
+    b, h, t, d = x.shape
+    return x.transpose(1, 2).reshape(b, t, h * d)
+
+
+def expand_kv(kv: torch.Tensor, n_query_heads: int) -> torch.Tensor:
+    """Repeat each kv head for the consecutive query heads of its GQA group."""
+    return kv.repeat_interleave(n_query_heads // kv.shape[1], dim=1)
+
+
+def causal_softmax(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+    """softmax(q k^T / sqrt(d) + causal mask) per query head, in fp32: (B, Hq, T, T)."""
+    t = q.shape[-2]
+    k = expand_kv(k, q.shape[1])
+    logits = (q.float() @ k.float().transpose(-1, -2)) / math.sqrt(q.shape[-1])
+    mask = torch.ones(t, t, dtype=torch.bool, device=q.device).triu(1)
+    return logits.masked_fill(mask, float("-inf")).softmax(dim=-1)
+
+
+def flash_available(*tensors: torch.Tensor) -> bool:
+    return flash_attn_func is not None and all(t.is_cuda for t in tensors)
+
+
+def attend(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, backend: str = "sdpa", need_weights: bool = False
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Causal attention. q: (B, Hq, T, d); k: (B, Hk, T, d); v: (B, Hk, T, dv) with dv a multiple of d.
+
+    Returns the output (B, Hq, T, dv) and, when need_weights (always on the eager backend), the map.
+    The scale is 1/sqrt(d), the query/key dim, also when V is wider.
+    """
+    if need_weights or backend == "eager":
+        weights = causal_softmax(q, k)
+        out = weights.to(v.dtype) @ expand_kv(v, q.shape[1])
+        return out, weights
+    if backend == "flash_attn":
+        if not flash_available(q, k, v):
+            raise RuntimeError(
+                "model.backend='flash_attn' needs the flash-attn package and CUDA tensors; "
+                "install diffexp[flash] on a GPU machine or use backend 'sdpa'"
+            )
+        return _flash(q, k, v), None
+    gqa = q.shape[1] != k.shape[1]
+    out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+    return out, None
+
+
+def _flash(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    # FlashAttention-2 wants (B, T, H, d) and equal q/v head dims: split a wider V into d-wide
+    # slices; each call recomputes the same softmax, so the concatenation is exact.
+    q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+    d = q.shape[-1]
+    parts = [flash_attn_func(q, k, v_part, causal=True) for v_part in v.split(d, dim=-1)]
+    return torch.cat(parts, dim=-1).transpose(1, 2)
+
+
+def resolve_backend(backend: str) -> str:
+    """flash_attn without the package falls back to sdpa with a warning, decided once at build time."""
+    if backend == "flash_attn" and flash_attn_func is None:
+        warnings.warn("flash-attn is not installed; model.backend='flash_attn' falls back to 'sdpa'",
+                      stacklevel=2)
+        return "sdpa"
+    return backend
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float = 1e-5) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x_fp32 = x.float()
+        normed = x_fp32 * torch.rsqrt(x_fp32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (normed * self.weight.float()).to(x.dtype)
+
+
+class AttentionBase(nn.Module):
+    """Holds sizes, RoPE and the attention call; subclasses define projections and how maps combine.
+
+    `forward(x, need_weights=False)` returns (output, effective_map or None); the effective map is
+    (B, n_heads, T, T), the per-head matrix that multiplies V (see variants.md).
+    """
+
+    def __init__(self, cfg: ModelConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.layer_idx = layer_idx
+        self.d_model = cfg.d_model
+        self.n_heads = cfg.n_heads
+        self.n_kv_heads = cfg.kv_heads
+        self.head_dim = cfg.resolved_head_dim
+        self.backend = resolve_backend(cfg.backend)
+        self.rope = RotaryEmbedding(self.head_dim, cfg.max_seq_len, cfg.rope_theta)
+
+    def linear(self, in_features: int, out_features: int) -> nn.Linear:
+        return nn.Linear(in_features, out_features, bias=False)
+
+    def attend(self, q, k, v, need_weights: bool = False):
+        """The causal attention call on this layer's backend (RoPE already applied)."""
+        return attend(q, k, v, self.backend, need_weights)
+
+    def extra_repr(self) -> str:
+        return (f"layer={self.layer_idx}, heads={self.n_heads}, kv_heads={self.n_kv_heads}, "
+                f"head_dim={self.head_dim}, backend={self.backend}")

@@ -1,0 +1,82 @@
+"""The two-map differential head shared by DIFF V1, Shared DIFF and DINT.
+
+head_p = Norm((A1 - lambda * A2) V_g) * output_scale, with
+lambda = exp(lq1 . lk1) - exp(lq2 . lk2) + lambda_init   (one lambda per layer, fp32).
+Subclasses change how Q1, Q2, K1, K2 are made (`project_qk`) or how the maps combine (`combine`).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from diffexp.model.attention.base import AttentionBase, RMSNorm, merge_heads, split_heads
+
+
+class ReparamLambda(nn.Module):
+    """lambda = exp(lq1 . lk1) - exp(lq2 . lk2) + lambda_init; vectors init N(0, 0.1^2), kept in fp32."""
+
+    def __init__(self, head_dim: int, lambda_init: float) -> None:
+        super().__init__()
+        self.lambda_init = lambda_init
+        self.lambda_q1 = nn.Parameter(torch.zeros(head_dim, dtype=torch.float32).normal_(0, 0.1))
+        self.lambda_k1 = nn.Parameter(torch.zeros(head_dim, dtype=torch.float32).normal_(0, 0.1))
+        self.lambda_q2 = nn.Parameter(torch.zeros(head_dim, dtype=torch.float32).normal_(0, 0.1))
+        self.lambda_k2 = nn.Parameter(torch.zeros(head_dim, dtype=torch.float32).normal_(0, 0.1))
+
+    def forward(self) -> torch.Tensor:
+        lam1 = torch.exp(torch.dot(self.lambda_q1.float(), self.lambda_k1.float()))
+        lam2 = torch.exp(torch.dot(self.lambda_q2.float(), self.lambda_k2.float()))
+        return lam1 - lam2 + self.lambda_init
+
+
+class TwoMapDifferentialAttention(AttentionBase):
+    """DIFF V1 layout: Q: 2h*d, K: 2h_kv*d (maps interleaved), V: h_kv*2d, O: h*2d -> d_model."""
+
+    #: multiply the normed head by (1 - lambda_init); DINT drops it
+    scale_by_lambda_init = True
+
+    def __init__(self, cfg, layer_idx: int) -> None:
+        super().__init__(cfg, layer_idx)
+        h, h_kv, d = self.n_heads, self.n_kv_heads, self.head_dim
+        self.lambda_init = cfg.lambda_init_for(layer_idx)
+        self.build_qk_projections()
+        self.v_proj = self.linear(self.d_model, h_kv * 2 * d)
+        self.o_proj = self.linear(h * 2 * d, self.d_model)
+        self.lambda_ = ReparamLambda(d, self.lambda_init)
+        # one weight shared by all heads, as in the authors' code ("GroupNorm" in the papers)
+        self.head_norm = RMSNorm(2 * d, eps=1e-5) if cfg.head_norm else nn.Identity()
+        self.output_scale = 1.0 - self.lambda_init if self.scale_by_lambda_init else 1.0
+
+    # -- projections: overridden by Shared DIFF ------------------------------------------------
+    def build_qk_projections(self) -> None:
+        self.q_proj = self.linear(self.d_model, 2 * self.n_heads * self.head_dim)
+        self.k_proj = self.linear(self.d_model, 2 * self.n_kv_heads * self.head_dim)
+
+    def project_qk(self, x: torch.Tensor):
+        """Returns q1, q2: (B, h, T, d) and k1, k2: (B, h_kv, T, d); heads 2p / 2p+1 are maps 1 / 2."""
+        q = split_heads(self.q_proj(x), 2 * self.n_heads)
+        k = split_heads(self.k_proj(x), 2 * self.n_kv_heads)
+        return q[:, 0::2], q[:, 1::2], k[:, 0::2], k[:, 1::2]
+
+    # -- extra terms: DINT adds its integral ----------------------------------------------------
+    def add_terms(self, out, effective, lam, q1, k1, v, out1, weights1):
+        """Hook after (A1 - lambda A2) V; returns (out, effective map or None). Plain DIFF adds nothing."""
+        return out, effective
+
+    def forward(self, x: torch.Tensor, need_weights: bool = False):
+        q1, q2, k1, k2 = self.project_qk(x)
+        q1, q2 = self.rope.rotate(q1), self.rope.rotate(q2)
+        k1, k2 = self.rope.rotate(k1), self.rope.rotate(k2)
+        v = split_heads(self.v_proj(x), self.n_kv_heads)  # (B, h_kv, T, 2d): differential head p reads
+        lam = self.lambda_()                                # kv group p // (h / h_kv)
+        out1, weights1 = self.attend(q1, k1, v, need_weights)
+        out2, weights2 = self.attend(q2, k2, v, need_weights)
+        out = out1 - lam.to(out1.dtype) * out2
+        effective = weights1 - lam * weights2 if weights1 is not None else None
+        out, effective = self.add_terms(out, effective, lam, q1, k1, v, out1, weights1)
+        out = self.head_norm(out) * self.output_scale
+        return self.o_proj(merge_heads(out)), effective
+
+    def extra_repr(self) -> str:
+        return super().extra_repr() + f", lambda_init={self.lambda_init:.3f}"
