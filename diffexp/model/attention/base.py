@@ -41,10 +41,11 @@ def expand_kv(kv: torch.Tensor, n_query_heads: int) -> torch.Tensor:
 
 
 def causal_softmax(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
-    """softmax(q k^T / sqrt(d) + causal mask) per query head, in fp32: (B, Hq, T, T)."""
+    """softmax(q k^T / sqrt(d) + causal mask) per query head, in fp32 at least: (B, Hq, T, T)."""
     t = q.shape[-2]
+    dtype = torch.promote_types(q.dtype, torch.float32)
     k = expand_kv(k, q.shape[1])
-    logits = (q.float() @ k.float().transpose(-1, -2)) / math.sqrt(q.shape[-1])
+    logits = (q.to(dtype) @ k.to(dtype).transpose(-1, -2)) / math.sqrt(q.shape[-1])
     mask = torch.ones(t, t, dtype=torch.bool, device=q.device).triu(1)
     return logits.masked_fill(mask, float("-inf")).softmax(dim=-1)
 
@@ -102,9 +103,10 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x_fp32 = x.float()
-        normed = x_fp32 * torch.rsqrt(x_fp32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (normed * self.weight.float()).to(x.dtype)
+        dtype = torch.promote_types(x.dtype, torch.float32)  # normalise in fp32 under bf16
+        x_wide = x.to(dtype)
+        normed = x_wide * torch.rsqrt(x_wide.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (normed * self.weight.to(dtype)).to(x.dtype)
 
 
 class AttentionBase(nn.Module):

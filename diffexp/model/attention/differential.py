@@ -25,8 +25,9 @@ class ReparamLambda(nn.Module):
         self.lambda_k2 = nn.Parameter(torch.zeros(head_dim, dtype=torch.float32).normal_(0, 0.1))
 
     def forward(self) -> torch.Tensor:
-        lam1 = torch.exp(torch.dot(self.lambda_q1.float(), self.lambda_k1.float()))
-        lam2 = torch.exp(torch.dot(self.lambda_q2.float(), self.lambda_k2.float()))
+        dtype = torch.promote_types(self.lambda_q1.dtype, torch.float32)  # fp32 even under bf16 training
+        lam1 = torch.exp((self.lambda_q1.to(dtype) * self.lambda_k1.to(dtype)).sum())
+        lam2 = torch.exp((self.lambda_q2.to(dtype) * self.lambda_k2.to(dtype)).sum())
         return lam1 - lam2 + self.lambda_init
 
 

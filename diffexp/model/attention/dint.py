@@ -21,15 +21,15 @@ from diffexp.model.attention.base import expand_kv
 from diffexp.model.attention.differential import TwoMapDifferentialAttention
 
 
-def row_positions(t: int, device, start: int = 0) -> torch.Tensor:
+def row_positions(t: int, like: torch.Tensor, start: int = 0) -> torch.Tensor:
     """n = 1, 2, ... for rows start .. start + t - 1, shaped to divide (..., t, cols)."""
-    return torch.arange(start + 1, start + t + 1, device=device, dtype=torch.float32).unsqueeze(-1)
+    return torch.arange(start + 1, start + t + 1, device=like.device, dtype=like.dtype).unsqueeze(-1)
 
 
 def integral_map(weights1: torch.Tensor, integral: str) -> torch.Tensor:
     """A3 from the full map A1 (B, h, T, T), the naive way."""
     t = weights1.shape[-1]
-    g = weights1.cumsum(dim=-2) / row_positions(t, weights1.device)
+    g = weights1.cumsum(dim=-2) / row_positions(t, weights1)
     if integral == "mean":
         return g
     future = torch.ones(t, t, dtype=torch.bool, device=g.device).triu(1)
@@ -42,16 +42,16 @@ def integral_softmax_streaming(q1: torch.Tensor, k1: torch.Tensor, v: torch.Tens
     b, h, t, d = q1.shape
     k1, v = expand_kv(k1, h), expand_kv(v, h)
     scale = 1.0 / math.sqrt(d)
-    col_sums = q1.new_zeros(b, h, t, dtype=torch.float32)  # sum of A1 rows above the block
+    dtype = torch.promote_types(q1.dtype, torch.float32)
+    col_sums = q1.new_zeros(b, h, t, dtype=dtype)  # sum of A1 rows above the block
     outputs = []
     for start in range(0, t, block_size):
         end = min(start + block_size, t)
         rows = torch.arange(start, end, device=q1.device).unsqueeze(-1)
         future = torch.arange(end, device=q1.device) > rows  # (blk, end)
-        logits = (q1[:, :, start:end].float() @ k1[:, :, :end].float().transpose(-1, -2)) * scale
+        logits = (q1[:, :, start:end].to(dtype) @ k1[:, :, :end].to(dtype).transpose(-1, -2)) * scale
         a1 = logits.masked_fill(future, float("-inf")).softmax(dim=-1)
-        g = (col_sums[:, :, :end].unsqueeze(-2) + a1.cumsum(dim=-2)) / row_positions(end - start,
-                                                                                      q1.device, start)
+        g = (col_sums[:, :, :end].unsqueeze(-2) + a1.cumsum(dim=-2)) / row_positions(end - start, a1, start)
         numer = torch.exp(g).masked_fill(future, 0.0)
         a3 = numer / numer.sum(dim=-1, keepdim=True)
         outputs.append((a3.to(v.dtype) @ v[:, :, :end]))
@@ -61,6 +61,8 @@ def integral_softmax_streaming(q1: torch.Tensor, k1: torch.Tensor, v: torch.Tens
 
 class DintAttention(TwoMapDifferentialAttention):
     scale_by_lambda_init = False
+    #: query rows per step of the streaming integral; memory is O(block_size * T) per head
+    integral_block_size = 128
 
     def add_terms(self, out, effective, lam, q1, k1, v, out1, weights1):
         if weights1 is not None:  # eager: the naive map
@@ -68,10 +70,10 @@ class DintAttention(TwoMapDifferentialAttention):
             integral_out = a3.to(v.dtype) @ expand_kv(v, a3.shape[1])
             effective = effective + lam * a3
         elif self.cfg.integral == "mean":  # G V = cumsum(A1 V) / n exactly
-            n = row_positions(out1.shape[-2], out1.device).to(out1.dtype)
+            n = row_positions(out1.shape[-2], out1)
             integral_out = out1.cumsum(dim=-2) / n
         else:
-            integral_out = integral_softmax_streaming(q1, k1, v)
+            integral_out = integral_softmax_streaming(q1, k1, v, self.integral_block_size)
         return out + lam.to(out.dtype) * integral_out, effective
 
     def extra_repr(self) -> str:

@@ -1,0 +1,114 @@
+"""Offline tokenizers with one small interface: ``encode``, ``decode``, ``vocab_size``, ``eos_id``.
+
+* ``ByteTokenizer``: UTF-8 bytes are ids 0..255 and id 256 is the end-of-document token,
+  so ``vocab_size == 257``. Needs no training and no files.
+* ``HFTokenizer``: wraps a Hugging Face ``tokenizers.Tokenizer``, either a byte-level BPE
+  trained here on the training split (``train_bpe``) or any local ``tokenizer.json``.
+
+``decode`` drops the end-of-document token (like ``skip_special_tokens``) in both cases.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Protocol
+
+import numpy as np
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+EOS_TOKEN = "<|endoftext|>"
+# End-of-document tokens used by common tokenizer.json files, tried in this order.
+KNOWN_EOS_TOKENS = (EOS_TOKEN, "<|end_of_text|>", "</s>", "<eos>", "[SEP]")
+
+
+class TextTokenizer(Protocol):
+    vocab_size: int
+    eos_id: int
+    identity: str  # stable description used in cache keys
+
+    def encode(self, text: str) -> list[int]: ...
+
+    def decode(self, ids: Sequence[int]) -> str: ...
+
+    def encode_batch(self, texts: Sequence[str]) -> list[np.ndarray]: ...
+
+
+class ByteTokenizer:
+    """UTF-8 bytes (ids 0..255) plus an end-of-document id 256."""
+
+    vocab_size = 257
+    eos_id = 256
+    identity = "byte"
+
+    def encode(self, text: str) -> list[int]:
+        return list(text.encode("utf-8"))
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
+
+    def encode_batch(self, texts: Sequence[str]) -> list[np.ndarray]:
+        return [np.frombuffer(text.encode("utf-8"), dtype=np.uint8).astype(np.int64) for text in texts]
+
+
+class HFTokenizer:
+    """A ``tokenizers.Tokenizer`` behind the common interface; ``identity`` must be cache-stable."""
+
+    def __init__(self, tokenizer: Tokenizer, identity: str) -> None:
+        self.tokenizer = tokenizer
+        self.identity = identity
+        eos_id = next((tokenizer.token_to_id(t) for t in KNOWN_EOS_TOKENS if tokenizer.token_to_id(t) is not None), None)
+        if eos_id is None:
+            # No document separator in the file: add ours (it becomes the last id).
+            tokenizer.add_special_tokens([EOS_TOKEN])
+            eos_id = tokenizer.token_to_id(EOS_TOKEN)
+        self.eos_id: int = eos_id
+        self.vocab_size: int = tokenizer.get_vocab_size(with_added_tokens=True)
+
+    def encode(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=False).ids
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return self.tokenizer.decode(list(ids), skip_special_tokens=True)
+
+    def encode_batch(self, texts: Sequence[str]) -> list[np.ndarray]:
+        encodings = self.tokenizer.encode_batch(list(texts), add_special_tokens=False)
+        return [np.asarray(encoding.ids, dtype=np.int64) for encoding in encodings]
+
+
+def load_tokenizer_file(path: str | os.PathLike) -> HFTokenizer:
+    """Load an existing ``tokenizer.json``; its content hash is the cache identity."""
+    content_hash = hashlib.sha256(Path(path).read_bytes()).hexdigest()[:16]
+    return HFTokenizer(Tokenizer.from_file(str(path)), identity=f"file-{content_hash}")
+
+
+def train_bpe(texts: Sequence[str], vocab_size: int) -> Tokenizer:
+    """Train a GPT-2 style byte-level BPE (lossless on any text) with an ``<|endoftext|>`` token."""
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=[EOS_TOKEN],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),  # every byte stays encodable
+        show_progress=False,
+    )
+    tokenizer.train_from_iterator(texts, trainer=trainer, length=len(texts))
+    return tokenizer
+
+
+def load_or_train_bpe(path: Path, texts_fn, vocab_size: int, identity: str) -> tuple[HFTokenizer, bool]:
+    """Load the BPE cached at ``path``, or train it on ``texts_fn()`` and save it atomically.
+
+    Returns the tokenizer and whether it was trained now (False means it came from the cache).
+    """
+    if path.is_file():
+        return HFTokenizer(Tokenizer.from_file(str(path)), identity), False
+    tokenizer = train_bpe(texts_fn(), vocab_size)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+    tokenizer.save(str(tmp))
+    os.replace(tmp, path)  # atomic: concurrent runs never see a half-written file
+    return HFTokenizer(tokenizer, identity), True

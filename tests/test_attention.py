@@ -1,0 +1,226 @@
+"""Numerics of every variant and flag: against naive references, fast == eager, causality, counts."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from diffexp import Decoder, ModelConfig
+from diffexp.config import depth_lambda_init
+from diffexp.model.attention import build_attention
+from diffexp.model.attention.dint import DintAttention
+from tests.reference import reference_attention
+
+SMALL = dict(vocab_size=61, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=64)
+
+# every variant and every value of each of its flags (GQA and plain MHA layouts both appear)
+CASES = {
+    "baseline": {}, "baseline-mha": dict(n_kv_heads=None), "baseline-tied": dict(tie_embeddings=True),
+    "diff_v1": {}, "diff_v1-mha": dict(n_kv_heads=None), "diff_v1-nonorm": dict(head_norm=False),
+    "diff_v1-lam0.5": dict(lambda_init=0.5), "diff_v1-lam0.8": dict(lambda_init=0.8),
+    "diff_v2": {}, "diff_v2-mha": dict(n_kv_heads=None), "diff_v2-cross": dict(pairing="cross"),
+    "diff_v2-none": dict(lambda_mode="none"), "diff_v2-raw": dict(lambda_mode="raw"),
+    "diff_v2-cross-raw": dict(pairing="cross", lambda_mode="raw"),
+    "shared_diff": {}, "shared_diff-heads": dict(base_sharing="heads"),
+    "shared_diff-mha": dict(n_kv_heads=None), "shared_diff-nonorm": dict(head_norm=False),
+    "shared_diff-rank4": dict(rank=4), "shared_diff-heads-rank2-lam0.5": dict(base_sharing="heads", rank=2,
+                                                                              lambda_init=0.5),
+    "dint": {}, "dint-mha": dict(n_kv_heads=None), "dint-mean": dict(integral="mean"),
+    "dint-nonorm": dict(head_norm=False), "dint-mean-nonorm-lam0.5": dict(integral="mean", head_norm=False,
+                                                                          lambda_init=0.5),
+}
+
+
+def make_config(case: str, **extra) -> ModelConfig:
+    variant = case.split("-")[0]
+    return ModelConfig(attention=variant, **{**SMALL, **CASES[case], **extra})
+
+
+def small_blocks(model: torch.nn.Module) -> None:
+    """Force DINT's streaming integral over several query blocks even at test lengths."""
+    for module in model.modules():
+        if isinstance(module, DintAttention):
+            module.integral_block_size = 5
+
+
+def with_backend(model: Decoder, backend: str) -> Decoder:
+    twin = copy.deepcopy(model)
+    for block in twin.blocks:
+        block.attn.backend = backend
+    return twin
+
+
+@pytest.fixture(autouse=True)
+def _seed():
+    torch.manual_seed(0)
+
+
+@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("backend", ["sdpa", "eager"])
+def test_matches_naive_reference(case, backend):
+    cfg = make_config(case, backend=backend)
+    attn = build_attention(cfg, layer_idx=2).double()  # layer 2: lambda_init 0.471 under "depth"
+    small_blocks(attn)
+    x = torch.randn(2, 13, cfg.d_model, dtype=torch.float64)
+    with torch.no_grad():
+        out, _ = attn(x)
+        out_eager, maps = attn(x, need_weights=True)
+        ref_out, ref_maps = reference_attention(attn, x)
+    torch.testing.assert_close(out, ref_out, rtol=1e-9, atol=1e-9)
+    torch.testing.assert_close(out_eager, ref_out, rtol=1e-9, atol=1e-9)
+    torch.testing.assert_close(maps.double(), ref_maps, rtol=1e-6, atol=1e-6)  # maps are fp32
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_fast_path_equals_eager_forward_and_gradients(case):
+    model = Decoder(make_config(case, backend="sdpa"))
+    small_blocks(model)
+    eager = with_backend(model, "eager")
+    idx = torch.randint(0, 61, (2, 24))
+    target = torch.randint(0, 61, (2, 24))
+    losses = []
+    for m in (model, eager):
+        logits = m(idx)
+        loss = F.cross_entropy(logits.flatten(0, 1), target.flatten())
+        loss.backward()
+        losses.append((logits, loss))
+    torch.testing.assert_close(losses[0][0], losses[1][0], rtol=1e-5, atol=1e-5)
+    for (name, p_fast), (_, p_eager) in zip(model.named_parameters(), eager.named_parameters()):
+        assert p_fast.grad is not None, name
+        torch.testing.assert_close(p_fast.grad, p_eager.grad, rtol=1e-4, atol=1e-6, msg=name)
+
+
+@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("backend", ["sdpa", "eager"])
+def test_causality(case, backend):
+    model = Decoder(make_config(case, backend=backend)).eval()
+    small_blocks(model)
+    idx = torch.randint(0, 61, (2, 20))
+    t = 11
+    changed = idx.clone()
+    changed[:, t + 1:] = torch.randint(0, 61, changed[:, t + 1:].shape)
+    assert not torch.equal(changed, idx)
+    with torch.no_grad():
+        before, maps_before = model(idx, need_weights=True)
+        after, maps_after = model(changed, need_weights=True)
+        fast_before, fast_after = model(idx), model(changed)
+    torch.testing.assert_close(before[:, : t + 1], after[:, : t + 1], rtol=0, atol=1e-6)
+    torch.testing.assert_close(fast_before[:, : t + 1], fast_after[:, : t + 1], rtol=0, atol=1e-6)
+    assert not torch.allclose(before[:, t + 1:], after[:, t + 1:])
+    for m_before, m_after in zip(maps_before, maps_after):
+        assert torch.all(m_before.triu(1) == 0), "weight on a future token"
+        torch.testing.assert_close(m_before[:, :, : t + 1], m_after[:, :, : t + 1], rtol=0, atol=1e-6)
+
+
+def test_lambda_init_depth_schedule():
+    expected = [0.200, 0.356, 0.471, 0.556, 0.619]
+    assert [round(depth_lambda_init(layer), 3) for layer in range(5)] == expected
+    model = Decoder(ModelConfig(**{**SMALL, "attention": "diff_v1", "n_layers": 5}))
+    assert [round(b.attn.lambda_init, 3) for b in model.blocks] == expected
+    assert [b.attn.output_scale for b in model.blocks] == pytest.approx([1 - v for v in expected], abs=1e-3)
+    const = Decoder(ModelConfig(**{**SMALL, "attention": "shared_diff", "lambda_init": 0.8}))
+    assert all(b.attn.lambda_init == 0.8 for b in const.blocks)
+
+
+@pytest.mark.parametrize("integral", ["softmax", "mean"])
+def test_dint_rows_sum_to_one(integral):
+    model = Decoder(ModelConfig(**SMALL, attention="dint", integral=integral))
+    _, maps = model(torch.randint(0, 61, (2, 30)), need_weights=True)
+    for m in maps:
+        torch.testing.assert_close(m.sum(-1), torch.ones_like(m.sum(-1)), rtol=0, atol=1e-5)
+
+
+def test_diff_v1_rows_sum_to_one_minus_lambda():
+    model = Decoder(ModelConfig(**SMALL, attention="diff_v1"))
+    _, maps = model(torch.randint(0, 61, (1, 16)), need_weights=True)
+    for block, m in zip(model.blocks, maps):
+        lam = block.attn.lambda_().item()
+        torch.testing.assert_close(m.sum(-1), torch.full_like(m.sum(-1), 1 - lam), rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("n_kv_heads", [1, 2, 4])
+def test_diff_v2_pairing_follows_gqa_groups(n_kv_heads):
+    h = 4
+    group = 2 * h // n_kv_heads  # query head i reads kv head i // group
+    same = build_attention(ModelConfig(**{**SMALL, "attention": "diff_v2", "n_kv_heads": n_kv_heads}), 0)
+    first, second = range(2 * h)[same.first], range(2 * h)[same.second]
+    assert all(i // group == j // group for i, j in zip(first, second))
+    if n_kv_heads == 1:
+        with pytest.raises(ValueError, match="pairing='cross'"):
+            ModelConfig(**{**SMALL, "attention": "diff_v2", "n_kv_heads": 1, "pairing": "cross"})
+        return
+    cross = build_attention(
+        ModelConfig(**{**SMALL, "attention": "diff_v2", "n_kv_heads": n_kv_heads, "pairing": "cross"}), 0)
+    first, second = range(2 * h)[cross.first], range(2 * h)[cross.second]
+    assert all(i // group != j // group for i, j in zip(first, second))
+
+
+def _attn_params(cfg: ModelConfig) -> int:
+    return sum(p.numel() for p in build_attention(cfg, 0).parameters())
+
+
+@pytest.mark.parametrize("n_kv_heads", [None, 2])
+def test_parameter_counts_follow_the_spec(n_kv_heads):
+    d_model, h = 128, 4
+    base = dict(d_model=d_model, n_heads=h, n_kv_heads=n_kv_heads)
+    h_kv = n_kv_heads or h
+    d = d_model // (2 * h)  # differential head dim
+    baseline_2h = _attn_params(ModelConfig(attention="baseline", d_model=d_model, n_heads=2 * h,
+                                           n_kv_heads=None if n_kv_heads is None else 2 * h_kv))
+    # diff_v1 == baseline with 2h heads of dim d, plus lambda (4d) and the shared head-norm weight (2d)
+    assert _attn_params(ModelConfig(attention="diff_v1", **base)) == baseline_2h + 4 * d + 2 * d
+    assert _attn_params(ModelConfig(attention="diff_v1", head_norm=False, **base)) == baseline_2h + 4 * d
+    assert _attn_params(ModelConfig(attention="dint", **base)) == baseline_2h + 6 * d
+
+    # shared_diff: bases plus 2 maps x heads x (d_model r + d r) for Q and for K
+    r = 8
+    v_and_o = d_model * h_kv * 2 * d + h * 2 * d * d_model
+    low_rank = 2 * h * (d_model * r + d * r) + 2 * h_kv * (d_model * r + d * r)
+    for sharing, base_q, base_k in [("maps", d_model * h * d, d_model * h_kv * d), ("heads", d_model * d,
+                                                                                       d_model * d)]:
+        cfg = ModelConfig(attention="shared_diff", rank=r, base_sharing=sharing, **base)
+        assert _attn_params(cfg) == base_q + base_k + low_rank + v_and_o + 4 * d + 2 * d, sharing
+
+    # diff_v2 == baseline (h heads of dim d2) + extra query width (d_model h d2) + lambda projection
+    d2 = d_model // h
+    baseline_h = _attn_params(ModelConfig(attention="baseline", **base))
+    v2 = ModelConfig(attention="diff_v2", **base)
+    assert v2.resolved_head_dim == d2
+    assert _attn_params(v2) == baseline_h + d_model * h * d2 + d_model * h
+    assert _attn_params(ModelConfig(attention="diff_v2", lambda_mode="none", **base)) == \
+        baseline_h + d_model * h * d2
+
+
+def test_flags_change_the_built_module():
+    no_norm = build_attention(ModelConfig(**SMALL, attention="diff_v1", head_norm=False), 0)
+    assert isinstance(no_norm.head_norm, torch.nn.Identity)
+    assert not any("head_norm" in n for n, _ in no_norm.named_parameters())
+    heads = build_attention(ModelConfig(**SMALL, attention="shared_diff", base_sharing="heads", rank=3), 0)
+    assert heads.q_proj.base.weight.shape == (heads.head_dim, SMALL["d_model"])
+    assert heads.q_proj.up.shape[2] == 3
+    tied = Decoder(ModelConfig(**SMALL, tie_embeddings=True))
+    assert tied.lm_head.weight is tied.embed.weight
+    assert tied.num_parameters() == Decoder(ModelConfig(**SMALL)).num_parameters() - 61 * 64
+
+
+@pytest.mark.parametrize(
+    "overrides, needle",
+    [
+        (dict(attention="diff_v3"), "attention='diff_v3'"),
+        (dict(attention="shared_diff", rank=0), "rank=0"),
+        (dict(attention="diff_v1", lambda_init=1.0), "lambda_init=1.0"),
+        (dict(attention="diff_v1", lambda_init=0.0), "lambda_init=0.0"),
+        (dict(attention="diff_v1", lambda_init="linear"), "lambda_init='linear'"),
+        (dict(d_model=100, n_heads=3), "n_heads=3"),
+        (dict(n_heads=4, n_kv_heads=3), "n_kv_heads=3"),
+        (dict(attention="diff_v2", n_kv_heads=1, pairing="cross"), "pairing='cross'"),
+        (dict(backend="triton"), "backend='triton'"),
+    ],
+)
+def test_bad_config_names_the_value(overrides, needle):
+    with pytest.raises(ValueError) as err:
+        ModelConfig(**{**SMALL, **overrides})
+    assert needle in str(err.value)
