@@ -1,0 +1,3 @@
+from diffexp.cli import main
+
+main()

@@ -1,0 +1,85 @@
+"""`diffexp fit | validate | test --config recipe.yaml`: LightningCLI over DiffexpLM and TextDataModule.
+
+With no --config, `diffexp fit` trains the tiny default (the defaults of every class) on the
+embedded corpus. Every run logs to TensorBoard under runs/<name>/<version>/.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+
+from jsonargparse import Namespace
+from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.cli import LightningCLI
+
+from diffexp.data import TextDataModule
+from diffexp.training.module import DiffexpLM
+from diffexp.training.runs import resolve_resume
+
+TRAINER_DEFAULTS = {
+    "max_steps": 300,
+    "val_check_interval": 100,
+    "check_val_every_n_epoch": None,
+    "limit_val_batches": 20,
+    "log_every_n_steps": 10,
+    "gradient_clip_val": 1.0,
+    "num_sanity_val_steps": 0,
+    "logger": {
+        "class_path": "lightning.pytorch.loggers.TensorBoardLogger",
+        "init_args": {"save_dir": "runs", "name": "default", "default_hp_metric": False},
+    },
+}
+
+
+class DiffexpCLI(LightningCLI):
+    def add_arguments_to_parser(self, parser) -> None:
+        parser.link_arguments("data.vocab_size", "model.vocab_size", apply_on="instantiate")
+        # always on, configurable as checkpoint.*: last.ckpt for --ckpt_path last, plus the best by val/loss
+        parser.add_lightning_class_args(ModelCheckpoint, "checkpoint")
+        parser.set_defaults({
+            "checkpoint.save_last": True,
+            "checkpoint.every_n_train_steps": 100,
+            "checkpoint.monitor": "val/loss",
+            "checkpoint.mode": "min",
+            "checkpoint.save_top_k": 1,
+            "checkpoint.filename": "step{step:06d}-val{val/loss:.3f}",
+            "checkpoint.auto_insert_metric_name": False,
+        })
+
+    def before_instantiate_classes(self) -> None:
+        subcommand = self.config.get("subcommand")
+        if subcommand is None:
+            return
+        config = self.config[subcommand]
+        ckpt_path = config.get("ckpt_path")
+        logger = config.trainer.get("logger")
+        if subcommand != "fit" or not ckpt_path or not _is_tensorboard(logger):
+            return
+        init_args = logger.init_args
+        path, version = resolve_resume(ckpt_path, init_args.save_dir, init_args.name)
+        config.ckpt_path = str(path)
+        if version is not None:  # append to the run being resumed, keep its first config.yaml
+            init_args.version = version
+            self.save_config_kwargs["config_filename"] = time.strftime("config.resumed-%Y%m%d-%H%M%S.yaml")
+        print(f"resuming from {path}", file=sys.stderr)
+
+
+def _is_tensorboard(logger) -> bool:
+    return isinstance(logger, Namespace) and str(logger.get("class_path", "")).endswith("TensorBoardLogger")
+
+
+def main(args: list[str] | None = None) -> None:
+    DiffexpCLI(
+        DiffexpLM,
+        TextDataModule,
+        seed_everything_default=1234,
+        trainer_defaults=TRAINER_DEFAULTS,
+        save_config_kwargs={"overwrite": False},
+        auto_configure_optimizers=False,  # DiffexpLM.configure_optimizers follows the papers
+        args=args,
+    )
+
+
+if __name__ == "__main__":
+    main()

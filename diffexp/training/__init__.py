@@ -1,0 +1,3 @@
+from diffexp.training.module import DiffexpLM, OptimConfig
+
+__all__ = ["DiffexpLM", "OptimConfig"]

@@ -1,0 +1,170 @@
+"""The LightningModule: next-token training of a Decoder, with the logs the papers compare."""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import torch
+import torch.nn.functional as F
+
+from diffexp.config import ModelConfig
+from diffexp.model import Decoder
+
+
+@dataclass
+class OptimConfig:
+    """AdamW with linear warmup then cosine decay to min_lr_ratio * lr.
+
+    Args:
+        lr: peak learning rate.
+        weight_decay: applied to matrices only (not norms, lambda vectors or other 1-d parameters).
+        betas: AdamW betas.
+        eps: AdamW epsilon.
+        warmup_steps: linear warmup from 0 to lr.
+        min_lr_ratio: the cosine ends at this fraction of lr.
+    """
+
+    lr: float = 1e-3
+    weight_decay: float = 0.1
+    betas: tuple[float, float] = (0.9, 0.95)
+    eps: float = 1e-8
+    warmup_steps: int = 50
+    min_lr_ratio: float = 0.1
+
+    def __post_init__(self) -> None:
+        if not self.lr > 0:
+            raise ValueError(f"model.optim.lr={self.lr!r} is invalid: expected a positive number")
+        if self.warmup_steps < 0:
+            raise ValueError(f"model.optim.warmup_steps={self.warmup_steps!r} is invalid: expected >= 0")
+        if not 0 <= self.min_lr_ratio <= 1:
+            raise ValueError(f"model.optim.min_lr_ratio={self.min_lr_ratio!r} is invalid: expected in [0, 1]")
+
+
+def warmup_cosine(step: int, warmup_steps: int, total_steps: int, min_ratio: float) -> float:
+    """Multiplier of the peak lr at `step`."""
+    if step < warmup_steps:
+        return (step + 1) / warmup_steps
+    progress = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
+    return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+class NonFiniteLossError(FloatingPointError):
+    pass
+
+
+class DiffexpLM(L.LightningModule):
+    """Causal language model around `Decoder`; batches are (B, T + 1) token ids.
+
+    Args:
+        arch: the decoder and its attention variant.
+        optim: optimizer and schedule.
+        vocab_size: linked from the data module; overrides arch.vocab_size.
+    """
+
+    def __init__(self, arch: ModelConfig = ModelConfig(), optim: OptimConfig = OptimConfig(),
+                 vocab_size: int | None = None) -> None:
+        super().__init__()
+        # checkpoints store plain dicts (see save_hyperparameters below)
+        arch = ModelConfig(**arch) if isinstance(arch, dict) else arch
+        optim = OptimConfig(**optim) if isinstance(optim, dict) else optim
+        if vocab_size is not None:
+            arch = ModelConfig(**{**asdict(arch), "vocab_size": vocab_size})
+        self.arch, self.optim = arch, optim
+        # plain dicts, so checkpoints load with torch.load(weights_only=True)
+        self.save_hyperparameters({"arch": asdict(arch), "optim": asdict(optim), "vocab_size": arch.vocab_size})
+        self.model = Decoder(arch)
+        self._last_batch_time: float | None = None
+
+    # -- steps -----------------------------------------------------------------------------------
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        return self.model(idx)
+
+    def _loss(self, batch: torch.Tensor) -> torch.Tensor:
+        inputs, targets = batch[:, :-1], batch[:, 1:]
+        logits = self.model(inputs)
+        return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+
+    def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
+        loss = self._loss(batch)
+        if not torch.isfinite(loss):
+            self._stop_on_non_finite(loss)
+        self.log("train/loss", loss, prog_bar=True)
+        self.log("lr", self.trainer.optimizers[0].param_groups[0]["lr"])
+        return loss
+
+    def _stop_on_non_finite(self, loss: torch.Tensor) -> None:
+        """Save the (still finite) weights before this step, then stop with a clear error."""
+        ckpt = None
+        if self.trainer.log_dir is not None:
+            ckpt = Path(self.trainer.log_dir) / "checkpoints" / f"nonfinite-step{self.global_step}.ckpt"
+            self.trainer.save_checkpoint(ckpt)
+        raise NonFiniteLossError(
+            f"train/loss is {loss.item()} at step {self.global_step}; stopped. "
+            f"Checkpoint of the weights before this step: {ckpt}. Lower model.optim.lr or raise "
+            "trainer.gradient_clip_val, then resume with --ckpt_path."
+        )
+
+    def validation_step(self, batch: torch.Tensor, batch_idx: int) -> None:
+        loss = self._loss(batch)
+        self.log("val/loss", loss, prog_bar=True, sync_dist=True, batch_size=batch.shape[0])
+
+    def test_step(self, batch: torch.Tensor, batch_idx: int) -> None:
+        loss = self._loss(batch)
+        self.log("test/loss", loss, sync_dist=True, batch_size=batch.shape[0])
+
+    def on_validation_epoch_end(self) -> None:
+        val_loss = self.trainer.callback_metrics.get("val/loss")
+        if val_loss is not None:
+            self.log("val/ppl", torch.exp(val_loss.float()))
+
+    def on_test_epoch_end(self) -> None:
+        test_loss = self.trainer.callback_metrics.get("test/loss")
+        if test_loss is not None:
+            self.log("test/ppl", torch.exp(test_loss.float()))
+
+    # -- logs that need the step boundaries -------------------------------------------------------
+    def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
+        grads = [p.grad for p in self.parameters() if p.grad is not None]
+        if grads:  # before clipping: spikes are what we want to see
+            self.log("train/grad_norm", torch.nn.utils.get_total_norm(grads))
+
+    def on_train_batch_end(self, outputs: Any, batch: torch.Tensor, batch_idx: int) -> None:
+        now = time.perf_counter()
+        if self._last_batch_time is not None:
+            tokens = batch[:, :-1].numel() * self.trainer.world_size
+            self.log("train/tokens_per_s", tokens / max(now - self._last_batch_time, 1e-9))
+        self._last_batch_time = now
+        if self.global_step % max(1, self.trainer.log_every_n_steps) == 0:
+            for i, block in enumerate(self.model.blocks):
+                if hasattr(block.attn, "lambda_"):
+                    self.log(f"lambda/layer_{i:02d}", block.attn.lambda_().detach())
+
+    def on_train_epoch_start(self) -> None:
+        self._last_batch_time = None
+
+    def on_fit_start(self) -> None:
+        if self.logger is not None:
+            report = self.model.parameter_report()
+            self.logger.log_metrics({f"params/{k}": v for k, v in report.items()}, step=0)
+
+    # -- optimizer ---------------------------------------------------------------------------------
+    def configure_optimizers(self):
+        decay, no_decay = [], []
+        for _, p in self.named_parameters():
+            if p.requires_grad:
+                (decay if p.ndim >= 2 else no_decay).append(p)
+        opt = torch.optim.AdamW(
+            [{"params": decay, "weight_decay": self.optim.weight_decay},
+             {"params": no_decay, "weight_decay": 0.0}],
+            lr=self.optim.lr, betas=tuple(self.optim.betas), eps=self.optim.eps,
+        )
+        total = int(self.trainer.estimated_stepping_batches)
+        warmup, min_ratio = self.optim.warmup_steps, self.optim.min_lr_ratio
+        schedule = torch.optim.lr_scheduler.LambdaLR(
+            opt, lambda step: warmup_cosine(step, warmup, total, min_ratio))
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
