@@ -83,3 +83,21 @@ def main(args: list[str] | None = None) -> None:
 
 if __name__ == "__main__":
     main()
+
+
+class _ParseOnlyCLI(DiffexpCLI):
+    def before_instantiate_classes(self) -> None:
+        pass
+
+    def instantiate_classes(self) -> None:
+        pass
+
+    def _run_subcommand(self, subcommand: str) -> None:
+        pass
+
+
+def parse_config(args: list[str], subcommand: str = "fit") -> Namespace:
+    """Parse and type-check a full config (recipe + overrides) of a subcommand without building anything."""
+    cli = _ParseOnlyCLI(DiffexpLM, TextDataModule, seed_everything_default=1234, trainer_defaults=TRAINER_DEFAULTS,
+                        auto_configure_optimizers=False, args=[subcommand, *args])
+    return cli.config[subcommand]
