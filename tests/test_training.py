@@ -1,0 +1,156 @@
+"""End-to-end runs of the CLI: logs, run directories, resume after a kill, NaN stop, early errors."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+from diffexp.cli import main
+from diffexp.training.module import NonFiniteLossError
+
+REPO = Path(__file__).resolve().parents[1]
+
+TINY_RUN = """
+seed_everything: 7
+trainer:
+  max_steps: {max_steps}
+  val_check_interval: 6
+  limit_val_batches: 2
+  log_every_n_steps: 2
+  enable_progress_bar: false
+  enable_model_summary: false
+  logger:
+    class_path: lightning.pytorch.loggers.TensorBoardLogger
+    init_args: {{save_dir: runs, name: {name}, default_hp_metric: false}}
+checkpoint:
+  every_n_train_steps: 4
+model:
+  arch: {{attention: {attention}, d_model: 32, n_layers: 2, n_heads: 2}}
+  optim: {{lr: 3.0e-3, warmup_steps: 2}}
+data:
+  source: stdlib
+  seq_len: 32
+  batch_size: 4
+  max_chars: 60000
+  cache_dir: {cache}
+"""
+
+
+def write_recipe(tmp_path: Path, name="run", attention="diff_v1", max_steps=12) -> Path:
+    path = tmp_path / f"{name}.yaml"
+    path.write_text(TINY_RUN.format(name=name, attention=attention, max_steps=max_steps,
+                                    cache=tmp_path / "cache"))
+    return path
+
+
+def run_cli(args: list[str], cwd: Path, check=True) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    proc = subprocess.run([sys.executable, "-m", "diffexp", *args], cwd=cwd, env=env, capture_output=True,
+                          text=True, timeout=300)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"exit {proc.returncode}\n{proc.stderr[-3000:]}")
+    return proc
+
+
+def scalars(run_dir: Path) -> dict[str, list[tuple[int, float]]]:
+    acc = EventAccumulator(str(run_dir)).Reload()
+    return {tag: [(e.step, e.value) for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
+
+
+def records(path: Path) -> dict[int, dict]:
+    return {r["step"]: r for r in map(json.loads, path.read_text().splitlines())}
+
+
+@pytest.mark.slow
+def test_fit_logs_to_tensorboard_and_never_overwrites(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    recipe = write_recipe(tmp_path, attention="dint")
+    main(["fit", "--config", str(recipe)])
+    first = tmp_path / "runs/run/version_0"
+    logged = scalars(first)
+    for tag in ("train/loss", "val/loss", "val/ppl", "lr", "train/grad_norm", "train/tokens_per_s",
+                "lambda/layer_00", "lambda/layer_01", "params/total"):
+        assert tag in logged, tag
+    assert [step for step, _ in logged["val/loss"]] == [5, 11]
+    assert (first / "config.yaml").is_file() and (first / "checkpoints/last.ckpt").is_file()
+    before = {p: p.stat().st_mtime_ns for p in first.rglob("*") if p.is_file()}
+
+    main(["fit", "--config", str(recipe)])
+    assert (tmp_path / "runs/run/version_1/checkpoints/last.ckpt").is_file()
+    assert {p: p.stat().st_mtime_ns for p in first.rglob("*") if p.is_file()} == before
+
+    ckpt = torch.load(first / "checkpoints/last.ckpt", weights_only=True)
+    assert ckpt["global_step"] == 12
+    assert ckpt["hyper_parameters"]["arch"]["attention"] == "dint"
+
+
+@pytest.mark.slow
+def test_resume_after_kill_continues_at_same_step_and_data(tmp_path):
+    ref_dir, killed_dir = tmp_path / "ref", tmp_path / "killed"
+    ref_dir.mkdir(), killed_dir.mkdir()
+    record = '--trainer.callbacks+={{"class_path": "tests.helpers.RecordBatches", "init_args": {{"path": "{}"}}}}'
+    run_cli(["fit", "--config", str(write_recipe(ref_dir)), record.format(ref_dir / "batches.jsonl")], ref_dir)
+
+    recipe = write_recipe(killed_dir)
+    kill = '--trainer.callbacks+={"class_path": "tests.helpers.KillAtStep", "init_args": {"step": 10}}'
+    proc = run_cli(["fit", "--config", str(recipe), record.format(killed_dir / "before.jsonl"), kill], killed_dir,
+                   check=False)
+    assert proc.returncode == 137
+    last = torch.load(killed_dir / "runs/run/version_0/checkpoints/last.ckpt", weights_only=True)
+    assert last["global_step"] == 8  # checkpoints every 4 steps; killed after step 10
+
+    proc = run_cli(["fit", "--config", str(recipe), "--ckpt_path", "last",
+                    record.format(killed_dir / "after.jsonl")], killed_dir)
+    assert not (killed_dir / "runs/run/version_1").exists(), "a resumed run appends to the run it resumes"
+    reference, resumed = records(ref_dir / "batches.jsonl"), records(killed_dir / "after.jsonl")
+    assert sorted(resumed) == [8, 9, 10, 11]
+    for step in resumed:
+        assert resumed[step]["checksum"] == reference[step]["checksum"], f"data order differs at step {step}"
+        assert resumed[step]["loss"] == pytest.approx(reference[step]["loss"], rel=1e-5, abs=1e-6)
+    final = torch.load(killed_dir / "runs/run/version_0/checkpoints/last.ckpt", weights_only=True)
+    assert final["global_step"] == 12
+
+
+@pytest.mark.slow
+def test_non_finite_loss_saves_checkpoint_and_stops(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    recipe = write_recipe(tmp_path)
+    poison = '--trainer.callbacks+={"class_path": "tests.helpers.PoisonWeights", "init_args": {"step": 3}}'
+    with pytest.raises(NonFiniteLossError, match="train/loss is nan at step 3"):
+        main(["fit", "--config", str(recipe), poison])
+    saved = tmp_path / "runs/run/version_0/checkpoints/nonfinite-step3.ckpt"
+    assert torch.load(saved, weights_only=True)["global_step"] == 3
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        (["--model.arch.attention", "diff_v9"], "attention='diff_v9'"),
+        (["--model.arch.rank", "0"], "rank=0"),
+        (["--model.arch.lambda_init", "1.5"], "lambda_init=1.5"),
+        (["--model.arch.n_heads", "3"], "n_heads=3"),
+        (["--model.arch.attention", "diff_v2", "--model.arch.n_kv_heads", "1", "--model.arch.pairing", "cross"],
+         "pairing='cross'"),
+        (["--data.source", "/nonexistent/corpus.txt"], "/nonexistent/corpus.txt"),
+    ],
+)
+def test_bad_values_fail_before_training(tmp_path, monkeypatch, override, message):
+    monkeypatch.chdir(tmp_path)
+    recipe = write_recipe(tmp_path)
+    with pytest.raises((ValueError, SystemExit)) as err:
+        main(["fit", "--config", str(recipe), *override])
+    assert message in str(err.value) or message in str(err.value.__context__)
+    assert not (tmp_path / "runs").exists()
+
+
+def test_ckpt_path_last_without_runs_is_a_clear_error(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ValueError, match="no run under runs/run/ has checkpoints/last.ckpt"):
+        main(["fit", "--config", str(write_recipe(tmp_path)), "--ckpt_path", "last"])
