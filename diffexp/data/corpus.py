@@ -7,9 +7,10 @@ language models with no download, no network and no data shipped in this reposit
 
 The corpus is one document per ``.py`` file under ``sysconfig.get_paths()["stdlib"]``,
 in sorted relative-path order. Third-party packages (``site-packages``), the test suites
-(``test``, ``tests``, ``lib2to3`` fixtures, ``idlelib``) and caches are skipped so the text
-is library code only. The total is capped (default 8 M characters) so that its size does not
-depend much on the Python version; the last document is truncated to hit the cap exactly.
+(``test``, ``tests``), the IDLE GUI (``idlelib``), the deprecated ``lib2to3`` and caches are
+skipped so the text is maintained library code only. The total is capped (default 8 M
+characters) so that its size does not depend much on the Python version; the last document is
+truncated to hit the cap exactly.
 """
 
 from __future__ import annotations
@@ -20,7 +21,9 @@ import sysconfig
 from pathlib import Path
 
 DEFAULT_MAX_CHARS = 8_000_000
-SKIPPED_DIRS = frozenset({"site-packages", "dist-packages", "test", "tests", "idlelib", "lib2to3", "__pycache__"})
+SKIPPED_DIRS = frozenset(
+    {"site-packages", "dist-packages", "test", "tests", "idlelib", "lib2to3", "__pycache__"}
+)
 
 
 def stdlib_root() -> Path:

@@ -62,7 +62,9 @@ def resolve_source(spec: str) -> Source:
         return Source(spec, "files", files=(path.resolve(),))
     if path.is_dir():
         # Hidden entries (.git, .cache with tokenizer .json files, ...) are never corpus data.
-        files = _supported(p for p in path.rglob("*") if not any(part.startswith(".") for part in p.relative_to(path).parts))
+        files = _supported(
+            p for p in path.rglob("*") if not any(part.startswith(".") for part in p.relative_to(path).parts)
+        )
         if not files:
             raise _source_error(spec, "directory contains no .txt/.jsonl/.json/.parquet files")
         return Source(spec, "files", files=tuple(p.resolve() for p in files))

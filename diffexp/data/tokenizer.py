@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Protocol
 
@@ -50,7 +50,7 @@ class ByteTokenizer:
         return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
 
     def encode_batch(self, texts: Sequence[str]) -> list[np.ndarray]:
-        return [np.frombuffer(text.encode("utf-8"), dtype=np.uint8).astype(np.int64) for text in texts]
+        return [np.frombuffer(text.encode("utf-8"), dtype=np.uint8) for text in texts]
 
 
 class HFTokenizer:
@@ -59,7 +59,9 @@ class HFTokenizer:
     def __init__(self, tokenizer: Tokenizer, identity: str) -> None:
         self.tokenizer = tokenizer
         self.identity = identity
-        eos_id = next((tokenizer.token_to_id(t) for t in KNOWN_EOS_TOKENS if tokenizer.token_to_id(t) is not None), None)
+        eos_id = next(
+            (tokenizer.token_to_id(t) for t in KNOWN_EOS_TOKENS if tokenizer.token_to_id(t) is not None), None
+        )
         if eos_id is None:
             # No document separator in the file: add ours (it becomes the last id).
             tokenizer.add_special_tokens([EOS_TOKEN])
@@ -99,7 +101,9 @@ def train_bpe(texts: Sequence[str], vocab_size: int) -> Tokenizer:
     return tokenizer
 
 
-def load_or_train_bpe(path: Path, texts_fn, vocab_size: int, identity: str) -> tuple[HFTokenizer, bool]:
+def load_or_train_bpe(
+    path: Path, texts_fn: Callable[[], Sequence[str]], vocab_size: int, identity: str
+) -> tuple[HFTokenizer, bool]:
     """Load the BPE cached at ``path``, or train it on ``texts_fn()`` and save it atomically.
 
     Returns the tokenizer and whether it was trained now (False means it came from the cache).

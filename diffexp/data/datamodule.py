@@ -1,0 +1,304 @@
+"""``TextDataModule``: documents -> tokenizer -> packed rows of ``seq_len + 1`` token ids -> batches.
+
+Expensive steps are cached under ``cache_dir`` and reused by later runs:
+
+* ``tokenizers/bpe-<key>.json``: the BPE trained on the training split
+  (key: source fingerprint, text field, ``max_chars``, split, ``bpe_vocab_size``);
+* ``packed/<key>/{train,val}.npy`` + ``meta.json``: the packed rows
+  (key: the same corpus identity, the tokenizer identity and ``seq_len``).
+
+Cache keys use file paths, sizes and mtimes, so editing a data file invalidates them.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+from functools import cached_property
+from pathlib import Path
+
+import lightning as L
+import numpy as np
+import torch
+from torch.utils.data import DataLoader
+
+from diffexp.data import sources
+from diffexp.data.loader import PackedRows, ResumableDataLoader, collate_rows
+from diffexp.data.packing import encode_documents, pack_rows, save_atomic, split_documents
+from diffexp.data.tokenizer import ByteTokenizer, TextTokenizer, load_or_train_bpe, load_tokenizer_file
+
+log = logging.getLogger(__name__)
+
+CACHE_FORMAT = 1  # bump when the cached layout or packing rules change
+
+
+def _short_hash(*parts: object) -> str:
+    return hashlib.sha256(json.dumps(parts, default=str).encode()).hexdigest()[:16]
+
+
+def _epoch_about_to_run(trainer: L.Trainer | None) -> int:
+    """The epoch Lightning will run next; it is what ``set_epoch`` receives from Lightning.
+
+    Needed when no loader state is restored: fresh runs, rebuilt loaders
+    (``reload_dataloaders_every_n_epochs``), and resuming from a checkpoint saved at the end of an
+    epoch, where Lightning skips ``load_state_dict`` and ``trainer.current_epoch`` still names the
+    finished epoch while this loader is created.
+    """
+    if trainer is None:
+        return 0
+    return trainer.fit_loop.epoch_progress.current.processed
+
+
+class TextDataModule(L.LightningDataModule):
+    """Language-modelling batches from the stdlib corpus, local files or a Hub dataset.
+
+    Batches are ``torch.long`` tensors of shape ``(batch_size, seq_len + 1)``; the model uses
+    ``batch[:, :-1]`` as inputs and ``batch[:, 1:]`` as targets. Every document is followed by
+    the tokenizer's end-of-document id. The train loader is resumable mid-epoch (its state is
+    saved in Lightning checkpoints); validation and test use the same held-out rows in order.
+
+    Args:
+        source: "stdlib" (the Python standard library sources shipped with the interpreter; no
+            download), a local .txt/.jsonl/.json/.parquet file, a directory or glob of them, or
+            "hf:<name>" / "hf:<name>:<config>" for a Hugging Face Hub dataset (needs network).
+        text_field: Column holding the text in .json/.jsonl/.parquet and Hub datasets.
+        tokenizer: "byte" (UTF-8 bytes + end-of-document id, vocab 257), "bpe" (byte-level BPE
+            trained on the training split and cached), or a path to a tokenizer.json file.
+        bpe_vocab_size: Target vocabulary size when ``tokenizer="bpe"`` (at least 257).
+        seq_len: Tokens the model sees per row; rows hold ``seq_len + 1`` tokens.
+        batch_size: Rows per batch.
+        val_fraction: Fraction of documents held out for validation/test, in (0, 1).
+        max_chars: Cap on corpus characters (documents in order, the last one truncated).
+            None means everything, except for "stdlib" where it means 8 M characters.
+        num_workers: DataLoader worker processes (0 loads in the main process).
+        cache_dir: Directory for the trained tokenizer, packed rows and Hub downloads.
+        seed: Seeds the train/val document split and the per-epoch shuffle order.
+    """
+
+    def __init__(
+        self,
+        source: str = "stdlib",
+        text_field: str = "text",
+        tokenizer: str = "byte",
+        bpe_vocab_size: int = 4096,
+        seq_len: int = 256,
+        batch_size: int = 16,
+        val_fraction: float = 0.05,
+        max_chars: int | None = None,
+        num_workers: int = 0,
+        cache_dir: str = ".cache/diffexp",
+        seed: int = 1234,
+    ) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        # Validate everything up front so a bad config fails before any data work starts.
+        self.source = sources.resolve_source(source)
+        if tokenizer not in ("byte", "bpe") and not Path(tokenizer).expanduser().is_file():
+            raise ValueError(
+                f"data.tokenizer={tokenizer!r}: unknown tokenizer; expected 'byte', 'bpe' "
+                "or a path to an existing tokenizer.json file"
+            )
+        if tokenizer == "bpe" and bpe_vocab_size < 257:
+            raise ValueError(
+                f"data.bpe_vocab_size={bpe_vocab_size}: must be >= 257 (256 byte symbols + <|endoftext|>)"
+            )
+        if seq_len <= 0:
+            raise ValueError(f"data.seq_len={seq_len}: must be a positive integer")
+        if batch_size <= 0:
+            raise ValueError(f"data.batch_size={batch_size}: must be a positive integer")
+        if not 0.0 < val_fraction < 1.0:
+            raise ValueError(f"data.val_fraction={val_fraction}: must be strictly between 0 and 1")
+        if max_chars is not None and max_chars <= 0:
+            raise ValueError(f"data.max_chars={max_chars}: must be a positive integer or None")
+        if num_workers < 0:
+            raise ValueError(f"data.num_workers={num_workers}: must be >= 0")
+
+        self.text_field = text_field
+        self.tokenizer_spec = tokenizer
+        self.bpe_vocab_size = bpe_vocab_size
+        self.seq_len = seq_len
+        self.batch_size = batch_size
+        self.val_fraction = val_fraction
+        self.max_chars = max_chars
+        self.num_workers = num_workers
+        self.cache_dir = Path(cache_dir).expanduser()
+        self.seed = seed
+
+        self.tokenizer_trained = False  # True when this instance trained the BPE (not loaded it)
+        self.packed_from_cache: bool | None = None  # set by prepare_data/setup
+        self.train_rows: np.ndarray | None = None
+        self.val_rows: np.ndarray | None = None
+        self.meta: dict = {}
+        self._documents: list[str] | None = None
+
+    # ----------------------------------------------------------------- corpus and tokenizer
+
+    @cached_property
+    def corpus_key(self) -> str:
+        """Identity of the documents and their split (cheap: no file contents are read)."""
+        return _short_hash(
+            CACHE_FORMAT, sources.fingerprint(self.source), self.text_field, self.max_chars,
+            self.val_fraction, self.seed,
+        )  # fmt: skip
+
+    def documents(self) -> list[str]:
+        """All documents of the (capped) corpus, loaded once per instance."""
+        if self._documents is None:
+            log.info("loading documents from %s", self.source.spec)
+            hf_cache = str(self.cache_dir / "hf_datasets")
+            self._documents = sources.load_documents(self.source, self.text_field, self.max_chars, hf_cache)
+        return self._documents
+
+    def split(self) -> tuple[list[str], list[str]]:
+        """Train and validation documents (disjoint; deterministic given ``seed``)."""
+        documents = self.documents()
+        try:
+            train_ids, val_ids = split_documents(len(documents), self.val_fraction, self.seed)
+        except ValueError as error:
+            raise ValueError(f"data.source={self.source.spec!r}: {error} (raise data.max_chars?)") from None
+        return [documents[i] for i in train_ids], [documents[i] for i in val_ids]
+
+    @cached_property
+    def tokenizer(self) -> TextTokenizer:
+        """The tokenizer; for "bpe" trained on the training split on first use, then cached."""
+        if self.tokenizer_spec == "byte":
+            return ByteTokenizer()
+        if self.tokenizer_spec != "bpe":
+            return load_tokenizer_file(Path(self.tokenizer_spec).expanduser())
+        key = _short_hash(self.corpus_key, self.bpe_vocab_size)
+        path = self.cache_dir / "tokenizers" / f"bpe-{key}.json"
+
+        def training_texts() -> list[str]:
+            log.info("training a %d-token byte-level BPE on the training split", self.bpe_vocab_size)
+            return self.split()[0]
+
+        tokenizer, self.tokenizer_trained = load_or_train_bpe(
+            path, training_texts, self.bpe_vocab_size, f"bpe-{key}"
+        )
+        if not self.tokenizer_trained:
+            log.info("reusing cached tokenizer %s", path)
+        return tokenizer
+
+    @property
+    def vocab_size(self) -> int:
+        """Vocabulary size for the model's embedding (may train/load the BPE on first access)."""
+        return self.tokenizer.vocab_size
+
+    @property
+    def eos_id(self) -> int:
+        return self.tokenizer.eos_id
+
+    # ----------------------------------------------------------------- packed rows
+
+    @property
+    def packed_dir(self) -> Path:
+        return self.cache_dir / "packed" / _short_hash(self.corpus_key, self.tokenizer.identity, self.seq_len)
+
+    def prepare_data(self) -> None:
+        """Tokenize and pack into ``cache_dir`` unless a matching cache exists (rank 0 only under DDP)."""
+        self._build_or_load()
+
+    def setup(self, stage: str | None = None) -> None:
+        if self.train_rows is None:
+            self._build_or_load()
+
+    def _build_or_load(self) -> None:
+        directory = self.packed_dir
+        meta_path = directory / "meta.json"
+        self.packed_from_cache = meta_path.is_file()  # meta.json is written last: its presence means complete
+        if self.packed_from_cache:
+            log.info("reusing cached packed rows %s", directory)
+        else:
+            log.info(
+                "tokenizing %s with %s into rows of %d tokens",
+                self.source.spec,
+                self.tokenizer.identity,
+                self.seq_len + 1,
+            )
+            self._tokenize_and_pack(directory)
+        self.meta = json.loads(meta_path.read_text())
+        # Memory-mapped: cheap to open, shared by forked DataLoader workers.
+        self.train_rows = np.load(directory / "train.npy", mmap_mode="r")
+        self.val_rows = np.load(directory / "val.npy", mmap_mode="r")
+        self._check_enough_rows()
+
+    def _tokenize_and_pack(self, directory: Path) -> None:
+        directory.mkdir(parents=True, exist_ok=True)
+        meta = {"source": self.source.spec, "tokenizer": self.tokenizer.identity, "seq_len": self.seq_len}
+        for name, docs in zip(("train", "val"), self.split(), strict=True):
+            stream = encode_documents(docs, self.tokenizer)
+            rows = pack_rows(stream, self.seq_len)
+            save_atomic(directory / f"{name}.npy", rows)
+            meta[name] = {"documents": len(docs), "tokens": int(len(stream)), "rows": int(len(rows))}
+        tmp = directory / f"meta.json.{os.getpid()}.tmp"
+        tmp.write_text(json.dumps(meta, indent=2))
+        tmp.replace(directory / "meta.json")
+        self._documents = None  # packed now: drop the text rather than copy it into forked workers
+
+    def _check_enough_rows(self) -> None:
+        assert self.train_rows is not None and self.val_rows is not None
+        hint = "lower data.seq_len or data.batch_size, or use more data (data.max_chars)"
+        if len(self.train_rows) < self.batch_size:
+            raise ValueError(
+                f"data.batch_size={self.batch_size}: the training split has only {len(self.train_rows)} rows "
+                f"of {self.seq_len + 1} tokens; {hint}"
+            )
+        if len(self.val_rows) == 0:
+            raise ValueError(
+                f"data.val_fraction={self.val_fraction}: the validation split has fewer than "
+                f"{self.seq_len + 1} tokens ({self.meta['val']['tokens']}); raise it, or {hint}"
+            )
+
+    def describe(self) -> str:
+        """One line for logs: source, tokenizer, documents / tokens / rows per split."""
+        if not self.meta:
+            return f"{self.source.spec} (not set up yet)"
+        train, val = self.meta["train"], self.meta["val"]
+        return (
+            f"{self.source.spec} | tokenizer {self.tokenizer.identity} (vocab {self.vocab_size}) | "
+            f"train {train['documents']} docs, {train['tokens']:,} tokens, {train['rows']} rows | "
+            f"val {val['documents']} docs, {val['tokens']:,} tokens, {val['rows']} rows | "
+            f"rows of {self.seq_len + 1} tokens"
+        )
+
+    # ----------------------------------------------------------------- dataloaders
+
+    def train_dataloader(self) -> DataLoader:
+        self.setup("fit")
+        trainer = self.trainer  # None unless attached to a Trainer
+        if trainer is not None and trainer.overfit_batches > 0:
+            # Lightning wants a fixed sequential order when overfitting (it would otherwise try to
+            # rebuild the loader with a SequentialSampler); resuming is moot there.
+            return self._ordered_loader(self.train_rows, drop_last=True)
+        return ResumableDataLoader(
+            PackedRows(self.train_rows),
+            batch_size=self.batch_size,
+            seed=self.seed,
+            start_epoch=_epoch_about_to_run(trainer),
+            num_replicas=trainer.world_size if trainer else 1,
+            rank=trainer.global_rank if trainer else 0,
+            num_workers=self.num_workers,
+            pin_memory=torch.cuda.is_available(),
+        )
+
+    def val_dataloader(self) -> DataLoader:
+        self.setup("validate")
+        return self._ordered_loader(self.val_rows, drop_last=False)
+
+    def test_dataloader(self) -> DataLoader:
+        self.setup("test")
+        return self._ordered_loader(self.val_rows, drop_last=False)
+
+    def _ordered_loader(self, rows: np.ndarray, drop_last: bool) -> DataLoader:
+        return DataLoader(
+            PackedRows(rows),
+            batch_size=self.batch_size,
+            shuffle=False,
+            drop_last=drop_last,
+            num_workers=self.num_workers,
+            collate_fn=collate_rows,
+            pin_memory=torch.cuda.is_available(),
+            persistent_workers=self.num_workers > 0,
+        )
