@@ -6,6 +6,7 @@ embedded corpus. Every run logs to TensorBoard under runs/<name>/<version>/.
 
 from __future__ import annotations
 
+import logging
 import sys
 import time
 
@@ -70,6 +71,12 @@ def _is_tensorboard(logger) -> bool:
 
 
 def main(args: list[str] | None = None) -> None:
+    log = logging.getLogger("diffexp")
+    if not log.handlers:  # data preparation messages ("tokenizing ...", "reusing cached ...")
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("%(message)s"))
+        log.addHandler(handler)
+        log.setLevel(logging.INFO)
     DiffexpCLI(
         DiffexpLM,
         TextDataModule,

@@ -45,7 +45,7 @@ def reference_attention(m, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]
     h, h_kv, d = cfg.n_heads, cfg.kv_heads, cfg.resolved_head_dim
     b, t, _ = x.shape
     rope = m.rope.rotate
-    out_heads, maps = [], torch.zeros(b, h, t, t, dtype=torch.float64)
+    maps = torch.zeros(b, h, t, t, dtype=torch.float64)
 
     if cfg.attention == "baseline":
         q = rope(_heads(x @ m.q_proj.weight.T, h))

@@ -11,6 +11,7 @@ from typing import Any
 import lightning as L
 import torch
 import torch.nn.functional as F
+from lightning.pytorch.utilities import rank_zero_info
 
 from diffexp.config import ModelConfig
 from diffexp.model import Decoder
@@ -148,8 +149,13 @@ class DiffexpLM(L.LightningModule):
         self._last_batch_time = None
 
     def on_fit_start(self) -> None:
+        report = self.model.parameter_report()
+        datamodule = getattr(self.trainer, "datamodule", None)
+        if datamodule is not None and hasattr(datamodule, "describe"):
+            rank_zero_info(f"data: {datamodule.describe()}")
+        counts = ", ".join(f"{k} {v:,}" for k, v in report.items())
+        rank_zero_info(f"model: {self.arch.attention}, parameters {counts}")
         if self.logger is not None:
-            report = self.model.parameter_report()
             self.logger.log_metrics({f"params/{k}": v for k, v in report.items()}, step=0)
 
     # -- optimizer ---------------------------------------------------------------------------------

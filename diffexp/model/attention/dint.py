@@ -54,7 +54,7 @@ def integral_softmax_streaming(q1: torch.Tensor, k1: torch.Tensor, v: torch.Tens
         g = (col_sums[:, :, :end].unsqueeze(-2) + a1.cumsum(dim=-2)) / row_positions(end - start, a1, start)
         numer = torch.exp(g).masked_fill(future, 0.0)
         a3 = numer / numer.sum(dim=-1, keepdim=True)
-        outputs.append((a3.to(v.dtype) @ v[:, :, :end]))
+        outputs.append(a3.to(v.dtype) @ v[:, :, :end])
         col_sums = torch.cat([col_sums[:, :, :end] + a1.sum(dim=-2), col_sums[:, :, end:]], dim=-1)
     return torch.cat(outputs, dim=-2)
 
