@@ -74,8 +74,11 @@ def attend(
             )
         return _flash(q, k, v), None
     gqa = q.shape[1] != k.shape[1]
-    out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
-    return out, None
+    # SDPA's fused kernels want equal q/v head dims; a 2d-wide V would fall back to the math kernel
+    # (T x T maps kept for backward), so attend to d-wide slices of V instead: same softmax, exact.
+    parts = [F.scaled_dot_product_attention(q, k, v_part, is_causal=True, enable_gqa=gqa)
+             for v_part in v.split(q.shape[-1], dim=-1)]
+    return (parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)), None
 
 
 def _flash(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
