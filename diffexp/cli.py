@@ -11,12 +11,13 @@ import sys
 import time
 
 from jsonargparse import Namespace
+from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.cli import LightningCLI
 
 from diffexp.data import TextDataModule
 from diffexp.training.module import DiffexpLM
-from diffexp.training.runs import resolve_resume
+from diffexp.training.runs import AtomicCheckpointIO, resolve_resume
 
 TRAINER_DEFAULTS = {
     "max_steps": 300,
@@ -47,6 +48,12 @@ class DiffexpCLI(LightningCLI):
             "checkpoint.filename": "step{step:06d}-val{val/loss:.3f}",
             "checkpoint.auto_insert_metric_name": False,
         })
+
+    def instantiate_trainer(self, **kwargs):
+        trainer = super().instantiate_trainer(**kwargs)
+        if type(trainer.strategy.checkpoint_io) is TorchCheckpointIO:  # FSDP's sharded IO is left alone
+            trainer.strategy.checkpoint_io = AtomicCheckpointIO()
+        return trainer
 
     def before_instantiate_classes(self) -> None:
         subcommand = self.config.get("subcommand")

@@ -154,3 +154,35 @@ def test_ckpt_path_last_without_runs_is_a_clear_error(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     with pytest.raises(ValueError, match="no run under runs/run/ has checkpoints/last.ckpt"):
         main(["fit", "--config", str(write_recipe(tmp_path)), "--ckpt_path", "last"])
+
+
+def test_checkpoint_write_is_atomic(tmp_path, monkeypatch):
+    from diffexp.training.runs import AtomicCheckpointIO
+
+    io_ = AtomicCheckpointIO()
+    target = tmp_path / "checkpoints" / "last.ckpt"
+    io_.save_checkpoint({"step": 1, "w": torch.ones(3)}, target)
+    real_save = torch.save
+
+    def dies_halfway(obj, f, *args, **kwargs):
+        f.write(b"partial bytes")
+        raise KeyboardInterrupt  # a kill while writing
+
+    monkeypatch.setattr(torch, "save", dies_halfway)
+    with pytest.raises(KeyboardInterrupt):
+        io_.save_checkpoint({"step": 2, "w": torch.zeros(3)}, target)
+    monkeypatch.setattr(torch, "save", real_save)
+    assert torch.load(target, weights_only=True)["step"] == 1
+    assert [p.name for p in target.parent.iterdir()] == ["last.ckpt"]
+
+
+def test_cli_trainer_uses_atomic_checkpoints(tmp_path, monkeypatch):
+    from diffexp.cli import DiffexpCLI
+    from diffexp.data import TextDataModule
+    from diffexp.training import DiffexpLM
+    from diffexp.training.runs import AtomicCheckpointIO
+
+    monkeypatch.chdir(tmp_path)
+    cli = DiffexpCLI(DiffexpLM, TextDataModule, run=False, auto_configure_optimizers=False,
+                     args=["--config", str(write_recipe(tmp_path))])
+    assert isinstance(cli.trainer.strategy.checkpoint_io, AtomicCheckpointIO)

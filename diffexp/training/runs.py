@@ -6,7 +6,14 @@ A new run always gets a new version; a resumed run appends to the version it res
 
 from __future__ import annotations
 
+import contextlib
+import os
+import tempfile
 from pathlib import Path
+from typing import Any
+
+import torch
+from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 
 
 def find_last_checkpoint(experiment_dir: Path) -> Path | None:
@@ -37,3 +44,27 @@ def resolve_resume(ckpt_path: str, save_dir: str, name: str) -> tuple[Path, str 
     run_dir = path.parent.parent
     in_experiment = path.parent.name == "checkpoints" and run_dir.parent.resolve() == experiment_dir.resolve()
     return path, run_dir.name if in_experiment else None
+
+
+class AtomicCheckpointIO(TorchCheckpointIO):
+    """torch.save to a temporary file beside the target, fsync, then os.replace.
+
+    A kill at any moment leaves either the previous checkpoint or the new one, never a partial file.
+    (Lightning's default writes through a temporary file that may sit on another file system, where
+    the final move is a copy.)
+    """
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], path, storage_options: Any | None = None) -> None:
+        target = Path(path)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp_name = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
+        try:
+            with os.fdopen(fd, "wb") as f:
+                torch.save(checkpoint, f)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp_name, target)
+        except BaseException:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(tmp_name)
+            raise
