@@ -12,7 +12,9 @@ import pytest
 import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from diffexp.cli import main
+from diffexp.cli import DiffexpCLI, main
+from diffexp.data import TextDataModule
+from diffexp.training import DiffexpLM
 from diffexp.training.module import NonFiniteLossError
 
 REPO = Path(__file__).resolve().parents[1]
@@ -89,6 +91,15 @@ def test_fit_logs_to_tensorboard_and_never_overwrites(tmp_path, monkeypatch):
     ckpt = torch.load(first / "checkpoints/last.ckpt", weights_only=True)
     assert ckpt["global_step"] == 12
     assert ckpt["hyper_parameters"]["arch"]["attention"] == "dint"
+
+    metrics = {}
+    for subcommand, metric in (("validate", "val/loss"), ("test", "test/loss")):
+        cli = DiffexpCLI(DiffexpLM, TextDataModule, auto_configure_optimizers=False,
+                         args=[subcommand, "--config", str(recipe), "--ckpt_path", str(first / "checkpoints/last.ckpt")])
+        metrics[metric] = cli.trainer.callback_metrics[metric].item()
+    # the checkpoint's weights, not fresh ones: validate reproduces the last val/loss of the fit
+    assert metrics["val/loss"] == pytest.approx(logged["val/loss"][-1][1], rel=1e-4)
+    assert 0 < metrics["test/loss"] < logged["val/loss"][0][1]
 
 
 @pytest.mark.slow
