@@ -1,5 +1,8 @@
 """`diffexp fit | validate | test --config recipe.yaml`: LightningCLI over DiffexpLM and TextDataModule.
 
+`diffexp sweep --config sweeps/<name>.yaml` and `diffexp compare runs/<study>` run ablation grids and
+tabulate them (diffexp.sweep, diffexp.compare).
+
 With no --config, `diffexp fit` trains the tiny default (the defaults of every class) on the
 embedded corpus. Every run logs to TensorBoard under runs/<name>/<version>/.
 """
@@ -78,6 +81,15 @@ def _is_tensorboard(logger) -> bool:
 
 
 def main(args: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if args is None else args
+    if argv and argv[0] == "sweep":
+        from diffexp.sweep.runner import main as sweep_main
+
+        sys.exit(sweep_main(argv[1:]))
+    if argv and argv[0] == "compare":
+        from diffexp.compare import main as compare_main
+
+        sys.exit(compare_main(argv[1:]))
     log = logging.getLogger("diffexp")
     if not log.handlers:  # data preparation messages ("tokenizing ...", "reusing cached ...")
         handler = logging.StreamHandler()

@@ -1,0 +1,305 @@
+"""`diffexp sweep --config sweeps/<name>.yaml`: run a spec's trials through an Optuna study.
+
+Each trial is one `diffexp fit` in its own process (a crash or OOM kills only that trial). Work is
+shared through the storage: every point of the table is enqueued once, and a worker claims a waiting
+trial with a compare-and-set on its state, so several workers never run the same point. Workers
+write a heartbeat into their running trials; a trial whose heartbeat is older than stale_after_s
+(its worker was killed) is failed and its point enqueued again, up to max_attempts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import optuna
+from optuna.trial import TrialState
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+from diffexp.sweep.spec import Point, SpecError, SweepSpec, load_spec, slugify
+from diffexp.sweep.storage import mask_url, open_storage, setup_lock
+from diffexp.sweep.trial import STORAGE_ENV, write_json_atomic
+
+HEARTBEAT = "diffexp_heartbeat"
+POINT_PARAM = "point"
+FINISHED = (TrialState.COMPLETE, TrialState.PRUNED)
+console = Console(stderr=True)
+
+
+def cli_value(value: Any) -> str:
+    """A YAML value as jsonargparse reads it from the command line."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if value is None:
+        return "null"
+    if isinstance(value, (list, dict)):
+        return json.dumps(value)
+    return str(value)
+
+
+class SweepRunner:
+    def __init__(self, spec: SweepSpec, worker_name: str | None = None) -> None:
+        self.spec = spec
+        self.url = spec.storage_url
+        self.worker = worker_name or f"{os.uname().nodename}:{os.getpid()}"
+        self.points = {p.key: p for p in spec.points()}
+        self.storage = open_storage(self.url)
+        self.study = self._create_or_load()
+        self.heartbeat_every = min(10.0, spec.stale_after_s / 3)
+
+    # -- study set-up -------------------------------------------------------------------------------
+    def _create_or_load(self) -> optuna.Study:
+        spec = self.spec
+        with setup_lock(self.url):
+            study = optuna.create_study(
+                study_name=spec.study, storage=self.storage, direction=spec.direction, load_if_exists=True,
+                sampler=optuna.samplers.TPESampler(seed=0, multivariate=True))
+            fingerprint = study.user_attrs.get("fingerprint")
+            if fingerprint is None:
+                study.set_user_attr("fingerprint", spec.fingerprint())
+                study.set_user_attr("runs_dir", str(spec.study_dir.resolve()))
+                study.set_user_attr("objective", spec.objective_metric)
+            elif fingerprint != spec.fingerprint():
+                raise SpecError(f"study {spec.study!r} in {mask_url(self.url)} was made from a different spec; "
+                                "use a new study name (or another storage) for a changed table")
+            self._write_sweep_json()
+            self._enqueue_missing(study)
+        return study
+
+    def _write_sweep_json(self) -> None:
+        spec = self.spec
+        spec.study_dir.mkdir(parents=True, exist_ok=True)
+        write_json_atomic(spec.study_dir / "sweep.json", {
+            "study": spec.study, "spec": str(spec.source) if spec.source else None,
+            "cases": [{"name": label, "slug": slugify(label), "overrides": overrides}
+                      for label, overrides in spec.rows()],
+            "seeds": spec.seeds, "n_trials": spec.n_trials,
+            "objective": {"metric": spec.objective_metric, "direction": spec.direction},
+            "storage": mask_url(self.url),
+        })
+
+    def _trials_by_point(self, study: optuna.Study) -> dict[str, list[optuna.trial.FrozenTrial]]:
+        by_point: dict[str, list[optuna.trial.FrozenTrial]] = {}
+        for trial in study.get_trials(deepcopy=False):
+            key = trial.user_attrs.get("point")
+            if key is not None:
+                by_point.setdefault(key, []).append(trial)
+        return by_point
+
+    def _enqueue_missing(self, study: optuna.Study) -> None:
+        """Enqueue each point that has no finished, waiting or running trial and attempts left."""
+        by_point = self._trials_by_point(study)
+        for key, point in self.points.items():
+            trials = by_point.get(key, [])
+            if any(t.state in (*FINISHED, TrialState.WAITING, TrialState.RUNNING) for t in trials):
+                continue
+            if sum(t.state == TrialState.FAIL for t in trials) >= self.spec.max_attempts:
+                continue
+            study.enqueue_trial({POINT_PARAM: key}, user_attrs={"point": key, "case": point.case, "seed": point.seed},
+                                skip_if_exists=False)
+
+    # -- claiming work ----------------------------------------------------------------------------
+    def _fail_stale(self) -> int:
+        now, failed = time.time(), 0
+        for trial in self.study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
+            beat = trial.system_attrs.get(HEARTBEAT, trial.datetime_start.timestamp() if trial.datetime_start else now)
+            if now - beat > self.spec.stale_after_s:
+                try:
+                    self.storage.set_trial_user_attr(trial._trial_id, "failure", "stale heartbeat (worker died)")
+                    self.storage.set_trial_state_values(trial._trial_id, state=TrialState.FAIL)
+                    failed += 1
+                except (RuntimeError, optuna.exceptions.UpdateFinishedTrialError):
+                    pass  # another worker got there first
+        return failed
+
+    def _claim(self) -> optuna.Trial | None:
+        study_id = self.study._study_id
+        for frozen in self.storage.get_all_trials(study_id, deepcopy=False, states=(TrialState.WAITING,)):
+            if not self.storage.set_trial_state_values(frozen._trial_id, state=TrialState.RUNNING):
+                continue  # claimed by another worker between our read and our write
+            self.storage.set_trial_system_attr(frozen._trial_id, HEARTBEAT, time.time())
+            trial = optuna.Trial(self.study, frozen._trial_id)
+            key = trial.suggest_categorical(POINT_PARAM, sorted(self.points))
+            others = [t for t in self._trials_by_point(self.study).get(key, [])
+                      if t._trial_id != frozen._trial_id and t.state in (*FINISHED, TrialState.RUNNING)]
+            if others:  # enqueued twice by racing workers on a server storage: drop the copy
+                self.storage.set_trial_user_attr(frozen._trial_id, "failure", "duplicate of a claimed point")
+                self.study.tell(trial, state=TrialState.FAIL)
+                continue
+            return trial
+        return None
+
+    def _counts(self) -> tuple[int, int, int, int]:
+        """(finished points, failed-for-good points, running, total)."""
+        by_point = self._trials_by_point(self.study)
+        finished = failed = running = 0
+        for key in self.points:
+            trials = by_point.get(key, [])
+            if any(t.state in FINISHED for t in trials):
+                finished += 1
+            elif any(t.state == TrialState.RUNNING for t in trials):
+                running += 1
+            elif not any(t.state == TrialState.WAITING for t in trials) and \
+                    sum(t.state == TrialState.FAIL for t in trials) >= self.spec.max_attempts:
+                failed += 1
+        return finished, failed, running, len(self.points)
+
+    # -- running one trial ------------------------------------------------------------------------
+    def _command(self, trial: optuna.Trial, point: Point, run_dir: Path, resume: Path | None) -> list[str]:
+        spec = self.spec
+        sampled = {key: _suggest(trial, key, space) for key, space in spec.search.items()}
+        overrides = {**spec.overrides, **point.overrides, **sampled}
+        trial.set_user_attr("overrides", {k: cli_value(v) for k, v in overrides.items()})
+        trial.set_user_attr("run_dir", str(run_dir))
+        callback = {"class_path": "diffexp.sweep.trial.SweepTrialCallback", "init_args": {
+            "study": spec.study, "trial_id": trial._trial_id, "case": point.case, "seed": point.seed,
+            "overrides": overrides, "metric": spec.objective_metric, "pruner": spec.pruner}}
+        args = [sys.executable, "-m", "diffexp", "fit", "--config", str(spec.base)]
+        args += [f"--{key}={cli_value(value)}" for key, value in overrides.items()]
+        args += [
+            f"--seed_everything={point.seed}",
+            "--trainer.logger=lightning.pytorch.loggers.TensorBoardLogger",
+            f"--trainer.logger.init_args.save_dir={spec.runs_dir}",
+            f"--trainer.logger.init_args.name={spec.study}/{point.slug}",
+            f"--trainer.logger.init_args.version={point.run_name}",
+            "--trainer.logger.init_args.default_hp_metric=false",
+            "--trainer.enable_autolog_hparams=false",
+            "--trainer.enable_progress_bar=false",
+            f"--trainer.callbacks+={json.dumps(callback)}",
+        ]
+        if resume is not None:
+            args.append(f"--ckpt_path={resume}")
+        return args
+
+    def _prepare_run_dir(self, point: Point) -> tuple[Path, Path | None]:
+        """A retried point resumes from its checkpoint; a crashed run with none is moved aside, not overwritten."""
+        run_dir = self.spec.study_dir / point.slug / point.run_name
+        last = run_dir / "checkpoints" / "last.ckpt"
+        if last.is_file():
+            return run_dir, last
+        if run_dir.exists():
+            shutil.move(str(run_dir), str(run_dir.with_name(f"{run_dir.name}.crashed-{int(time.time())}")))
+        return run_dir, None
+
+    def _run_trial(self, trial: optuna.Trial, progress: Progress, bar) -> str:
+        point = self.points[trial.params[POINT_PARAM]]
+        run_dir, resume = self._prepare_run_dir(point)
+        command = self._command(trial, point, run_dir, resume)
+        run_dir.mkdir(parents=True, exist_ok=True)
+        attempt = len([p for p in run_dir.glob("trial-*.log")]) + 1
+        log_path = run_dir / f"trial-{attempt}.log"
+        env = {**os.environ, STORAGE_ENV: self.url, "PYTHONUNBUFFERED": "1"}
+        progress.update(bar, description=f"{point.case} seed {point.seed}", completed=0, total=None)
+        with open(log_path, "w") as log:
+            proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env,
+                                    preexec_fn=_die_with_parent)
+            last_beat = 0.0
+            while proc.poll() is None:
+                time.sleep(0.5)
+                if time.time() - last_beat > self.heartbeat_every:
+                    self.storage.set_trial_system_attr(trial._trial_id, HEARTBEAT, time.time())
+                    last_beat = time.time()
+                _show_trial_progress(progress, bar, run_dir)
+        record_path = run_dir / "trial.json"
+        if proc.returncode != 0 or not record_path.is_file():
+            tail = log_path.read_text()[-1500:]
+            self.storage.set_trial_user_attr(trial._trial_id, "failure", f"exit code {proc.returncode}")
+            self.study.tell(trial, state=TrialState.FAIL)
+            console.print(f"[red]trial {point.key} failed (exit {proc.returncode}); log: {log_path}[/red]\n{tail}")
+            return "failed"
+        record = json.loads(record_path.read_text())
+        for key, value in record.get("metrics", {}).items():
+            trial.set_user_attr(f"metric:{key}", value)
+        if record["state"] == "pruned":
+            self.study.tell(trial, state=TrialState.PRUNED)
+            return "pruned"
+        value = record["metrics"].get(self.spec.objective_metric)
+        if value is None:
+            self.study.tell(trial, state=TrialState.FAIL)
+            console.print(f"[red]trial {point.key} recorded no {self.spec.objective_metric}[/red]")
+            return "failed"
+        self.study.tell(trial, value)
+        return "complete"
+
+    # -- the worker loop ----------------------------------------------------------------------------
+    def run(self) -> int:
+        spec = self.spec
+        console.print(f"sweep [bold]{spec.study}[/bold]: {len(self.points)} trials "
+                      f"({len(spec.rows())} rows x {len(spec.seeds)} seeds"
+                      + (f" x {spec.n_trials} draws" if spec.n_trials > 1 else "")
+                      + f"), storage {mask_url(self.url)}, runs in {spec.study_dir}/, worker {self.worker}")
+        columns = [TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn()]
+        with Progress(*columns, console=console, transient=False) as progress:
+            overall = progress.add_task("trials done", total=len(self.points))
+            current = progress.add_task("waiting", total=None)
+            while True:
+                self._fail_stale()
+                with setup_lock(self.url):
+                    self._enqueue_missing(self.study)
+                finished, failed, running, total = self._counts()
+                progress.update(overall, completed=finished)
+                if finished + failed == total:
+                    break
+                trial = self._claim()
+                if trial is None:  # everything left is running elsewhere: wait for it, or for it to go stale
+                    progress.update(current, description=f"waiting for {running} trial(s) of other workers")
+                    time.sleep(min(5.0, self.heartbeat_every))
+                    continue
+                self._run_trial(trial, progress, current)
+        finished, failed, _, total = self._counts()
+        console.print(f"sweep {spec.study}: {finished}/{total} trials finished, {failed} failed for good. "
+                      f"Compare with: diffexp compare {spec.study_dir}")
+        return 0 if failed == 0 else 1
+
+
+def _suggest(trial: optuna.Trial, key: str, space: dict[str, Any]) -> Any:
+    if space["type"] == "float":
+        return trial.suggest_float(key, space["low"], space["high"], log=bool(space.get("log")))
+    if space["type"] == "int":
+        return trial.suggest_int(key, space["low"], space["high"], log=bool(space.get("log")))
+    return trial.suggest_categorical(key, space["choices"])
+
+
+def _show_trial_progress(progress: Progress, bar, run_dir: Path) -> None:
+    try:
+        state = json.loads((run_dir / "progress.json").read_text())
+    except (OSError, ValueError):
+        return
+    progress.update(bar, completed=state["step"], total=state["max_steps"] if state["max_steps"] > 0 else None)
+
+
+def _die_with_parent() -> None:
+    """Linux: the trial process gets SIGKILL when its worker dies, so no orphan keeps writing."""
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="diffexp sweep", description=__doc__.splitlines()[0])
+    parser.add_argument("--config", required=True, help="sweep spec, e.g. sweeps/table6.yaml")
+    parser.add_argument("--storage", help="override the spec's storage (sqlite:///..., journal:<path>, RDB URL)")
+    parser.add_argument("--runs-dir", help="override the spec's runs_dir")
+    args = parser.parse_args(argv)
+    try:
+        spec = load_spec(args.config, repo_root=Path(__file__).resolve().parents[2])
+        if args.storage:
+            spec.storage = args.storage
+        if args.runs_dir:
+            spec.runs_dir = Path(args.runs_dir)
+        runner = SweepRunner(spec)
+    except (SpecError, ValueError) as err:
+        console.print(f"[red]error:[/red] {mask_url(str(err))}")
+        return 2
+    return runner.run()

@@ -1,0 +1,252 @@
+"""Sweep specs: ablation tables as data.
+
+A spec names a base recipe, the rows of a table (`cases`, each a set of dotted overrides) and/or a
+`grid` (the product of values of dotted keys), `seeds`, optional TPE `search` spaces, the objective
+and shared `overrides`. Every (case x grid point x seed x search draw) is one trial: one `fit` run.
+
+    study: table6
+    base: recipes/tiny/diff_v1.yaml
+    overrides: {trainer.max_steps: 200}
+    cases:
+      DIFF: {}
+      DIFF -GroupNorm: {model.arch.head_norm: false}
+    grid: {model.arch.lambda_init: [depth, 0.8]}
+    seeds: [0, 1]
+    search: {model.optim.lr: {type: float, low: 1.0e-4, high: 1.0e-2, log: true}}
+    objective: {metric: val/loss, direction: minimize}
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import json
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+#: metrics a trial records at the end of fit (the objective must be one of them)
+KNOWN_METRICS = ("val/loss", "val/ppl", "train/loss", "train/grad_norm", "train/tokens_per_s")
+SPEC_KEYS = {"study", "base", "overrides", "cases", "grid", "seeds", "search", "n_trials", "objective", "pruner",
+             "storage", "runs_dir", "stale_after_s", "max_attempts", "description"}
+SEARCH_TYPES = {"float", "int", "categorical"}
+PRUNERS = {"none", "median", "percentile", "hyperband"}
+
+
+class SpecError(ValueError):
+    pass
+
+
+@dataclass(frozen=True)
+class Point:
+    """One trial to run: a row of the table, a seed and (with search spaces) a draw index."""
+
+    case: str
+    slug: str
+    seed: int
+    draw: int
+    overrides: dict[str, Any]
+
+    @property
+    def key(self) -> str:
+        return f"{self.slug}/seed{self.seed}" + (f"/draw{self.draw}" if self.draw else "")
+
+    @property
+    def run_name(self) -> str:
+        return f"seed{self.seed}" + (f"-draw{self.draw}" if self.draw else "")
+
+
+@dataclass
+class SweepSpec:
+    study: str
+    base: Path
+    cases: dict[str, dict[str, Any]]
+    grid: dict[str, list[Any]]
+    seeds: list[int]
+    overrides: dict[str, Any] = field(default_factory=dict)
+    search: dict[str, dict[str, Any]] = field(default_factory=dict)
+    n_trials: int = 1
+    objective_metric: str = "val/loss"
+    direction: str = "minimize"
+    pruner: dict[str, Any] = field(default_factory=lambda: {"type": "none"})
+    storage: str | None = None
+    runs_dir: Path = Path("runs")
+    stale_after_s: float = 120.0
+    max_attempts: int = 2
+    source: Path | None = None
+
+    @property
+    def study_dir(self) -> Path:
+        return self.runs_dir / self.study
+
+    @property
+    def storage_url(self) -> str:
+        return self.storage or f"sqlite:///{self.study_dir / 'study.db'}"
+
+    def rows(self) -> list[tuple[str, dict[str, Any]]]:
+        """Table rows: each case crossed with each grid point, named "case, key=value"."""
+        keys = list(self.grid)
+        grid_points = list(itertools.product(*self.grid.values())) if keys else [()]
+        rows = []
+        for case, case_overrides in self.cases.items():
+            for values in grid_points:
+                assignment = dict(zip(keys, values))
+                label = ", ".join([case] + [f"{k.split('.')[-1]}={_fmt(v)}" for k, v in assignment.items()])
+                rows.append((label, {**case_overrides, **assignment}))
+        return rows
+
+    def points(self) -> list[Point]:
+        points = []
+        for label, overrides in self.rows():
+            for seed in self.seeds:
+                for draw in range(self.n_trials):
+                    points.append(Point(label, slugify(label), seed, draw, overrides))
+        return points
+
+    def fingerprint(self) -> str:
+        """Identity of what the study runs; a study name reused with another spec is refused."""
+        payload = {"base": str(self.base), "rows": self.rows(), "seeds": self.seeds, "overrides": self.overrides,
+                   "search": self.search, "n_trials": self.n_trials, "objective": self.objective_metric}
+        return hashlib.sha256(json.dumps(payload, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def _fmt(value: Any) -> str:
+    return json.dumps(value) if not isinstance(value, str) else value
+
+
+def slugify(label: str) -> str:
+    slug = re.sub(r"[^a-z0-9.]+", "-", label.lower()).strip("-")
+    return slug or "case"
+
+
+def load_spec(path: str | Path, repo_root: Path | None = None) -> SweepSpec:
+    """Parse and check a spec; every problem is reported before any trial runs."""
+    path = Path(path)
+    if not path.is_file():
+        raise SpecError(f"sweep spec {str(path)!r}: no such file")
+    raw = yaml.safe_load(path.read_text()) or {}
+    if not isinstance(raw, dict):
+        raise SpecError(f"{path}: expected a mapping of keys, got {type(raw).__name__}")
+    return parse_spec(raw, source=path, repo_root=repo_root)
+
+
+def parse_spec(raw: dict[str, Any], source: Path | None = None, repo_root: Path | None = None) -> SweepSpec:
+    where = f"{source}: " if source else ""
+
+    def fail(message: str) -> SpecError:
+        return SpecError(where + message)
+
+    unknown = sorted(set(raw) - SPEC_KEYS)
+    if unknown:
+        raise fail(f"unknown key(s) {', '.join(map(repr, unknown))}; allowed: {', '.join(sorted(SPEC_KEYS))}")
+
+    def typed(key: str, types: type | tuple[type, ...], default: Any = None, required: bool = False) -> Any:
+        if key not in raw or raw[key] is None:
+            if required:
+                raise fail(f"missing required key {key!r}")
+            return default
+        value = raw[key]
+        if not isinstance(value, types) or isinstance(value, bool) and bool not in _as_tuple(types):
+            names = "/".join(t.__name__ for t in _as_tuple(types))
+            raise fail(f"{key}={value!r} has the wrong type: expected {names}")
+        return value
+
+    study = typed("study", str, required=True)
+    if not re.fullmatch(r"[A-Za-z0-9_.\-]+", study):
+        raise fail(f"study={study!r}: use letters, digits, '.', '_' and '-' only (it names a directory)")
+    base = Path(typed("base", str, required=True))
+    if not base.is_absolute():
+        candidates = [Path.cwd() / base] + ([repo_root / base] if repo_root else []) + \
+            ([source.parent / base] if source else [])
+        base = next((c for c in candidates if c.is_file()), candidates[0])
+    if not base.is_file():
+        raise fail(f"base={str(raw['base'])!r}: recipe not found")
+
+    cases = typed("cases", dict, default=None)
+    grid = typed("grid", dict, default={})
+    if cases is None and not grid:
+        raise fail("no trials: give `cases` (named rows of overrides) and/or a non-empty `grid`")
+    cases = cases if cases else {"base": {}}
+    for name, overrides in cases.items():
+        if overrides is None:
+            cases[name] = {}
+        elif not isinstance(overrides, dict):
+            raise fail(f"cases[{name!r}]={overrides!r} has the wrong type: expected a mapping of dotted overrides")
+        _check_dotted(cases[name], f"cases[{name!r}]", fail)
+    for key, values in grid.items():
+        if not isinstance(values, list):
+            raise fail(f"grid[{key!r}]={values!r} has the wrong type: expected a list of values")
+        if not values:
+            raise fail(f"grid[{key!r}] is empty: the grid would have no points")
+    _check_dotted(grid, "grid", fail)
+
+    seeds = typed("seeds", (list, int), default=[0])
+    seeds = list(range(seeds)) if isinstance(seeds, int) else seeds
+    if not seeds or not all(isinstance(s, int) and not isinstance(s, bool) for s in seeds):
+        raise fail(f"seeds={raw.get('seeds')!r}: expected a non-empty list of integers (or a count)")
+
+    overrides = typed("overrides", dict, default={})
+    _check_dotted(overrides, "overrides", fail)
+    search = typed("search", dict, default={})
+    for key, space in search.items():
+        _check_search_space(key, space, fail)
+    n_trials = typed("n_trials", int, default=1)
+    if n_trials < 1 or (n_trials > 1 and not search):
+        raise fail(f"n_trials={n_trials}: expected 1, or more than 1 together with `search` spaces")
+
+    objective = typed("objective", dict, default={"metric": "val/loss", "direction": "minimize"})
+    metric = objective.get("metric", "val/loss")
+    if metric not in KNOWN_METRICS:
+        raise fail(f"objective.metric={metric!r} is not a metric trials record; known: {', '.join(KNOWN_METRICS)}")
+    direction = objective.get("direction", "minimize")
+    if direction not in ("minimize", "maximize"):
+        raise fail(f"objective.direction={direction!r}: expected 'minimize' or 'maximize'")
+    pruner = typed("pruner", dict, default={"type": "none"})
+    if pruner.get("type", "none") not in PRUNERS:
+        raise fail(f"pruner.type={pruner.get('type')!r}: expected one of {', '.join(sorted(PRUNERS))}")
+
+    stale = typed("stale_after_s", (int, float), default=120.0)
+    if stale <= 0:
+        raise fail(f"stale_after_s={stale!r}: expected a positive number of seconds")
+    max_attempts = typed("max_attempts", int, default=2)
+    if max_attempts < 1:
+        raise fail(f"max_attempts={max_attempts!r}: expected at least 1")
+    spec = SweepSpec(study=study, base=base.resolve(), cases=cases, grid=grid, seeds=seeds, overrides=overrides,
+                     search=search, n_trials=n_trials, objective_metric=metric, direction=direction, pruner=pruner,
+                     storage=typed("storage", str), runs_dir=Path(typed("runs_dir", str, default="runs")),
+                     stale_after_s=float(stale), max_attempts=max_attempts, source=source)
+    slugs = [slugify(label) for label, _ in spec.rows()]
+    if len(set(slugs)) != len(slugs):
+        raise fail(f"two table rows map to the same directory name: {sorted(slugs)}")
+    return spec
+
+
+def _as_tuple(types: type | tuple[type, ...]) -> tuple[type, ...]:
+    return types if isinstance(types, tuple) else (types,)
+
+
+def _check_dotted(mapping: dict[str, Any], where: str, fail) -> None:
+    for key in mapping:
+        if not isinstance(key, str) or not re.fullmatch(r"[A-Za-z_][\w]*(\.[A-Za-z_+][\w+]*)*", key):
+            raise fail(f"{where}: {key!r} is not a dotted config key such as model.arch.head_norm")
+        if key.split(".")[0] not in ("model", "data", "trainer", "checkpoint", "seed_everything"):
+            raise fail(f"{where}: {key!r} must start with model., data., trainer. or checkpoint.")
+
+
+def _check_search_space(key: str, space: Any, fail) -> None:
+    if not isinstance(space, dict) or space.get("type") not in SEARCH_TYPES:
+        raise fail(f"search[{key!r}]={space!r}: expected {{type: float|int|categorical, ...}}")
+    if space["type"] == "categorical":
+        if not isinstance(space.get("choices"), list) or not space["choices"]:
+            raise fail(f"search[{key!r}]: categorical needs a non-empty `choices` list")
+        return
+    for bound in ("low", "high"):
+        if not isinstance(space.get(bound), (int, float)) or isinstance(space.get(bound), bool):
+            raise fail(f"search[{key!r}].{bound}={space.get(bound)!r}: expected a number")
+    if space["low"] >= space["high"]:
+        raise fail(f"search[{key!r}]: low={space['low']} must be below high={space['high']}")
+    if space.get("log") and space["low"] <= 0:
+        raise fail(f"search[{key!r}]: log=true needs low > 0, got {space['low']}")

@@ -1,0 +1,121 @@
+"""The callback a sweep adds to each trial's `fit`: progress, pruning reports, HParams, trial.json.
+
+It runs inside the trial process. The storage URL comes through the environment, never through the
+command line or the saved config, so a password in it is not written anywhere.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import optuna
+
+STORAGE_ENV = "DIFFEXP_SWEEP_STORAGE"
+
+
+def build_pruner(spec: dict[str, Any]) -> optuna.pruners.BasePruner:
+    kind = spec.get("type", "none")
+    options = {k: v for k, v in spec.items() if k != "type"}
+    if kind == "median":
+        return optuna.pruners.MedianPruner(**options)
+    if kind == "percentile":
+        return optuna.pruners.PercentilePruner(**options)
+    if kind == "hyperband":
+        return optuna.pruners.HyperbandPruner(**options)
+    return optuna.pruners.NopPruner()
+
+
+def write_json_atomic(path: Path, payload: dict[str, Any]) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps(payload, indent=2, default=str))
+    os.replace(tmp, path)
+
+
+class SweepTrialCallback(L.Callback):
+    """Reports to the Optuna trial by global step and records the trial's outcome in its run directory.
+
+    Args:
+        study: Optuna study name.
+        trial_id: storage id of this trial.
+        case: table row name.
+        seed: the trial's seed.
+        overrides: the dotted overrides that define this trial (case, grid, search, shared).
+        metric: the objective metric, reported after each validation.
+        pruner: the sweep's pruner spec ({"type": "median", ...}).
+    """
+
+    def __init__(self, study: str, trial_id: int, case: str, seed: int, overrides: dict[str, Any],
+                 metric: str = "val/loss", pruner: dict[str, Any] | None = None) -> None:
+        self.study_name, self.trial_id, self.case, self.seed = study, trial_id, case, seed
+        self.overrides, self.metric, self.pruner_spec = overrides, metric, pruner or {"type": "none"}
+        self.pruned = False
+        self._trial: optuna.Trial | None = None
+        self._tokens_per_s: list[float] = []
+        self._start = time.time()
+
+    def _optuna_trial(self) -> optuna.Trial | None:
+        url = os.environ.get(STORAGE_ENV)
+        if url is None or self.pruner_spec.get("type", "none") == "none":
+            return None
+        if self._trial is None:
+            from diffexp.sweep.storage import open_storage
+
+            study = optuna.load_study(study_name=self.study_name, storage=open_storage(url),
+                                      pruner=build_pruner(self.pruner_spec))
+            self._trial = optuna.Trial(study, self.trial_id)
+        return self._trial
+
+    def on_fit_start(self, trainer, pl_module) -> None:
+        self._start = time.time()
+
+    def _run_dir(self, trainer: L.Trainer) -> Path:
+        return Path(trainer.log_dir)
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        value = trainer.callback_metrics.get("train/tokens_per_s")
+        if value is not None:
+            self._tokens_per_s.append(float(value))
+        if trainer.is_global_zero and trainer.global_step % 5 == 0:
+            write_json_atomic(self._run_dir(trainer) / "progress.json",
+                              {"step": trainer.global_step, "max_steps": trainer.max_steps})
+
+    def on_validation_end(self, trainer, pl_module) -> None:
+        if trainer.sanity_checking or not trainer.is_global_zero:
+            return
+        value = trainer.callback_metrics.get(self.metric)
+        trial = self._optuna_trial()
+        if value is None or trial is None:
+            return
+        trial.report(float(value), step=trainer.global_step)  # by step: an epoch may hold many validations
+        if trial.should_prune():
+            self.pruned = True
+            trainer.should_stop = True
+
+    def on_fit_end(self, trainer, pl_module) -> None:
+        if not trainer.is_global_zero:
+            return
+        metrics = {k: float(v) for k, v in trainer.callback_metrics.items() if getattr(v, "numel", lambda: 1)() == 1}
+        params = pl_module.model.parameter_report() if hasattr(pl_module, "model") else {}
+        tokens_per_s = statistics.median(self._tokens_per_s) if self._tokens_per_s else None
+        record = {"study": self.study_name, "case": self.case, "seed": self.seed, "overrides": self.overrides,
+                  "params": params, "metrics": metrics, "tokens_per_s": tokens_per_s,
+                  "state": "pruned" if self.pruned else "complete", "global_step": trainer.global_step,
+                  "wall_s": time.time() - self._start, "trial_id": self.trial_id}
+        run_dir = self._run_dir(trainer)
+        record["case_slug"] = run_dir.parent.name
+        if trainer.logger is not None:  # the HParams dashboard: one row per trial
+            hparams = {"case": self.case, "seed": self.seed, "params/total": params.get("total", 0),
+                       **{k: _hparam_value(v) for k, v in self.overrides.items()}}
+            hp_metrics = {f"hparams/{k}": v for k, v in metrics.items() if k.startswith(("val/", "train/loss"))}
+            trainer.logger.log_hyperparams(hparams, hp_metrics)
+        write_json_atomic(run_dir / "trial.json", record)
+
+
+def _hparam_value(value: Any) -> Any:
+    return value if isinstance(value, (int, float, str, bool)) else json.dumps(value)

@@ -1,0 +1,128 @@
+"""Sweeps: spec checking, several workers on one storage, a killed worker, compare on real logs."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+
+import optuna
+import pytest
+import yaml
+
+from diffexp.sweep import SpecError, parse_spec
+from diffexp.sweep.runner import main as sweep_main
+from diffexp.sweep.storage import mask_url, open_storage
+
+REPO = Path(__file__).resolve().parents[1]
+TINY_OVERRIDES = {
+    "trainer.max_steps": 6, "trainer.val_check_interval": 3, "trainer.limit_val_batches": 2,
+    "model.arch.d_model": 32, "model.arch.n_layers": 1, "model.arch.n_heads": 2,
+    "data.seq_len": 32, "data.batch_size": 4, "data.max_chars": 50000,
+}
+
+
+def write_spec(tmp_path: Path, study: str, storage: str | None = None, **extra) -> Path:
+    spec = {"study": study, "base": str(REPO / "recipes/tiny/diff_v1.yaml"), "runs_dir": str(tmp_path / "runs"),
+            "overrides": {**TINY_OVERRIDES, "data.cache_dir": str(tmp_path / "cache")},
+            "grid": {"model.arch.head_norm": [True, False]}, "seeds": [0, 1], **extra}
+    if storage:
+        spec["storage"] = storage
+    path = tmp_path / f"{study}.yaml"
+    path.write_text(yaml.safe_dump(spec))
+    return path
+
+
+def start_worker(spec: Path, cwd: Path) -> subprocess.Popen:
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    return subprocess.Popen([sys.executable, "-m", "diffexp", "sweep", "--config", str(spec)], cwd=cwd, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def trials_by_state(url: str, study: str) -> dict[str, Counter]:
+    trials = optuna.load_study(study_name=study, storage=open_storage(url)).get_trials(deepcopy=False)
+    states: dict[str, Counter] = {}
+    for t in trials:
+        states.setdefault(t.user_attrs["point"], Counter())[t.state.name] += 1
+    return states
+
+
+@pytest.mark.parametrize("kind", ["sqlite", "journal"])
+def test_two_workers_finish_each_point_exactly_once(tmp_path, kind):
+    url = f"sqlite:///{tmp_path}/study.db" if kind == "sqlite" else f"journal:{tmp_path}/study.log"
+    spec = write_spec(tmp_path, f"two-{kind}", storage=url)
+    workers = [start_worker(spec, tmp_path) for _ in range(2)]
+    outputs = [w.communicate(timeout=400)[0] for w in workers]
+    assert [w.returncode for w in workers] == [0, 0], outputs
+    states = trials_by_state(url, f"two-{kind}")
+    assert sorted(states) == ["base-head-norm-false/seed0", "base-head-norm-false/seed1",
+                              "base-head-norm-true/seed0", "base-head-norm-true/seed1"]
+    assert all(counts == Counter({"COMPLETE": 1}) for counts in states.values()), states
+    for output in outputs:
+        assert "trials finished" in output
+
+
+def test_killed_worker_is_resumed_without_duplicates(tmp_path):
+    spec = write_spec(tmp_path, "killed", stale_after_s=3)
+    url = f"sqlite:///{tmp_path / 'runs/killed/study.db'}"
+    worker = start_worker(spec, tmp_path)
+    deadline = time.time() + 120
+    while time.time() < deadline:  # kill it in the middle of its second trial
+        done = list((tmp_path / "runs/killed").glob("*/seed*/trial.json"))
+        running = list((tmp_path / "runs/killed").glob("*/seed*/progress.json"))
+        if len(done) >= 1 and len(running) > len(done):
+            break
+        time.sleep(0.2)
+    worker.send_signal(signal.SIGKILL)
+    worker.wait()
+    before = trials_by_state(url, "killed")
+    assert sum(c["RUNNING"] for c in before.values()) == 1, before
+
+    rerun = start_worker(spec, tmp_path)
+    output = rerun.communicate(timeout=400)[0]
+    assert rerun.returncode == 0, output
+    after = trials_by_state(url, "killed")
+    assert len(after) == 4
+    assert all(c["COMPLETE"] == 1 for c in after.values()), after
+    assert sum(c["FAIL"] for c in after.values()) == 1  # the killed attempt, marked stale
+    # the earlier finished trials were not re-run
+    for key, counts in before.items():
+        if counts["COMPLETE"]:
+            assert after[key] == counts
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        ({"colour": "red"}, "unknown key(s) 'colour'"),
+        ({"seeds": "three"}, "seeds='three' has the wrong type"),
+        ({"grid": {"model.arch.head_norm": []}}, "grid['model.arch.head_norm'] is empty"),
+        ({"grid": {}, "cases": None}, "no trials"),
+        ({"objective": {"metric": "val/accuracy"}}, "objective.metric='val/accuracy'"),
+        ({"grid": {"head_norm": [True]}}, "'head_norm' must start with model."),
+        ({"search": {"model.optim.lr": {"type": "float", "low": 1.0, "high": 0.1}}}, "low=1.0 must be below"),
+        ({"base": "recipes/nope.yaml"}, "base='recipes/nope.yaml': recipe not found"),
+    ],
+)
+def test_bad_spec_fails_before_any_trial(tmp_path, change, message, capsys):
+    raw = yaml.safe_load(write_spec(tmp_path, "bad").read_text())
+    raw.update(change)
+    raw = {k: v for k, v in raw.items() if v is not None}
+    with pytest.raises(SpecError) as err:
+        parse_spec(raw)
+    assert message in str(err.value)
+    path = tmp_path / "bad.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    assert sweep_main(["--config", str(path)]) == 2
+    assert message in capsys.readouterr().err.replace("\n", "")
+    assert not (tmp_path / "runs").exists()
+
+
+def test_storage_password_is_masked():
+    assert mask_url("postgresql://alice:s3cret@db.example/optuna") == "postgresql://alice:***@db.example/optuna"
+    assert "s3cret" not in mask_url("mysql+pymysql://bob:s3cret@host:3306/x")
+    assert mask_url("sqlite:///runs/x/study.db") == "sqlite:///runs/x/study.db"
