@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import csv
+import json
 import os
 import signal
 import subprocess
@@ -14,6 +16,7 @@ import optuna
 import pytest
 import yaml
 
+from diffexp.compare import main as compare_main
 from diffexp.sweep import SpecError, parse_spec
 from diffexp.sweep.runner import main as sweep_main
 from diffexp.sweep.storage import mask_url, open_storage
@@ -59,11 +62,19 @@ def test_two_workers_finish_each_point_exactly_once(tmp_path, kind):
     outputs = [w.communicate(timeout=400)[0] for w in workers]
     assert [w.returncode for w in workers] == [0, 0], outputs
     states = trials_by_state(url, f"two-{kind}")
-    assert sorted(states) == ["base-head-norm-false/seed0", "base-head-norm-false/seed1",
-                              "base-head-norm-true/seed0", "base-head-norm-true/seed1"]
+    assert sorted(states) == ["head-norm-false/seed0", "head-norm-false/seed1",
+                              "head-norm-true/seed0", "head-norm-true/seed1"]
     assert all(counts == Counter({"COMPLETE": 1}) for counts in states.values()), states
     for output in outputs:
         assert "trials finished" in output
+    if kind == "sqlite":  # compare on the real logs: one row per case, both seeds
+        out = tmp_path / "cmp"
+        assert compare_main([str(tmp_path / f"runs/two-{kind}"), "--out", str(out)]) == 0
+        rows = list(csv.DictReader((out / "compare.csv").open()))
+        assert [r["case"] for r in rows] == ["head_norm=true", "head_norm=false"]
+        assert [r["n_complete"] for r in rows] == ["2", "2"]
+        assert all(float(r["val/loss_mean"]) > 0 for r in rows)
+        assert (out / "val_loss_curves.png").stat().st_size > 10_000
 
 
 def test_killed_worker_is_resumed_without_duplicates(tmp_path):
@@ -126,3 +137,17 @@ def test_storage_password_is_masked():
     assert mask_url("postgresql://alice:s3cret@db.example/optuna") == "postgresql://alice:***@db.example/optuna"
     assert "s3cret" not in mask_url("mysql+pymysql://bob:s3cret@host:3306/x")
     assert mask_url("sqlite:///runs/x/study.db") == "sqlite:///runs/x/study.db"
+
+
+def test_search_space_is_sampled_per_trial_and_reaches_the_run(tmp_path):
+    spec = write_spec(tmp_path, "search", grid={}, cases={"DIFF": {}}, seeds=[0], n_trials=2,
+                      search={"model.optim.lr": {"type": "float", "low": 1.0e-4, "high": 1.0e-2, "log": True}},
+                      pruner={"type": "median", "n_warmup_steps": 0})
+    assert sweep_main(["--config", str(spec)]) == 0
+    records = [json.loads(p.read_text()) for p in (tmp_path / "runs/search/diff").glob("*/trial.json")]
+    assert sorted(p.parent.name for p in (tmp_path / "runs/search/diff").glob("*/trial.json")) == \
+        ["seed0", "seed0-draw1"]
+    lrs = [r["overrides"]["model.optim.lr"] for r in records]
+    assert len(set(lrs)) == 2 and all(1e-4 <= lr <= 1e-2 for lr in lrs)
+    configs = [yaml.safe_load(p.read_text()) for p in (tmp_path / "runs/search/diff").glob("*/config.yaml")]
+    assert sorted(c["model"]["optim"]["lr"] for c in configs) == sorted(lrs)

@@ -94,8 +94,9 @@ def test_fit_logs_to_tensorboard_and_never_overwrites(tmp_path, monkeypatch):
 
     metrics = {}
     for subcommand, metric in (("validate", "val/loss"), ("test", "test/loss")):
+        ckpt = str(first / "checkpoints/last.ckpt")
         cli = DiffexpCLI(DiffexpLM, TextDataModule, auto_configure_optimizers=False,
-                         args=[subcommand, "--config", str(recipe), "--ckpt_path", str(first / "checkpoints/last.ckpt")])
+                         args=[subcommand, "--config", str(recipe), "--ckpt_path", ckpt])
         metrics[metric] = cli.trainer.callback_metrics[metric].item()
     # the checkpoint's weights, not fresh ones: validate reproduces the last val/loss of the fit
     assert metrics["val/loss"] == pytest.approx(logged["val/loss"][-1][1], rel=1e-4)

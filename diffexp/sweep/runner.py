@@ -53,7 +53,8 @@ class SweepRunner:
         self.url = spec.storage_url
         self.worker = worker_name or f"{os.uname().nodename}:{os.getpid()}"
         self.points = {p.key: p for p in spec.points()}
-        self.storage = open_storage(self.url)
+        with setup_lock(self.url):  # the first open creates the schema: one worker at a time
+            self.storage = open_storage(self.url)
         self.study = self._create_or_load()
         self.heartbeat_every = min(10.0, spec.stale_after_s / 3)
 

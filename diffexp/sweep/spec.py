@@ -94,7 +94,8 @@ class SweepSpec:
         for case, case_overrides in self.cases.items():
             for values in grid_points:
                 assignment = dict(zip(keys, values))
-                label = ", ".join([case] + [f"{k.split('.')[-1]}={_fmt(v)}" for k, v in assignment.items()])
+                parts = [case] if case else []  # a grid-only spec has one unnamed case
+                label = ", ".join(parts + [f"{k.split('.')[-1]}={_fmt(v)}" for k, v in assignment.items()])
                 rows.append((label, {**case_overrides, **assignment}))
         return rows
 
@@ -169,7 +170,7 @@ def parse_spec(raw: dict[str, Any], source: Path | None = None, repo_root: Path 
     grid = typed("grid", dict, default={})
     if cases is None and not grid:
         raise fail("no trials: give `cases` (named rows of overrides) and/or a non-empty `grid`")
-    cases = cases if cases else {"base": {}}
+    cases = cases if cases else {"": {}}
     for name, overrides in cases.items():
         if overrides is None:
             cases[name] = {}

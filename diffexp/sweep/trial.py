@@ -17,6 +17,8 @@ import lightning as L
 import optuna
 
 STORAGE_ENV = "DIFFEXP_SWEEP_STORAGE"
+#: last values that say nothing about a run's result (tokens/s is recorded as a median instead)
+NOT_RESULTS = {"lr", "epoch", "train/tokens_per_s", "train/grad_norm"}
 
 
 def build_pruner(spec: dict[str, Any]) -> optuna.pruners.BasePruner:
@@ -100,7 +102,8 @@ class SweepTrialCallback(L.Callback):
     def on_fit_end(self, trainer, pl_module) -> None:
         if not trainer.is_global_zero:
             return
-        metrics = {k: float(v) for k, v in trainer.callback_metrics.items() if getattr(v, "numel", lambda: 1)() == 1}
+        metrics = {k: float(v) for k, v in trainer.callback_metrics.items()
+                   if getattr(v, "numel", lambda: 1)() == 1 and k not in NOT_RESULTS}
         params = pl_module.model.parameter_report() if hasattr(pl_module, "model") else {}
         tokens_per_s = statistics.median(self._tokens_per_s) if self._tokens_per_s else None
         record = {"study": self.study_name, "case": self.case, "seed": self.seed, "overrides": self.overrides,

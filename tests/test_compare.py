@@ -1,0 +1,260 @@
+"""`diffexp compare`: summary of a synthetic study directory (sweep.json, trial.json, real TensorBoard events)."""
+
+from __future__ import annotations
+
+import csv
+import json
+import statistics
+
+import pytest
+
+from diffexp import compare
+from tests.fixtures_compare import make_study, write_sweep, write_trial
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.fixture(scope="module")
+def study(tmp_path_factory):
+    return make_study(tmp_path_factory.mktemp("runs"))
+
+
+@pytest.fixture(scope="module")
+def runs(study):
+    return compare.load_study_runs(study)
+
+
+def _row(rows, name):
+    return next(r for r in rows if r.case.name == name)
+
+
+def test_one_row_per_case_in_sweep_order(runs):
+    rows = compare.summarize(runs)
+    assert [r.case.name for r in rows] == ["Transformer", "DIFF", "DIFF -GroupNorm", "DIFF lambda 0.8"]
+    assert [r.case.slug for r in rows] == ["transformer", "diff", "diff-groupnorm", "diff-lambda-0-8"]
+    assert [(len(r.complete), len(r.pruned), len(r.missing), r.n_expected) for r in rows] == [
+        (3, 0, 0, 3), (2, 1, 0, 3), (1, 0, 2, 3), (0, 0, 3, 3)]
+    assert [r.seeds_text for r in rows] == ["3/3", "2/3 (1 pruned)", "1/3 (2 missing)", "0/3 (3 missing)"]
+
+
+def test_means_and_sample_std(runs):
+    rows = compare.summarize(runs)
+    t = _row(rows, "Transformer").stats["val/loss"]
+    assert t.n == 3
+    assert t.mean == pytest.approx(1.92)
+    assert t.std == pytest.approx(0.02)  # sample std (ddof=1) of 1.90, 1.92, 1.94
+    assert _row(rows, "Transformer").stats["val/ar_hit_loss"].mean == pytest.approx(1.0)
+    assert t.format() == "1.920 ± 0.020"
+    # a single complete seed: std is n/a, not 0
+    g = _row(rows, "DIFF -GroupNorm").stats["val/loss"]
+    assert (g.mean, g.std, g.n) == (pytest.approx(1.88), None, 1)
+    assert g.format() == "1.880 ± n/a"
+    assert _row(rows, "DIFF lambda 0.8").stats["val/loss"].format() == "—"
+    transformer = _row(rows, "Transformer")
+    assert (transformer.params_total, transformer.params_non_embedding) == (1_000_000, 933_000)
+    assert transformer.tokens_per_s == pytest.approx(12_001)
+
+
+def test_pruned_trial_counted_but_excluded_from_mean(runs):
+    diff = _row(compare.summarize(runs), "DIFF")
+    assert [t.seed for t in diff.pruned] == [2]
+    stat = diff.stats["val/loss"]
+    assert stat.n == 2 and stat.mean == pytest.approx(1.86)  # 2.5 of the pruned seed left out
+    assert stat.std == pytest.approx(statistics.stdev([1.85, 1.87]))
+    assert diff.tokens_per_s == pytest.approx(9_000)  # pruned trial's 1.0 tok/s left out too
+    assert any("DIFF, seed 2: pruned at step 200" in line for line in compare.issues(runs, [diff])["pruned"])
+
+
+def test_objective_comes_from_sweep_json(tmp_path):
+    study = tmp_path / "ppl"
+    write_sweep(study, [("A", "a"), ("B", "b")], [0], metric="val/ppl", direction="maximize")
+    write_trial(study, "A", "a", 0, {"val/loss": 1.0, "val/ppl": 5.0})
+    write_trial(study, "B", "b", 0, {"val/loss": 2.0, "val/ppl": 7.0})
+    runs = compare.load_study_runs(study)
+    assert (runs.objective, runs.direction) == ("val/ppl", "maximize")
+    assert runs.metric_names() == ["val/ppl", "val/loss"]
+    rows = compare.summarize(runs)
+    assert compare.best_case(runs, rows).case.name == "B"
+    md = compare.render_markdown(runs, rows, runs.metric_names())
+    assert "| Model | Params | Non-emb. params | Valid ppl ↑ | Valid loss |" in md
+    assert "**7.000 ± n/a**" in md
+
+
+def test_curves_merge_resumed_event_files(runs):
+    trial = runs.trials[("transformer", 1)]
+    assert len(list(trial.path.glob("events.out.tfevents*"))) == 2
+    curve = dict(trial.curves["val/loss"])
+    assert sorted(curve) == [100, 200, 300, 400]
+    assert curve[200] == pytest.approx(2.11)  # logged twice: the resumed run's value wins
+    assert curve[400] == pytest.approx(1.92)
+    assert trial.curves["params/total"] == [(0, 1_000_000.0)]
+
+
+def test_main_writes_markdown_csv_and_plots(study, tmp_path, capsys):
+    out = tmp_path / "out"
+    assert compare.main([str(study), "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "1.920 ± 0.020" in printed and "1.860 ± 0.014" in printed and "1.880 ± n/a" in printed
+    # objective is the first metric column
+    header = next(line for line in printed.splitlines() if "Case" in line)
+    assert header.index("Valid loss") < header.index("Valid ppl") < header.index("Train loss")
+
+    md = (out / "compare.md").read_text()
+    table = [line for line in md.splitlines() if line.startswith("| ")]
+    assert table[0].startswith("| Model | Params | Non-emb. params | Valid loss ↓ |")
+    assert [line.split(" | ")[0][2:] for line in table[1:]] == [
+        "Transformer", "DIFF", "DIFF -GroupNorm", "DIFF lambda 0.8"]
+    assert "| DIFF | 0.99M | 0.92M | **1.860 ± 0.014** |" in md
+    assert "| DIFF lambda 0.8 | — | — | — |" in md
+
+    with open(out / "compare.csv", newline="") as f:
+        records = list(csv.DictReader(f))
+    assert [r["slug"] for r in records] == ["transformer", "diff", "diff-groupnorm", "diff-lambda-0-8"]
+    assert float(records[0]["val/loss_mean"]) == pytest.approx(1.92)
+    assert float(records[0]["val/loss_std"]) == pytest.approx(0.02)
+    assert records[1]["n_complete"] == "2" and records[1]["n_pruned"] == "1" and records[1]["seeds_pruned"] == "2"
+    assert records[2]["val/loss_std"] == "" and records[2]["val/loss_n"] == "1"
+    assert records[3]["val/loss_mean"] == "" and records[3]["n_missing"] == "3"
+    assert json.loads(records[0]["overrides"]) == {"model.arch.attention": "transformer"}
+
+    for name in ("val_loss_curves.png", "objective_bars.png"):
+        data = (out / name).read_bytes()
+        assert data[:8] == PNG_MAGIC and len(data) > 10_000, name
+        from matplotlib.image import imread
+
+        image = imread(out / name)
+        assert image.shape[0] > 200 and image.shape[1] > 500
+
+
+def test_partial_study_reports_missing(study, tmp_path, capsys):
+    assert compare.main([str(study), "--out", str(tmp_path), "--no-plots"]) == 0
+    printed = capsys.readouterr().out
+    assert "Missing trials" in printed
+    assert ("DIFF -GroupNorm, seed 1: run dir exists, no trial.json (running or crashed); last logged step 250"
+            in printed)
+    assert "DIFF -GroupNorm, seed 2: not started (no run dir)" in printed
+    assert "Cases with no completed seed" in printed and "  - DIFF lambda 0.8" in printed
+    assert not list(tmp_path.glob("*.png"))
+    md = (tmp_path / "compare.md").read_text()
+    assert "## Missing trials (no trial.json)" in md and "- DIFF lambda 0.8, seed 2: not started" in md
+
+
+def test_default_out_dir_and_metric_filter(tmp_path, capsys):
+    study = make_study(tmp_path)
+    assert compare.main([str(study), "--metric", "val/ppl", "--no-plots"]) == 0
+    out = study / "compare"
+    header = (out / "compare.csv").read_text().splitlines()[0]
+    assert "val/loss_mean" in header and "val/ppl_mean" in header
+    assert "train/loss_mean" not in header and "val/ar_hit_loss_mean" not in header
+    # the compare/ folder is not mistaken for a run directory on a second pass
+    assert compare.load_study_runs(study).unexpected == []
+
+
+def test_failed_and_unexpected_trials(tmp_path):
+    study = tmp_path / "s"
+    write_sweep(study, [("A", "a")], [0, 1])
+    write_trial(study, "A", "a", 0, {"val/loss": 1.5})
+    write_trial(study, "A", "a", 1, {"val/loss": 9.9}, state="fail")
+    write_trial(study, "Old", "old-case", 0, {"val/loss": 1.0})
+    runs = compare.load_study_runs(study)
+    rows = compare.summarize(runs)
+    assert rows[0].stats["val/loss"].values == [1.5] and rows[0].seeds_text == "1/2 (1 failed)"
+    found = compare.issues(runs, rows)
+    assert found["failed"] == ["A, seed 1: state 'fail'"]
+    assert found["unexpected"][0].startswith("old-case/seed0")
+
+
+def test_objective_falls_back_to_events(tmp_path):
+    study = tmp_path / "s"
+    write_sweep(study, [("A", "a")], [0])
+    write_trial(study, "A", "a", 0, {"train/loss": 1.0}, curve=[(100, 2.0), (200, 1.7)])
+    for curves in (True, False):  # --no-plots still reads the events of a trial.json lacking the objective
+        rows = compare.summarize(compare.load_study_runs(study, curves=curves))
+        assert rows[0].stats["val/loss"].values == [pytest.approx(1.7)]
+
+
+def test_events_in_a_nested_version_folder(tmp_path):
+    from tests.fixtures_compare import write_events
+
+    write_events(tmp_path / "version_0", {"val/loss": [(100, 2.0), (200, 1.5)]}, walltime=1.0e9)
+    write_events(tmp_path, {"val/loss": [(200, 1.4), (300, 1.2)]}, walltime=2.0e9)
+    curve = compare.load_curves(tmp_path)["val/loss"]
+    assert curve == [(100, 2.0), (200, pytest.approx(1.4)), (300, pytest.approx(1.2))]
+
+
+def test_bad_dir_exits_2_naming_it(tmp_path, capsys):
+    empty = tmp_path / "not-a-study"
+    empty.mkdir()
+    assert compare.main([str(empty)]) == 2
+    err = capsys.readouterr().err
+    assert str(empty) in err and "sweep.json" in err
+    assert compare.main([str(tmp_path / "nowhere")]) == 2
+    assert "nowhere" in capsys.readouterr().err
+    (empty / "sweep.json").write_text("{not json")
+    assert compare.main([str(empty)]) == 2
+    assert "not valid JSON" in capsys.readouterr().err
+    assert compare.main([]) == 2
+    assert "RUNS_DIR" in capsys.readouterr().err
+
+
+def test_unknown_metric_exits_2_listing_available(study, tmp_path, capsys):
+    assert compare.main([str(study), "--out", str(tmp_path), "--metric", "val/accuracy"]) == 2
+    err = capsys.readouterr().err
+    assert "'val/accuracy'" in err
+    for name in ("val/loss", "val/ppl", "train/loss", "val/ar_hit_loss"):
+        assert name in err
+    assert not (tmp_path / "compare.md").exists()
+
+
+def test_optuna_storage_input(study, tmp_path, capsys):
+    import optuna
+
+    db = tmp_path / "optuna.db"
+    url = f"sqlite:///{db}"
+    optuna.create_study(study_name="table6", storage=url).set_user_attr("runs_dir", str(study))
+    out = tmp_path / "from-storage"
+    assert compare.main(["--study", "table6", "--storage", url, "--out", str(out), "--no-plots"]) == 0
+    assert "1.920 ± 0.020" in capsys.readouterr().out
+    assert (out / "compare.csv").is_file()
+    # runs_dir naming the parent runs/ folder works too
+    optuna.create_study(study_name="parent", storage=url).set_user_attr("runs_dir", str(study.parent))
+    assert compare.runs_dir_from_optuna("table6", url) == study
+    assert compare.main(["--study", "nope", "--storage", url]) == 2
+    err = capsys.readouterr().err
+    assert "'nope'" in err and "'table6'" in err
+    optuna.create_study(study_name="bare", storage=url)
+    assert compare.main(["--study", "bare", "--storage", url]) == 2
+    assert "runs_dir" in capsys.readouterr().err
+    assert compare.main(["--study", "table6", "--storage", str(tmp_path / "missing.db")]) == 2
+    assert "missing.db" in capsys.readouterr().err
+
+
+def test_optuna_journal_storage(study, tmp_path, capsys):
+    import optuna
+
+    path = tmp_path / "study.log"
+    storage = optuna.storages.JournalStorage(optuna.storages.journal.JournalFileBackend(str(path)))
+    optuna.create_study(study_name="table6", storage=storage).set_user_attr("runs_dir", str(study))
+    assert compare.main(["--study", "table6", "--storage", str(path), "--no-plots", "--out", str(tmp_path)]) == 0
+    assert "Transformer" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("url", [
+    "postgresql://user:secret@host/db",
+    "mysql+pymysql://user:secret@host:3306/db?charset=utf8",
+    "postgresql://user@host/db?password=secret",
+])
+def test_storage_password_is_masked(url, capsys):
+    masked = compare.mask_storage_url(url)
+    assert "secret" not in masked and "***" in masked and "host" in masked
+    assert "secret" not in compare.scrub(f"could not connect to {url} (password secret rejected)", url)
+    # a storage that cannot be opened (driver not installed, no server): the error never shows the password
+    assert compare.main(["--study", "s", "--storage", url]) == 2
+    captured = capsys.readouterr()
+    assert "secret" not in captured.out + captured.err
+    assert "host" in captured.err
+
+
+def test_mask_leaves_plain_paths_alone():
+    assert compare.mask_storage_url("runs/study.log") == "runs/study.log"
+    assert compare.mask_storage_url("sqlite:///tmp/x.db") == "sqlite:///tmp/x.db"
