@@ -256,7 +256,14 @@ class SweepRunner:
                     progress.update(current, description=f"waiting for {running} trial(s) of other workers")
                     time.sleep(min(5.0, self.heartbeat_every))
                     continue
-                self._run_trial(trial, progress, current)
+                started = time.time()
+                outcome = self._run_trial(trial, progress, current)
+                point = self.points[trial.params[POINT_PARAM]]
+                value = self.study._storage.get_trial(trial._trial_id).values
+                shown = f"{spec.objective_metric}={value[0]:.4f}" if value else ""
+                # a line per trial as well, for logs and terminals without live bars
+                progress.console.print(f"{outcome}: {point.case}, seed {point.seed} {shown} "
+                                       f"({time.time() - started:.0f} s)")
         finished, failed, _, total = self._counts()
         console.print(f"sweep {spec.study}: {finished}/{total} trials finished, {failed} failed for good. "
                       f"Compare with: diffexp compare {spec.study_dir}")
