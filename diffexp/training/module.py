@@ -54,6 +54,14 @@ def warmup_cosine(step: int, warmup_steps: int, total_steps: int, min_ratio: flo
     return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
 
 
+def _tokens(batch) -> torch.Tensor:
+    return batch["tokens"] if isinstance(batch, dict) else batch
+
+
+def _batch_size(batch) -> int:
+    return _tokens(batch).shape[0]
+
+
 class NonFiniteLossError(FloatingPointError):
     pass
 
@@ -85,10 +93,17 @@ class DiffexpLM(L.LightningModule):
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         return self.model(idx)
 
-    def _loss(self, batch: torch.Tensor) -> torch.Tensor:
-        inputs, targets = batch[:, :-1], batch[:, 1:]
+    def _loss(self, batch: torch.Tensor | dict[str, torch.Tensor]) -> torch.Tensor:
+        """Next-token loss. A batch is (B, T + 1) token ids, or a dict with "tokens" and an optional
+        (B, T) "loss_mask" that selects the targets that count (synthetic tasks score answers only)."""
+        tokens, mask = (batch["tokens"], batch.get("loss_mask")) if isinstance(batch, dict) else (batch, None)
+        inputs, targets = tokens[:, :-1], tokens[:, 1:]
         logits = self.model(inputs)
-        return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+        losses = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), reduction="none")
+        if mask is None:
+            return losses.mean()
+        mask = mask.flatten().to(losses.dtype)
+        return (losses * mask).sum() / mask.sum().clamp_min(1.0)
 
     def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
         loss = self._loss(batch)
@@ -112,11 +127,11 @@ class DiffexpLM(L.LightningModule):
 
     def validation_step(self, batch: torch.Tensor, batch_idx: int) -> None:
         loss = self._loss(batch)
-        self.log("val/loss", loss, prog_bar=True, sync_dist=True, batch_size=batch.shape[0])
+        self.log("val/loss", loss, prog_bar=True, sync_dist=True, batch_size=_batch_size(batch))
 
     def test_step(self, batch: torch.Tensor, batch_idx: int) -> None:
         loss = self._loss(batch)
-        self.log("test/loss", loss, sync_dist=True, batch_size=batch.shape[0])
+        self.log("test/loss", loss, sync_dist=True, batch_size=_batch_size(batch))
 
     def on_validation_epoch_end(self) -> None:
         val_loss = self.trainer.callback_metrics.get("val/loss")
@@ -137,7 +152,7 @@ class DiffexpLM(L.LightningModule):
     def on_train_batch_end(self, outputs: Any, batch: torch.Tensor, batch_idx: int) -> None:
         now = time.perf_counter()
         if self._last_batch_time is not None:
-            tokens = batch[:, :-1].numel() * self.trainer.world_size
+            tokens = _batch_size(batch) * (_tokens(batch).shape[1] - 1) * self.trainer.world_size
             self.log("train/tokens_per_s", tokens / max(now - self._last_batch_time, 1e-9))
         self._last_batch_time = now
         if self.global_step % max(1, self.trainer.log_every_n_steps) == 0:
