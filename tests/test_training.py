@@ -81,6 +81,10 @@ def test_fit_logs_to_tensorboard_and_never_overwrites(tmp_path, monkeypatch):
                 "lambda/layer_00", "lambda/layer_01", "params/total"):
         assert tag in logged, tag
     assert [step for step, _ in logged["val/loss"]] == [5, 11]
+    # AR-Hit / Others split the same tokens as val/loss
+    share, hit, other = (logged[t][-1][1] for t in ("val/ar_hit_share", "val/ar_hit_loss", "val/others_loss"))
+    assert 0 < share < 1
+    assert share * hit + (1 - share) * other == pytest.approx(logged["val/loss"][-1][1], rel=1e-4)
     assert (first / "config.yaml").is_file() and (first / "checkpoints/last.ckpt").is_file()
     before = {p: p.stat().st_mtime_ns for p in first.rglob("*") if p.is_file()}
 

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from lightning.pytorch.utilities import rank_zero_info
 
 from diffexp.config import ModelConfig
+from diffexp.evals.ar_hit import ar_hit_mask, frequent_bigrams
 from diffexp.model import Decoder
 
 
@@ -46,6 +47,29 @@ class OptimConfig:
             raise ValueError(f"model.optim.min_lr_ratio={self.min_lr_ratio!r} is invalid: expected in [0, 1]")
 
 
+@dataclass
+class ARHitConfig:
+    """AR-Hit / Others split of the validation loss (evaluations.md).
+
+    Args:
+        enabled: log val/ar_hit_loss, val/others_loss and val/ar_hit_share on text batches.
+        min_count: leave out of the hits the bigrams seen at least this often in the training split.
+        top_percent: or leave out the top_percent % most frequent training bigrams.
+    """
+
+    enabled: bool = True
+    min_count: int | None = None
+    top_percent: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.min_count is not None and self.top_percent is not None:
+            raise ValueError("model.ar_hit: give min_count or top_percent, not both")
+        if self.min_count is not None and self.min_count < 1:
+            raise ValueError(f"model.ar_hit.min_count={self.min_count!r} is invalid: expected >= 1")
+        if self.top_percent is not None and not 0 < self.top_percent < 100:
+            raise ValueError(f"model.ar_hit.top_percent={self.top_percent!r} is invalid: expected in (0, 100)")
+
+
 def warmup_cosine(step: int, warmup_steps: int, total_steps: int, min_ratio: float) -> float:
     """Multiplier of the peak lr at `step`."""
     if step < warmup_steps:
@@ -76,33 +100,43 @@ class DiffexpLM(L.LightningModule):
     """
 
     def __init__(self, arch: ModelConfig = ModelConfig(), optim: OptimConfig = OptimConfig(),
-                 vocab_size: int | None = None) -> None:
+                 vocab_size: int | None = None, ar_hit: ARHitConfig = ARHitConfig()) -> None:
         super().__init__()
+        ar_hit = ARHitConfig(**ar_hit) if isinstance(ar_hit, dict) else ar_hit
         # checkpoints store plain dicts (see save_hyperparameters below)
         arch = ModelConfig(**arch) if isinstance(arch, dict) else arch
         optim = OptimConfig(**optim) if isinstance(optim, dict) else optim
         if vocab_size is not None:
             arch = ModelConfig(**{**asdict(arch), "vocab_size": vocab_size})
-        self.arch, self.optim = arch, optim
+        self.arch, self.optim, self.ar_hit = arch, optim, ar_hit
         # plain dicts, so checkpoints load with torch.load(weights_only=True)
-        self.save_hyperparameters({"arch": asdict(arch), "optim": asdict(optim), "vocab_size": arch.vocab_size})
+        self.save_hyperparameters({"arch": asdict(arch), "optim": asdict(optim), "vocab_size": arch.vocab_size,
+                                   "ar_hit": asdict(ar_hit)})
         self.model = Decoder(arch)
+        self.last_grad_norm: float | None = None
         self._last_batch_time: float | None = None
+        self._frequent_bigrams: torch.Tensor | None = None
+        self._split_sums = torch.zeros(4, dtype=torch.float64)  # ar-hit loss, count, others loss, count
 
     # -- steps -----------------------------------------------------------------------------------
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         return self.model(idx)
 
+    def _token_losses(self, batch: torch.Tensor | dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Per-target losses (B, T) and the optional (B, T) loss_mask of a dict batch."""
+        tokens, mask = (batch["tokens"], batch.get("loss_mask")) if isinstance(batch, dict) else (batch, None)
+        logits = self.model(tokens[:, :-1])
+        targets = tokens[:, 1:]
+        losses = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), reduction="none")
+        return losses.view_as(targets), mask
+
     def _loss(self, batch: torch.Tensor | dict[str, torch.Tensor]) -> torch.Tensor:
         """Next-token loss. A batch is (B, T + 1) token ids, or a dict with "tokens" and an optional
         (B, T) "loss_mask" that selects the targets that count (synthetic tasks score answers only)."""
-        tokens, mask = (batch["tokens"], batch.get("loss_mask")) if isinstance(batch, dict) else (batch, None)
-        inputs, targets = tokens[:, :-1], tokens[:, 1:]
-        logits = self.model(inputs)
-        losses = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), reduction="none")
+        losses, mask = self._token_losses(batch)
         if mask is None:
             return losses.mean()
-        mask = mask.flatten().to(losses.dtype)
+        mask = mask.to(losses.dtype)
         return (losses * mask).sum() / mask.sum().clamp_min(1.0)
 
     def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
@@ -126,8 +160,30 @@ class DiffexpLM(L.LightningModule):
         )
 
     def validation_step(self, batch: torch.Tensor, batch_idx: int) -> None:
-        loss = self._loss(batch)
+        losses, mask = self._token_losses(batch)
+        if mask is None:
+            loss = losses.mean()
+            if self.ar_hit.enabled:
+                self._accumulate_ar_hit(batch, losses.detach())
+        else:
+            mask = mask.to(losses.dtype)
+            loss = (losses * mask).sum() / mask.sum().clamp_min(1.0)
         self.log("val/loss", loss, prog_bar=True, sync_dist=True, batch_size=_batch_size(batch))
+
+    def _accumulate_ar_hit(self, tokens: torch.Tensor, losses: torch.Tensor) -> None:
+        if self._frequent_bigrams is None and (self.ar_hit.min_count or self.ar_hit.top_percent):
+            rows = getattr(getattr(self.trainer, "datamodule", None), "train_rows", None)
+            if rows is None:
+                raise ValueError("model.ar_hit.min_count/top_percent need a data module with train_rows")
+            self._frequent_bigrams = frequent_bigrams(rows, self.arch.vocab_size, self.ar_hit.min_count,
+                                                      self.ar_hit.top_percent)
+        hits = ar_hit_mask(tokens, self.arch.vocab_size, self._frequent_bigrams)
+        losses = losses.double().cpu()
+        hits = hits.cpu()
+        self._split_sums += torch.stack([losses[hits].sum(), hits.sum(), losses[~hits].sum(), (~hits).sum()]).double()
+
+    def on_validation_epoch_start(self) -> None:
+        self._split_sums.zero_()
 
     def test_step(self, batch: torch.Tensor, batch_idx: int) -> None:
         loss = self._loss(batch)
@@ -137,6 +193,13 @@ class DiffexpLM(L.LightningModule):
         val_loss = self.trainer.callback_metrics.get("val/loss")
         if val_loss is not None:
             self.log("val/ppl", torch.exp(val_loss.float()))
+        sums = self.trainer.strategy.reduce(self._split_sums.to(self.device), reduce_op="sum").cpu()
+        hit_loss, hits, other_loss, others = sums.tolist()
+        if hits + others > 0:
+            if hits:
+                self.log("val/ar_hit_loss", hit_loss / hits)
+            self.log("val/others_loss", other_loss / max(others, 1))
+            self.log("val/ar_hit_share", hits / (hits + others))
 
     def on_test_epoch_end(self) -> None:
         test_loss = self.trainer.callback_metrics.get("test/loss")
@@ -147,7 +210,9 @@ class DiffexpLM(L.LightningModule):
     def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
         grads = [p.grad for p in self.parameters() if p.grad is not None]
         if grads:  # before clipping: spikes are what we want to see
-            self.log("train/grad_norm", torch.nn.utils.get_total_norm(grads))
+            norm = torch.nn.utils.get_total_norm(grads)
+            self.last_grad_norm = float(norm)
+            self.log("train/grad_norm", norm)
 
     def on_train_batch_end(self, outputs: Any, batch: torch.Tensor, batch_idx: int) -> None:
         now = time.perf_counter()

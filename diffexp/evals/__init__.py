@@ -1,0 +1,1 @@
+"""Evaluations the papers use: AR-Hit/Others, needle retrieval, attention noise, MQAR, in-context learning."""
