@@ -19,6 +19,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.cli import LightningCLI
 
 from diffexp.data import TextDataModule
+from diffexp.training.diagnostics import Diagnostics
 from diffexp.training.module import DiffexpLM
 from diffexp.training.runs import AtomicCheckpointIO, resolve_resume
 
@@ -42,6 +43,8 @@ class DiffexpCLI(LightningCLI):
         parser.link_arguments("data.vocab_size", "model.vocab_size", apply_on="instantiate")
         # always on, configurable as checkpoint.*: last.ckpt for --ckpt_path last, plus the best by val/loss
         parser.add_lightning_class_args(ModelCheckpoint, "checkpoint")
+        # always on, configurable as diagnostics.*: outliers, attention logits, lambda, gradient spikes
+        parser.add_lightning_class_args(Diagnostics, "diagnostics")
         parser.set_defaults({
             "checkpoint.save_last": True,
             "checkpoint.every_n_train_steps": 100,

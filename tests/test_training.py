@@ -33,6 +33,8 @@ trainer:
     init_args: {{save_dir: runs, name: {name}, default_hp_metric: false}}
 checkpoint:
   every_n_train_steps: 4
+diagnostics:
+  every_n_steps: 4
 model:
   arch: {{attention: {attention}, d_model: 32, n_layers: 2, n_heads: 2}}
   optim: {{lr: 3.0e-3, warmup_steps: 2}}
@@ -78,7 +80,8 @@ def test_fit_logs_to_tensorboard_and_never_overwrites(tmp_path, monkeypatch):
     first = tmp_path / "runs/run/version_0"
     logged = scalars(first)
     for tag in ("train/loss", "val/loss", "val/ppl", "lr", "train/grad_norm", "train/tokens_per_s",
-                "lambda/layer_00", "lambda/layer_01", "params/total"):
+                "lambda/layer_00", "lambda/layer_01", "params/total", "val/ar_hit_loss", "val/others_loss",
+                "diag/grad_spikes", "diag/layer_01/act_kurtosis", "diag/layer_00/attn_logit_max", "diag/act_max_abs"):
         assert tag in logged, tag
     assert [step for step, _ in logged["val/loss"]] == [5, 11]
     # AR-Hit / Others split the same tokens as val/loss

@@ -40,14 +40,19 @@ def expand_kv(kv: torch.Tensor, n_query_heads: int) -> torch.Tensor:
     return kv.repeat_interleave(n_query_heads // kv.shape[1], dim=1)
 
 
-def causal_softmax(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
-    """softmax(q k^T / sqrt(d) + causal mask) per query head, in fp32 at least: (B, Hq, T, T)."""
+def causal_logits(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+    """q k^T / sqrt(d) per query head, in fp32 at least, future entries -inf: (B, Hq, T, T)."""
     t = q.shape[-2]
     dtype = torch.promote_types(q.dtype, torch.float32)
     k = expand_kv(k, q.shape[1])
     logits = (q.to(dtype) @ k.to(dtype).transpose(-1, -2)) / math.sqrt(q.shape[-1])
     mask = torch.ones(t, t, dtype=torch.bool, device=q.device).triu(1)
-    return logits.masked_fill(mask, float("-inf")).softmax(dim=-1)
+    return logits.masked_fill(mask, float("-inf"))
+
+
+def causal_softmax(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+    """softmax(q k^T / sqrt(d) + causal mask) per query head, in fp32 at least: (B, Hq, T, T)."""
+    return causal_logits(q, k).softmax(dim=-1)
 
 
 def flash_available(*tensors: torch.Tensor) -> bool:
@@ -129,12 +134,19 @@ class AttentionBase(nn.Module):
         self.head_dim = cfg.resolved_head_dim
         self.backend = resolve_backend(cfg.backend)
         self.rope = RotaryEmbedding(self.head_dim, cfg.max_seq_len, cfg.rope_theta)
+        self.stats: dict[str, float] = {}
 
     def linear(self, in_features: int, out_features: int) -> nn.Linear:
         return nn.Linear(in_features, out_features, bias=False)
 
+    #: set by the diagnostics: record the largest attention logit and variant statistics on the next forward
+    record_stats = False
+
     def attend(self, q, k, v, need_weights: bool = False):
         """The causal attention call on this layer's backend (RoPE already applied)."""
+        if self.record_stats:  # a diagnostics forward: also keep the largest pre-softmax logit
+            logit_max = causal_logits(q, k).max().item()
+            self.stats["attn_logit_max"] = max(self.stats.get("attn_logit_max", float("-inf")), logit_max)
         return attend(q, k, v, self.backend, need_weights)
 
     def extra_repr(self) -> str:

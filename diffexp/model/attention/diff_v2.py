@@ -45,6 +45,8 @@ class DiffV2Attention(AttentionBase):
         v = split_heads(self.v_proj(x), self.n_kv_heads)
         out, weights = self.attend(q, k, v, need_weights)
         lam = self.token_lambda(x)
+        if self.record_stats and torch.is_tensor(lam):  # the token-wise lambda's mean and spread
+            self.stats.update(lambda_mean=lam.mean().item(), lambda_std=lam.float().std().item())
         out = out[:, self.first] - lam * out[:, self.second]
         effective = None
         if weights is not None:

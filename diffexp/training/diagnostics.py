@@ -1,0 +1,94 @@
+"""Training diagnostics the DIFF papers and blog discuss, cheap enough to leave on.
+
+Every `every_n_steps`, one extra no-grad forward on a slice of the current batch records per layer:
+the largest |activation| and the kurtosis of the hidden states (outliers, DIFF V1 section 3.8), the
+largest attention logit, lambda (diff_v1 / shared_diff / dint), and for diff_v2 the mean and spread of
+the token-wise lambda. Every step, gradient-norm spikes (norm above `spike_factor` x the running
+mean of the previous norms, the DIFF V2 blog's instability signal) are counted.
+"""
+
+from __future__ import annotations
+
+import lightning as L
+import torch
+
+
+def kurtosis(x: torch.Tensor) -> float:
+    """Excess-free (Pearson) kurtosis of all entries: 3 for a Gaussian, large with outliers."""
+    x = x.double().flatten()
+    centered = x - x.mean()
+    var = centered.pow(2).mean()
+    return float(centered.pow(4).mean() / var.pow(2).clamp_min(1e-30))
+
+
+class Diagnostics(L.Callback):
+    """Args:
+    every_n_steps: interval of the activation/attention diagnostics (0 turns them off).
+    sample_rows: rows of the batch the diagnostics forward uses.
+    spike_factor: a step's gradient norm above this multiple of the running mean is a spike.
+    spike_warmup: steps before spikes are counted (the first steps' norms move fast).
+    """
+
+    def __init__(self, every_n_steps: int = 50, sample_rows: int = 1, spike_factor: float = 3.0,
+                 spike_warmup: int = 20) -> None:
+        if every_n_steps < 0 or sample_rows < 1 or spike_factor <= 1:
+            raise ValueError(f"diagnostics: every_n_steps={every_n_steps} (>= 0), sample_rows={sample_rows} (>= 1), "
+                             f"spike_factor={spike_factor} (> 1) expected")
+        self.every_n_steps, self.sample_rows = every_n_steps, sample_rows
+        self.spike_factor, self.spike_warmup = spike_factor, spike_warmup
+        self.spikes = 0
+        self._norm_mean: float | None = None
+        self._norms_seen = 0
+
+    def state_dict(self) -> dict:
+        return {"spikes": self.spikes, "norm_mean": self._norm_mean, "norms_seen": self._norms_seen}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.spikes, self._norm_mean, self._norms_seen = state["spikes"], state["norm_mean"], state["norms_seen"]
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        self._count_spike(pl_module)
+        pl_module.log("diag/grad_spikes", float(self.spikes))
+        if self.every_n_steps and trainer.global_step % self.every_n_steps == 0:
+            tokens = batch["tokens"] if isinstance(batch, dict) else batch
+            for name, value in self.measure(pl_module.model, tokens[: self.sample_rows, :-1]).items():
+                pl_module.log(name, value)
+
+    def _count_spike(self, pl_module) -> None:
+        norm = getattr(pl_module, "last_grad_norm", None)
+        if norm is None or not torch.isfinite(torch.tensor(norm)):
+            return
+        if self._norm_mean is not None and self._norms_seen >= self.spike_warmup \
+                and norm > self.spike_factor * self._norm_mean:
+            self.spikes += 1
+        self._norms_seen += 1
+        # running mean over the recent past (EMA), so slow drifts are not spikes
+        self._norm_mean = norm if self._norm_mean is None else 0.95 * self._norm_mean + 0.05 * norm
+
+    @staticmethod
+    @torch.no_grad()
+    def measure(model, idx: torch.Tensor) -> dict[str, float]:
+        """One forward with hooks: per-layer outlier, kurtosis, attention-logit and lambda statistics."""
+        hidden: list[torch.Tensor] = []
+        hooks = [block.register_forward_hook(lambda m, i, out: hidden.append(out[0])) for block in model.blocks]
+        for block in model.blocks:
+            block.attn.record_stats, block.attn.stats = True, {}
+        was_training = model.training
+        try:
+            model.eval()
+            model(idx)
+        finally:
+            model.train(was_training)
+            for hook in hooks:
+                hook.remove()
+            for block in model.blocks:
+                block.attn.record_stats = False
+        out = {}
+        for i, (block, h) in enumerate(zip(model.blocks, hidden)):
+            out[f"diag/layer_{i:02d}/act_max_abs"] = float(h.abs().max())
+            out[f"diag/layer_{i:02d}/act_kurtosis"] = kurtosis(h)
+            for key, value in block.attn.stats.items():
+                out[f"diag/layer_{i:02d}/{key}"] = value
+        out["diag/act_max_abs"] = max(v for k, v in out.items() if k.endswith("act_max_abs"))
+        out["diag/attn_logit_max"] = max(v for k, v in out.items() if k.endswith("attn_logit_max"))
+        return out
