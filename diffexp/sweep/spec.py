@@ -29,7 +29,8 @@ from typing import Any
 import yaml
 
 #: metrics a trial records at the end of fit (the objective must be one of them)
-KNOWN_METRICS = ("val/loss", "val/ppl", "train/loss", "train/grad_norm", "train/tokens_per_s")
+KNOWN_METRICS = ("val/loss", "val/ppl", "val/ar_hit_loss", "val/others_loss", "val/ar_hit_share", "train/loss",
+                 "diag/grad_spikes", "diag/act_max_abs", "diag/attn_logit_max")
 SPEC_KEYS = {"study", "base", "overrides", "cases", "grid", "seeds", "search", "n_trials", "objective", "pruner",
              "storage", "runs_dir", "stale_after_s", "max_attempts", "description"}
 SEARCH_TYPES = {"float", "int", "categorical"}

@@ -103,7 +103,8 @@ class SweepTrialCallback(L.Callback):
         if not trainer.is_global_zero:
             return
         metrics = {k: float(v) for k, v in trainer.callback_metrics.items()
-                   if getattr(v, "numel", lambda: 1)() == 1 and k not in NOT_RESULTS}
+                   if getattr(v, "numel", lambda: 1)() == 1 and k not in NOT_RESULTS
+                   and not k.startswith("diag/layer_")}
         params = pl_module.model.parameter_report() if hasattr(pl_module, "model") else {}
         tokens_per_s = statistics.median(self._tokens_per_s) if self._tokens_per_s else None
         record = {"study": self.study_name, "case": self.case, "seed": self.seed, "overrides": self.overrides,
