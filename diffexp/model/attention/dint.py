@@ -6,19 +6,17 @@
     Final   = A1 - lambda A2 + lambda A3         (gamma = lambda, so every row sums to 1)
     head    = GroupNorm(Final V)                 no (1 - lambda_init) factor
 
-The fast path never builds a T x T map for the whole sequence: "mean" is cumsum(A1 V) / n, and
-"softmax" streams over query blocks with running column sums of A1 (G lies in [0, 1], so exp(G)
-needs no max subtraction).
+The fast path never builds a T x T map: "mean" is cumsum(A1 V) / n, and "softmax" streams over
+query blocks with running column sums of A1, forward and backward (dint_integral.py).
 """
 
 from __future__ import annotations
-
-import math
 
 import torch
 
 from diffexp.model.attention.base import expand_kv
 from diffexp.model.attention.differential import TwoMapDifferentialAttention
+from diffexp.model.attention.dint_integral import streaming_integral
 
 
 def row_positions(t: int, like: torch.Tensor, start: int = 0) -> torch.Tensor:
@@ -36,29 +34,6 @@ def integral_map(weights1: torch.Tensor, integral: str) -> torch.Tensor:
     return g.masked_fill(future, float("-inf")).softmax(dim=-1)
 
 
-def integral_softmax_streaming(q1: torch.Tensor, k1: torch.Tensor, v: torch.Tensor,
-                               block_size: int = 128) -> torch.Tensor:
-    """A3 V for integral="softmax", one query block at a time, carrying A1's column sums."""
-    b, h, t, d = q1.shape
-    k1, v = expand_kv(k1, h), expand_kv(v, h)
-    scale = 1.0 / math.sqrt(d)
-    dtype = torch.promote_types(q1.dtype, torch.float32)
-    col_sums = q1.new_zeros(b, h, t, dtype=dtype)  # sum of A1 rows above the block
-    outputs = []
-    for start in range(0, t, block_size):
-        end = min(start + block_size, t)
-        rows = torch.arange(start, end, device=q1.device).unsqueeze(-1)
-        future = torch.arange(end, device=q1.device) > rows  # (blk, end)
-        logits = (q1[:, :, start:end].to(dtype) @ k1[:, :, :end].to(dtype).transpose(-1, -2)) * scale
-        a1 = logits.masked_fill(future, float("-inf")).softmax(dim=-1)
-        g = (col_sums[:, :, :end].unsqueeze(-2) + a1.cumsum(dim=-2)) / row_positions(end - start, a1, start)
-        numer = torch.exp(g).masked_fill(future, 0.0)
-        a3 = numer / numer.sum(dim=-1, keepdim=True)
-        outputs.append(a3.to(v.dtype) @ v[:, :, :end])
-        col_sums = torch.cat([col_sums[:, :, :end] + a1.sum(dim=-2), col_sums[:, :, end:]], dim=-1)
-    return torch.cat(outputs, dim=-2)
-
-
 class DintAttention(TwoMapDifferentialAttention):
     scale_by_lambda_init = False
     #: query rows per step of the streaming integral; memory is O(block_size * T) per head
@@ -73,7 +48,8 @@ class DintAttention(TwoMapDifferentialAttention):
             n = row_positions(out1.shape[-2], out1)
             integral_out = out1.cumsum(dim=-2) / n
         else:
-            integral_out = integral_softmax_streaming(q1, k1, v, self.integral_block_size)
+            h = q1.shape[1]
+            integral_out = streaming_integral(q1, expand_kv(k1, h), expand_kv(v, h), self.integral_block_size)
         return out + lam.to(out.dtype) * integral_out, effective
 
     def extra_repr(self) -> str:
