@@ -22,6 +22,7 @@ from diffexp.data import TextDataModule
 from diffexp.training.diagnostics import Diagnostics
 from diffexp.training.module import DiffexpLM
 from diffexp.training.runs import AtomicCheckpointIO, resolve_resume
+from diffexp.training.throughput import Throughput
 
 TRAINER_DEFAULTS = {
     "max_steps": 300,
@@ -45,6 +46,8 @@ class DiffexpCLI(LightningCLI):
         parser.add_lightning_class_args(ModelCheckpoint, "checkpoint")
         # always on, configurable as diagnostics.*: outliers, attention logits, lambda, gradient spikes
         parser.add_lightning_class_args(Diagnostics, "diagnostics")
+        # always on, configurable as throughput.*: tokens/s, FLOPs/s and MFU (ThroughputMonitor)
+        parser.add_lightning_class_args(Throughput, "throughput")
         parser.set_defaults({
             "checkpoint.save_last": True,
             "checkpoint.every_n_train_steps": 100,

@@ -224,3 +224,19 @@ def test_bad_config_names_the_value(overrides, needle):
     with pytest.raises(ValueError) as err:
         ModelConfig(**{**SMALL, **overrides})
     assert needle in str(err.value)
+
+
+def test_flops_per_token_counts_maps_causal_half_and_v_width():
+    t = 256
+    base = Decoder(ModelConfig(**{**SMALL, "n_kv_heads": None}))
+    linear = sum(m.weight.numel() for m in base.modules() if isinstance(m, torch.nn.Linear))
+    d, h, layers = 16, 4, 2  # baseline: 4 heads of dim 16
+    attention = layers * h * 2 * (t / 2) * (d + d)
+    assert base.flops_per_token(t, training=False) == 2 * linear + attention
+    assert base.flops_per_token(t) == 3 * base.flops_per_token(t, training=False)
+    v1 = Decoder(ModelConfig(**{**SMALL, "attention": "diff_v1", "n_kv_heads": None}))  # 2 x 4 maps of 8, V 16
+    dint = Decoder(ModelConfig(**{**SMALL, "attention": "dint", "n_kv_heads": None}))
+    v1_attention = layers * 2 * h * 2 * (t / 2) * (8 + 16)
+    assert v1.flops_per_token(t, training=False) - 2 * linear == v1_attention
+    assert dint.flops_per_token(t, training=False) - v1.flops_per_token(t, training=False) == \
+        layers * h * 2 * (t / 2) * 16

@@ -83,6 +83,28 @@ class Decoder(nn.Module):
             params.pop(id(self.lm_head.weight), None)
         return sum(p.numel() for p in params.values())
 
+    def flops_per_token(self, seq_len: int, training: bool = True) -> float:
+        """Model FLOPs per token (2 per multiply-add) at sequence length seq_len, for throughput and MFU.
+
+        Matmuls with weights: 2 x (linear parameters). Attention, causal (on average T/2 keys per query):
+        each map costs 2 d per key for Q K^T plus 2 dv per key for A V. Per layer:
+        baseline h maps (dv = d); diff_v1 / shared_diff 2h maps with dv = 2d; dint those plus the
+        integral's A3 V (h x 2 x 2d); diff_v2 2h maps (dv = d). The logical count: FlashAttention's
+        recomputation and V splitting are not counted. Training = forward + backward = 3 x forward.
+        """
+        linear = sum(m.weight.numel() for m in self.modules() if isinstance(m, nn.Linear))
+        if self.cfg.attention == "shared_diff":  # its low-rank updates are matmuls too
+            linear += sum(p.numel() for n, p in self.named_parameters() if n.endswith(".up"))
+        cfg, d, h = self.cfg, self.cfg.resolved_head_dim, self.cfg.n_heads
+        keys = seq_len / 2
+        per_map = {"baseline": (h, d), "diff_v2": (2 * h, d)}.get(cfg.attention, (2 * h, 2 * d))
+        maps, dv = per_map
+        attention = maps * 2 * keys * (d + dv)
+        if cfg.attention == "dint":
+            attention += h * 2 * keys * 2 * d
+        forward = 2 * linear + cfg.n_layers * attention
+        return forward * (3 if training else 1)
+
     def parameter_report(self) -> dict[str, int]:
         """Parameter counts per kind of module, for the logs and Shared DIFF's claims."""
         attn = sum(p.numel() for b in self.blocks for p in b.attn.parameters())

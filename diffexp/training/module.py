@@ -228,6 +228,17 @@ class DiffexpLM(L.LightningModule):
     def on_train_epoch_start(self) -> None:
         self._last_batch_time = None
 
+    # read by the Throughput callback for FLOPs/s and MFU; training counts forward + backward
+    def on_train_batch_start(self, batch, batch_idx: int) -> None:
+        tokens = _tokens(batch)
+        self.flops_per_batch = tokens.shape[0] * (tokens.shape[1] - 1) * self.model.flops_per_token(
+            tokens.shape[1] - 1, training=True)
+
+    def on_validation_batch_start(self, batch, batch_idx: int, dataloader_idx: int = 0) -> None:
+        tokens = _tokens(batch)
+        self.flops_per_batch = tokens.shape[0] * (tokens.shape[1] - 1) * self.model.flops_per_token(
+            tokens.shape[1] - 1, training=False)
+
     def on_fit_start(self) -> None:
         report = self.model.parameter_report()
         datamodule = getattr(self.trainer, "datamodule", None)

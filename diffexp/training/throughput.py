@@ -1,0 +1,36 @@
+"""Tokens/s, FLOPs/s and MFU through Lightning's ThroughputMonitor, with a peak the user can set."""
+
+from __future__ import annotations
+
+from lightning.pytorch.callbacks import ThroughputMonitor
+
+
+def _tokens(batch) -> int:
+    tokens = batch["tokens"] if isinstance(batch, dict) else batch
+    return tokens[:, :-1].numel()
+
+
+def _rows(batch) -> int:
+    tokens = batch["tokens"] if isinstance(batch, dict) else batch
+    return tokens.shape[0]
+
+
+class Throughput(ThroughputMonitor):
+    """ThroughputMonitor for diffexp batches; FLOPs come from DiffexpLM.flops_per_batch (per variant).
+
+    Args:
+        peak_tflops: peak dense TFLOP/s of one device for MFU, for GPUs Lightning does not know
+            (e.g. 989 for an H100/H200 SXM in bf16). None uses Lightning's table.
+        window_size: batches averaged in each reading.
+    """
+
+    def __init__(self, peak_tflops: float | None = None, window_size: int = 20) -> None:
+        if peak_tflops is not None and peak_tflops <= 0:
+            raise ValueError(f"throughput.peak_tflops={peak_tflops!r} is invalid: expected a positive number")
+        super().__init__(batch_size_fn=_rows, length_fn=_tokens, window_size=window_size)
+        self.peak_tflops = peak_tflops
+
+    def setup(self, trainer, pl_module, stage: str) -> None:
+        super().setup(trainer, pl_module, stage)
+        if self.peak_tflops is not None:
+            self.available_flops = int(self.peak_tflops * 1e12)
