@@ -47,6 +47,8 @@ class ModelConfig:
         lambda_mode: diff_v2: "sigmoid" (default), "none" (attn1 - attn2) or "raw" (no sigmoid).
         integral: dint: "softmax" (the paper) or "mean" (use the cumulative mean G itself).
         backend: attention call for the fast path: sdpa, flash_attn (CUDA + flash-attn) or eager.
+        backend_fallback: when flash_attn cannot run (package missing, CPU tensors), fall back to sdpa with
+            a logged warning (true) or stop with an error (false).
         init_std: std of the normal init of linear and embedding weights.
     """
 
@@ -71,6 +73,7 @@ class ModelConfig:
     lambda_mode: Literal["sigmoid", "none", "raw"] = "sigmoid"
     integral: Literal["softmax", "mean"] = "softmax"
     backend: Literal["sdpa", "flash_attn", "eager"] = "sdpa"
+    backend_fallback: bool = True
     init_std: float = 0.02
 
     def __post_init__(self) -> None:

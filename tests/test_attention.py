@@ -240,3 +240,21 @@ def test_flops_per_token_counts_maps_causal_half_and_v_width():
     assert v1.flops_per_token(t, training=False) - 2 * linear == v1_attention
     assert dint.flops_per_token(t, training=False) - v1.flops_per_token(t, training=False) == \
         layers * h * 2 * (t / 2) * 16
+
+
+def test_unavailable_flash_backend_falls_back_or_fails_as_configured():
+    from diffexp.model.attention.base import flash_attn_func
+
+    if flash_attn_func is not None and torch.cuda.is_available():
+        pytest.skip("flash-attn can run here; nothing falls back")
+    x = torch.randn(1, 8, SMALL["d_model"])
+    with pytest.warns(UserWarning, match="flash"):
+        attn = build_attention(ModelConfig(**SMALL, attention="diff_v1", backend="flash_attn"), 0)
+        out, _ = attn(x)
+    reference = build_attention(ModelConfig(**SMALL, attention="diff_v1"), 0)
+    reference.load_state_dict(attn.state_dict())
+    torch.testing.assert_close(out, reference(x)[0])
+    with pytest.raises((ValueError, RuntimeError), match="backend_fallback"):
+        strict = build_attention(ModelConfig(**SMALL, attention="diff_v1", backend="flash_attn",
+                                             backend_fallback=False), 0)
+        strict(x)

@@ -97,10 +97,12 @@ class DiffexpLM(L.LightningModule):
         arch: the decoder and its attention variant.
         optim: optimizer and schedule.
         vocab_size: linked from the data module; overrides arch.vocab_size.
+        ar_hit: the AR-Hit / Others split of the validation loss.
+        compile: torch.compile each decoder block (before FSDP wraps them), as torchtitan does.
     """
 
     def __init__(self, arch: ModelConfig = ModelConfig(), optim: OptimConfig = OptimConfig(),
-                 vocab_size: int | None = None, ar_hit: ARHitConfig = ARHitConfig()) -> None:
+                 vocab_size: int | None = None, ar_hit: ARHitConfig = ARHitConfig(), compile: bool = False) -> None:
         super().__init__()
         ar_hit = ARHitConfig(**ar_hit) if isinstance(ar_hit, dict) else ar_hit
         # checkpoints store plain dicts (see save_hyperparameters below)
@@ -113,10 +115,17 @@ class DiffexpLM(L.LightningModule):
         self.save_hyperparameters({"arch": asdict(arch), "optim": asdict(optim), "vocab_size": arch.vocab_size,
                                    "ar_hit": asdict(ar_hit)})
         self.model = Decoder(arch)
+        self.compile_blocks = compile
         self.last_grad_norm: float | None = None
         self._last_batch_time: float | None = None
         self._frequent_bigrams: torch.Tensor | None = None
         self._split_sums = torch.zeros(4, dtype=torch.float64)  # ar-hit loss, count, others loss, count
+
+    def configure_model(self) -> None:
+        if self.compile_blocks and not getattr(self, "_compiled", False):
+            for block in self.model.blocks:
+                block.compile()
+            self._compiled = True
 
     # -- steps -----------------------------------------------------------------------------------
     def forward(self, idx: torch.Tensor) -> torch.Tensor:

@@ -60,7 +60,8 @@ def flash_available(*tensors: torch.Tensor) -> bool:
 
 
 def attend(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, backend: str = "sdpa", need_weights: bool = False
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, backend: str = "sdpa", need_weights: bool = False,
+    backend_fallback: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Causal attention. q: (B, Hq, T, d); k: (B, Hk, T, d); v: (B, Hk, T, dv) with dv a multiple of d.
 
@@ -72,12 +73,13 @@ def attend(
         out = weights.to(v.dtype) @ expand_kv(v, q.shape[1])
         return out, weights
     if backend == "flash_attn":
-        if not flash_available(q, k, v):
-            raise RuntimeError(
-                "model.backend='flash_attn' needs the flash-attn package and CUDA tensors; "
-                "install diffexp[flash] on a GPU machine or use backend 'sdpa'"
-            )
-        return _flash(q, k, v), None
+        if flash_available(q, k, v):
+            return _flash(q, k, v), None
+        if backend_fallback:
+            warnings.warn("model.backend='flash_attn' needs CUDA tensors; using sdpa for these", stacklevel=2)
+        else:
+            raise RuntimeError("model.backend='flash_attn' needs the flash-attn package and CUDA tensors; "
+                               "use backend 'sdpa' or set model.backend_fallback=true")
     gqa = q.shape[1] != k.shape[1]
     # SDPA's fused kernels want equal q/v head dims; a 2d-wide V would fall back to the math kernel
     # (T x T maps kept for backward), so attend to d-wide slices of V instead: same softmax, exact.
@@ -95,11 +97,13 @@ def _flash(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     return torch.cat(parts, dim=-1).transpose(1, 2)
 
 
-def resolve_backend(backend: str) -> str:
-    """flash_attn without the package falls back to sdpa with a warning, decided once at build time."""
+def resolve_backend(backend: str, fallback: bool = True) -> str:
+    """Decided once at build time: flash_attn without the package falls back to sdpa, or fails."""
     if backend == "flash_attn" and flash_attn_func is None:
-        warnings.warn("flash-attn is not installed; model.backend='flash_attn' falls back to 'sdpa'",
-                      stacklevel=2)
+        message = "flash-attn is not installed (pip install 'diffexp[flash]' on a CUDA machine)"
+        if not fallback:
+            raise ValueError(f"model.backend='flash_attn': {message}; or set model.backend_fallback=true")
+        warnings.warn(f"{message}; model.backend='flash_attn' falls back to 'sdpa'", stacklevel=2)
         return "sdpa"
     return backend
 
@@ -132,7 +136,7 @@ class AttentionBase(nn.Module):
         self.n_heads = cfg.n_heads
         self.n_kv_heads = cfg.kv_heads
         self.head_dim = cfg.resolved_head_dim
-        self.backend = resolve_backend(cfg.backend)
+        self.backend = resolve_backend(cfg.backend, cfg.backend_fallback)
         self.rope = RotaryEmbedding(self.head_dim, cfg.max_seq_len, cfg.rope_theta)
         self.stats: dict[str, float] = {}
 
@@ -147,7 +151,7 @@ class AttentionBase(nn.Module):
         if self.record_stats:  # a diagnostics forward: also keep the largest pre-softmax logit
             logit_max = causal_logits(q, k).max().item()
             self.stats["attn_logit_max"] = max(self.stats.get("attn_logit_max", float("-inf")), logit_max)
-        return attend(q, k, v, self.backend, need_weights)
+        return attend(q, k, v, self.backend, need_weights, self.cfg.backend_fallback)
 
     def extra_repr(self) -> str:
         return (f"layer={self.layer_idx}, heads={self.n_heads}, kv_heads={self.n_kv_heads}, "
