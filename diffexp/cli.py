@@ -13,6 +13,7 @@ import logging
 import sys
 import time
 
+import lightning as L
 from jsonargparse import Namespace
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 from lightning.pytorch.callbacks import ModelCheckpoint
@@ -41,6 +42,8 @@ TRAINER_DEFAULTS = {
 
 class DiffexpCLI(LightningCLI):
     def add_arguments_to_parser(self, parser) -> None:
+        if self.subclass_mode_data:
+            parser.set_defaults({"data": {"class_path": "diffexp.data.TextDataModule"}})
         parser.link_arguments("data.vocab_size", "model.vocab_size", apply_on="instantiate")
         # always on, configurable as checkpoint.*: last.ckpt for --ckpt_path last, plus the best by val/loss
         parser.add_lightning_class_args(ModelCheckpoint, "checkpoint")
@@ -104,7 +107,8 @@ def main(args: list[str] | None = None) -> None:
         log.setLevel(logging.INFO)
     DiffexpCLI(
         DiffexpLM,
-        TextDataModule,
+        L.LightningDataModule,
+        subclass_mode_data=True,  # TextDataModule by default; NeedleDataModule, MQARDataModule, ... by class_path
         seed_everything_default=1234,
         trainer_defaults=TRAINER_DEFAULTS,
         save_config_kwargs={"overwrite": False},
@@ -130,6 +134,6 @@ class _ParseOnlyCLI(DiffexpCLI):
 
 def parse_config(args: list[str], subcommand: str = "fit") -> Namespace:
     """Parse and type-check a full config (recipe + overrides) of a subcommand without building anything."""
-    cli = _ParseOnlyCLI(DiffexpLM, TextDataModule, seed_everything_default=1234, trainer_defaults=TRAINER_DEFAULTS,
-                        auto_configure_optimizers=False, args=[subcommand, *args])
+    cli = _ParseOnlyCLI(DiffexpLM, L.LightningDataModule, subclass_mode_data=True, seed_everything_default=1234,
+                        trainer_defaults=TRAINER_DEFAULTS, auto_configure_optimizers=False, args=[subcommand, *args])
     return cli.config[subcommand]

@@ -480,24 +480,37 @@ class NeedleEvalCallback(L.Callback):
         writer = _tensorboard_writer(trainer)
         if writer is not None:
             results.log_to_tensorboard(writer, step)
+        # also in callback_metrics, so sweeps can use them as objective or compare column
+        scalars = {f"needle/{method}/N{n}R{r}": value for (method, n, r), value in results.mean_by_nr().items()}
+        report = [f"## Retrieval at step {step}\n", results.table()]
         if trainer.log_dir is not None:
             results.to_csv(Path(trainer.log_dir) / f"needles-step{step:06d}.csv")
-        if self.attention and writer is not None:
-            from diffexp.evals.attention import attention_by_depth, negative_fraction
+        if self.attention:
+            from diffexp.evals.attention import attention_by_depth, attention_table, negative_fraction
 
             n, r = self.nr[-1]
             by_depth = {d: eval_samples(self.context_lens[-1], d, n, r, min(self.samples, 8), self.haystack,
                                         self.seed) for d in self.depths}
-            rows = [row for row in attention_by_depth(pl_module, by_depth, device=pl_module.device,
-                                                      batch_size=max(1, self.batch_size // 4))
-                    if row["layer"] == "all"]
-            writer.add_scalar("attention/answer", sum(x["answer"] for x in rows) / len(rows), step)
-            writer.add_scalar("attention/noise", sum(x["noise"] for x in rows) / len(rows), step)
+            all_rows = attention_by_depth(pl_module, by_depth, device=pl_module.device,
+                                          batch_size=max(1, self.batch_size // 4))
+            rows = [row for row in all_rows if row["layer"] == "all"]
             decoder = getattr(pl_module, "model", pl_module)
             with torch.no_grad():
                 _, maps = decoder(by_depth[self.depths[0]][0].tokens[None, :-1].to(pl_module.device),
                                   need_weights=True)
-            writer.add_scalar("attention/negative_fraction", negative_fraction(maps), step)
+            scalars["attention/answer"] = sum(x["answer"] for x in rows) / len(rows)
+            scalars["attention/noise"] = sum(x["noise"] for x in rows) / len(rows)
+            scalars["attention/negative_fraction"] = negative_fraction(maps)
+            report += [f"\n## Attention to answer vs noise (N={n}, R={r}), step {step}\n",
+                       attention_table(all_rows, getattr(getattr(pl_module, "arch", None), "attention", None))]
+        for name, value in scalars.items():
+            trainer.callback_metrics[name] = torch.tensor(float(value))
+            if writer is not None and name.startswith("attention/"):
+                writer.add_scalar(name, value, step)
+        text = "\n".join(report)
+        print(text)
+        if trainer.log_dir is not None:
+            (Path(trainer.log_dir) / f"needles-step{step:06d}.md").write_text(text + "\n")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -31,6 +31,8 @@ import yaml
 #: metrics a trial records at the end of fit (the objective must be one of them)
 KNOWN_METRICS = ("val/loss", "val/ppl", "val/ar_hit_loss", "val/others_loss", "val/ar_hit_share", "train/loss",
                  "diag/grad_spikes", "diag/act_max_abs", "diag/attn_logit_max")
+#: evaluation callbacks record these (e.g. needle/rank/N4R2, attention/noise, mqar/accuracy, icl/random/n16)
+EVAL_PREFIXES = ("needle/", "attention/", "mqar/", "icl/")
 SPEC_KEYS = {"study", "base", "overrides", "cases", "grid", "seeds", "search", "n_trials", "objective", "pruner",
              "storage", "runs_dir", "stale_after_s", "max_attempts", "description"}
 SEARCH_TYPES = {"float", "int", "categorical"}
@@ -201,8 +203,9 @@ def parse_spec(raw: dict[str, Any], source: Path | None = None, repo_root: Path 
 
     objective = typed("objective", dict, default={"metric": "val/loss", "direction": "minimize"})
     metric = objective.get("metric", "val/loss")
-    if metric not in KNOWN_METRICS:
-        raise fail(f"objective.metric={metric!r} is not a metric trials record; known: {', '.join(KNOWN_METRICS)}")
+    if metric not in KNOWN_METRICS and not metric.startswith(EVAL_PREFIXES):
+        raise fail(f"objective.metric={metric!r} is not a metric trials record; known: {', '.join(KNOWN_METRICS)}, "
+                   f"or an evaluation's {', '.join(p + '...' for p in EVAL_PREFIXES)}")
     direction = objective.get("direction", "minimize")
     if direction not in ("minimize", "maximize"):
         raise fail(f"objective.direction={direction!r}: expected 'minimize' or 'maximize'")
