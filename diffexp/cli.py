@@ -19,7 +19,6 @@ from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.cli import LightningCLI
 
-from diffexp.data import TextDataModule
 from diffexp.training.diagnostics import Diagnostics
 from diffexp.training.module import DiffexpLM
 from diffexp.training.runs import AtomicCheckpointIO, resolve_resume
