@@ -94,6 +94,10 @@ def main(args: list[str] | None = None) -> None:
         from diffexp.sweep.runner import main as sweep_main
 
         sys.exit(sweep_main(argv[1:]))
+    if argv and argv[0] == "eval":
+        from diffexp.evals.cli import main as eval_main
+
+        sys.exit(eval_main(argv[1:]))
     if argv and argv[0] == "compare":
         from diffexp.compare import main as compare_main
 

@@ -527,7 +527,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch-size", type=int, default=16)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--out", default=None, help="directory for needles.csv, heatmaps and attention.md")
+    parser.add_argument("--out", default=None, help="directory for needles.csv, heatmaps and attention.md "
+                        "(default: <run>/eval/ beside the checkpoint's checkpoints/)")
     args = parser.parse_args(argv)
     from diffexp.evals.attention import attention_by_depth, attention_table
     from diffexp.training.module import DiffexpLM
@@ -542,12 +543,17 @@ def main(argv: list[str] | None = None) -> int:
                 for d in args.depths}
     table = attention_table(attention_by_depth(model, by_depth, device=args.device), model.arch.attention)
     print(f"\nattention from the query (context {args.context_lens[-1]}, N={n}, R={r}):\n{table}")
-    if args.out:
-        out = Path(args.out)
-        results.to_csv(out / "needles.csv")
-        results.heatmaps(out / "needles")
-        (out / "attention.md").write_text(table + "\n")
-        print(f"wrote {out}/needles.csv, needles_*.png, attention.md")
+    from diffexp.evals.cli import eval_output
+
+    out, writer, step = eval_output(args.checkpoint, args.out)
+    results.to_csv(out / "needles.csv")
+    results.heatmaps(out / "needles")
+    (out / "attention.md").write_text(table + "\n")
+    (out / "needles.md").write_text(results.table() + "\n")
+    if writer is not None:  # into the run's own TensorBoard, at the checkpoint's step
+        results.log_to_tensorboard(writer, step)
+        writer.close()
+    print(f"wrote {out}/needles.csv, needles.md, needles_*.png, attention.md")
     return 0
 
 
