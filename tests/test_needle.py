@@ -283,3 +283,29 @@ def test_callback_logs_during_fit_and_the_command_line_evaluates_a_checkpoint(tm
     assert "| rank |" in out and "| baseline | 0% answer" in out
     assert (tmp_path / "eval" / "needles.csv").is_file() and (tmp_path / "eval" / "attention.md").is_file()
     assert len(list((tmp_path / "eval").glob("needles_*.png"))) == 2
+
+
+def test_eval_cli_writes_into_the_run(tmp_path, capsys):
+    import lightning as L
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from diffexp.cli import main as diffexp_main
+    from diffexp.training import DiffexpLM
+
+    cfg = ModelConfig(attention="baseline", vocab_size=257, d_model=32, n_layers=1, n_heads=2, max_seq_len=512)
+    module = DiffexpLM(cfg)
+    run_dir = tmp_path / "runs" / "x" / "version_0"
+    trainer = L.Trainer(max_steps=0, logger=False, enable_checkpointing=False, enable_progress_bar=False)
+    trainer.strategy.connect(module)
+    ckpt = run_dir / "checkpoints" / "last.ckpt"
+    trainer.save_checkpoint(ckpt)
+    with pytest.raises(SystemExit) as exit_:
+        diffexp_main(["eval", "needle", str(ckpt), "--context-lens", "256", "--depths", "0.5", "--nr", "2,1",
+                      "--samples", "2", "--haystack", "synthetic", "--device", "cpu"])
+    assert exit_.value.code == 0
+    assert (run_dir / "eval" / "needles.md").is_file() and (run_dir / "eval" / "attention.md").is_file()
+    tags = EventAccumulator(str(run_dir)).Reload().Tags()
+    assert "needle/rank/N2R1" in tags["scalars"] and tags["images"]
+    with pytest.raises(SystemExit) as exit_:
+        diffexp_main(["eval", "nonsense", str(ckpt)])
+    assert exit_.value.code == 2 and "nonsense" in capsys.readouterr().err
