@@ -1,0 +1,100 @@
+"""MQAR recall accuracy (zoology): argmax accuracy over the queried values of ``MQARDataModule`` batches.
+
+A batch is ``{"tokens": (B, T + 1), "loss_mask": (B, T)}``; the model sees ``tokens[:, :-1]`` and its
+logits ``(B, T, V)`` are scored against ``tokens[:, 1:]`` where ``loss_mask`` is set.
+
+* ``mqar_accuracy(logits, batch)``: accuracy of one batch;
+* ``evaluate_mqar(model, datamodule_or_loader)``: ``{"mqar/accuracy", "mqar/n"}`` over a loader;
+* ``MQARAccuracy``: a Lightning callback logging ``val/mqar_accuracy`` after every validation.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import lightning as L
+import torch
+from torch import nn
+
+
+def _split(batch) -> tuple[torch.Tensor, torch.Tensor]:
+    if isinstance(batch, dict):
+        tokens = batch["tokens"]
+        mask = batch.get("loss_mask")
+    else:
+        tokens, mask = batch, None
+    if mask is None:
+        mask = torch.ones(tokens.shape[0], tokens.shape[1] - 1, dtype=torch.bool, device=tokens.device)
+    return tokens, mask.bool()
+
+
+def mqar_counts(logits: torch.Tensor, batch) -> tuple[int, int]:
+    """(correct, scored) argmax predictions over the masked targets of one batch."""
+    tokens, mask = _split(batch)
+    targets = tokens[:, 1:].to(logits.device)
+    mask = mask.to(logits.device)
+    if logits.shape[:2] != targets.shape:
+        raise ValueError(f"logits {tuple(logits.shape)} do not match targets {tuple(targets.shape)} "
+                         "(logits must be the model's output on tokens[:, :-1])")
+    correct = (logits.argmax(dim=-1) == targets) & mask
+    return int(correct.sum()), int(mask.sum())
+
+
+def mqar_accuracy(logits: torch.Tensor, batch) -> float:
+    """Argmax accuracy over the positions where ``loss_mask`` is set (NaN if none is)."""
+    correct, total = mqar_counts(logits, batch)
+    return correct / total if total else float("nan")
+
+
+def _loader(data) -> Iterable:
+    if isinstance(data, L.LightningDataModule):
+        return data.val_dataloader()
+    return data
+
+
+@torch.no_grad()
+def evaluate_mqar(model: nn.Module, data, device: str | torch.device | None = None,
+                  max_batches: int | None = None) -> dict[str, float | int]:
+    """Recall accuracy of ``model`` (``idx -> logits``: a ``Decoder`` or ``DiffexpLM``) over a data module's
+    validation loader, or any iterable of batches. Returns ``{"mqar/accuracy": float, "mqar/n": int}``
+    (``n``: number of scored queries). The model's train/eval mode is restored afterwards."""
+    if device is None:
+        device = next(model.parameters()).device
+    was_training = model.training
+    model.eval()
+    correct = total = 0
+    try:
+        for i, batch in enumerate(_loader(data)):
+            if max_batches is not None and i >= max_batches:
+                break
+            tokens, mask = _split(batch)
+            logits = model(tokens[:, :-1].to(device))
+            c, t = mqar_counts(logits, {"tokens": tokens, "loss_mask": mask})
+            correct, total = correct + c, total + t
+    finally:
+        model.train(was_training)
+    return {"mqar/accuracy": correct / total if total else float("nan"), "mqar/n": total}
+
+
+class MQARAccuracy(L.Callback):
+    """Log ``val/mqar_accuracy`` (argmax recall over the validation loader) after every validation.
+
+    Args:
+        max_batches: cap on validation batches scored (None: as many as the trainer's validation ran).
+    """
+
+    def __init__(self, max_batches: int | None = None) -> None:
+        self.max_batches = max_batches
+
+    def on_validation_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if trainer.sanity_checking:
+            return
+        loaders = trainer.val_dataloaders
+        loader = loaders[0] if isinstance(loaders, (list, tuple)) else loaders
+        if loader is None:
+            return
+        limit = self.max_batches
+        if limit is None and isinstance(trainer.num_val_batches, list) and trainer.num_val_batches:
+            limit = int(trainer.num_val_batches[0]) if trainer.num_val_batches[0] != float("inf") else None
+        result = evaluate_mqar(pl_module, loader, device=pl_module.device, max_batches=limit)
+        pl_module.log("val/mqar_accuracy", result["mqar/accuracy"], sync_dist=True)
