@@ -1,7 +1,8 @@
 """`diffexp eval <task> CKPT ...`: the papers' evaluations on a trained checkpoint.
 
 Results go to files (default <run>/eval/) and into the run's own TensorBoard at the checkpoint's step.
-Tasks: needle (retrieval grid + attention-to-answer table), and the ones registered below.
+Tasks: needle (retrieval grid + attention-to-answer table), icl (many-shot in-context classification),
+mqar (multi-query associative recall).
 """
 
 from __future__ import annotations
@@ -32,17 +33,77 @@ def eval_output(checkpoint: str, out: str | None):
     return directory, writer, step
 
 
+def _load(checkpoint: str, device: str):
+    from diffexp.training.module import DiffexpLM
+
+    return DiffexpLM.load_from_checkpoint(checkpoint, map_location=device).eval()
+
+
+def icl_main(argv: list[str]) -> int:
+    """Many-shot in-context classification: accuracy vs demonstrations, spread over orderings."""
+    import argparse
+
+    from diffexp.evals.icl import ICLTask, evaluate_icl
+
+    parser = argparse.ArgumentParser(prog="diffexp eval icl", description=icl_main.__doc__)
+    parser.add_argument("checkpoint")
+    parser.add_argument("--k-classes", type=int, default=4)
+    parser.add_argument("--n-demos", type=int, nargs="+", default=[1, 4, 16, 64])
+    parser.add_argument("--orderings", nargs="+", default=["random", "alternating"])
+    parser.add_argument("--n-orderings", type=int, default=5)
+    parser.add_argument("--n-tests", type=int, default=50)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--out", default=None, help="default: <run>/eval/")
+    args = parser.parse_args(argv)
+    model = _load(args.checkpoint, args.device)
+    results = evaluate_icl(model, ICLTask(args.k_classes, seed=args.seed), args.n_demos, args.orderings,
+                           args.n_orderings, args.n_tests, device=args.device, seed=args.seed,
+                           max_seq_len=model.arch.max_seq_len)
+    print(results.summary())
+    out, writer, step = eval_output(args.checkpoint, args.out)
+    results.save(out)
+    if writer is not None:
+        results.log_to_tensorboard(writer, step)
+        writer.close()
+    print(f"wrote {out}/icl.*")
+    return 0
+
+
+def mqar_main(argv: list[str]) -> int:
+    """Multi-query associative recall accuracy on held-out MQAR sequences."""
+    import argparse
+    import json
+
+    from diffexp.data.mqar import MQARDataModule
+    from diffexp.evals.mqar import evaluate_mqar
+
+    parser = argparse.ArgumentParser(prog="diffexp eval mqar", description=mqar_main.__doc__)
+    parser.add_argument("checkpoint")
+    parser.add_argument("--seq-len", type=int, default=256)
+    parser.add_argument("--num-kv-pairs", type=int, default=16)
+    parser.add_argument("--samples", type=int, default=1000)
+    parser.add_argument("--seed", type=int, default=1234)
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--out", default=None, help="default: <run>/eval/")
+    args = parser.parse_args(argv)
+    model = _load(args.checkpoint, args.device)
+    data = MQARDataModule(vocab_size=model.arch.vocab_size, seq_len=args.seq_len, num_kv_pairs=args.num_kv_pairs,
+                          val_size=args.samples, seed=args.seed)
+    result = evaluate_mqar(model, data, device=args.device)
+    print(json.dumps(result))
+    out, writer, step = eval_output(args.checkpoint, args.out)
+    (out / f"mqar-seq{args.seq_len}-kv{args.num_kv_pairs}.json").write_text(json.dumps(result, indent=2))
+    if writer is not None:
+        writer.add_scalar(f"mqar/accuracy_seq{args.seq_len}_kv{args.num_kv_pairs}", result["mqar/accuracy"], step)
+        writer.close()
+    return 0
+
+
 def _tasks():
     from diffexp.evals import needle
 
-    tasks = {"needle": needle.main}
-    try:
-        from diffexp.evals import icl, mqar
-
-        tasks.update({name: module.main for name, module in (("icl", icl), ("mqar", mqar)) if hasattr(module, "main")})
-    except ImportError:
-        pass
-    return tasks
+    return {"needle": needle.main, "icl": icl_main, "mqar": mqar_main}
 
 
 def main(argv: list[str] | None = None) -> int:

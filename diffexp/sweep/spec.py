@@ -32,7 +32,7 @@ import yaml
 KNOWN_METRICS = ("val/loss", "val/ppl", "val/ar_hit_loss", "val/others_loss", "val/ar_hit_share", "train/loss",
                  "diag/grad_spikes", "diag/act_max_abs", "diag/attn_logit_max")
 #: evaluation callbacks record these (e.g. needle/rank/N4R2, attention/noise, mqar/accuracy, icl/random/n16)
-EVAL_PREFIXES = ("needle/", "attention/", "mqar/", "icl/")
+EVAL_PREFIXES = ("needle/", "attention/", "mqar/", "icl/", "val/mqar")
 SPEC_KEYS = {"study", "base", "overrides", "cases", "grid", "seeds", "search", "n_trials", "objective", "pruner",
              "storage", "runs_dir", "stale_after_s", "max_attempts", "description"}
 SEARCH_TYPES = {"float", "int", "categorical"}

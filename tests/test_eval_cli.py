@@ -1,0 +1,42 @@
+"""`diffexp eval icl|mqar` on a checkpoint: files in the run's eval/ and scalars in its TensorBoard."""
+
+from __future__ import annotations
+
+import lightning as L
+import pytest
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+from diffexp.cli import main
+from diffexp.config import ModelConfig
+from diffexp.training import DiffexpLM
+
+
+@pytest.fixture
+def checkpoint(tmp_path):
+    module = DiffexpLM(ModelConfig(attention="dint", vocab_size=512, d_model=32, n_layers=1, n_heads=2,
+                                   max_seq_len=512))
+    trainer = L.Trainer(max_steps=0, logger=False, enable_checkpointing=False, enable_progress_bar=False)
+    trainer.strategy.connect(module)
+    path = tmp_path / "run" / "checkpoints" / "last.ckpt"
+    trainer.save_checkpoint(path)
+    return path
+
+
+def run(args):
+    with pytest.raises(SystemExit) as exit_:
+        main(["eval", *args])
+    return exit_.value.code
+
+
+def test_eval_mqar(checkpoint, capsys):
+    assert run(["mqar", str(checkpoint), "--seq-len", "64", "--num-kv-pairs", "4", "--samples", "16",
+                "--device", "cpu"]) == 0
+    assert '"mqar/accuracy"' in capsys.readouterr().out
+    assert (checkpoint.parent.parent / "eval" / "mqar-seq64-kv4.json").is_file()
+    assert "mqar/accuracy_seq64_kv4" in EventAccumulator(str(checkpoint.parent.parent)).Reload().Tags()["scalars"]
+
+
+def test_eval_icl(checkpoint):
+    assert run(["icl", str(checkpoint), "--n-demos", "1", "2", "--n-orderings", "2", "--n-tests", "4",
+                "--device", "cpu"]) == 0
+    assert list((checkpoint.parent.parent / "eval").glob("icl*.csv"))
