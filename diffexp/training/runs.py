@@ -17,7 +17,7 @@ from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 
 
 def find_last_checkpoint(experiment_dir: Path) -> Path | None:
-    """The most recently written checkpoints/last.ckpt among the runs of one experiment."""
+    """The most recently written checkpoints/last.ckpt (a file, or FSDP's sharded directory) of an experiment."""
     candidates = list(experiment_dir.glob("*/checkpoints/last.ckpt"))
     return max(candidates, key=lambda p: p.stat().st_mtime) if candidates else None
 
@@ -39,7 +39,7 @@ def resolve_resume(ckpt_path: str, save_dir: str, name: str) -> tuple[Path, str 
         path = found
     else:
         path = Path(ckpt_path)
-        if not path.is_file():
+        if not path.exists():  # a file, or a directory for FSDP's sharded checkpoints
             raise ValueError(f"--ckpt_path {ckpt_path!r}: no such file; expected a .ckpt file or 'last'")
     run_dir = path.parent.parent
     in_experiment = path.parent.name == "checkpoints" and run_dir.parent.resolve() == experiment_dir.resolve()
