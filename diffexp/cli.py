@@ -66,6 +66,19 @@ class DiffexpCLI(LightningCLI):
             trainer.strategy.checkpoint_io = AtomicCheckpointIO()
         return trainer
 
+    def after_fit(self) -> None:
+        """Every run ends validated at its last step, so its final val/loss belongs to its final weights."""
+        needs = getattr(self.model, "needs_final_validation", None)
+        if needs is not None and needs():
+            print(f"validating the final weights (step {self.model.global_step})", file=sys.stderr)
+            # logged one step back, like Lightning's validations inside fit (after 6 steps: step 5)
+            epoch_loop = self.trainer.fit_loop.epoch_loop
+            epoch_loop._batches_that_stepped -= 1
+            try:
+                self.trainer.validate(self.model, datamodule=self.datamodule, verbose=False)
+            finally:
+                epoch_loop._batches_that_stepped += 1
+
     def before_instantiate_classes(self) -> None:
         subcommand = self.config.get("subcommand")
         if subcommand is None:

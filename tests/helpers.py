@@ -43,3 +43,15 @@ class PoisonWeights(L.Callback):
         if trainer.global_step == self.step:
             with torch.no_grad():
                 pl_module.model.final_norm.weight.fill_(float("nan"))
+
+
+class KillAtFitEnd(L.Callback):
+    """Die after the final checkpoint is written but before later callbacks' on_fit_end; keep val/loss."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def on_fit_end(self, trainer, pl_module) -> None:
+        with open(self.path, "w") as f:
+            json.dump({"val/loss": float(trainer.callback_metrics["val/loss"]), "step": trainer.global_step}, f)
+        os._exit(137)

@@ -151,3 +151,26 @@ def test_search_space_is_sampled_per_trial_and_reaches_the_run(tmp_path):
     assert len(set(lrs)) == 2 and all(1e-4 <= lr <= 1e-2 for lr in lrs)
     configs = [yaml.safe_load(p.read_text()) for p in (tmp_path / "runs/search/diff").glob("*/config.yaml")]
     assert sorted(c["model"]["optim"]["lr"] for c in configs) == sorted(lrs)
+
+
+def test_trial_killed_after_its_last_checkpoint_still_records_its_result(tmp_path):
+    """The resumed run starts at max_steps and validates nothing; its result comes from the checkpoint."""
+    from tests.test_training import run_cli, write_recipe
+
+    recipe = write_recipe(tmp_path, max_steps=12)
+    sweep_cb = {"class_path": "diffexp.sweep.trial.SweepTrialCallback",
+                "init_args": {"study": "s", "trial_id": 0, "case": "c", "seed": 7, "overrides": {}}}
+    kill = {"class_path": "tests.helpers.KillAtFitEnd", "init_args": {"path": str(tmp_path / "killed.json")}}
+    proc = run_cli(["fit", "--config", str(recipe), f"--trainer.callbacks+={json.dumps(kill)}",
+                    f"--trainer.callbacks+={json.dumps(sweep_cb)}"], tmp_path, check=False)
+    assert proc.returncode == 137, proc.stderr[-2000:]
+    run_dir = tmp_path / "runs/run/version_0"
+    assert not (run_dir / "trial.json").exists()
+    killed = json.loads((tmp_path / "killed.json").read_text())
+    assert killed["step"] == 12
+
+    run_cli(["fit", "--config", str(recipe), "--ckpt_path", "last", f"--trainer.callbacks+={json.dumps(sweep_cb)}"],
+            tmp_path)
+    record = json.loads((run_dir / "trial.json").read_text())
+    assert record["global_step"] == 12 and record["validated_step"] == 12
+    assert record["metrics"]["val/loss"] == pytest.approx(killed["val/loss"])

@@ -205,3 +205,18 @@ def test_cli_trainer_uses_atomic_checkpoints(tmp_path, monkeypatch):
     cli = DiffexpCLI(DiffexpLM, TextDataModule, run=False, auto_configure_optimizers=False,
                      args=["--config", str(write_recipe(tmp_path))])
     assert isinstance(cli.trainer.strategy.checkpoint_io, AtomicCheckpointIO)
+
+
+def test_run_ending_off_the_validation_grid_validates_its_final_weights(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    main(["fit", "--config", str(write_recipe(tmp_path, max_steps=8))])  # validates every 6 steps
+    run_dir = tmp_path / "runs/run/version_0"
+    val_steps = [step for step, _ in scalars(run_dir)["val/loss"]]
+    assert val_steps == [5, 7]  # after 6 steps, then the final weights after 8 (logged one back, like fit)
+    ckpt = torch.load(run_dir / "checkpoints/last.ckpt", weights_only=True)
+    assert ckpt["global_step"] == 8
+    cli = DiffexpCLI(DiffexpLM, TextDataModule, auto_configure_optimizers=False,
+                     args=["validate", "--config", str(tmp_path / "run.yaml"), "--ckpt_path",
+                           str(run_dir / "checkpoints/last.ckpt")])
+    assert cli.trainer.callback_metrics["val/loss"].item() == pytest.approx(scalars(run_dir)["val/loss"][-1][1],
+                                                                           rel=1e-4)

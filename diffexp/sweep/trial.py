@@ -60,6 +60,17 @@ class SweepTrialCallback(L.Callback):
         self._trial: optuna.Trial | None = None
         self._tokens_per_s: list[float] = []
         self._start = time.time()
+        # results of the last validation, kept in the checkpoint: a run killed after its final checkpoint
+        # but before writing trial.json resumes at max_steps, validates nothing and still needs them
+        self._validated: dict[str, float] = {}
+        self._validated_step: int | None = None
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"validated": self._validated, "validated_step": self._validated_step}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self._validated = dict(state_dict.get("validated", {}))
+        self._validated_step = state_dict.get("validated_step")
 
     def _optuna_trial(self) -> optuna.Trial | None:
         url = os.environ.get(STORAGE_ENV)
@@ -88,7 +99,13 @@ class SweepTrialCallback(L.Callback):
                               {"step": trainer.global_step, "max_steps": trainer.max_steps})
 
     def on_validation_end(self, trainer, pl_module) -> None:
-        if trainer.sanity_checking or not trainer.is_global_zero:
+        if trainer.sanity_checking:
+            return
+        self._validated, self._validated_step = _scalar_results(trainer), trainer.global_step
+        if trainer.state.fn == "validate":  # the CLI's validation of the final weights, after fit
+            self._write_record(trainer, pl_module)
+            return
+        if not trainer.is_global_zero:
             return
         value = trainer.callback_metrics.get(self.metric)
         trial = self._optuna_trial()
@@ -100,17 +117,22 @@ class SweepTrialCallback(L.Callback):
             trainer.should_stop = True
 
     def on_fit_end(self, trainer, pl_module) -> None:
+        needs_validation = getattr(pl_module, "needs_final_validation", None)
+        if needs_validation is not None and needs_validation():
+            return  # the CLI validates the final weights next; the record is written then
+        self._write_record(trainer, pl_module)
+
+    def _write_record(self, trainer, pl_module) -> None:
         if not trainer.is_global_zero:
             return
-        metrics = {k: float(v) for k, v in trainer.callback_metrics.items()
-                   if getattr(v, "numel", lambda: 1)() == 1 and k not in NOT_RESULTS
-                   and not k.startswith("diag/layer_")}
+        metrics = {**self._validated, **_scalar_results(trainer)}
         params = pl_module.model.parameter_report() if hasattr(pl_module, "model") else {}
         tokens_per_s = statistics.median(self._tokens_per_s) if self._tokens_per_s else None
         record = {"study": self.study_name, "case": self.case, "seed": self.seed, "overrides": self.overrides,
                   "params": params, "metrics": metrics, "tokens_per_s": tokens_per_s,
                   "state": "pruned" if self.pruned else "complete", "global_step": trainer.global_step,
-                  "wall_s": time.time() - self._start, "trial_id": self.trial_id}
+                  "wall_s": time.time() - self._start, "trial_id": self.trial_id,
+                  "validated_step": self._validated_step}
         run_dir = self._run_dir(trainer)
         record["case_slug"] = run_dir.parent.name
         if trainer.logger is not None:  # the HParams dashboard: one row per trial
@@ -119,6 +141,11 @@ class SweepTrialCallback(L.Callback):
             hp_metrics = {f"hparams/{k}": v for k, v in metrics.items() if k.startswith(("val/", "train/loss"))}
             trainer.logger.log_hyperparams(hparams, hp_metrics)
         write_json_atomic(run_dir / "trial.json", record)
+
+
+def _scalar_results(trainer: L.Trainer) -> dict[str, float]:
+    return {k: float(v) for k, v in trainer.callback_metrics.items()
+            if getattr(v, "numel", lambda: 1)() == 1 and k not in NOT_RESULTS and not k.startswith("diag/layer_")}
 
 
 def _hparam_value(value: Any) -> Any:

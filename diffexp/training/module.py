@@ -117,6 +117,7 @@ class DiffexpLM(L.LightningModule):
         self.model = Decoder(arch)
         self.compile_blocks = compile
         self.last_grad_norm: float | None = None
+        self.validated_step: int | None = None  # the global step of the last validation, kept in checkpoints
         self._last_batch_time: float | None = None
         self._frequent_bigrams: torch.Tensor | None = None
         self._split_sums = torch.zeros(4, dtype=torch.float64)  # ar-hit loss, count, others loss, count
@@ -199,6 +200,8 @@ class DiffexpLM(L.LightningModule):
         self.log("test/loss", loss, sync_dist=True, batch_size=_batch_size(batch))
 
     def on_validation_epoch_end(self) -> None:
+        if not self.trainer.sanity_checking:
+            self.validated_step = self.global_step
         val_loss = self.trainer.callback_metrics.get("val/loss")
         if val_loss is not None:
             self.log("val/ppl", torch.exp(val_loss.float()))
@@ -214,6 +217,19 @@ class DiffexpLM(L.LightningModule):
         test_loss = self.trainer.callback_metrics.get("test/loss")
         if test_loss is not None:
             self.log("test/ppl", torch.exp(test_loss.float()))
+
+    def needs_final_validation(self) -> bool:
+        """True when the weights of the last step were never validated (max_steps off the validation grid, or
+        a run resumed from a checkpoint written before its final validation)."""
+        trainer = self.trainer
+        return (self.validated_step != self.global_step and not trainer.interrupted and self.global_step > 0
+                and trainer.limit_val_batches != 0)
+
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        checkpoint["diffexp_validated_step"] = self.validated_step
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        self.validated_step = checkpoint.get("diffexp_validated_step")
 
     # -- logs that need the step boundaries -------------------------------------------------------
     def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
