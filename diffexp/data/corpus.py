@@ -18,6 +18,7 @@ from __future__ import annotations
 import hashlib
 import os
 import sysconfig
+from collections.abc import Iterable
 from pathlib import Path
 
 DEFAULT_MAX_CHARS = 8_000_000
@@ -58,14 +59,22 @@ def load_stdlib_corpus(max_chars: int | None = DEFAULT_MAX_CHARS) -> list[str]:
         max_chars: Stop once this many characters are collected (the last document is
             truncated); ``None`` returns every file.
     """
+    return take_chars(map(_read_or_empty, stdlib_source_files()), max_chars)
+
+
+def _read_or_empty(path: Path) -> str:
+    try:
+        return path.read_text(encoding="utf-8")
+    except (UnicodeDecodeError, OSError):
+        return ""  # a broken or non-UTF-8 file is not worth failing over; skipping is deterministic
+
+
+def take_chars(texts: Iterable[str], max_chars: int | None) -> list[str]:
+    """Non-empty documents in order until ``max_chars`` characters (the last one truncated)."""
     documents: list[str] = []
     total = 0
-    for path in stdlib_source_files():
-        try:
-            text = path.read_text(encoding="utf-8")
-        except (UnicodeDecodeError, OSError):
-            continue  # a broken or non-UTF-8 file is not worth failing over; skipping is deterministic
-        if not text.strip():
+    for text in texts:
+        if not text or not text.strip():
             continue
         if max_chars is not None and total + len(text) >= max_chars:
             documents.append(text[: max_chars - total])

@@ -25,7 +25,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from diffexp.data import sources
-from diffexp.data.loader import PackedRows, ResumableDataLoader, collate_rows
+from diffexp.data.loader import PackedRows, collate_rows, resumable_train_loader
 from diffexp.data.packing import encode_documents, pack_rows, save_atomic, split_documents
 from diffexp.data.tokenizer import ByteTokenizer, TextTokenizer, load_or_train_bpe, load_tokenizer_file
 
@@ -36,19 +36,6 @@ CACHE_FORMAT = 1  # bump when the cached layout or packing rules change
 
 def _short_hash(*parts: object) -> str:
     return hashlib.sha256(json.dumps(parts, default=str).encode()).hexdigest()[:16]
-
-
-def _epoch_about_to_run(trainer: L.Trainer | None) -> int:
-    """The epoch Lightning will run next; it is what ``set_epoch`` receives from Lightning.
-
-    Needed when no loader state is restored: fresh runs, rebuilt loaders
-    (``reload_dataloaders_every_n_epochs``), and resuming from a checkpoint saved at the end of an
-    epoch, where Lightning skips ``load_state_dict`` and ``trainer.current_epoch`` still names the
-    finished epoch while this loader is created.
-    """
-    if trainer is None:
-        return 0
-    return trainer.fit_loop.epoch_progress.current.processed
 
 
 class TextDataModule(L.LightningDataModule):
@@ -272,16 +259,8 @@ class TextDataModule(L.LightningDataModule):
             # Lightning wants a fixed sequential order when overfitting (it would otherwise try to
             # rebuild the loader with a SequentialSampler); resuming is moot there.
             return self._ordered_loader(self.train_rows, drop_last=True)
-        return ResumableDataLoader(
-            PackedRows(self.train_rows),
-            batch_size=self.batch_size,
-            seed=self.seed,
-            start_epoch=_epoch_about_to_run(trainer),
-            num_replicas=trainer.world_size if trainer else 1,
-            rank=trainer.global_rank if trainer else 0,
-            num_workers=self.num_workers,
-            pin_memory=torch.cuda.is_available(),
-        )
+        return resumable_train_loader(PackedRows(self.train_rows), trainer, self.batch_size, self.seed,
+                                      self.num_workers)
 
     def val_dataloader(self) -> DataLoader:
         self.setup("validate")

@@ -16,6 +16,7 @@ import weakref
 from collections.abc import Iterator, Sequence
 from typing import Any
 
+import lightning as L
 import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
@@ -98,6 +99,7 @@ class ResumableDataLoader(DataLoader):
         rank: int = 0,
         num_workers: int = 0,
         pin_memory: bool = False,
+        collate_fn: Any = collate_rows,
     ) -> None:
         super().__init__(
             dataset,
@@ -105,7 +107,7 @@ class ResumableDataLoader(DataLoader):
             sampler=EpochShuffleSampler(dataset, seed, num_replicas, rank),
             drop_last=True,
             num_workers=num_workers,
-            collate_fn=collate_rows,
+            collate_fn=collate_fn,
             pin_memory=pin_memory,
             persistent_workers=num_workers > 0,
         )
@@ -167,3 +169,32 @@ class ResumableDataLoader(DataLoader):
             epoch, done = epoch + 1, 0
         self.epoch, self.batches_yielded = epoch, done
         self._resume_pending = True
+
+
+def epoch_about_to_run(trainer: L.Trainer | None) -> int:
+    """The epoch Lightning will run next; it is what ``set_epoch`` receives from Lightning.
+
+    Needed when no loader state is restored: fresh runs, rebuilt loaders
+    (``reload_dataloaders_every_n_epochs``), and resuming from a checkpoint saved at the end of an
+    epoch, where Lightning skips ``load_state_dict`` and ``trainer.current_epoch`` still names the
+    finished epoch while this loader is created.
+    """
+    if trainer is None:
+        return 0
+    return trainer.fit_loop.epoch_progress.current.processed
+
+
+def resumable_train_loader(dataset: Dataset, trainer: L.Trainer | None, batch_size: int, seed: int,
+                           num_workers: int = 0, collate_fn: Any = collate_rows) -> ResumableDataLoader:
+    """The training loader every data module uses: this rank's shuffled share, placed at the epoch to run."""
+    return ResumableDataLoader(
+        dataset,
+        batch_size=batch_size,
+        seed=seed,
+        start_epoch=epoch_about_to_run(trainer),
+        num_replicas=trainer.world_size if trainer else 1,
+        rank=trainer.global_rank if trainer else 0,
+        num_workers=num_workers,
+        pin_memory=torch.cuda.is_available(),
+        collate_fn=collate_fn,
+    )

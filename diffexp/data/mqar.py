@@ -32,7 +32,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from diffexp.data.loader import ResumableDataLoader
+from diffexp.data.loader import resumable_train_loader
 
 SPLITS = {"train": 0, "val": 1, "test": 2}
 
@@ -96,14 +96,6 @@ def collate_examples(batch) -> dict[str, torch.Tensor]:
     if isinstance(batch, dict):
         return batch
     return {key: torch.stack([item[key] for item in batch]) for key in batch[0]}
-
-
-class ResumableDictLoader(ResumableDataLoader):
-    """``ResumableDataLoader`` (shuffled per epoch, exact mid-epoch resume) yielding dict batches."""
-
-    def __init__(self, *args, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
-        self.collate_fn = collate_examples
 
 
 class MQARDataModule(L.LightningDataModule):
@@ -186,17 +178,8 @@ class MQARDataModule(L.LightningDataModule):
         trainer = self.trainer  # None unless attached to a Trainer
         if trainer is not None and trainer.overfit_batches > 0:
             return self._ordered_loader("train", drop_last=True)
-        start_epoch = trainer.fit_loop.epoch_progress.current.processed if trainer is not None else 0
-        return ResumableDictLoader(
-            self.dataset("train"),
-            batch_size=self.batch_size,
-            seed=self.seed,
-            start_epoch=start_epoch,
-            num_replicas=trainer.world_size if trainer else 1,
-            rank=trainer.global_rank if trainer else 0,
-            num_workers=self.num_workers,
-            pin_memory=torch.cuda.is_available(),
-        )
+        return resumable_train_loader(self.dataset("train"), trainer, self.batch_size, self.seed, self.num_workers,
+                                      collate_fn=collate_examples)
 
     def val_dataloader(self) -> DataLoader:
         return self._ordered_loader("val", drop_last=False)

@@ -45,8 +45,7 @@ import lightning as L
 import torch
 from torch.utils.data import DataLoader, Dataset, default_collate
 
-from diffexp.data.datamodule import _epoch_about_to_run
-from diffexp.data.loader import ResumableDataLoader
+from diffexp.data.loader import resumable_train_loader
 from diffexp.data.tokenizer import ByteTokenizer
 
 EOS_ID = ByteTokenizer.eos_id
@@ -418,14 +417,6 @@ class NeedleDataset(Dataset):
         return {"tokens": sample.tokens, "loss_mask": sample.loss_mask()}
 
 
-class _DictResumableLoader(ResumableDataLoader):
-    """ResumableDataLoader whose batches are dicts of stacked tensors."""
-
-    def __init__(self, *args, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
-        self.collate_fn = default_collate
-
-
 class NeedleDataModule(L.LightningDataModule):
     """Synthetic multi-needle retrieval batches (byte tokens, vocab 257) generated on the fly.
 
@@ -532,16 +523,8 @@ class NeedleDataModule(L.LightningDataModule):
         dataset = self.dataset("train")
         if trainer is not None and trainer.overfit_batches > 0:
             return self._ordered_loader(dataset, drop_last=True)
-        return _DictResumableLoader(
-            dataset,
-            batch_size=self.batch_size,
-            seed=self.seed,
-            start_epoch=_epoch_about_to_run(trainer),
-            num_replicas=trainer.world_size if trainer else 1,
-            rank=trainer.global_rank if trainer else 0,
-            num_workers=self.num_workers,
-            pin_memory=torch.cuda.is_available(),
-        )
+        return resumable_train_loader(dataset, trainer, self.batch_size, self.seed, self.num_workers,
+                                      collate_fn=default_collate)
 
     def val_dataloader(self) -> DataLoader:
         return self._ordered_loader(self.dataset("val"), drop_last=False)

@@ -18,7 +18,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
-from diffexp.data.corpus import DEFAULT_MAX_CHARS, load_stdlib_corpus, stdlib_fingerprint
+from diffexp.data.corpus import DEFAULT_MAX_CHARS, load_stdlib_corpus, stdlib_fingerprint, take_chars
 
 BUILDER_BY_SUFFIX = {".txt": "text", ".jsonl": "json", ".json": "json", ".parquet": "parquet"}
 EXPECTED_SOURCES = (
@@ -87,21 +87,6 @@ def fingerprint(source: Source) -> str:
         stat = path.stat()
         digest.update(f"{path}:{stat.st_size}:{stat.st_mtime_ns}\n".encode())
     return f"files-{digest.hexdigest()[:16]}"
-
-
-def take_chars(texts: Iterable[str], max_chars: int | None) -> list[str]:
-    """Non-empty documents in order until ``max_chars`` characters (the last one truncated)."""
-    documents: list[str] = []
-    total = 0
-    for text in texts:
-        if not text or not text.strip():
-            continue
-        if max_chars is not None and total + len(text) >= max_chars:
-            documents.append(text[: max_chars - total])
-            break
-        documents.append(text)
-        total += len(text)
-    return documents
 
 
 def _iter_local_texts(files: tuple[Path, ...], text_field: str, hf_cache_dir: str) -> Iterable[str]:

@@ -66,7 +66,8 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
-from diffexp.data.mqar import ResumableDictLoader, collate_examples
+from diffexp.data.loader import resumable_train_loader
+from diffexp.data.mqar import collate_examples
 from diffexp.data.tokenizer import ByteTokenizer
 
 log = logging.getLogger(__name__)
@@ -660,16 +661,9 @@ class ICLDataModule(L.LightningDataModule):
         if trainer is not None and trainer.overfit_batches > 0:
             return DataLoader(self._dataset(0), batch_size=self.batch_size, drop_last=True,
                               num_workers=self.num_workers, collate_fn=collate_examples)
-        return ResumableDictLoader(  # shuffled per (seed, epoch), resumes mid-epoch like the text data
-            self._dataset(0),
-            batch_size=self.batch_size,
-            seed=self.seed,
-            start_epoch=trainer.fit_loop.epoch_progress.current.processed if trainer is not None else 0,
-            num_replicas=trainer.world_size if trainer else 1,
-            rank=trainer.global_rank if trainer else 0,
-            num_workers=self.num_workers,
-            pin_memory=torch.cuda.is_available(),
-        )
+        # shuffled per (seed, epoch), resumes mid-epoch like the text data
+        return resumable_train_loader(self._dataset(0), trainer, self.batch_size, self.seed, self.num_workers,
+                                      collate_fn=collate_examples)
 
     def val_dataloader(self) -> DataLoader:
         return DataLoader(self._dataset(1), batch_size=self.batch_size, num_workers=self.num_workers,
