@@ -40,3 +40,19 @@ def test_eval_icl(checkpoint):
     assert run(["icl", str(checkpoint), "--n-demos", "1", "2", "--n-orderings", "2", "--n-tests", "4",
                 "--device", "cpu"]) == 0
     assert list((checkpoint.parent.parent / "eval").glob("icl*.csv"))
+
+
+@pytest.mark.parametrize("name", ["needle", "icl", "mqar"])
+def test_eval_callbacks_refuse_fsdp_before_training(name):
+    from types import SimpleNamespace
+
+    from lightning.pytorch.strategies import DDPStrategy, FSDPStrategy
+
+    from diffexp.evals.icl import ICLEval
+    from diffexp.evals.mqar import MQARAccuracy
+    from diffexp.evals.needle import NeedleEvalCallback
+
+    callback = {"needle": NeedleEvalCallback, "icl": ICLEval, "mqar": MQARAccuracy}[name]()
+    callback.setup(SimpleNamespace(strategy=DDPStrategy()), None, "fit")  # fine
+    with pytest.raises(ValueError, match=f"cannot run under FSDPStrategy.*diffexp eval {name} "):
+        callback.setup(SimpleNamespace(strategy=FSDPStrategy()), None, "fit")

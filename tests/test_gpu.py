@@ -49,3 +49,26 @@ def test_sdpa_bf16_training_step_is_finite_and_matches_eager(attention):
         losses.append(loss.item())
     assert all(torch.isfinite(torch.tensor(losses)))
     assert losses[0] == pytest.approx(losses[1], rel=2e-2)
+
+
+def test_fsdp_bf16_fit_logs_diagnostics_and_resumes_from_sharded_checkpoint(tmp_path):
+    """The GPU recipes' path at toy size: FSDP (one wrap unit per block, sharded checkpoints), bf16-mixed,
+    diagnostics observed inside the FSDP forward, then `--ckpt_path last` continues the same run."""
+    import torch.distributed.checkpoint  # noqa: F401  (sharded checkpoints need it)
+
+    from tests.test_training import run_cli, scalars, write_recipe
+
+    recipe = write_recipe(tmp_path, max_steps=8)
+    fsdp = ('--trainer.strategy={"class_path": "lightning.pytorch.strategies.FSDPStrategy", "init_args": '
+            '{"auto_wrap_policy": ["diffexp.model.decoder.DecoderBlock"], "state_dict_type": "sharded"}}')
+    common = ["--trainer.accelerator=gpu", "--trainer.devices=1", "--trainer.precision=bf16-mixed", fsdp,
+              "--diagnostics.every_n_steps=2"]
+    run_cli(["fit", "--config", str(recipe), *common], tmp_path)
+    run_dir = tmp_path / "runs/run/version_0"
+    logged = scalars(run_dir)
+    assert "diag/layer_01/act_kurtosis" in logged and "diag/attn_logit_max" in logged
+    assert (run_dir / "checkpoints/last.ckpt").is_dir()  # sharded: a directory
+
+    run_cli(["fit", "--config", str(recipe), *common, "--trainer.max_steps=12", "--ckpt_path=last"], tmp_path)
+    steps = [step for step, _ in scalars(run_dir)["train/loss"]]
+    assert max(steps) > 8 and not (tmp_path / "runs/run/version_1").exists()

@@ -1,1 +1,12 @@
 """Evaluations the papers use: AR-Hit/Others, needle retrieval, attention noise, MQAR, in-context learning."""
+
+
+def refuse_sharded_model(trainer, callback: str, command: str) -> None:
+    """Evaluation callbacks call the model directly, outside Lightning's forward; FSDP keeps the weights sharded
+    there. Stop at setup, before any training, and name the checkpoint command that does the same job."""
+    from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy
+
+    if isinstance(trainer.strategy, (FSDPStrategy, ModelParallelStrategy)):
+        raise ValueError(f"{callback} cannot run under {type(trainer.strategy).__name__}: the weights are sharded "
+                         f"outside the training forward. Remove it from trainer.callbacks and evaluate a "
+                         f"checkpoint instead: {command}")

@@ -69,6 +69,7 @@ from torch.utils.data import DataLoader, Dataset
 from diffexp.data.loader import resumable_train_loader
 from diffexp.data.mqar import collate_examples
 from diffexp.data.tokenizer import ByteTokenizer
+from diffexp.evals import refuse_sharded_model
 
 log = logging.getLogger(__name__)
 
@@ -676,7 +677,8 @@ class ICLDataModule(L.LightningDataModule):
 class ICLEval(L.Callback):
     """Run ``evaluate_icl`` on a held-out task and log ``icl/<ordering>/n<n>`` (and spreads) to the logger;
     writes ``icl.csv``, ``icl.png`` and ``icl.txt`` under ``<log_dir>/icl/step<step>/``. Runs on global rank 0
-    only, through the unwrapped module: fine for one device and DDP, not for FSDP-sharded models.
+    only, through the unwrapped module: fine for one device and DDP; under FSDP it stops at setup (use
+    ``diffexp eval icl CKPT``).
 
     Args:
         k_classes: classes of the evaluation task.
@@ -701,6 +703,9 @@ class ICLEval(L.Callback):
                            n_tests=n_tests)
         self.every_validation = every_validation
         self.last: ICLResults | None = None
+
+    def setup(self, trainer, pl_module, stage: str) -> None:
+        refuse_sharded_model(trainer, "ICLEval", "diffexp eval icl <run>/checkpoints/last.ckpt")
 
     def _run(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if not trainer.is_global_zero:

@@ -16,6 +16,8 @@ import lightning as L
 import torch
 from torch import nn
 
+from diffexp.evals import refuse_sharded_model
+
 
 def _split(batch) -> tuple[torch.Tensor, torch.Tensor]:
     if isinstance(batch, dict):
@@ -85,6 +87,9 @@ class MQARAccuracy(L.Callback):
 
     def __init__(self, max_batches: int | None = None) -> None:
         self.max_batches = max_batches
+
+    def setup(self, trainer, pl_module, stage: str) -> None:
+        refuse_sharded_model(trainer, "MQARAccuracy", "diffexp eval mqar <run>/checkpoints/last.ckpt")
 
     def on_validation_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if trainer.sanity_checking:

@@ -34,6 +34,7 @@ import torch
 import torch.nn.functional as F
 
 from diffexp.data.needle import EOS_ID, VOCAB_SIZE, NeedleSample, make_sample, min_context_len
+from diffexp.evals import refuse_sharded_model
 
 METHODS = ("greedy", "rank")
 DEFAULT_DEPTHS = (0.0, 0.25, 0.5, 0.75, 1.0)
@@ -435,8 +436,8 @@ class NeedleEvalCallback(L.Callback):
     ``attention``, ``attention/answer``, ``attention/noise`` (mean over layers and depths, from
     (N, R) = ``nr[-1]`` at ``context_lens[-1]``) and ``attention/negative_fraction``; writes
     ``needles-step<N>.csv`` into the run directory. Runs on global rank 0 only, calling the unwrapped
-    model: fine for single-device and DDP runs, not for FSDP-sharded ones (there, evaluate a checkpoint
-    with ``python -m diffexp.evals.needle CKPT``).
+    model: fine for single-device and DDP runs; under FSDP it stops at setup and names the checkpoint
+    command instead (``diffexp eval needle CKPT``).
 
     Args:
         context_lens: context lengths of the grid (each <= model.arch.max_seq_len).
@@ -466,6 +467,9 @@ class NeedleEvalCallback(L.Callback):
         self.samples, self.haystack, self.every = samples, haystack, every_n_validations
         self.attention, self.methods, self.batch_size, self.seed = attention, list(methods), batch_size, seed
         self._validations = 0
+
+    def setup(self, trainer, pl_module, stage: str) -> None:
+        refuse_sharded_model(trainer, "NeedleEvalCallback", "diffexp eval needle <run>/checkpoints/last.ckpt")
 
     def on_validation_end(self, trainer, pl_module) -> None:
         if trainer.sanity_checking:

@@ -1,16 +1,21 @@
 """Training diagnostics the DIFF papers and blog discuss, cheap enough to leave on.
 
-Every `every_n_steps`, one extra no-grad forward on a slice of the current batch records per layer:
+Every `every_n_steps`, the training step's own forward is observed (hooks, no extra forward, so it works
+unchanged under FSDP and activation checkpointing) on the first `sample_rows` rows of the batch, per layer:
 the largest |activation| and the kurtosis of the hidden states (outliers, DIFF V1 section 3.8), the
-largest attention logit, lambda (diff_v1 / shared_diff / dint), and for diff_v2 the mean and spread of
-the token-wise lambda. Every step, gradient-norm spikes (norm above `spike_factor` x the running
-mean of the previous norms, the DIFF V2 blog's instability signal) are counted.
+largest attention logit, and for diff_v2 the mean and spread of the token-wise lambda. Every step,
+gradient-norm spikes (norm above `spike_factor` x the running mean of the previous norms, the DIFF V2
+blog's instability signal) are counted. Lambda traces are logged by the LightningModule.
 """
 
 from __future__ import annotations
 
 import lightning as L
 import torch
+from torch import nn
+
+from diffexp.model.attention.base import AttentionBase
+from diffexp.model.decoder import DecoderBlock
 
 
 def kurtosis(x: torch.Tensor) -> float:
@@ -37,6 +42,8 @@ class Diagnostics(L.Callback):
         self.every_n_steps, self.sample_rows = every_n_steps, sample_rows
         self.spike_factor, self.spike_warmup = spike_factor, spike_warmup
         self.spikes = 0
+        self._observed_step: int | None = None
+        self._recorder: LayerStats | None = None
         self._norm_mean: float | None = None
         self._norms_seen = 0
 
@@ -46,12 +53,18 @@ class Diagnostics(L.Callback):
     def load_state_dict(self, state: dict) -> None:
         self.spikes, self._norm_mean, self._norms_seen = state["spikes"], state["norm_mean"], state["norms_seen"]
 
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        step = trainer.global_step  # the same for every micro-batch of an accumulated step: observe the first
+        if self.every_n_steps and step % self.every_n_steps == 0 and step != self._observed_step:
+            self._observed_step = step
+            self._recorder = LayerStats(pl_module, self.sample_rows).start()
+
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         self._count_spike(pl_module)
         pl_module.log("diag/grad_spikes", float(self.spikes))
-        if self.every_n_steps and trainer.global_step % self.every_n_steps == 0:
-            tokens = batch["tokens"] if isinstance(batch, dict) else batch
-            for name, value in self.measure(pl_module.model, tokens[: self.sample_rows, :-1]).items():
+        if self._recorder is not None:
+            recorder, self._recorder = self._recorder, None
+            for name, value in recorder.stop().items():
                 pl_module.log(name, value)
 
     def _count_spike(self, pl_module) -> None:
@@ -67,28 +80,62 @@ class Diagnostics(L.Callback):
 
     @staticmethod
     @torch.no_grad()
-    def measure(model, idx: torch.Tensor) -> dict[str, float]:
-        """One forward with hooks: per-layer outlier, kurtosis, attention-logit and lambda statistics."""
-        hidden: list[torch.Tensor] = []
-        hooks = [block.register_forward_hook(lambda m, i, out: hidden.append(out[0])) for block in model.blocks]
-        for block in model.blocks:
-            block.attn.record_stats, block.attn.stats = True, {}
+    def measure(model: nn.Module, idx: torch.Tensor) -> dict[str, float]:
+        """One extra eval-mode forward, observed: the same statistics for a model outside training."""
+        recorder = LayerStats(model, rows=idx.shape[0]).start()
         was_training = model.training
         try:
             model.eval()
             model(idx)
         finally:
             model.train(was_training)
-            for hook in hooks:
-                hook.remove()
-            for block in model.blocks:
-                block.attn.record_stats = False
-        out = {}
-        for i, (block, h) in enumerate(zip(model.blocks, hidden)):
+            stats = recorder.stop()
+        return stats
+
+
+class LayerStats:
+    """Observe the next forward of every decoder block: activation outliers, attention logits, lambda.
+
+    Blocks and attention layers are found with `modules()`, which reaches inside FSDP units; a block
+    run again (activation checkpointing recomputes it in backward) is recorded once.
+    """
+
+    def __init__(self, model: nn.Module, rows: int) -> None:
+        self.blocks = [m for m in model.modules() if isinstance(m, DecoderBlock)]
+        self.attention = [m for m in model.modules() if isinstance(m, AttentionBase)]
+        self.rows = rows
+        self.hidden: dict[int, torch.Tensor] = {}
+        self.hooks: list = []
+
+    def start(self) -> LayerStats:
+        for i, block in enumerate(self.blocks):
+            self.hooks.append(block.register_forward_hook(self._keep(i)))
+        for attn in self.attention:
+            attn.record_stats, attn.stats_rows, attn.stats = True, self.rows, {}
+        return self
+
+    def _keep(self, i: int):
+        def hook(module, inputs, output) -> None:
+            if i not in self.hidden:
+                self.hidden[i] = output[0][: self.rows].detach()
+        return hook
+
+    def stop(self) -> dict[str, float]:
+        for hook in self.hooks:
+            hook.remove()
+        for attn in self.attention:
+            attn.record_stats, attn.stats_rows = False, None
+        out: dict[str, float] = {}
+        for i, h in sorted(self.hidden.items()):
             out[f"diag/layer_{i:02d}/act_max_abs"] = float(h.abs().max())
             out[f"diag/layer_{i:02d}/act_kurtosis"] = kurtosis(h)
-            for key, value in block.attn.stats.items():
+        for i, attn in enumerate(self.attention):
+            for key, value in attn.stats.items():
                 out[f"diag/layer_{i:02d}/{key}"] = value
+        if not self.hidden:
+            return out
         out["diag/act_max_abs"] = max(v for k, v in out.items() if k.endswith("act_max_abs"))
-        out["diag/attn_logit_max"] = max(v for k, v in out.items() if k.endswith("attn_logit_max"))
+        logit_maxes = [v for k, v in out.items() if k.endswith("attn_logit_max")]
+        if logit_maxes:
+            out["diag/attn_logit_max"] = max(logit_maxes)
         return out

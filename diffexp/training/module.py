@@ -70,6 +70,24 @@ class ARHitConfig:
             raise ValueError(f"model.ar_hit.top_percent={self.top_percent!r} is invalid: expected in (0, 100)")
 
 
+def _shard_replicas(strategy) -> int:
+    """Under FSDP, how many full copies of the gradient the ranks' shards make up together (0: not sharded).
+
+    FULL_SHARD / SHARD_GRAD_OP split every gradient across all ranks (1 copy); the hybrid strategies shard
+    within a node and replicate across nodes (num_nodes copies).
+    """
+    from lightning.pytorch.strategies import FSDPStrategy
+
+    if not isinstance(strategy, FSDPStrategy) or strategy.world_size == 1:
+        return 0
+    kind = getattr(strategy.sharding_strategy, "name", str(strategy.sharding_strategy))
+    if kind in ("FULL_SHARD", "SHARD_GRAD_OP"):
+        return 1
+    if kind in ("HYBRID_SHARD", "_HYBRID_SHARD_ZERO2"):
+        return strategy.num_nodes
+    return 0
+
+
 def warmup_cosine(step: int, warmup_steps: int, total_steps: int, min_ratio: float) -> float:
     """Multiplier of the peak lr at `step`."""
     if step < warmup_steps:
@@ -236,6 +254,9 @@ class DiffexpLM(L.LightningModule):
         grads = [p.grad for p in self.parameters() if p.grad is not None]
         if grads:  # before clipping: spikes are what we want to see
             norm = torch.nn.utils.get_total_norm(grads)
+            replicas = _shard_replicas(self.trainer.strategy)
+            if replicas:  # each rank holds a shard: sum the squares over ranks, once per replica of the shards
+                norm = (self.trainer.strategy.reduce(norm.pow(2), reduce_op="sum") / replicas).sqrt()
             self.last_grad_norm = float(norm)
             self.log("train/grad_norm", norm)
 

@@ -143,13 +143,16 @@ class AttentionBase(nn.Module):
     def linear(self, in_features: int, out_features: int) -> nn.Linear:
         return nn.Linear(in_features, out_features, bias=False)
 
-    #: set by the diagnostics: record the largest attention logit and variant statistics on the next forward
+    #: set by the diagnostics: record the largest attention logit (over the first `stats_rows` rows of the
+    #: batch) and variant statistics on the next forward
     record_stats = False
+    stats_rows: int | None = None
 
     def attend(self, q, k, v, need_weights: bool = False):
         """The causal attention call on this layer's backend (RoPE already applied)."""
         if self.record_stats:  # a diagnostics forward: also keep the largest pre-softmax logit
-            logit_max = causal_logits(q, k).max().item()
+            with torch.no_grad():
+                logit_max = causal_logits(q[: self.stats_rows], k[: self.stats_rows]).max().item()
             self.stats["attn_logit_max"] = max(self.stats.get("attn_logit_max", float("-inf")), logit_max)
         return attend(q, k, v, self.backend, need_weights, self.cfg.backend_fallback)
 

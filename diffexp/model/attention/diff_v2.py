@@ -46,7 +46,8 @@ class DiffV2Attention(AttentionBase):
         out, weights = self.attend(q, k, v, need_weights)
         lam = self.token_lambda(x)
         if self.record_stats and torch.is_tensor(lam):  # the token-wise lambda's mean and spread
-            self.stats.update(lambda_mean=lam.mean().item(), lambda_std=lam.float().std().item())
+            observed = lam[: self.stats_rows].detach().float()
+            self.stats.update(lambda_mean=observed.mean().item(), lambda_std=observed.std().item())
         out = out[:, self.first] - lam * out[:, self.second]
         effective = None
         if weights is not None:
