@@ -42,6 +42,23 @@ def test_eval_icl(checkpoint):
     assert list((checkpoint.parent.parent / "eval").glob("icl*.csv"))
 
 
+def test_eval_icl_uses_the_task_shape_the_checkpoint_was_trained_on(tmp_path, capsys):
+    from diffexp.evals.icl import ICLDataModule
+
+    module = DiffexpLM(ModelConfig(vocab_size=257, d_model=32, n_layers=1, n_heads=2, max_seq_len=256))
+    data = ICLDataModule(k_classes=3, group_size=6, words_per_input=2, seq_len=64, batch_size=2, train_size=2)
+    trainer = L.Trainer(max_steps=0, logger=False, enable_checkpointing=False, enable_progress_bar=False)
+    trainer.strategy.connect(module)
+    trainer.datamodule = data
+    path = tmp_path / "run" / "checkpoints" / "last.ckpt"
+    trainer.save_checkpoint(path)
+    args = ["icl", str(path), "--n-demos", "1", "--n-orderings", "1", "--n-tests", "3", "--device", "cpu"]
+    assert run(args) == 0
+    assert "ICL task: K=3, 6 words per class, 2 per input" in capsys.readouterr().out
+    assert run([*args, "--words-per-input", "3"]) == 0  # a flag wins over the checkpoint
+    assert "ICL task: K=3, 6 words per class, 3 per input" in capsys.readouterr().out
+
+
 @pytest.mark.parametrize("name", ["needle", "icl", "mqar"])
 def test_eval_callbacks_refuse_fsdp_before_training(name):
     from types import SimpleNamespace

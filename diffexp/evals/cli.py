@@ -39,6 +39,12 @@ def _load(checkpoint: str, device: str):
     return DiffexpLM.load_from_checkpoint(checkpoint, map_location=device).eval()
 
 
+def _icl_training_task(checkpoint: str) -> dict:
+    """The ICLDataModule settings saved in a checkpoint ({} when it was trained on other data)."""
+    ckpt = torch.load(checkpoint, map_location="cpu", weights_only=True)
+    return dict(ckpt.get("datamodule_hyper_parameters") or {})
+
+
 def icl_main(argv: list[str]) -> int:
     """Many-shot in-context classification: accuracy vs demonstrations, spread over orderings."""
     import argparse
@@ -47,7 +53,11 @@ def icl_main(argv: list[str]) -> int:
 
     parser = argparse.ArgumentParser(prog="diffexp eval icl", description=icl_main.__doc__)
     parser.add_argument("checkpoint")
-    parser.add_argument("--k-classes", type=int, default=4)
+    parser.add_argument("--k-classes", type=int, default=None,
+                        help="default: the checkpoint's ICLDataModule setting, else 4 (also for the next three)")
+    parser.add_argument("--group-size", type=int, default=None, help="words per class (default 10)")
+    parser.add_argument("--words-per-input", type=int, default=None, help="default 3")
+    parser.add_argument("--random-label-names", action=argparse.BooleanOptionalAction, default=None)
     parser.add_argument("--n-demos", type=int, nargs="+", default=[1, 4, 16, 64])
     parser.add_argument("--orderings", nargs="+", default=["random", "alternating"])
     parser.add_argument("--n-orderings", type=int, default=5)
@@ -56,8 +66,17 @@ def icl_main(argv: list[str]) -> int:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--out", default=None, help="default: <run>/eval/")
     args = parser.parse_args(argv)
+    trained = _icl_training_task(args.checkpoint)  # evaluate the task shape the model was trained on
+    shape = {"k_classes": 4, "group_size": 10, "words_per_input": 3, "random_label_names": False}
+    for key in shape:
+        given = getattr(args, key)
+        shape[key] = given if given is not None else trained.get(key, shape[key])
     model = _load(args.checkpoint, args.device)
-    results = evaluate_icl(model, ICLTask(args.k_classes, seed=args.seed), args.n_demos, args.orderings,
+    source = "the checkpoint's ICLDataModule" if trained else "defaults"
+    print(f"ICL task: K={shape['k_classes']}, {shape['group_size']} words per class, {shape['words_per_input']} per "
+          f"input, random label names {shape['random_label_names']} (flags, else {source})")
+    task = ICLTask(shape.pop("k_classes"), seed=args.seed, **shape)
+    results = evaluate_icl(model, task, args.n_demos, args.orderings,
                            args.n_orderings, args.n_tests, device=args.device, seed=args.seed,
                            max_seq_len=model.arch.max_seq_len)
     print(results.summary())
