@@ -117,6 +117,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-memory", action="store_true", help="skip the peak-memory step")
     p.add_argument("--json", type=Path, default=None, metavar="PATH",
                    help="where to write the results (default: bench/results/<timestamp>.json)")
+    p.add_argument("--peak-tflops", type=float, default=None, metavar="TF",
+                   help="the device's peak TFLOP/s at --dtype for MFU (default: Lightning's table for known GPUs)")
     p.add_argument("--compare", type=Path, default=None, metavar="PATH",
                    help="JSON of an earlier run: print how the ratios changed")
     return p
@@ -163,6 +165,8 @@ def validate_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> 
         except ImportError:
             parser.error("--backend flash_attn: the flash-attn package is not installed "
                          "(pip install 'diffexp[flash]'); use --backend sdpa")
+    if args.peak_tflops is not None and args.peak_tflops <= 0:
+        parser.error(f"--peak-tflops: expected a positive number, got {args.peak_tflops}")
     if args.tokens_per_batch is None:
         args.tokens_per_batch = DEFAULT_CPU_TOKENS_PER_BATCH if args.device == "cpu" else 0
 
@@ -224,6 +228,9 @@ class StepRunner:
         self.model = Decoder(self.cfg).to(device)
         self.model.train()
         self.params = self.model.parameter_report()
+        # model FLOPs of one training step (forward + backward, causal attention counted once)
+        self.flops_per_step = tokens.shape[0] * (tokens.shape[1] - 1) * self.model.flops_per_token(
+            tokens.shape[1] - 1, training=True)
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-4, weight_decay=0.1)
         self.inputs, self.targets = tokens[:, :-1], tokens[:, 1:]
         self.autocast = args.dtype == "bf16"
@@ -441,6 +448,7 @@ def run_benchmark(args: argparse.Namespace) -> dict:
                     "variant": v, "seq_len": seq_len, "batch_size": batch,
                     "tokens_per_step": batch * seq_len,
                     "overrides": VARIANT_OVERRIDES[v], "params": runners[v].params,
+                    "flops_per_step": runners[v].flops_per_step,
                     "times_s": times[v], "cpu_times_s": cpu_times[v],
                     "peak_bytes": peaks[v],
                 }
@@ -450,11 +458,24 @@ def run_benchmark(args: argparse.Namespace) -> dict:
                 torch.cuda.empty_cache()
     finally:
         progress.close()
-    summarise(results, variants, args.seq_lens)
+    summarise(results, variants, args.seq_lens, peak_flops(args))
     return results
 
 
-def summarise(results: dict, variants: list[str], seq_lens: list[int]) -> None:
+def peak_flops(args: argparse.Namespace) -> float | None:
+    """Peak FLOP/s for MFU: --peak-tflops, else Lightning's table for the GPU and dtype (None on CPU)."""
+    if args.peak_tflops is not None:
+        return args.peak_tflops * 1e12
+    if args.device != "cuda":
+        return None
+    import torch
+    from lightning.fabric.utilities.throughput import get_available_flops
+
+    dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
+    return get_available_flops(torch.device("cuda"), dtype)
+
+
+def summarise(results: dict, variants: list[str], seq_lens: list[int], peak_flops_per_s: float | None = None) -> None:
     """Medians, ratios to the baseline and their per-round spread, added to each entry in place."""
     for seq_len in seq_lens:
         base = results[f"{BASELINE}@{seq_len}"]
@@ -472,6 +493,8 @@ def summarise(results: dict, variants: list[str], seq_lens: list[int]) -> None:
             entry["speed_ratio_min"] = min(round_ratios)
             entry["speed_ratio_max"] = max(round_ratios)
             entry["tokens_per_s"] = entry["tokens_per_step"] / med
+            entry["tflops_per_s"] = entry["flops_per_step"] / med / 1e12
+            entry["mfu"] = entry["flops_per_step"] / med / peak_flops_per_s if peak_flops_per_s else None
             peak, base_peak = entry["peak_bytes"], base["peak_bytes"]
             entry["mem_ratio"] = peak / base_peak if peak and base_peak else None
 
@@ -531,12 +554,13 @@ def result_rows(data: dict) -> list[list[str]]:
                 f"{e['median_step_s'] * 1e3:.0f}", _ratio_cell(e["speed_ratio"]),
                 f"{e['speed_ratio_min']:.2f}-{e['speed_ratio_max']:.2f}",
                 "n/a" if peak is None else f"{peak / MIB:.1f}", _ratio_cell(e["mem_ratio"]),
+                f"{e['tflops_per_s']:.3g}", "n/a" if e.get("mfu") is None else f"{100 * e['mfu']:.1f}%",
             ])
     return rows
 
 
 RESULT_HEADERS = ["variant", "seq", "batch", "params (non-emb)", "step ms (median)",
-                  "tokens/s vs base", "ratio spread (rounds)", "peak mem MiB", "mem vs base"]
+                  "tokens/s vs base", "ratio spread (rounds)", "peak mem MiB", "mem vs base", "TFLOP/s", "MFU"]
 
 
 def print_table(title: str, headers: list[str], rows: list[list[str]], caption: str = "") -> None:
@@ -624,6 +648,7 @@ def main(argv: list[str] | None = None) -> int:
             "tokens_per_batch": args.tokens_per_batch, "d_model": args.d_model, "n_layers": args.n_layers,
             "n_heads": args.n_heads, "vocab_size": args.vocab_size, "steps": args.steps,
             "warmup": args.warmup, "rounds": args.rounds, "dtype": args.dtype, "backend": args.backend,
+            "peak_flops": peak_flops(args),
             "variant_overrides": {v: VARIANT_OVERRIDES[v] for v in args.variants},
             "memory_method": None if args.no_memory else (
                 "cuda max_memory_allocated" if args.device == "cuda"
@@ -639,7 +664,9 @@ def main(argv: list[str] | None = None) -> int:
              f"{args.n_heads} heads; {args.rounds} rounds x {args.steps} steps")
     caption = ("tokens/s vs base = baseline median step time / variant median (>1 = faster than the "
                "baseline); spread = min-max of the same ratio per round; peak mem = live tensor bytes "
-               f"(state + step). Wall time {env['wall_s']:.0f} s. Results: {args.json}")
+               "(state + step); TFLOP/s = model FLOPs (Decoder.flops_per_token, training) / step time; MFU = "
+               f"that / the peak ({'n/a' if not data['config']['peak_flops'] else data['config']['peak_flops'] / 1e12} "
+               "TFLOP/s). Wall time {env['wall_s']:.0f} s. Results: {args.json}")
     if load and env["loadavg_end"] and max(load[0], env["loadavg_end"][0]) > (env["cpu_count"] or 1):
         caption += (f"\nNOTE: load average {load[0]:.1f} -> {env['loadavg_end'][0]:.1f} on "
                     f"{env['cpu_count']} CPUs: other processes competed; trust ratios only within "
