@@ -12,6 +12,7 @@ import lightning as L
 import torch
 import torch.nn.functional as F
 from lightning.pytorch.utilities import rank_zero_info
+from lightning.pytorch.utilities.model_helpers import is_overridden
 
 from diffexp.config import ModelConfig
 from diffexp.evals.ar_hit import ar_hit_mask, frequent_bigrams
@@ -240,8 +241,10 @@ class DiffexpLM(L.LightningModule):
         """True when the weights of the last step were never validated (max_steps off the validation grid, or
         a run resumed from a checkpoint written before its final validation)."""
         trainer = self.trainer
+        datamodule = getattr(trainer, "datamodule", None)
+        has_val_data = datamodule is not None and is_overridden("val_dataloader", datamodule, L.LightningDataModule)
         return (self.validated_step != self.global_step and not trainer.interrupted and self.global_step > 0
-                and trainer.limit_val_batches != 0)
+                and trainer.limit_val_batches != 0 and has_val_data)
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         checkpoint["diffexp_validated_step"] = self.validated_step
