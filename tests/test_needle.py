@@ -160,10 +160,21 @@ def test_data_module_batches_shapes_and_determinism():
     (dict(haystack="web"), "data.haystack='web'"),
     (dict(batch_size=0), "data.batch_size=0"),
     (dict(val_size=-1), "data.val_size=-1"),
+    (dict(loss_on="digits"), "data.loss_on='digits'"),
 ])
 def test_data_module_rejects_bad_values(kwargs, message):
     with pytest.raises(ValueError, match=re.escape(message)):
         NeedleDataModule(**kwargs)
+
+
+def test_loss_on_all_trains_on_every_token_but_validates_on_the_answers():
+    kwargs = dict(context_len=256, haystack="synthetic", batch_size=2, train_size=4, val_size=4)
+    answers, every = NeedleDataModule(**kwargs), NeedleDataModule(**kwargs, loss_on="all")
+    train = every.dataset("train")[0]
+    assert torch.equal(train["tokens"], answers.dataset("train")[0]["tokens"])  # same sequences
+    assert train["loss_mask"].sum() == 256
+    assert torch.equal(every.dataset("val")[1]["loss_mask"], answers.dataset("val")[1]["loss_mask"])
+    assert 0 < answers.dataset("val")[1]["loss_mask"].sum() < 20
 
 
 def test_min_context_len_is_enough_for_extreme_depths():

@@ -398,9 +398,10 @@ class NeedleDataset(Dataset):
     """
 
     def __init__(self, size: int, split: str, seed: int, context_len: int, nr: list[tuple[int, int]],
-                 depth: float | None, haystack: str) -> None:
+                 depth: float | None, haystack: str, loss_on: str = "answers") -> None:
         self.size, self.split, self.seed = size, split, seed
         self.context_len, self.nr, self.depth, self.haystack = context_len, nr, depth, haystack
+        self.loss_on = loss_on
 
     def __len__(self) -> int:
         return self.size
@@ -414,7 +415,8 @@ class NeedleDataset(Dataset):
 
     def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
         sample = self.sample(index)
-        return {"tokens": sample.tokens, "loss_mask": sample.loss_mask()}
+        mask = sample.loss_mask() if self.loss_on == "answers" else torch.ones(sample.context_len)
+        return {"tokens": sample.tokens, "loss_mask": mask}
 
 
 class NeedleDataModule(L.LightningDataModule):
@@ -439,6 +441,10 @@ class NeedleDataModule(L.LightningDataModule):
         val_size: Validation samples (held-out cities and numbers).
         num_workers: DataLoader worker processes (0 generates in the main process).
         seed: Seeds the samples and the per-epoch shuffle order.
+        loss_on: the training targets: "answers" (the answer digits and their ".", retrieval only) or
+            "all" (next-token loss on every token, as a language model sees the sequence: the repeated
+            haystack teaches copying early, which the retrieval then builds on). Validation always scores
+            the answers, so val/loss means the same either way.
     """
 
     def __init__(
@@ -454,9 +460,12 @@ class NeedleDataModule(L.LightningDataModule):
         val_size: int = 256,
         num_workers: int = 0,
         seed: int = 1234,
+        loss_on: Literal["answers", "all"] = "answers",
     ) -> None:
         super().__init__()
         self.save_hyperparameters()
+        if loss_on not in ("answers", "all"):
+            raise ValueError(f"data.loss_on={loss_on!r} is invalid: expected 'answers' or 'all'")
         pairs = [tuple(p) for p in nr_mix] if nr_mix else [(n_needles, n_queries)]
         for n, r in pairs:
             name = "data.nr_mix" if nr_mix else "data.n_needles"
@@ -481,7 +490,7 @@ class NeedleDataModule(L.LightningDataModule):
             raise ValueError(f"data.num_workers={num_workers!r} is invalid: expected >= 0")
         self.context_len, self.nr, self.depth, self.haystack = context_len, pairs, depth, haystack
         self.batch_size, self.train_size, self.val_size = batch_size, train_size, val_size
-        self.num_workers, self.seed = num_workers, seed
+        self.num_workers, self.seed, self.loss_on = num_workers, seed, loss_on
         self.tokenizer = ByteTokenizer()
 
     @property
@@ -499,7 +508,8 @@ class NeedleDataModule(L.LightningDataModule):
     def dataset(self, split: str) -> NeedleDataset:
         _check_split(split)
         size = self.train_size if split == "train" else self.val_size
-        return NeedleDataset(size, split, self.seed, self.context_len, self.nr, self.depth, self.haystack)
+        loss_on = self.loss_on if split == "train" else "answers"
+        return NeedleDataset(size, split, self.seed, self.context_len, self.nr, self.depth, self.haystack, loss_on)
 
     def samples(self, split: str = "val", start: int = 0, count: int | None = None) -> Iterator[NeedleSample]:
         """The samples of a split with their metadata, in index order (the same as the batches)."""
@@ -513,7 +523,7 @@ class NeedleDataModule(L.LightningDataModule):
         depth = "random" if self.depth is None else f"{self.depth:g}"
         return (f"needles ({pairs}) in a {self.haystack} haystack | context {self.context_len} byte tokens | "
                 f"answer depth {depth} | train {self.train_size}, val {self.val_size} samples (held-out cities "
-                f"and numbers)")
+                f"and numbers) | training loss on {self.loss_on}")
 
     def setup(self, stage: str | None = None) -> None:
         haystack_bytes(self.haystack, "train")  # load the corpus once, before workers fork
