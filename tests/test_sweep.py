@@ -19,6 +19,7 @@ import yaml
 from diffexp.compare import main as compare_main
 from diffexp.sweep import SpecError, parse_spec
 from diffexp.sweep.runner import main as sweep_main
+from diffexp.sweep.spec import load_spec
 from diffexp.sweep.storage import mask_url, open_storage
 
 REPO = Path(__file__).resolve().parents[1]
@@ -174,3 +175,19 @@ def test_trial_killed_after_its_last_checkpoint_still_records_its_result(tmp_pat
     record = json.loads((run_dir / "trial.json").read_text())
     assert record["global_step"] == 12 and record["validated_step"] == 12
     assert record["metrics"]["val/loss"] == pytest.approx(killed["val/loss"])
+
+
+@pytest.mark.parametrize("path", sorted((REPO / "sweeps").glob("*.yaml")), ids=lambda p: p.stem)
+def test_every_sweep_spec_parses_and_every_row_is_a_valid_config(path):
+    """Sweeps are data: each row of each shipped spec must be a config `diffexp fit` accepts and can build."""
+    from diffexp.cli import parse_config
+    from diffexp.config import ModelConfig
+    from diffexp.sweep.runner import cli_value
+
+    spec = load_spec(path)
+    for label, row in spec.rows():
+        overrides = {**spec.overrides, **row}
+        config = parse_config(["--config", str(spec.base), *(f"--{k}={cli_value(v)}" for k, v in overrides.items())])
+        arch = config.model.arch
+        ModelConfig(**(arch if isinstance(arch, dict) else vars(arch))).validate()  # the model builds
+        assert config.model.arch.attention in ("baseline", "diff_v1", "diff_v2", "shared_diff", "dint"), label
