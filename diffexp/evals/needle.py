@@ -443,7 +443,7 @@ class NeedleEvalCallback(L.Callback):
         context_lens: context lengths of the grid (each <= model.arch.max_seq_len).
         depths: answer depths.
         nr: (N needles, R queries) pairs.
-        samples: sequences per cell.
+        samples: sequences per cell (50, as the papers; the CPU recipes use 10).
         haystack: "corpus" or "synthetic".
         every_n_validations: evaluate at every n-th validation (1: each one).
         attention: also log the attention-to-answer / noise shares and the negative fraction.
@@ -453,7 +453,7 @@ class NeedleEvalCallback(L.Callback):
     """
 
     def __init__(self, context_lens: list[int] = [512], depths: list[float] = list(DEFAULT_DEPTHS),  # noqa: B006
-                 nr: list[tuple[int, int]] = list(DEFAULT_NR), samples: int = 20,  # noqa: B006
+                 nr: list[tuple[int, int]] = list(DEFAULT_NR), samples: int = 50,  # noqa: B006
                  haystack: str = "corpus", every_n_validations: int = 1, attention: bool = True,
                  methods: list[str] = list(METHODS), batch_size: int = 16, seed: int = 0) -> None:  # noqa: B006
         super().__init__()
