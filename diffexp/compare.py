@@ -510,31 +510,73 @@ def write_csv(path: str | Path, runs: StudyRuns, rows: Sequence[CaseSummary], me
             writer.writerow({k: "" if v is None else v for k, v in record.items()})
 
 
+def _column_width(label: str, cells: Sequence[str]) -> int:
+    """Width of a rich table column: the widest of its label and cells, plus padding and its border."""
+    return max([len(label), *map(len, cells)]) + 3
+
+
+def _pack_columns(widths: Sequence[int], first_used: int, used_by_each: int, room: int) -> list[list[int]]:
+    """Split column indices, in order, into groups that fit `room`: the first group beside `first_used`
+    characters (it may stay empty), each later one beside `used_by_each` (never empty)."""
+    groups: list[list[int]] = [[]]
+    used = first_used
+    for i, width in enumerate(widths):
+        if used + width > room and (groups[-1] or len(groups) == 1):
+            groups.append([])
+            used = used_by_each
+        groups[-1].append(i)
+        used += width
+    return groups
+
+
 def print_report(console, runs: StudyRuns, rows: Sequence[CaseSummary], metrics: Sequence[str]) -> None:
+    """The table, split into as many tables as the console width needs; each repeats the Case column.
+
+    The first holds what a paper's table shows (the objective, parameters, seeds, tokens/s); the other
+    recorded metrics follow in order, so every column stays readable instead of squeezed to an ellipsis.
+    """
     from rich.table import Table
     from rich.text import Text
 
     best = best_case(runs, rows)
-    table = Table(title=f"{runs.study}: objective {runs.objective} ({runs.direction})", caption=NOTE,
-                  caption_justify="left", title_justify="left")
-    table.add_column("Case", no_wrap=True)
-    for m in metrics:
+
+    def metric_column(m: str):
         label = metric_label(m) + (f" {_arrow(runs.direction)}" if m == runs.objective else "")
-        table.add_column(label, justify="right", no_wrap=True, style="bold" if m == runs.objective else None)
-    table.add_column("Params", justify="right")
-    table.add_column("Non-emb.", justify="right")
-    table.add_column("Seeds", justify="right")
-    table.add_column("Tokens/s", justify="right")
-    for row in rows:
-        cells = [Text(row.case.name)]
-        for m in metrics:
-            cells.append(Text(row.stats[m].format(), style="green" if m == runs.objective and row is best else ""))
-        seeds_style = "" if len(row.complete) == row.n_expected else "yellow"
-        cells += [Text(format_params(row.params_total)), Text(format_params(row.params_non_embedding)),
-                  Text(row.seeds_text, style=seeds_style),
-                  Text(EMPTY if row.tokens_per_s is None else f"{row.tokens_per_s:,.0f}")]
-        table.add_row(*cells)
-    console.print(table)
+        cells = [Text(row.stats[m].format(), style="green" if m == runs.objective and row is best else "")
+                 for row in rows]
+        return label, cells, "bold" if m == runs.objective else None
+
+    def text_column(label: str, values: Sequence[str], styles: Sequence[str] | None = None):
+        return label, [Text(v, style=(styles[i] if styles else "")) for i, v in enumerate(values)], None
+
+    objective = [m for m in metrics if m == runs.objective]
+    head = [metric_column(m) for m in objective] + [
+        text_column("Params", [format_params(r.params_total) for r in rows]),
+        text_column("Non-emb.", [format_params(r.params_non_embedding) for r in rows]),
+        text_column("Seeds", [r.seeds_text for r in rows],
+                    ["" if len(r.complete) == r.n_expected else "yellow" for r in rows]),
+        text_column("Tokens/s", [EMPTY if r.tokens_per_s is None else f"{r.tokens_per_s:,.0f}" for r in rows]),
+    ]
+    rest = [metric_column(m) for m in metrics if m != runs.objective]
+    case_width = _column_width("Case", [r.case.name for r in rows]) + 1
+    room = max(console.width, 40)
+    head_width = sum(_column_width(label, [c.plain for c in cells]) for label, cells, _ in head)
+    widths = [_column_width(label, [c.plain for c in cells]) for label, cells, _ in rest]
+    packed = _pack_columns(widths, case_width + head_width, case_width, room)
+    groups = [head + [rest[i] for i in packed[0]]] + [[rest[i] for i in group] for group in packed[1:]]
+
+    for n, columns in enumerate(groups):
+        title = f"{runs.study}: objective {runs.objective} ({runs.direction})"
+        if len(groups) > 1:
+            title += f" [{n + 1}/{len(groups)}]"
+        table = Table(title=title, title_justify="left")
+        table.add_column("Case", no_wrap=True)
+        for label, _, style in columns:
+            table.add_column(label, justify="right", no_wrap=True, style=style)
+        for r, row in enumerate(rows):
+            table.add_row(Text(row.case.name), *(cells[r] for _, cells, _ in columns))
+        console.print(table)
+    console.print(Text(NOTE))
     for key, items in issues(runs, rows).items():
         console.print(Text(_SECTION_TITLES[key] + ":", style="bold yellow" if key != "pruned" else "bold"))
         for item in items:

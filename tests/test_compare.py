@@ -258,3 +258,28 @@ def test_storage_password_is_masked(url, capsys):
 def test_mask_leaves_plain_paths_alone():
     assert compare.mask_storage_url("runs/study.log") == "runs/study.log"
     assert compare.mask_storage_url("sqlite:///tmp/x.db") == "sqlite:///tmp/x.db"
+
+
+@pytest.mark.parametrize("width", [100, 160])
+def test_printed_table_splits_to_fit_the_terminal_and_keeps_every_column(study, tmp_path, width):
+    import io
+
+    from rich.console import Console
+
+    buffer = io.StringIO()
+    console = Console(file=buffer, width=width, color_system=None)
+    runs = compare.load_study_runs(study, curves=False)
+    compare.compare(study, out=tmp_path, plots=False, console=console)
+    printed = buffer.getvalue()
+    table_lines = [line for line in printed.splitlines() if line[:1] in "┏┃┡│└"]
+    assert table_lines and all(len(line) <= width for line in table_lines)
+    assert "…" not in printed  # no squeezed cell or header
+    headers = " ".join(line for line in printed.splitlines() if "┃ Case" in line)
+    for label in ["Params", "Non-emb.", "Seeds", "Tokens/s"] + [compare.metric_label(m) for m in runs.metric_names()]:
+        assert label in headers, label
+    # every table repeats the cases; the first holds the objective beside parameters and seeds
+    first = printed.split("┃ Case")[1]
+    assert first.index("Valid loss ↓") < first.index("Params") < first.index("Seeds")
+    tables = printed.count("┃ Case")
+    assert printed.count("│ DIFF -GroupNorm ") == tables
+    assert tables > 1 if width == 100 else tables == 1
