@@ -21,6 +21,7 @@ from lightning.pytorch.cli import LightningCLI
 
 from diffexp.training.diagnostics import Diagnostics
 from diffexp.training.module import DiffexpLM
+from diffexp.training.progress import use_step_progress_bar
 from diffexp.training.runs import AtomicCheckpointIO, resolve_resume
 from diffexp.training.throughput import Throughput
 
@@ -64,6 +65,7 @@ class DiffexpCLI(LightningCLI):
         trainer = super().instantiate_trainer(**kwargs)
         if type(trainer.strategy.checkpoint_io) is TorchCheckpointIO:  # FSDP's sharded IO is left alone
             trainer.strategy.checkpoint_io = AtomicCheckpointIO()
+        use_step_progress_bar(trainer)
         return trainer
 
     def after_fit(self) -> None:

@@ -8,6 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import lightning as L
 import pytest
 import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
@@ -220,3 +221,25 @@ def test_run_ending_off_the_validation_grid_validates_its_final_weights(tmp_path
                            str(run_dir / "checkpoints/last.ckpt")])
     assert cli.trainer.callback_metrics["val/loss"].item() == pytest.approx(scalars(run_dir)["val/loss"][-1][1],
                                                                            rel=1e-4)
+
+
+def test_step_based_runs_show_no_negative_epoch_count():
+    from lightning.pytorch.callbacks import RichProgressBar
+
+    from diffexp.training.progress import StepProgressBar, use_step_progress_bar
+
+    def description(trainer):
+        use_step_progress_bar(trainer)
+        bar = trainer.progress_bar_callback
+        assert type(bar) is StepProgressBar
+        bar._trainer = trainer
+        return bar._get_train_description(0).strip()
+
+    # Lightning's own bar shows "Epoch 0/-2" when a run is bounded by steps
+    assert description(L.Trainer(max_steps=5, max_epochs=-1, logger=False, enable_checkpointing=False)) == "Epoch 0"
+    assert description(L.Trainer(max_epochs=3, logger=False, enable_checkpointing=False)) == "Epoch 0/2"
+    configured = RichProgressBar(refresh_rate=7, leave=True)
+    trainer = L.Trainer(max_steps=5, callbacks=[configured], logger=False, enable_checkpointing=False)
+    use_step_progress_bar(trainer)
+    bar = trainer.progress_bar_callback
+    assert type(bar) is StepProgressBar and (bar.refresh_rate, bar._leave) == (7, True)  # its settings kept

@@ -1,0 +1,24 @@
+"""Lightning's rich progress bar, labelled for step-based runs."""
+
+from __future__ import annotations
+
+from lightning.pytorch.callbacks import RichProgressBar
+
+
+class StepProgressBar(RichProgressBar):
+    """Runs bounded by max_steps have max_epochs = -1, which Lightning's bar shows as "Epoch 0/-2"."""
+
+    def _get_train_description(self, current_epoch: int) -> str:
+        max_epochs = self.trainer.max_epochs
+        if max_epochs is None or max_epochs >= 0:
+            return super()._get_train_description(current_epoch)
+        width = len(self.validation_description)  # padded like Lightning's, so the bars do not flicker
+        return f"{f'Epoch {current_epoch}':{width}}"
+
+
+def use_step_progress_bar(trainer) -> None:
+    """Swap a plain RichProgressBar (Lightning's default or a configured one) for StepProgressBar, same settings."""
+    for i, bar in enumerate(trainer.callbacks):
+        if type(bar) is RichProgressBar:
+            trainer.callbacks[i] = StepProgressBar(refresh_rate=bar.refresh_rate, leave=bar._leave, theme=bar.theme,
+                                                   console_kwargs=bar._console_kwargs)
