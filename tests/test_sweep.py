@@ -152,6 +152,44 @@ def test_search_space_is_sampled_per_trial_and_reaches_the_run(tmp_path):
     assert len(set(lrs)) == 2 and all(1e-4 <= lr <= 1e-2 for lr in lrs)
     configs = [yaml.safe_load(p.read_text()) for p in (tmp_path / "runs/search/diff").glob("*/config.yaml")]
     assert sorted(c["model"]["optim"]["lr"] for c in configs) == sorted(lrs)
+    # the HParams dashboard: one row per trial with its case, seed, size, every varied key and its results
+    for path in (tmp_path / "runs/search/diff").glob("*/trial.json"):
+        record = json.loads(path.read_text())
+        hparams, metric_tags = hparams_of(path.parent)
+        assert hparams["case"] == "DIFF" and hparams["seed"] == 0 and hparams["params/total"] > 0
+        assert hparams["model.optim.lr"] == pytest.approx(record["overrides"]["model.optim.lr"])
+        assert hparams["data.seq_len"] == 32 and hparams["trainer.max_steps"] == 6
+        assert "hparams/val/loss" in metric_tags
+
+
+def hparams_of(run_dir: Path) -> tuple[dict, list[str]]:
+    """The HParams a run's TensorBoard events hold: (session hparams, metric tags of the experiment)."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    from tensorboard.plugins.hparams import metadata
+
+    acc = EventAccumulator(str(run_dir))
+    acc.Reload()
+    content = acc.PluginTagToContent(metadata.PLUGIN_NAME)
+    session = metadata.parse_session_start_info_plugin_data(content[metadata.SESSION_START_INFO_TAG])
+    experiment = metadata.parse_experiment_plugin_data(content[metadata.EXPERIMENT_TAG])
+    values = {}
+    for key, value in session.hparams.items():
+        kind = value.WhichOneof("kind")
+        values[key] = getattr(value, kind)
+    return values, [info.name.tag for info in experiment.metric_infos]
+
+
+def test_effective_values_look_through_init_args(tmp_path):
+    from diffexp.sweep.trial import effective_values
+
+    config = tmp_path / "config.yaml"
+    config.write_text(yaml.safe_dump({
+        "trainer": {"max_steps": 300}, "model": {"arch": {"attention": "diff_v1", "n_kv_heads": None}},
+        "data": {"class_path": "diffexp.data.TextDataModule", "init_args": {"seq_len": 128}}}))
+    keys = ["model.arch.attention", "model.arch.n_kv_heads", "data.seq_len", "trainer.max_steps", "model.arch.nope"]
+    assert effective_values(config, keys) == {"model.arch.attention": "diff_v1", "model.arch.n_kv_heads": None,
+                                              "data.seq_len": 128, "trainer.max_steps": 300}
+    assert effective_values(tmp_path / "missing.yaml", keys) == {}
 
 
 def test_trial_killed_after_its_last_checkpoint_still_records_its_result(tmp_path):
@@ -191,3 +229,18 @@ def test_every_sweep_spec_parses_and_every_row_is_a_valid_config(path):
         arch = config.model.arch
         ModelConfig(**(arch if isinstance(arch, dict) else vars(arch))).validate()  # the model builds
         assert config.model.arch.attention in ("baseline", "diff_v1", "diff_v2", "shared_diff", "dint"), label
+
+
+def test_every_trial_records_every_key_the_study_varies(tmp_path):
+    from diffexp.sweep.runner import SweepRunner
+
+    spec = load_spec(REPO / "sweeps/table6.yaml")
+    assert set(spec.varied_keys()) == {"trainer.max_steps", "trainer.val_check_interval", "model.arch.attention",
+                                       "model.arch.head_norm", "model.arch.lambda_init", "model.arch.rank"}
+    spec.runs_dir = tmp_path
+    runner = SweepRunner(spec)
+    point = next(p for p in spec.points() if p.case == "DIFF")  # the row that overrides nothing
+    command = runner._command(runner.study.ask(), point, tmp_path / "run", None)
+    callback = json.loads(next(a for a in command if a.startswith("--trainer.callbacks+=")).split("=", 1)[1])
+    assert set(callback["init_args"]["hparam_keys"]) == set(spec.varied_keys())
+    assert callback["init_args"]["overrides"] == spec.overrides

@@ -164,7 +164,8 @@ class SweepRunner:
         trial.set_user_attr("run_dir", str(run_dir))
         callback = {"class_path": "diffexp.sweep.trial.SweepTrialCallback", "init_args": {
             "study": spec.study, "trial_id": trial._trial_id, "case": point.case, "seed": point.seed,
-            "overrides": overrides, "metric": spec.objective_metric, "pruner": spec.pruner}}
+            "overrides": overrides, "hparam_keys": spec.varied_keys(), "metric": spec.objective_metric,
+            "pruner": spec.pruner}}
         args = [sys.executable, "-m", "diffexp", "fit", "--config", str(spec.base)]
         args += [f"--{key}={cli_value(value)}" for key, value in overrides.items()]
         args += [

@@ -110,6 +110,14 @@ class SweepSpec:
                     points.append(Point(label, slugify(label), seed, draw, overrides))
         return points
 
+    def varied_keys(self) -> list[str]:
+        """Every dotted key any trial sets: each trial records its value of all of them as HParams."""
+        keys = dict.fromkeys(self.overrides)
+        for _, overrides in self.rows():
+            keys.update(dict.fromkeys(overrides))
+        keys.update(dict.fromkeys(self.search))
+        return list(keys)
+
     def fingerprint(self) -> str:
         """Identity of what the study runs; a study name reused with another spec is refused."""
         payload = {"base": str(self.base), "rows": self.rows(), "seeds": self.seeds, "overrides": self.overrides,

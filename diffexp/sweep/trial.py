@@ -48,14 +48,18 @@ class SweepTrialCallback(L.Callback):
         case: table row name.
         seed: the trial's seed.
         overrides: the dotted overrides that define this trial (case, grid, search, shared).
+        hparam_keys: dotted keys any trial of the study sets; this trial records its own value of each
+            (from its saved config), so rows that keep a recipe's value are not blank in the HParams table.
         metric: the objective metric, reported after each validation.
         pruner: the sweep's pruner spec ({"type": "median", ...}).
     """
 
     def __init__(self, study: str, trial_id: int, case: str, seed: int, overrides: dict[str, Any],
-                 metric: str = "val/loss", pruner: dict[str, Any] | None = None) -> None:
+                 hparam_keys: list[str] | None = None, metric: str = "val/loss",
+                 pruner: dict[str, Any] | None = None) -> None:
         self.study_name, self.trial_id, self.case, self.seed = study, trial_id, case, seed
         self.overrides, self.metric, self.pruner_spec = overrides, metric, pruner or {"type": "none"}
+        self.hparam_keys = list(hparam_keys or [])
         self.pruned = False
         self._trial: optuna.Trial | None = None
         self._tokens_per_s: list[float] = []
@@ -136,8 +140,9 @@ class SweepTrialCallback(L.Callback):
         run_dir = self._run_dir(trainer)
         record["case_slug"] = run_dir.parent.name
         if trainer.logger is not None:  # the HParams dashboard: one row per trial
+            values = {**effective_values(run_dir / "config.yaml", self.hparam_keys), **self.overrides}
             hparams = {"case": self.case, "seed": self.seed, "params/total": params.get("total", 0),
-                       **{k: _hparam_value(v) for k, v in self.overrides.items()}}
+                       **{k: _hparam_value(v) for k, v in values.items()}}
             hp_metrics = {f"hparams/{k}": v for k, v in metrics.items() if k.startswith(("val/", "train/loss"))}
             trainer.logger.log_hyperparams(hparams, hp_metrics)
         write_json_atomic(run_dir / "trial.json", record)
@@ -146,6 +151,29 @@ class SweepTrialCallback(L.Callback):
 def _scalar_results(trainer: L.Trainer) -> dict[str, float]:
     return {k: float(v) for k, v in trainer.callback_metrics.items()
             if getattr(v, "numel", lambda: 1)() == 1 and k not in NOT_RESULTS and not k.startswith("diag/layer_")}
+
+
+def effective_values(config_path: Path, keys: list[str]) -> dict[str, Any]:
+    """The value of each dotted key in a run's saved config; `init_args` levels are looked through, so
+    `data.seq_len` finds `data.init_args.seq_len`. Keys the config does not hold are left out."""
+    import yaml
+
+    try:
+        config = yaml.safe_load(config_path.read_text())
+    except (OSError, yaml.YAMLError):
+        return {}
+    values = {}
+    for key in keys:
+        node: Any = config
+        for part in key.split("."):
+            if isinstance(node, dict) and part not in node and isinstance(node.get("init_args"), dict):
+                node = node["init_args"]
+            if not isinstance(node, dict) or part not in node:
+                break
+            node = node[part]
+        else:
+            values[key] = node
+    return values
 
 
 def _hparam_value(value: Any) -> Any:
