@@ -662,11 +662,12 @@ def main(argv: list[str] | None = None) -> int:
     title = (f"Training step vs {BASELINE}: {args.device} ({env['device_name']}), {args.dtype}, "
              f"backend {args.backend}, {threads} threads, d_model {args.d_model}, {args.n_layers} layers, "
              f"{args.n_heads} heads; {args.rounds} rounds x {args.steps} steps")
+    peak = data["config"]["peak_flops"]
     caption = ("tokens/s vs base = baseline median step time / variant median (>1 = faster than the "
                "baseline); spread = min-max of the same ratio per round; peak mem = live tensor bytes "
                "(state + step); TFLOP/s = model FLOPs (Decoder.flops_per_token, training) / step time; MFU = "
-               f"that / the peak ({'n/a' if not data['config']['peak_flops'] else data['config']['peak_flops'] / 1e12} "
-               "TFLOP/s). Wall time {env['wall_s']:.0f} s. Results: {args.json}")
+               f"that / the peak ({'n/a' if not peak else f'{peak / 1e12:g}'} TFLOP/s). "
+               f"Wall time {env['wall_s']:.0f} s. Results: {args.json}")
     if load and env["loadavg_end"] and max(load[0], env["loadavg_end"][0]) > (env["cpu_count"] or 1):
         caption += (f"\nNOTE: load average {load[0]:.1f} -> {env['loadavg_end'][0]:.1f} on "
                     f"{env['cpu_count']} CPUs: other processes competed; trust ratios only within "

@@ -27,6 +27,8 @@ def test_bench_writes_ratios_flops_and_mfu_and_compares(tmp_path, capsys):
     first = tmp_path / "first.json"
     assert bench.main([*TINY, "--json", str(first), "--peak-tflops", "1.0"]) == 0
     data = json.loads(first.read_text())
+    caption = " ".join(capsys.readouterr().out.split())  # the table may wrap it
+    assert f"the peak (1 TFLOP/s). Wall time {data['env']['wall_s']:.0f} s" in caption and "{" not in caption
     results = data["results"]
     assert set(results) == {f"{v}@32" for v in ("baseline", "diff_v1", "diff_v2", "shared_diff", "dint")}
     base = results["baseline@32"]
