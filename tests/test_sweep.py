@@ -82,13 +82,17 @@ def test_killed_worker_is_resumed_without_duplicates(tmp_path):
     spec = write_spec(tmp_path, "killed", stale_after_s=3)
     url = f"sqlite:///{tmp_path / 'runs/killed/study.db'}"
     worker = start_worker(spec, tmp_path)
-    deadline = time.time() + 120
-    while time.time() < deadline:  # kill it in the middle of its second trial
+    deadline = time.time() + 300
+    in_flight = False
+    while time.time() < deadline and worker.poll() is None:  # kill it in the middle of its second trial
         done = list((tmp_path / "runs/killed").glob("*/seed*/trial.json"))
-        running = list((tmp_path / "runs/killed").glob("*/seed*/progress.json"))
-        if len(done) >= 1 and len(running) > len(done):
+        # a trial's log is opened when its process starts; trial.json is written when it ends
+        started = [p.parent for p in (tmp_path / "runs/killed").glob("*/seed*/trial-1.log")]
+        in_flight = any(not (d / "trial.json").exists() for d in started)
+        if done and in_flight:
             break
-        time.sleep(0.2)
+        time.sleep(0.1)
+    assert in_flight, "never saw a second trial in flight"
     worker.send_signal(signal.SIGKILL)
     worker.wait()
     before = trials_by_state(url, "killed")
