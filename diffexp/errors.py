@@ -1,0 +1,51 @@
+"""User errors: one clear paragraph on stderr, no traceback, exit code 2.
+
+Anything the user can fix (a config value, a file, a checkpoint, a sweep spec, a storage URL) raises
+`UserError` with a message that names the key as the user writes it, the bad value and what is
+allowed. Every `diffexp` subcommand runs under `guarded`, which prints that message and exits 2.
+`DIFFEXP_DEBUG=1` re-raises instead, with the full traceback.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Callable
+from typing import Any
+
+EXIT_USER_ERROR = 2
+
+
+class UserError(ValueError):
+    """A problem with what the user asked for. A ValueError, so callers that catch ValueError still work."""
+
+
+def invalid(key: str, value: Any, allowed: str) -> UserError:
+    """`key=value is invalid: allowed`, the one shape of every bad-value message."""
+    return UserError(f"{key}={value!r} is invalid: {allowed}")
+
+
+def debug_enabled() -> bool:
+    return os.environ.get("DIFFEXP_DEBUG", "").strip().lower() not in ("", "0", "false", "no")
+
+
+def print_error(message: str) -> None:
+    """Write `error: message` to stderr as plain text: never wrapped, so paths and URLs stay whole."""
+    from diffexp.secrets import mask_secrets
+
+    text = mask_secrets(str(message)).strip()
+    sys.stderr.write(f"error: {text}\n")
+    if not debug_enabled():
+        sys.stderr.write("(DIFFEXP_DEBUG=1 shows the traceback)\n")
+    sys.stderr.flush()
+
+
+def guarded(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """Call fn; a UserError becomes `error: ...` on stderr and SystemExit(2) (re-raised under DIFFEXP_DEBUG)."""
+    try:
+        return fn(*args, **kwargs)
+    except UserError as err:
+        if debug_enabled():
+            raise
+        print_error(str(err))
+        raise SystemExit(EXIT_USER_ERROR) from None
