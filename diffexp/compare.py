@@ -5,6 +5,7 @@ Input is a study's run directory as the sweep runner writes it::
     runs/<study>/sweep.json                              cases (table order), seeds, objective
     runs/<study>/<case_slug>/seed<k>/trial.json          written when a trial ends (complete or pruned)
     runs/<study>/<case_slug>/seed<k>/events.out.tfevents.*   its TensorBoard scalars
+    runs/<study>/<case_slug>/seed<k>-draw<d>/...         search draw d > 0 (diffexp.sweep.layout names them)
 
 or an Optuna study (`--study NAME --storage URL`) whose user attribute ``runs_dir`` points there.
 
@@ -14,7 +15,8 @@ Rules of the summary:
 * means and sample standard deviations (ddof=1) are over the *complete* trials of the case; with a
   single complete seed the std is reported as ``n/a`` (empty in compare.csv), never as 0;
 * pruned trials are excluded from every mean but counted (Seeds column, "pruned" section);
-* a (case, seed) with no trial.json is missing: "running or crashed" when its run directory exists,
+* a search sweep's draws (sweep.json's n_trials) are trials of their case like its seeds;
+* a (case, seed[, draw]) with no trial.json is missing: "running or crashed" when its run directory exists,
   "not started" otherwise; trial.json states other than complete/pruned are listed as failed;
 * every numeric key under trial.json's "metrics" is a column: the objective (from sweep.json) first, then
   val/*, test/*, train/*, the rest, alphabetical within each;
@@ -39,15 +41,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-SWEEP_FILE = "sweep.json"
-TRIAL_FILE = "trial.json"
+from diffexp.sweep import layout
+from diffexp.sweep.layout import SWEEP_FILE, TRIAL_FILE
+
 CURVE_TAG = "val/loss"
 DEFAULT_OUT = "compare"
 PLOT_DPI = 120
 NA = "n/a"  # the std of a single seed
 EMPTY = "—"  # a case with no complete seed
 
-_SEED_DIR = re.compile(r"^seed(\d+)$")
 _PREFIXES = {"val": "Valid", "test": "Test", "train": "Train"}
 
 
@@ -72,7 +74,7 @@ class Case:
 
 @dataclass
 class TrialRun:
-    """One (case, seed) of the grid. `record` is trial.json (None when it does not exist or cannot be read)."""
+    """One (case, seed, draw) of the grid. `record` is trial.json (None when it does not exist or cannot be read)."""
 
     case: Case
     seed: int
@@ -80,6 +82,11 @@ class TrialRun:
     record: dict[str, Any] | None = None
     curves: dict[str, list[tuple[int, float]]] = field(default_factory=dict)
     error: str | None = None  # trial.json exists but could not be read
+    draw: int = 0  # search draw (0 without search spaces)
+
+    @property
+    def label(self) -> str:
+        return f"seed {self.seed}" + (f" draw {self.draw}" if self.draw else "")
 
     @property
     def state(self) -> str:
@@ -121,11 +128,12 @@ class StudyRuns:
     seeds: list[int]
     objective: str
     direction: str  # minimize | maximize
-    trials: dict[tuple[str, int], TrialRun]  # (case slug, seed) -> run, for every pair of the grid
+    trials: dict[tuple[str, int, int], TrialRun]  # (case slug, seed, draw) -> run, for every trial of the grid
     unexpected: list[Path] = field(default_factory=list)  # trial dirs outside the grid of sweep.json
+    draws: int = 1  # search draws per case and seed (sweep.json's n_trials)
 
     def trials_of(self, case: Case) -> list[TrialRun]:
-        return [self.trials[(case.slug, seed)] for seed in self.seeds]
+        return [self.trials[(case.slug, seed, draw)] for seed in self.seeds for draw in range(self.draws)]
 
     def metric_names(self) -> list[str]:
         """Every numeric metric recorded by a complete trial: the objective first, then sorted."""
@@ -180,7 +188,7 @@ def _read_json(path: Path, what: str) -> Any:
         raise CompareError(f"{what} {str(path)!r} is not valid JSON: {exc}") from exc
 
 
-def _parse_sweep(path: Path) -> tuple[str, str | None, list[Case], list[int], str, str]:
+def _parse_sweep(path: Path) -> tuple[str, str | None, list[Case], list[int], str, str, int]:
     data = _read_json(path, SWEEP_FILE)
     where = f"{str(path)!r}"
     if not isinstance(data, dict):
@@ -209,12 +217,15 @@ def _parse_sweep(path: Path) -> tuple[str, str | None, list[Case], list[int], st
     direction = str(objective.get("direction", "minimize"))
     if direction not in ("minimize", "maximize"):
         raise CompareError(f"{where}: objective direction {direction!r} must be 'minimize' or 'maximize'")
+    draws = data.get("n_trials", 1)
+    if not isinstance(draws, int) or isinstance(draws, bool) or draws < 1:
+        raise CompareError(f"{where}: 'n_trials'={draws!r} must be a positive integer (search draws per seed)")
     study = str(data.get("study") or path.parent.name)
-    return study, data.get("spec"), cases, list(dict.fromkeys(seeds)), str(objective["metric"]), direction
+    return study, data.get("spec"), cases, list(dict.fromkeys(seeds)), str(objective["metric"]), direction, draws
 
 
 def load_study_runs(study_dir: str | Path, *, curves: bool = True) -> StudyRuns:
-    """Read sweep.json, every trial.json of the (case, seed) grid and (with `curves`) their event files.
+    """Read sweep.json, every trial.json of the (case, seed, draw) grid and (with `curves`) their event files.
 
     Raises CompareError when `study_dir` is not a study run directory.
     """
@@ -230,29 +241,27 @@ def load_study_runs(study_dir: str | Path, *, curves: bool = True) -> StudyRuns:
             hint = f"; studies found below it: {', '.join(children)}"
         raise CompareError(f"{str(study_dir)!r} has no {SWEEP_FILE}: expected a study run directory "
                            f"(runs/<study>/ with {SWEEP_FILE} and <case_slug>/seed<k>/trial.json){hint}")
-    study, spec, cases, seeds, objective, direction = _parse_sweep(sweep)
-    trials: dict[tuple[str, int], TrialRun] = {}
-    for case in cases:
-        for seed in seeds:
-            path = study_dir / case.slug / f"seed{seed}"
-            trial = TrialRun(case, seed, path)
-            record_path = path / TRIAL_FILE
-            if record_path.is_file():
-                try:
-                    record = json.loads(record_path.read_text())
-                    if not isinstance(record, dict):
-                        raise ValueError("not a JSON object")
-                    trial.record = record
-                except (OSError, ValueError) as exc:
-                    trial.error = f"{TRIAL_FILE} unreadable: {exc}"
-            # events of an unfinished trial tell how far it got; a trial.json without the objective falls back on them
-            if curves or trial.record is None or objective not in trial.metrics:
-                trial.curves = load_curves(path)
-            trials[(case.slug, seed)] = trial
+    study, spec, cases, seeds, objective, direction, draws = _parse_sweep(sweep)
+    trials: dict[tuple[str, int, int], TrialRun] = {}
+    for case, seed, draw in ((c, s, d) for c in cases for s in seeds for d in range(draws)):
+        path = layout.trial_dir(study_dir, case.slug, seed, draw)
+        trial = TrialRun(case, seed, path, draw=draw)
+        record_path = path / TRIAL_FILE
+        if record_path.is_file():
+            try:
+                record = json.loads(record_path.read_text())
+                if not isinstance(record, dict):
+                    raise ValueError("not a JSON object")
+                trial.record = record
+            except (OSError, ValueError) as exc:
+                trial.error = f"{TRIAL_FILE} unreadable: {exc}"
+        # events of an unfinished trial tell how far it got; a trial.json without the objective falls back on them
+        if curves or trial.record is None or objective not in trial.metrics:
+            trial.curves = load_curves(path)
+        trials[(case.slug, seed, draw)] = trial
     expected = {trial.path.resolve() for trial in trials.values()}
-    unexpected = sorted(p for p in study_dir.glob("*/seed*") if p.is_dir() and _SEED_DIR.match(p.name)
-                        and p.resolve() not in expected)
-    return StudyRuns(study_dir, study, spec, cases, seeds, objective, direction, trials, unexpected)
+    unexpected = [p for p in layout.trial_dirs(study_dir) if p.resolve() not in expected]
+    return StudyRuns(study_dir, study, spec, cases, seeds, objective, direction, trials, unexpected, draws)
 
 
 # -- summary ---------------------------------------------------------------------------------------------
@@ -426,7 +435,7 @@ def issues(runs: StudyRuns, rows: Sequence[CaseSummary], now: float | None = Non
                     detail += f"; last write {_ago(max(0.0, now - written))} ago"
             else:
                 detail = "not started (no run dir)"
-            out["missing"].append(f"{row.case.name}, seed {trial.seed}: {detail}")
+            out["missing"].append(f"{row.case.name}, {trial.label}: {detail}")
         if not row.complete:
             out["no completed seed"].append(row.case.name)
         for trial in row.pruned:
@@ -434,12 +443,12 @@ def issues(runs: StudyRuns, rows: Sequence[CaseSummary], now: float | None = Non
             value = trial.metrics.get(runs.objective)
             where = f" at step {step}" if step is not None else ""
             last = f" ({runs.objective} {_num(value)})" if value is not None else ""
-            out["pruned"].append(f"{row.case.name}, seed {trial.seed}: pruned{where}{last}")
+            out["pruned"].append(f"{row.case.name}, {trial.label}: pruned{where}{last}")
         for trial in row.failed:
             why = trial.error or f"state {trial.state!r}"
-            out["failed"].append(f"{row.case.name}, seed {trial.seed}: {why}")
+            out["failed"].append(f"{row.case.name}, {trial.label}: {why}")
     for path in runs.unexpected:
-        out["unexpected"].append(f"{path.relative_to(runs.study_dir)}: not a (case, seed) of {SWEEP_FILE}; ignored")
+        out["unexpected"].append(f"{path.relative_to(runs.study_dir)}: not a trial of {SWEEP_FILE}; ignored")
     return {k: v for k, v in out.items() if v}
 
 
@@ -499,8 +508,8 @@ def write_csv(path: str | Path, runs: StudyRuns, rows: Sequence[CaseSummary], me
                 "case": row.case.name, "slug": row.case.slug, "overrides": json.dumps(row.case.overrides),
                 "n_expected": row.n_expected, "n_complete": len(row.complete), "n_pruned": len(row.pruned),
                 "n_failed": len(row.failed), "n_missing": len(row.missing),
-                "seeds_complete": ";".join(str(t.seed) for t in row.complete),
-                "seeds_pruned": ";".join(str(t.seed) for t in row.pruned),
+                "seeds_complete": ";".join(t.path.name[len("seed"):] for t in row.complete),
+                "seeds_pruned": ";".join(t.path.name[len("seed"):] for t in row.pruned),
                 "params_total": row.params_total, "params_non_embedding": row.params_non_embedding,
                 "tokens_per_s_mean": row.tokens_per_s, "wall_s_mean": row.wall_s,
             }

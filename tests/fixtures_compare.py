@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from diffexp.sweep.layout import trial_dir as trial_dir_of
+
 VAL_STEPS = (100, 200, 300, 400)
 
 
@@ -29,19 +31,22 @@ def val_curve(final: float, seed: int = 0, steps=VAL_STEPS) -> list[tuple[int, f
 
 
 def write_sweep(study_dir: Path, cases: list[tuple[str, str]], seeds: list[int], metric: str = "val/loss",
-                direction: str = "minimize", study: str | None = None) -> None:
+                direction: str = "minimize", study: str | None = None, n_trials: int | None = None) -> None:
     study_dir.mkdir(parents=True, exist_ok=True)
-    (study_dir / "sweep.json").write_text(json.dumps({
-        "study": study or study_dir.name, "spec": f"sweeps/{study or study_dir.name}.yaml",
-        "cases": [{"name": name, "slug": slug, "overrides": {"model.arch.attention": slug}} for name, slug in cases],
-        "seeds": seeds, "objective": {"metric": metric, "direction": direction}}))
+    sweep = {"study": study or study_dir.name, "spec": f"sweeps/{study or study_dir.name}.yaml",
+             "cases": [{"name": name, "slug": slug, "overrides": {"model.arch.attention": slug}} for name, slug in cases],
+             "seeds": seeds, "objective": {"metric": metric, "direction": direction}}
+    if n_trials is not None:
+        sweep["n_trials"] = n_trials
+    (study_dir / "sweep.json").write_text(json.dumps(sweep))
 
 
 def write_trial(study_dir: Path, case: str, slug: str, seed: int, metrics: dict[str, float], *,
                 state: str = "complete", params: int = 920_000, tokens_per_s: float = 10_000.0,
-                global_step: int = 400, curve: list[tuple[int, float]] | None = None) -> Path:
-    """trial.json plus an events file whose val/loss curve ends at metrics['val/loss'] (or `curve`)."""
-    trial_dir = study_dir / slug / f"seed{seed}"
+                global_step: int = 400, curve: list[tuple[int, float]] | None = None, draw: int = 0) -> Path:
+    """trial.json plus an events file whose val/loss curve ends at metrics['val/loss'] (or `curve`),
+    in the directory the sweep runner gives that trial."""
+    trial_dir = trial_dir_of(study_dir, slug, seed, draw)
     if curve is None and "val/loss" in metrics:
         curve = [p for p in val_curve(metrics["val/loss"], seed) if p[0] <= global_step]
     scalars = {"train/loss": [(s, 3.0 - s / 400) for s in range(0, global_step + 1, 50)], "params/total": [(0, params)]}

@@ -81,7 +81,7 @@ def test_objective_comes_from_sweep_json(tmp_path):
 
 
 def test_curves_merge_resumed_event_files(runs):
-    trial = runs.trials[("transformer", 1)]
+    trial = runs.trials[("transformer", 1, 0)]
     assert len(list(trial.path.glob("events.out.tfevents*"))) == 2
     curve = dict(trial.curves["val/loss"])
     assert sorted(curve) == [100, 200, 300, 400]
@@ -162,6 +162,25 @@ def test_failed_and_unexpected_trials(tmp_path):
     found = compare.issues(runs, rows)
     assert found["failed"] == ["A, seed 1: state 'fail'"]
     assert found["unexpected"][0].startswith("old-case/seed0")
+
+
+def test_search_draws_are_trials_of_their_case(tmp_path, capsys):
+    """A search sweep runs n_trials draws per case and seed (seed<k>, seed<k>-draw<d>); compare reads them all."""
+    study = tmp_path / "lr"
+    write_sweep(study, [("DIFF", "diff")], [0, 1], n_trials=3)
+    losses = {(0, 0): 1.9, (0, 1): 1.8, (0, 2): 2.0, (1, 0): 1.7, (1, 1): 2.1}  # seed 1 draw 2 has not run
+    for (seed, draw), loss in losses.items():
+        write_trial(study, "DIFF", "diff", seed, {"val/loss": loss}, draw=draw)
+    runs = compare.load_study_runs(study, curves=False)
+    assert runs.unexpected == []
+    row = compare.summarize(runs)[0]
+    assert (row.n_expected, len(row.complete)) == (6, 5)
+    assert row.stats["val/loss"].mean == pytest.approx(statistics.fmean(losses.values()))
+    assert compare.issues(runs, [row]) == {"missing": ["DIFF, seed 1 draw 2: not started (no run dir)"]}
+    assert compare.main([str(study), "--no-plots"]) == 0
+    record = next(csv.DictReader((study / "compare" / "compare.csv").open()))
+    assert (record["n_complete"], record["n_missing"]) == ("5", "1")
+    assert record["seeds_complete"] == "0;0-draw1;0-draw2;1;1-draw1"
 
 
 def test_objective_falls_back_to_events(tmp_path):

@@ -6,6 +6,7 @@ import csv
 import json
 import os
 import signal
+import statistics
 import subprocess
 import sys
 import time
@@ -164,6 +165,13 @@ def test_search_space_is_sampled_per_trial_and_reaches_the_run(tmp_path):
         assert hparams["model.optim.lr"] == pytest.approx(record["overrides"]["model.optim.lr"])
         assert hparams["data.seq_len"] == 32 and hparams["trainer.max_steps"] == 6
         assert "hparams/val/loss" in metric_tags
+    # compare finds both draws: the runner and compare name trial directories the same way
+    assert compare_main([str(tmp_path / "runs/search"), "--out", str(tmp_path / "cmp"), "--no-plots"]) == 0
+    rows = list(csv.DictReader((tmp_path / "cmp/compare.csv").open()))
+    assert [(r["case"], r["n_expected"], r["n_complete"]) for r in rows] == [("DIFF", "2", "2")]
+    assert float(rows[0]["val/loss_mean"]) == pytest.approx(
+        statistics.fmean(json.loads(p.read_text())["metrics"]["val/loss"]
+                         for p in (tmp_path / "runs/search/diff").glob("*/trial.json")))
 
 
 def hparams_of(run_dir: Path) -> tuple[dict, list[str]]:

@@ -26,6 +26,7 @@ from optuna.trial import TrialState
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+from diffexp.sweep import layout
 from diffexp.sweep.spec import Point, SpecError, SweepSpec, load_spec, slugify
 from diffexp.sweep.storage import mask_url, open_storage, setup_lock
 from diffexp.sweep.trial import STORAGE_ENV, write_json_atomic
@@ -80,7 +81,7 @@ class SweepRunner:
     def _write_sweep_json(self) -> None:
         spec = self.spec
         spec.study_dir.mkdir(parents=True, exist_ok=True)
-        write_json_atomic(spec.study_dir / "sweep.json", {
+        write_json_atomic(spec.study_dir / layout.SWEEP_FILE, {
             "study": spec.study, "spec": str(spec.source) if spec.source else None,
             "cases": [{"name": label, "slug": slugify(label), "overrides": overrides}
                       for label, overrides in spec.rows()],
@@ -185,7 +186,7 @@ class SweepRunner:
 
     def _prepare_run_dir(self, point: Point) -> tuple[Path, Path | None]:
         """A retried point resumes from its checkpoint; a crashed run with none is moved aside, not overwritten."""
-        run_dir = self.spec.study_dir / point.slug / point.run_name
+        run_dir = layout.trial_dir(self.spec.study_dir, point.slug, point.seed, point.draw)
         last = run_dir / "checkpoints" / "last.ckpt"
         if last.is_file():
             return run_dir, last
@@ -212,7 +213,7 @@ class SweepRunner:
                     self.storage.set_trial_system_attr(trial._trial_id, HEARTBEAT, time.time())
                     last_beat = time.time()
                 _show_trial_progress(progress, bar, run_dir)
-        record_path = run_dir / "trial.json"
+        record_path = run_dir / layout.TRIAL_FILE
         if proc.returncode != 0 or not record_path.is_file():
             tail = log_path.read_text()[-1500:]
             self.storage.set_trial_user_attr(trial._trial_id, "failure", f"exit code {proc.returncode}")

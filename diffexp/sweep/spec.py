@@ -28,6 +28,8 @@ from typing import Any
 
 import yaml
 
+from diffexp.sweep import layout
+
 #: metrics a trial records at the end of fit (the objective must be one of them)
 KNOWN_METRICS = ("val/loss", "val/ppl", "val/ar_hit_loss", "val/others_loss", "val/ar_hit_share", "train/loss",
                  "diag/grad_spikes", "diag/act_max_abs", "diag/attn_logit_max")
@@ -59,7 +61,7 @@ class Point:
 
     @property
     def run_name(self) -> str:
-        return f"seed{self.seed}" + (f"-draw{self.draw}" if self.draw else "")
+        return layout.run_name(self.seed, self.draw)
 
 
 @dataclass
