@@ -32,7 +32,6 @@ import argparse
 import csv
 import json
 import math
-import re
 import statistics
 import sys
 import time
@@ -41,6 +40,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from diffexp.errors import UserError, guarded
 from diffexp.sweep import layout
 from diffexp.sweep.layout import SWEEP_FILE, TRIAL_FILE
 
@@ -60,7 +60,7 @@ def _metric_order(name: str) -> tuple[int, str]:
     return (order.index(head) if head in order else len(order), name)
 
 
-class CompareError(ValueError):
+class CompareError(UserError):
     """Bad input (missing/invalid study dir, unknown metric, bad storage); main() prints it and exits 2."""
 
 
@@ -585,11 +585,13 @@ def print_report(console, runs: StudyRuns, rows: Sequence[CaseSummary], metrics:
         for r, row in enumerate(rows):
             table.add_row(Text(row.case.name), *(cells[r] for _, cells, _ in columns))
         console.print(table)
-    console.print(Text(NOTE))
+    # plain lines hold paths and case names: never wrapped inside them, whatever the console width
+    console.print(Text(NOTE), soft_wrap=True)
     for key, items in issues(runs, rows).items():
-        console.print(Text(_SECTION_TITLES[key] + ":", style="bold yellow" if key != "pruned" else "bold"))
+        console.print(Text(_SECTION_TITLES[key] + ":", style="bold yellow" if key != "pruned" else "bold"),
+                      soft_wrap=True)
         for item in items:
-            console.print(Text("  - " + item))
+            console.print(Text("  - " + item), soft_wrap=True)
 
 
 # -- plots -----------------------------------------------------------------------------------------------
@@ -705,110 +707,40 @@ def plot_objective_bars(runs: StudyRuns, rows: Sequence[CaseSummary], path: str 
 
 
 # -- Optuna storage ------------------------------------------------------------------------------------
-_QUERY_SECRET = re.compile(r"(?i)([?&](?:password|passwd|pwd|secret|token|sslpassword)=)[^&#]*")
-_USERINFO = re.compile(r"(://[^/@:]*:)[^@/]*@")
-
-
-def mask_storage_url(url: str) -> str:
-    """The storage URL with its password (and password-like query values) replaced by ***."""
-    if "://" not in url:
-        return url
-    try:
-        from sqlalchemy.engine import make_url
-
-        masked = make_url(url).render_as_string(hide_password=True)
-    except Exception:  # not a URL sqlalchemy can parse: mask by pattern
-        masked = _USERINFO.sub(r"\1***@", url)
-    return _QUERY_SECRET.sub(r"\1***", masked)
-
-
-def _secrets(url: str) -> list[str]:
-    found = []
-    match = _USERINFO.search(url)
-    if match:
-        found.append(match.group(0)[len(match.group(1)):-1])
-    found += [m.group(0)[len(m.group(1)):] for m in _QUERY_SECRET.finditer(url)]
-    try:
-        from sqlalchemy.engine import make_url
-
-        password = make_url(url).password
-        if password:
-            found.append(str(password))
-    except Exception:
-        pass
-    return sorted({s for s in found if s and s != "***"}, key=len, reverse=True)
-
-
-def scrub(text: str, url: str) -> str:
-    """`text` (an error message, say) with `url` masked and any of its secrets replaced by ***."""
-    text = text.replace(url, mask_storage_url(url))
-    for secret in _secrets(url):
-        text = text.replace(secret, "***")
-    return text
-
-
-def _open_storage(storage: str):
-    if "://" in storage:
-        if storage.startswith("sqlite:"):
-            from sqlalchemy.engine import make_url
-
-            database = make_url(storage).database
-            if database and database != ":memory:" and not Path(database).is_file():
-                raise CompareError(f"--storage {storage!r}: no such SQLite file {database!r}")
-        return storage
-    path = Path(storage[len("journal:"):]) if storage.startswith("journal:") else Path(storage)
-    if storage.startswith("journal:") or path.suffix in (".log", ".journal"):
-        if not path.is_file():
-            raise CompareError(f"--storage {storage!r}: no such journal file")
-        import optuna
-
-        return optuna.storages.JournalStorage(optuna.storages.journal.JournalFileBackend(str(path)))
-    if path.suffix in (".db", ".sqlite", ".sqlite3") and path.is_file():
-        return f"sqlite:///{path.resolve()}"
-    raise CompareError(f"--storage {storage!r}: expected an RDB URL (sqlite:///study.db, "
-                       "postgresql://user:pass@host/db, ...), journal:<path> or an existing .log/.journal file")
-
-
-def runs_dir_from_optuna(study_name: str, storage: str) -> Path:
+def runs_dir_from_optuna(study_name: str, storage: str, origin: str = "--storage") -> Path:
     """The study run directory recorded in the Optuna study's user attribute "runs_dir".
 
     A relative runs_dir is taken from the current directory, else from the storage file's directory;
     if it names the parent (runs/) rather than runs/<study>/, runs/<study_name>/ is used.
+    `origin` says where the URL came from (--storage or DIFFEXP_STORAGE), for messages; they show it masked.
     """
     import optuna
 
-    masked = mask_storage_url(storage)
-    handle = _open_storage(storage)
+    from diffexp.sweep.storage import describe, failure, journal_path, open_storage, sqlite_path
+
+    where = describe(storage, origin)
     verbosity = optuna.logging.get_verbosity()
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     try:
-        study = optuna.load_study(study_name=study_name, storage=handle)
-    except KeyError as exc:
+        handle = open_storage(storage, origin, create=False)
         try:
+            study = optuna.load_study(study_name=study_name, storage=handle)
+        except KeyError:
             names = optuna.get_all_study_names(storage=handle)
-        except Exception:
-            names = []
-        have = ", ".join(map(repr, names)) if names else "none"
-        raise CompareError(f"--study {study_name!r} not found in storage {masked!r} (studies there: {have})") from exc
-    except CompareError:
-        raise
-    except Exception as exc:  # driver missing, connection refused, ... : never echo the password
-        raise CompareError(f"cannot open Optuna storage {masked!r}: "
-                           f"{scrub(f'{type(exc).__name__}: {exc}', storage)}") from None
+            have = ", ".join(map(repr, names)) if names else "none"
+            raise CompareError(f"--study {study_name!r} not found in {where} (studies there: {have})") from None
+        except Exception as exc:  # connection lost, permission denied, ...: never echo the password
+            raise failure(storage, where, exc, doing="cannot read the study") from None
     finally:
         optuna.logging.set_verbosity(verbosity)
     runs_dir = study.user_attrs.get("runs_dir")
     if not runs_dir:
-        raise CompareError(f"Optuna study {study_name!r} in {masked!r} has no user attribute 'runs_dir' "
+        raise CompareError(f"Optuna study {study_name!r} in {where} has no user attribute 'runs_dir' "
                            "(the sweep runner sets it to the study's run directory)")
     candidates = [Path(runs_dir)]
-    storage_file = None if "://" in storage else storage
-    if storage.startswith("sqlite:"):
-        from sqlalchemy.engine import make_url
-
-        storage_file = make_url(storage).database
-    if not Path(runs_dir).is_absolute() and storage_file and storage_file != ":memory:":
-        candidates.append(Path(storage_file).resolve().parent / runs_dir)
+    storage_file = sqlite_path(storage) or journal_path(storage)
+    if not Path(runs_dir).is_absolute() and storage_file is not None:
+        candidates.append(storage_file.resolve().parent / runs_dir)
     for base in candidates:
         for path in (base, base / study_name):
             if (path / SWEEP_FILE).is_file():
@@ -839,10 +771,11 @@ def compare(study_dir: str | Path, out: str | Path | None = None, metrics: Seque
         if plot_val_curves(runs, rows, out / "val_loss_curves.png"):
             written.append(out / "val_loss_curves.png")
         else:
-            console.print(f"no {CURVE_TAG} curve in any complete trial: val_loss_curves.png not written")
+            console.print(f"no {CURVE_TAG} curve in any complete trial: val_loss_curves.png not written",
+                          soft_wrap=True, markup=False, highlight=False)
         plot_objective_bars(runs, rows, out / "objective_bars.png")
         written.append(out / "objective_bars.png")
-    console.print("wrote " + ", ".join(str(p) for p in written), soft_wrap=True, highlight=False)
+    console.print("wrote " + ", ".join(str(p) for p in written), soft_wrap=True, markup=False, highlight=False)
     return rows
 
 
@@ -854,7 +787,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("runs_dir", nargs="?", metavar="RUNS_DIR",
                         help="the study's run directory (runs/<study>/, holding sweep.json)")
     parser.add_argument("--study", help="Optuna study name (with --storage) instead of RUNS_DIR")
-    parser.add_argument("--storage", help="Optuna storage: an RDB URL or the path of a .log/.journal file")
+    parser.add_argument("--storage", help="Optuna storage of --study: an RDB URL, a .db file or a .log/.journal "
+                                          "file (default: the environment variable DIFFEXP_STORAGE)")
     parser.add_argument("--out", help="output directory (default RUNS_DIR/compare/)")
     parser.add_argument("--metric", nargs="+", action="extend", metavar="NAME",
                         help="metric columns to show besides the objective (default: all recorded)")
@@ -863,39 +797,42 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`diffexp compare RUNS_DIR [--out DIR] [--metric NAME ...] [--no-plots]` or `--study NAME --storage URL`.
+    """`diffexp compare RUNS_DIR [--out DIR] [--metric NAME ...] [--no-plots]` or `--study NAME [--storage URL]`.
 
-    Returns 0 on success (partial studies included), 2 on bad input.
+    Returns 0 on success (partial studies included), 2 on bad input, printed as one `error: ...` paragraph
+    (diffexp.errors.guarded; DIFFEXP_DEBUG=1 shows the traceback instead).
     """
+    try:
+        return guarded(_main, argv)
+    except SystemExit as exc:  # a UserError (printed by guarded), or argparse's usage error or --help
+        return exc.code if isinstance(exc.code, int) else 2
+
+
+def _main(argv: list[str] | None) -> int:
     from rich.console import Console
 
-    parser = build_parser()
-    try:
-        args = parser.parse_args(argv)
-    except SystemExit as exc:  # argparse already printed the usage error (2) or --help (0)
-        return exc.code if isinstance(exc.code, int) else 2
+    from diffexp.sweep.storage import STORAGE_URL_ENV, resolve_url
+
+    args = build_parser().parse_args(argv)
     console = Console()
     if not console.is_terminal:  # piped or captured: do not squeeze the table into 80 columns
         console = Console(width=max(console.width, 200))
-    errors = Console(stderr=True, highlight=False)
-    storage = args.storage or ""
-    try:
-        if args.runs_dir and (args.study or args.storage):
-            raise CompareError("give either RUNS_DIR or --study NAME --storage URL, not both")
-        if args.runs_dir:
-            study_dir = Path(args.runs_dir)
-        elif args.study and args.storage:
-            study_dir = runs_dir_from_optuna(args.study, args.storage)
-        elif args.study or args.storage:
-            raise CompareError("--study and --storage go together: --study NAME --storage URL")
-        else:
-            raise CompareError("expected RUNS_DIR (a study's run directory, runs/<study>/) "
-                               "or --study NAME --storage URL")
-        compare(study_dir, out=args.out, metrics=args.metric, plots=not args.no_plots, console=console)
-    except CompareError as exc:
-        message = scrub(str(exc), storage) if storage else str(exc)
-        errors.print(f"diffexp compare: error: {message}", markup=False, soft_wrap=True)
-        return 2
+    if args.runs_dir and (args.study or args.storage):
+        raise CompareError("give either RUNS_DIR or --study NAME (with --storage URL or DIFFEXP_STORAGE), not both")
+    if args.runs_dir:
+        study_dir = Path(args.runs_dir)
+    elif args.study:
+        storage, origin = resolve_url(args.storage)
+        if storage is None:
+            raise CompareError(f"--study {args.study!r} needs the study's storage: --storage URL, or the URL in "
+                               f"the environment variable {STORAGE_URL_ENV}")
+        study_dir = runs_dir_from_optuna(args.study, storage, origin)
+    elif args.storage:
+        raise CompareError("--storage goes with --study NAME: --study NAME --storage URL")
+    else:
+        raise CompareError("expected RUNS_DIR (a study's run directory, runs/<study>/) "
+                           f"or --study NAME with --storage URL (or {STORAGE_URL_ENV})")
+    compare(study_dir, out=args.out, metrics=args.metric, plots=not args.no_plots, console=console)
     return 0
 
 

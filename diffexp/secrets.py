@@ -29,3 +29,29 @@ def mask_secrets(text: str) -> str:
     text = _USERINFO.sub(lambda m: m.group("head") + MASK + "@", text)
     text = _QUERY.sub(lambda m: m.group("head") + MASK, text)
     return _KEYWORD.sub(lambda m: m.group("head") + MASK, text)
+
+
+def passwords_of(url: str) -> list[str]:
+    """The password(s) a storage URL carries (userinfo and ?password=), as written and percent-decoded."""
+    from urllib.parse import parse_qsl, unquote, urlsplit
+
+    found = [m.group("pw") for m in _USERINFO.finditer(url)] + [m.group("pw") for m in _QUERY.finditer(url)]
+    try:
+        parts = urlsplit(url)
+        found += [parts.password or ""] + [v for k, v in parse_qsl(parts.query) if k.lower() in _QUERY_KEYS]
+    except ValueError:
+        pass
+    found += [unquote(pw) for pw in found]
+    return sorted({pw for pw in found if len(pw) >= 3 and pw != MASK}, key=len, reverse=True)
+
+
+_QUERY_KEYS = ("password", "passwd", "pwd", "pass")
+
+
+def mask_secrets_of(text: str, url: str) -> str:
+    """Free text (a driver's error message, say) with every password masked, including `url`'s own password
+    wherever it appears on its own, e.g. echoed back by a database driver."""
+    text = mask_secrets(text)
+    for password in passwords_of(url):
+        text = text.replace(password, MASK)
+    return text

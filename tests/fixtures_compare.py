@@ -34,7 +34,8 @@ def write_sweep(study_dir: Path, cases: list[tuple[str, str]], seeds: list[int],
                 direction: str = "minimize", study: str | None = None, n_trials: int | None = None) -> None:
     study_dir.mkdir(parents=True, exist_ok=True)
     sweep = {"study": study or study_dir.name, "spec": f"sweeps/{study or study_dir.name}.yaml",
-             "cases": [{"name": name, "slug": slug, "overrides": {"model.arch.attention": slug}} for name, slug in cases],
+             "cases": [{"name": name, "slug": slug, "overrides": {"model.arch.attention": slug}}
+                       for name, slug in cases],
              "seeds": seeds, "objective": {"metric": metric, "direction": direction}}
     if n_trials is not None:
         sweep["n_trials"] = n_trials

@@ -258,27 +258,6 @@ def test_optuna_journal_storage(study, tmp_path, capsys):
     assert "Transformer" in capsys.readouterr().out
 
 
-@pytest.mark.parametrize("url", [
-    "postgresql://user:secret@host/db",
-    "mysql+pymysql://user:secret@host:3306/db?charset=utf8",
-    "postgresql://user@host/db?password=secret",
-])
-def test_storage_password_is_masked(url, capsys):
-    masked = compare.mask_storage_url(url)
-    assert "secret" not in masked and "***" in masked and "host" in masked
-    assert "secret" not in compare.scrub(f"could not connect to {url} (password secret rejected)", url)
-    # a storage that cannot be opened (driver not installed, no server): the error never shows the password
-    assert compare.main(["--study", "s", "--storage", url]) == 2
-    captured = capsys.readouterr()
-    assert "secret" not in captured.out + captured.err
-    assert "host" in captured.err
-
-
-def test_mask_leaves_plain_paths_alone():
-    assert compare.mask_storage_url("runs/study.log") == "runs/study.log"
-    assert compare.mask_storage_url("sqlite:///tmp/x.db") == "sqlite:///tmp/x.db"
-
-
 @pytest.mark.parametrize("width", [100, 160])
 def test_printed_table_splits_to_fit_the_terminal_and_keeps_every_column(study, tmp_path, width):
     import io

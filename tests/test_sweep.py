@@ -18,10 +18,11 @@ import pytest
 import yaml
 
 from diffexp.compare import main as compare_main
+from diffexp.secrets import mask_url
 from diffexp.sweep import SpecError, parse_spec
 from diffexp.sweep.runner import main as sweep_main
 from diffexp.sweep.spec import load_spec
-from diffexp.sweep.storage import mask_url, open_storage
+from diffexp.sweep.storage import open_storage
 
 REPO = Path(__file__).resolve().parents[1]
 TINY_OVERRIDES = {
@@ -42,8 +43,14 @@ def write_spec(tmp_path: Path, study: str, storage: str | None = None, **extra) 
     return path
 
 
+def subprocess_env(**extra: str) -> dict[str, str]:
+    """The environment of a `python -m diffexp` child: this checkout first on its path."""
+    path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)
+    return {**os.environ, "PYTHONPATH": path, **extra}
+
+
 def start_worker(spec: Path, cwd: Path) -> subprocess.Popen:
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    env = subprocess_env()
     return subprocess.Popen([sys.executable, "-m", "diffexp", "sweep", "--config", str(spec)], cwd=cwd, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 

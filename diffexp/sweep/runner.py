@@ -26,37 +26,38 @@ from optuna.trial import TrialState
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+from diffexp.errors import guarded
+from diffexp.secrets import mask_url
 from diffexp.sweep import layout
+from diffexp.sweep.check import check_trials
+from diffexp.sweep.command import cli_value, fit_args
 from diffexp.sweep.spec import Point, SpecError, SweepSpec, load_spec, slugify
-from diffexp.sweep.storage import mask_url, open_storage, setup_lock
+from diffexp.sweep.storage import STORAGE_URL_ENV, open_storage, resolve_url, setup_lock, translated_errors
 from diffexp.sweep.trial import STORAGE_ENV, write_json_atomic
 
 HEARTBEAT = "diffexp_heartbeat"
 POINT_PARAM = "point"
 FINISHED = (TrialState.COMPLETE, TrialState.PRUNED)
+DUPLICATE = "duplicate of a claimed point"  # a copy enqueued by racing workers, dropped unrun: not an attempt
 console = Console(stderr=True)
 
 
-def cli_value(value: Any) -> str:
-    """A YAML value as jsonargparse reads it from the command line."""
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if value is None:
-        return "null"
-    if isinstance(value, (list, dict)):
-        return json.dumps(value)
-    return str(value)
+def say(text: str, style: str | None = None) -> None:
+    """One plain line on stderr (above the progress bars): never wrapped inside a path, URL or case name."""
+    console.print(text, style=style, soft_wrap=True, markup=False, highlight=False)
 
 
 class SweepRunner:
-    def __init__(self, spec: SweepSpec, worker_name: str | None = None) -> None:
+    def __init__(self, spec: SweepSpec, worker_name: str | None = None, storage_origin: str = "storage") -> None:
         self.spec = spec
         self.url = spec.storage_url
+        self.storage_origin = storage_origin  # --storage, DIFFEXP_STORAGE or the spec's storage: for messages
         self.worker = worker_name or f"{os.uname().nodename}:{os.getpid()}"
         self.points = {p.key: p for p in spec.points()}
         with setup_lock(self.url):  # the first open creates the schema: one worker at a time
-            self.storage = open_storage(self.url)
-        self.study = self._create_or_load()
+            self.storage = open_storage(self.url, storage_origin)
+        with translated_errors(self.url, storage_origin):
+            self.study = self._create_or_load()
         self.heartbeat_every = min(10.0, spec.stale_after_s / 3)
 
     # -- study set-up -------------------------------------------------------------------------------
@@ -105,7 +106,7 @@ class SweepRunner:
             trials = by_point.get(key, [])
             if any(t.state in (*FINISHED, TrialState.WAITING, TrialState.RUNNING) for t in trials):
                 continue
-            if sum(t.state == TrialState.FAIL for t in trials) >= self.spec.max_attempts:
+            if _attempts_failed(trials) >= self.spec.max_attempts:
                 continue
             study.enqueue_trial({POINT_PARAM: key}, user_attrs={"point": key, "case": point.case, "seed": point.seed},
                                 skip_if_exists=False)
@@ -130,12 +131,13 @@ class SweepRunner:
             if not self.storage.set_trial_state_values(frozen._trial_id, state=TrialState.RUNNING):
                 continue  # claimed by another worker between our read and our write
             self.storage.set_trial_system_attr(frozen._trial_id, HEARTBEAT, time.time())
+            self.storage.set_trial_user_attr(frozen._trial_id, "worker", self.worker)
             trial = optuna.Trial(self.study, frozen._trial_id)
             key = trial.suggest_categorical(POINT_PARAM, sorted(self.points))
             others = [t for t in self._trials_by_point(self.study).get(key, [])
                       if t._trial_id != frozen._trial_id and t.state in (*FINISHED, TrialState.RUNNING)]
             if others:  # enqueued twice by racing workers on a server storage: drop the copy
-                self.storage.set_trial_user_attr(frozen._trial_id, "failure", "duplicate of a claimed point")
+                self.storage.set_trial_user_attr(frozen._trial_id, "failure", DUPLICATE)
                 self.study.tell(trial, state=TrialState.FAIL)
                 continue
             return trial
@@ -152,7 +154,7 @@ class SweepRunner:
             elif any(t.state == TrialState.RUNNING for t in trials):
                 running += 1
             elif not any(t.state == TrialState.WAITING for t in trials) and \
-                    sum(t.state == TrialState.FAIL for t in trials) >= self.spec.max_attempts:
+                    _attempts_failed(trials) >= self.spec.max_attempts:
                 failed += 1
         return finished, failed, running, len(self.points)
 
@@ -163,26 +165,7 @@ class SweepRunner:
         overrides = {**spec.overrides, **point.overrides, **sampled}
         trial.set_user_attr("overrides", {k: cli_value(v) for k, v in overrides.items()})
         trial.set_user_attr("run_dir", str(run_dir))
-        callback = {"class_path": "diffexp.sweep.trial.SweepTrialCallback", "init_args": {
-            "study": spec.study, "trial_id": trial._trial_id, "case": point.case, "seed": point.seed,
-            "overrides": overrides, "hparam_keys": spec.varied_keys(), "metric": spec.objective_metric,
-            "pruner": spec.pruner}}
-        args = [sys.executable, "-m", "diffexp", "fit", "--config", str(spec.base)]
-        args += [f"--{key}={cli_value(value)}" for key, value in overrides.items()]
-        args += [
-            f"--seed_everything={point.seed}",
-            "--trainer.logger=lightning.pytorch.loggers.TensorBoardLogger",
-            f"--trainer.logger.init_args.save_dir={spec.runs_dir}",
-            f"--trainer.logger.init_args.name={spec.study}/{point.slug}",
-            f"--trainer.logger.init_args.version={point.run_name}",
-            "--trainer.logger.init_args.default_hp_metric=false",
-            "--trainer.enable_autolog_hparams=false",
-            "--trainer.enable_progress_bar=false",
-            f"--trainer.callbacks+={json.dumps(callback)}",
-        ]
-        if resume is not None:
-            args.append(f"--ckpt_path={resume}")
-        return args
+        return [sys.executable, "-m", "diffexp", "fit", *fit_args(spec, point, overrides, trial._trial_id, resume)]
 
     def _prepare_run_dir(self, point: Point) -> tuple[Path, Path | None]:
         """A retried point resumes from its checkpoint; a crashed run with none is moved aside, not overwritten."""
@@ -218,7 +201,8 @@ class SweepRunner:
             tail = log_path.read_text()[-1500:]
             self.storage.set_trial_user_attr(trial._trial_id, "failure", f"exit code {proc.returncode}")
             self.study.tell(trial, state=TrialState.FAIL)
-            console.print(f"[red]trial {point.key} failed (exit {proc.returncode}); log: {log_path}[/red]\n{tail}")
+            say(f"trial {point.key} failed (exit {proc.returncode}); log: {log_path}", style="red")
+            say(tail)
             return "failed"
         record = json.loads(record_path.read_text())
         for key, value in record.get("metrics", {}).items():
@@ -229,7 +213,7 @@ class SweepRunner:
         value = record["metrics"].get(self.spec.objective_metric)
         if value is None:
             self.study.tell(trial, state=TrialState.FAIL)
-            console.print(f"[red]trial {point.key} recorded no {self.spec.objective_metric}[/red]")
+            say(f"trial {point.key} recorded no {self.spec.objective_metric}", style="red")
             return "failed"
         self.study.tell(trial, value)
         return "complete"
@@ -237,7 +221,7 @@ class SweepRunner:
     # -- the worker loop ----------------------------------------------------------------------------
     def run(self) -> int:
         spec = self.spec
-        console.print(f"sweep [bold]{spec.study}[/bold]: {len(self.points)} trials "
+        say(f"sweep {spec.study}: {len(self.points)} trials "
                       f"({len(spec.rows())} rows x {len(spec.seeds)} seeds"
                       + (f" x {spec.n_trials} draws" if spec.n_trials > 1 else "")
                       + f"), storage {mask_url(self.url)}, runs in {spec.study_dir}/, worker {self.worker}")
@@ -264,12 +248,17 @@ class SweepRunner:
                 value = self.study._storage.get_trial(trial._trial_id).values
                 shown = f"{spec.objective_metric}={value[0]:.4f}" if value else ""
                 # a line per trial as well, for logs and terminals without live bars
-                progress.console.print(f"{outcome}: {point.case}, seed {point.seed} {shown} "
+                say(f"{outcome}: {point.case}, seed {point.seed} {shown} "
                                        f"({time.time() - started:.0f} s)")
         finished, failed, _, total = self._counts()
-        console.print(f"sweep {spec.study}: {finished}/{total} trials finished, {failed} failed for good. "
+        say(f"sweep {spec.study}: {finished}/{total} trials finished, {failed} failed for good. "
                       f"Compare with: diffexp compare {spec.study_dir}")
         return 0 if failed == 0 else 1
+
+
+def _attempts_failed(trials: list[optuna.trial.FrozenTrial]) -> int:
+    """Failed runs of a point; copies dropped as duplicates never ran and do not use up its attempts."""
+    return sum(t.state == TrialState.FAIL and t.user_attrs.get("failure") != DUPLICATE for t in trials)
 
 
 def _suggest(trial: optuna.Trial, key: str, space: dict[str, Any]) -> Any:
@@ -297,19 +286,29 @@ def _die_with_parent() -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """`diffexp sweep --config SPEC [--storage URL] [--runs-dir DIR]`.
+
+    Returns 0 when every trial finished, 1 when some failed for good, 2 on a user error (a bad spec or
+    storage), printed as one `error: ...` paragraph (diffexp.errors.guarded) before anything is created.
+    """
+    try:
+        return guarded(_main, argv)
+    except SystemExit as exc:  # a UserError (printed by guarded), or argparse's usage error or --help
+        return exc.code if isinstance(exc.code, int) else 2
+
+
+def _main(argv: list[str] | None) -> int:
     parser = argparse.ArgumentParser(prog="diffexp sweep", description=__doc__.splitlines()[0])
     parser.add_argument("--config", required=True, help="sweep spec, e.g. sweeps/table6.yaml")
-    parser.add_argument("--storage", help="override the spec's storage (sqlite:///..., journal:<path>, RDB URL)")
+    parser.add_argument("--storage", help=f"Optuna storage (sqlite:///..., journal:<path>, RDB URL); default: "
+                                          f"${STORAGE_URL_ENV}, else the spec's storage, else runs/<study>/study.db")
     parser.add_argument("--runs-dir", help="override the spec's runs_dir")
     args = parser.parse_args(argv)
-    try:
-        spec = load_spec(args.config, repo_root=Path(__file__).resolve().parents[2])
-        if args.storage:
-            spec.storage = args.storage
-        if args.runs_dir:
-            spec.runs_dir = Path(args.runs_dir)
-        runner = SweepRunner(spec)
-    except (SpecError, ValueError) as err:
-        console.print(f"[red]error:[/red] {mask_url(str(err))}")
-        return 2
-    return runner.run()
+    spec = load_spec(args.config, repo_root=Path(__file__).resolve().parents[2])
+    spec.storage, origin = resolve_url(args.storage, spec.storage)
+    if args.runs_dir:
+        spec.runs_dir = Path(args.runs_dir)
+    check_trials(spec)  # every row as `diffexp fit` would see it, before any storage or file is made
+    runner = SweepRunner(spec, storage_origin=origin or "storage")
+    with translated_errors(runner.url, runner.storage_origin):
+        return runner.run()

@@ -28,6 +28,7 @@ from typing import Any
 
 import yaml
 
+from diffexp.errors import UserError
 from diffexp.sweep import layout
 
 #: metrics a trial records at the end of fit (the objective must be one of them)
@@ -39,10 +40,13 @@ SPEC_KEYS = {"study", "base", "overrides", "cases", "grid", "seeds", "search", "
              "storage", "runs_dir", "stale_after_s", "max_attempts", "description"}
 SEARCH_TYPES = {"float", "int", "categorical"}
 PRUNERS = {"none", "median", "percentile", "hyperband"}
+#: top-level sections of a `diffexp fit` config that overrides, grid and search keys may name
+CONFIG_SECTIONS = ("model", "data", "trainer", "checkpoint", "diagnostics", "throughput")
+MAX_SEED = 2**32 - 1  # Lightning's seed_everything accepts 0 .. 2**32 - 1
 
 
-class SpecError(ValueError):
-    pass
+class SpecError(UserError):
+    """A sweep spec that cannot run as written; raised before any study, storage or file is made."""
 
 
 @dataclass(frozen=True)
@@ -91,18 +95,22 @@ class SweepSpec:
     def storage_url(self) -> str:
         return self.storage or f"sqlite:///{self.study_dir / 'study.db'}"
 
-    def rows(self) -> list[tuple[str, dict[str, Any]]]:
-        """Table rows: each case crossed with each grid point, named "case, key=value"."""
+    def table(self) -> list[tuple[str, str, dict[str, Any], dict[str, Any]]]:
+        """(label, case, grid assignment, overrides) per row: each case crossed with each grid point."""
         keys = list(self.grid)
         grid_points = list(itertools.product(*self.grid.values())) if keys else [()]
-        rows = []
+        table = []
         for case, case_overrides in self.cases.items():
             for values in grid_points:
                 assignment = dict(zip(keys, values))
                 parts = [case] if case else []  # a grid-only spec has one unnamed case
                 label = ", ".join(parts + [f"{k.split('.')[-1]}={_fmt(v)}" for k, v in assignment.items()])
-                rows.append((label, {**case_overrides, **assignment}))
-        return rows
+                table.append((label, case, assignment, {**case_overrides, **assignment}))
+        return table
+
+    def rows(self) -> list[tuple[str, dict[str, Any]]]:
+        """Table rows: each case crossed with each grid point, named "case, key=value"."""
+        return [(label, overrides) for label, _, _, overrides in self.table()]
 
     def points(self) -> list[Point]:
         points = []
@@ -137,14 +145,53 @@ def slugify(label: str) -> str:
 
 
 def load_spec(path: str | Path, repo_root: Path | None = None) -> SweepSpec:
-    """Parse and check a spec; every problem is reported before any trial runs."""
+    """Parse and check a spec's structure (diffexp.sweep.check then checks each trial's config)."""
     path = Path(path)
     if not path.is_file():
         raise SpecError(f"sweep spec {str(path)!r}: no such file")
-    raw = yaml.safe_load(path.read_text()) or {}
+    raw = read_yaml(path) or {}
     if not isinstance(raw, dict):
         raise SpecError(f"{path}: expected a mapping of keys, got {type(raw).__name__}")
     return parse_spec(raw, source=path, repo_root=repo_root)
+
+
+def read_yaml(path: Path) -> Any:
+    """The YAML document of `path`; a repeated mapping key (two cases of one name, say) is an error, since
+    YAML would keep only the last of them and a row of the table would silently disappear."""
+    try:
+        with open(path) as handle:
+            root = yaml.compose(handle, Loader=yaml.SafeLoader)
+        duplicates = _duplicate_keys(root, "") if root is not None else []
+        if duplicates:
+            raise SpecError(f"{path}: " + "; ".join(duplicates) + " (YAML keeps only the last one: rename or merge)")
+        with open(path) as handle:
+            return yaml.safe_load(handle)
+    except yaml.YAMLError as exc:
+        raise SpecError(f"{path}: not valid YAML: {' '.join(str(exc).split())}") from None
+    except OSError as exc:
+        raise SpecError(f"sweep spec {str(path)!r}: cannot read it ({exc.strerror or exc})") from None
+
+
+def _duplicate_keys(node: yaml.Node, where: str) -> list[str]:
+    found = []
+    if isinstance(node, yaml.MappingNode):
+        first_line: dict[tuple[str, str], int] = {}
+        for key_node, value_node in node.value:
+            if not isinstance(key_node, yaml.ScalarNode) or key_node.tag == "tag:yaml.org,2002:merge":
+                continue
+            key = (key_node.tag, key_node.value)
+            line = key_node.start_mark.line + 1
+            if key in first_line:
+                inside = f" in {where}" if where else ""
+                found.append(f"duplicate key {key_node.value!r}{inside} at line {line} "
+                             f"(first at line {first_line[key]})")
+            else:
+                first_line[key] = line
+            found += _duplicate_keys(value_node, f"{where}.{key_node.value}" if where else key_node.value)
+    elif isinstance(node, yaml.SequenceNode):
+        for i, item in enumerate(node.value):
+            found += _duplicate_keys(item, f"{where}[{i}]")
+    return found
 
 
 def parse_spec(raw: dict[str, Any], source: Path | None = None, repo_root: Path | None = None) -> SweepSpec:
@@ -181,8 +228,10 @@ def parse_spec(raw: dict[str, Any], source: Path | None = None, repo_root: Path 
 
     cases = typed("cases", dict, default=None)
     grid = typed("grid", dict, default={})
-    if cases is None and not grid:
-        raise fail("no trials: give `cases` (named rows of overrides) and/or a non-empty `grid`")
+    if not cases and not grid:
+        given = "`cases` is empty and there is no `grid`" if cases is not None else "neither `cases` nor `grid`"
+        raise fail(f"no trials: {given}; give `cases` (named rows of overrides, `NAME: {{}}` for a row that "
+                   "changes nothing) and/or a non-empty `grid`")
     cases = cases if cases else {"": {}}
     for name, overrides in cases.items():
         if overrides is None:
@@ -201,10 +250,19 @@ def parse_spec(raw: dict[str, Any], source: Path | None = None, repo_root: Path 
     seeds = list(range(seeds)) if isinstance(seeds, int) else seeds
     if not seeds or not all(isinstance(s, int) and not isinstance(s, bool) for s in seeds):
         raise fail(f"seeds={raw.get('seeds')!r}: expected a non-empty list of integers (or a count)")
+    repeated = sorted({s for s in seeds if seeds.count(s) > 1})
+    if repeated:
+        raise fail(f"seeds={seeds!r}: seed(s) {', '.join(map(str, repeated))} listed more than once; "
+                   "expected distinct seeds (each runs once per row)")
+    out_of_range = [s for s in seeds if not 0 <= s <= MAX_SEED]
+    if out_of_range:
+        raise fail(f"seeds={seeds!r}: {', '.join(map(str, out_of_range))} out of range; expected integers "
+                   f"from 0 to {MAX_SEED}")
 
     overrides = typed("overrides", dict, default={})
     _check_dotted(overrides, "overrides", fail)
     search = typed("search", dict, default={})
+    _check_dotted(search, "search", fail)
     for key, space in search.items():
         _check_search_space(key, space, fail)
     n_trials = typed("n_trials", int, default=1)
@@ -247,8 +305,11 @@ def _check_dotted(mapping: dict[str, Any], where: str, fail) -> None:
     for key in mapping:
         if not isinstance(key, str) or not re.fullmatch(r"[A-Za-z_][\w]*(\.[A-Za-z_+][\w+]*)*", key):
             raise fail(f"{where}: {key!r} is not a dotted config key such as model.arch.head_norm")
-        if key.split(".")[0] not in ("model", "data", "trainer", "checkpoint", "seed_everything"):
-            raise fail(f"{where}: {key!r} must start with model., data., trainer. or checkpoint.")
+        if key == "seed_everything":
+            raise fail(f"{where}: {key!r} is set per trial from `seeds`; list the seeds there instead")
+        if key.split(".")[0] not in CONFIG_SECTIONS:
+            raise fail(f"{where}: {key!r} must start with " + ", ".join(f"{s}." for s in CONFIG_SECTIONS[:-1])
+                       + f" or {CONFIG_SECTIONS[-1]}. (a dotted key of the `diffexp fit` config)")
 
 
 def _check_search_space(key: str, space: Any, fail) -> None:

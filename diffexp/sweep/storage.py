@@ -1,10 +1,17 @@
-"""Optuna storages by URL: SQLite (default), a journal file for shared file systems, or any RDB URL."""
+"""Optuna storages by URL: SQLite (default), a journal file for shared file systems, or any RDB URL.
+
+The URL comes from, first found: the `--storage` flag, the environment variable DIFFEXP_STORAGE (so a
+password need not be on a command line), the spec's `storage:`, then `sqlite:///runs/<study>/study.db`.
+It is only ever shown masked (diffexp.secrets). A storage that cannot be opened (bad host, wrong password,
+driver not installed, no such file) is a StorageError, a UserError naming the masked URL and the reason.
+"""
 
 from __future__ import annotations
 
 import contextlib
 import fcntl
-import re
+import os
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -12,10 +19,26 @@ import optuna
 from optuna.storages import JournalStorage, RDBStorage
 from optuna.storages.journal import JournalFileBackend
 
+from diffexp.errors import UserError
+from diffexp.secrets import mask_secrets_of, mask_url
 
-def mask_url(url: str) -> str:
-    """The URL with any password replaced by ***, safe to print or log."""
-    return re.sub(r"(://[^:/@]+:)[^@]*@", r"\1***@", url)
+STORAGE_URL_ENV = "DIFFEXP_STORAGE"
+SQLITE_SUFFIXES = (".db", ".sqlite", ".sqlite3")
+FORMS = ("sqlite:///<path>, journal:<path> or an SQLAlchemy URL such as "
+         "postgresql+psycopg://user:pass@host/db")
+
+
+class StorageError(UserError):
+    """The storage URL is malformed, or the storage cannot be opened or reached."""
+
+
+def resolve_url(flag: str | None, spec_value: str | None = None) -> tuple[str | None, str]:
+    """(URL, where it came from): `--storage` > $DIFFEXP_STORAGE > the spec's `storage:`; (None, "") if none."""
+    env = os.environ.get(STORAGE_URL_ENV, "").strip()
+    for value, origin in ((flag, "--storage"), (env, STORAGE_URL_ENV), (spec_value, "storage")):
+        if value:
+            return value, origin
+    return None, ""
 
 
 def journal_path(url: str) -> Path | None:
@@ -28,22 +51,78 @@ def journal_path(url: str) -> Path | None:
 
 
 def sqlite_path(url: str) -> Path | None:
-    return Path(url[len("sqlite:///"):]) if url.startswith("sqlite:///") else None
+    if url.startswith("sqlite:///"):
+        return Path(url[len("sqlite:///"):])
+    if "://" not in url and url.endswith(SQLITE_SUFFIXES):  # a bare path to a SQLite file
+        return Path(url)
+    return None
 
 
-def open_storage(url: str) -> optuna.storages.BaseStorage:
+def describe(url: str, origin: str = "storage") -> str:
+    """`origin='masked URL'`, e.g. DIFFEXP_STORAGE='postgresql+psycopg://optuna:***@db/optuna'."""
+    return f"{origin}={mask_url(url)!r}"
+
+
+def open_storage(url: str, origin: str = "storage", create: bool = True) -> optuna.storages.BaseStorage:
+    """The Optuna storage behind `url`. With create=False (reading a study), a file storage must exist."""
+    what = describe(url, origin)
     path = journal_path(url)
     if path is not None:
-        path.parent.mkdir(parents=True, exist_ok=True)
+        if not create and not path.is_file():
+            raise StorageError(f"{what}: no such journal file {str(path)!r}")
+        if create:
+            path.parent.mkdir(parents=True, exist_ok=True)
         return JournalStorage(JournalFileBackend(str(path)))
     db = sqlite_path(url)
     if db is not None:
-        db.parent.mkdir(parents=True, exist_ok=True)
+        if not create and not db.is_file():
+            raise StorageError(f"{what}: no such SQLite file {str(db)!r}")
+        if create:
+            db.parent.mkdir(parents=True, exist_ok=True)
         # several worker processes on one file: wait for the lock instead of failing at once
-        return RDBStorage(url, engine_kwargs={"connect_args": {"timeout": 60}})
+        rdb_url = url if "://" in url else f"sqlite:///{db.resolve()}"
+        return _rdb(rdb_url, url, what, engine_kwargs={"connect_args": {"timeout": 60}})
     if "://" not in url:
-        raise ValueError(f"storage={url!r}: expected a sqlite:/// or other SQLAlchemy URL, or journal:<path>")
-    return RDBStorage(url)
+        raise StorageError(f"{what} is not a storage: expected {FORMS}")
+    return _rdb(url, url, what)
+
+
+def _rdb(url: str, given: str, what: str, **kwargs) -> RDBStorage:
+    from sqlalchemy.exc import IntegrityError, ProgrammingError
+
+    for attempt in range(4):
+        try:
+            return RDBStorage(url, **kwargs)
+        except (IntegrityError, ProgrammingError) as exc:
+            # workers starting together on an empty server database race to create Optuna's tables
+            if attempt == 3:
+                raise failure(given, what, exc) from None
+            time.sleep(0.5 + attempt)
+        except Exception as exc:  # connection refused, wrong password, unknown driver, bad URL ...
+            raise failure(given, what, exc) from None
+    raise AssertionError("unreachable")
+
+
+def failure(url: str, what: str, exc: BaseException, doing: str = "cannot open the storage") -> StorageError:
+    """A StorageError for an exception raised by the storage, its message free of the password."""
+    reason = " ".join(line.strip() for line in str(exc).splitlines()
+                      if line.strip() and not line.strip().startswith("(Background on this error"))
+    hint = ""
+    if isinstance(exc, ImportError) or "Can't load plugin" in reason:
+        hint = ("; install the database driver, e.g. pip install 'diffexp[postgres]' and use a "
+                "postgresql+psycopg:// URL")
+    return StorageError(mask_secrets_of(f"{what}: {doing}: {type(exc).__name__}: {reason}{hint}", url))
+
+
+@contextlib.contextmanager
+def translated_errors(url: str, origin: str = "storage") -> Iterator[None]:
+    """Database errors while using an open storage (server gone, permission denied) become StorageErrors."""
+    from sqlalchemy.exc import SQLAlchemyError
+
+    try:
+        yield
+    except SQLAlchemyError as exc:
+        raise failure(url, describe(url, origin), exc, doing="the storage failed") from None
 
 
 @contextlib.contextmanager

@@ -1,0 +1,130 @@
+"""Every trial of a sweep spec, checked the way `diffexp fit` will check it, before anything is created.
+
+A row of the table (case x grid point, with the shared overrides) is turned into the arguments its
+trials' `diffexp fit` gets, parsed (diffexp.cli.parse_config) and checked (diffexp.preflight), without
+building a model or touching data. Search spaces are checked at both ends (low and high) and at every
+categorical choice. Each distinct set of overrides is checked once. All the bad rows are reported
+together, in one SpecError, so the spec can be fixed in one go; today's trials never start.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import logging
+import warnings
+from dataclasses import dataclass
+from typing import Any
+
+from diffexp.errors import UserError, invalid
+from diffexp.sweep.command import cli_value, fit_args
+from diffexp.sweep.spec import Point, SpecError, SweepSpec, slugify
+
+
+@dataclass(frozen=True)
+class TrialConfig:
+    """What one kind of trial of the spec is: where it comes from (for messages) and its overrides."""
+
+    where: str
+    point: Point
+    overrides: dict[str, Any]
+
+
+def validate_fit_args(args: list[str]) -> None:
+    """Raise UserError when `diffexp fit ARGS` would refuse its config (parse_config, then preflight)."""
+    from diffexp.cli import parse_config
+
+    output = io.StringIO()
+    previous = logging.root.manager.disable
+    logging.disable(logging.INFO)  # "Seed set to ..." for every row
+    try:
+        with contextlib.redirect_stdout(output), contextlib.redirect_stderr(output), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            config = parse_config(args)
+            _validate_fit_config(config)
+    except SystemExit:  # a parse error printed by jsonargparse (before diffexp.cli raised UserError for it)
+        text = output.getvalue()
+        message = " ".join(text[text.rfind("error:") + len("error:"):].split()) if "error:" in text else ""
+        raise UserError(message or "the config does not parse") from None
+    except UserError:
+        raise
+    except (ValueError, TypeError) as exc:  # a config class's own check (ModelConfig, OptimConfig, ...)
+        raise UserError(str(exc)) from None
+    finally:
+        logging.disable(previous)
+
+
+def _validate_fit_config(config) -> None:
+    try:
+        from diffexp.preflight import validate_fit_config
+    except ImportError:  # until diffexp.preflight lands: the model config and the step count
+        from diffexp.config import ModelConfig
+
+        arch = config.model.arch
+        ModelConfig(**(arch.as_dict() if hasattr(arch, "as_dict") else dict(arch)))
+        max_steps = config.trainer.max_steps
+        if max_steps is not None and max_steps != -1 and max_steps <= 0:
+            raise invalid("trainer.max_steps", max_steps, "expected a positive number of optimizer steps") from None
+        return
+    validate_fit_config(config)
+
+
+def trial_configs(spec: SweepSpec) -> list[TrialConfig]:
+    """Each row of the table, once per corner of the search spaces (every bound and choice appears)."""
+    configs = []
+    for label, case, assignment, row_overrides in spec.table():
+        point = Point(label, slugify(label), spec.seeds[0], 0, row_overrides)
+        for sampled, described in _search_corners(spec.search):
+            parts = [f"case {case!r}"] if case else []
+            parts += [f"grid {key}={cli_value(value)}" for key, value in assignment.items()]
+            parts += described
+            configs.append(TrialConfig(", ".join(parts), point, {**spec.overrides, **row_overrides, **sampled}))
+    return configs
+
+
+def _search_corners(search: dict[str, dict[str, Any]]) -> list[tuple[dict[str, Any], list[str]]]:
+    """Values for the search keys such that each key takes its low and high bound (or each choice) once."""
+    if not search:
+        return [({}, [])]
+    n = max([2] + [len(space["choices"]) for space in search.values() if space["type"] == "categorical"])
+    corners = []
+    for i in range(n):
+        values, described = {}, []
+        for key, space in search.items():
+            if space["type"] == "categorical":
+                value = space["choices"][i % len(space["choices"])]
+                described.append(f"search {key} choice {cli_value(value)}")
+            else:
+                bound = "low" if i % 2 == 0 else "high"
+                value = space[bound]
+                described.append(f"search {key} {bound}={cli_value(value)}")
+            values[key] = value
+        corners.append((values, described))
+    return corners
+
+
+def check_trials(spec: SweepSpec) -> None:
+    """Raise one SpecError naming every trial configuration of `spec` that `diffexp fit` would refuse."""
+    configs = trial_configs(spec)
+    verdicts: dict[str, str | None] = {}
+    for config in configs:
+        key = json.dumps(config.overrides, sort_keys=True, default=str)
+        if key not in verdicts:
+            try:
+                validate_fit_args(fit_args(spec, config.point, config.overrides))
+                verdicts[key] = None
+            except UserError as err:
+                verdicts[key] = " ".join(str(err).split())
+    bad = [(config.where, verdicts[json.dumps(config.overrides, sort_keys=True, default=str)]) for config in configs]
+    bad = [(where, message) for where, message in bad if message is not None]
+    if not bad:
+        return
+    where = f"{spec.source}: " if spec.source else ""
+    messages = {message for _, message in bad}
+    if len(configs) > 1 and len(bad) == len(configs) and len(messages) == 1:
+        lines = [f"  - every row: {messages.pop()}"]
+    else:
+        lines = [f"  - {row or 'the table'}: {message}" for row, message in bad]
+    raise SpecError(f"{where}{len(bad)} of {len(configs)} trial configurations would be refused by `diffexp fit`; "
+                    "nothing was started or written:\n" + "\n".join(lines))
