@@ -130,6 +130,10 @@ def test_killed_worker_is_resumed_without_duplicates(tmp_path):
         ({"grid": {"head_norm": [True]}}, "'head_norm' must start with model."),
         ({"search": {"model.optim.lr": {"type": "float", "low": 1.0, "high": 0.1}}}, "low=1.0 must be below"),
         ({"base": "recipes/nope.yaml"}, "base='recipes/nope.yaml': recipe not found"),
+        ({"grid": {}, "cases": {}}, "no trials: `cases` is empty and there is no `grid`"),
+        ({"seeds": [0, 1, 0]}, "seeds=[0, 1, 0]: seed(s) 0 listed more than once"),
+        ({"seeds": [-1]}, "seeds=[-1]: -1 out of range"),
+        ({"grid": {"seed_everything": [1, 2]}}, "'seed_everything' is set per trial from `seeds`"),
     ],
 )
 def test_bad_spec_fails_before_any_trial(tmp_path, change, message, capsys):
@@ -143,6 +147,69 @@ def test_bad_spec_fails_before_any_trial(tmp_path, change, message, capsys):
     path.write_text(yaml.safe_dump(raw))
     assert sweep_main(["--config", str(path)]) == 2
     assert message in capsys.readouterr().err.replace("\n", "")
+    assert not (tmp_path / "runs").exists()
+
+
+def test_every_bad_row_is_reported_before_anything_is_created(tmp_path, capsys):
+    """Values `diffexp fit` refuses fail the sweep at once, all together, not trial by trial."""
+    spec = write_spec(tmp_path, "rows", grid={"model.arch.lambda_init": [0.5, 1.5]}, cases={
+        "DIFF": {},
+        "Shared r0": {"model.arch.attention": "shared_diff", "model.arch.rank": 0},
+        "typo": {"model.arch.nope": 1},
+        "no steps": {"trainer.max_steps": 0}})
+    assert sweep_main(["--config", str(spec)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: {spec}: 7 of 8 trial configurations would be refused by `diffexp fit`")
+    lines = [line for line in err.splitlines() if line.startswith("  - ")]
+    assert len(lines) == 7
+    row = {line.split(": ", 1)[0][4:]: line.split(": ", 1)[1] for line in lines}
+    assert "lambda_init=1.5" in row["case 'DIFF', grid model.arch.lambda_init=1.5"]
+    assert "case 'DIFF', grid model.arch.lambda_init=0.5" not in row
+    assert "rank=0" in row["case 'Shared r0', grid model.arch.lambda_init=0.5"]
+    assert "expected a positive integer" in row["case 'Shared r0', grid model.arch.lambda_init=0.5"]
+    assert "model.arch.nope" in row["case 'typo', grid model.arch.lambda_init=0.5"]
+    assert "trainer.max_steps=0" in row["case 'no steps', grid model.arch.lambda_init=0.5"]
+    assert not (tmp_path / "runs").exists()  # no study.db, no sweep.json, no run directory
+
+
+def test_search_bounds_and_choices_are_checked(tmp_path, capsys):
+    spec = write_spec(tmp_path, "bounds", grid={}, cases={"DIFF": {}}, n_trials=3, search={
+        "model.arch.n_layers": {"type": "int", "low": 0, "high": 2},
+        "model.arch.integral": {"type": "categorical", "choices": ["softmax", "mean", "sideways"]}})
+    assert sweep_main(["--config", str(spec)]) == 2
+    err = capsys.readouterr().err
+    assert "2 of 3 trial configurations would be refused" in err
+    low = next(line for line in err.splitlines() if "search model.arch.n_layers low=0" in line)
+    assert "n_layers=0" in low and "expected a positive integer" in low
+    choice = next(line for line in err.splitlines() if "search model.arch.integral choice sideways" in line)
+    assert "sideways" in choice.split(": ", 1)[1]
+    assert not (tmp_path / "runs").exists()
+
+
+def test_each_distinct_trial_config_is_checked_once(tmp_path, monkeypatch):
+    from diffexp.sweep import check
+
+    checked = []
+    monkeypatch.setattr(check, "validate_fit_args", checked.append)
+    spec = load_spec(write_spec(tmp_path, "many", cases={"A": {}, "B": {}, "C": {"model.arch.head_norm": False}},
+                                grid={"model.arch.lambda_init": [0.5, 0.8]}, seeds=[0, 1, 2]))
+    assert len(spec.points()) == 18
+    check.check_trials(spec)
+    assert len(checked) == 4  # A and B set the same values; seeds do not change what is checked
+
+
+def test_duplicate_case_names_are_refused_with_their_lines(tmp_path, capsys):
+    path = write_spec(tmp_path, "dupes", grid={}, cases={"DIFF": {}})
+    text = path.read_text().replace("  DIFF: {}\n", "  DIFF: {}\n  Shared: {model.arch.attention: shared_diff}\n"
+                                                  "  DIFF: {model.arch.head_norm: false}\n")
+    path.write_text(text)
+    lines = text.splitlines()
+    first, second = [i + 1 for i, line in enumerate(lines) if line.startswith("  DIFF:")]
+    with pytest.raises(SpecError, match="duplicate key 'DIFF' in cases"):
+        load_spec(path)
+    assert sweep_main(["--config", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert f"duplicate key 'DIFF' in cases at line {second} (first at line {first})" in err
     assert not (tmp_path / "runs").exists()
 
 
@@ -237,17 +304,9 @@ def test_trial_killed_after_its_last_checkpoint_still_records_its_result(tmp_pat
 @pytest.mark.parametrize("path", sorted((REPO / "sweeps").glob("*.yaml")), ids=lambda p: p.stem)
 def test_every_sweep_spec_parses_and_every_row_is_a_valid_config(path):
     """Sweeps are data: each row of each shipped spec must be a config `diffexp fit` accepts and can build."""
-    from diffexp.cli import parse_config
-    from diffexp.config import ModelConfig
-    from diffexp.sweep.runner import cli_value
+    from diffexp.sweep.check import check_trials
 
-    spec = load_spec(path)
-    for label, row in spec.rows():
-        overrides = {**spec.overrides, **row}
-        config = parse_config(["--config", str(spec.base), *(f"--{k}={cli_value(v)}" for k, v in overrides.items())])
-        arch = config.model.arch
-        ModelConfig(**(arch if isinstance(arch, dict) else vars(arch))).validate()  # the model builds
-        assert config.model.arch.attention in ("baseline", "diff_v1", "diff_v2", "shared_diff", "dint"), label
+    check_trials(load_spec(path))  # every row and search bound, as the runner checks it before starting
 
 
 def test_every_trial_records_every_key_the_study_varies(tmp_path):
