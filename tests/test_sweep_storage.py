@@ -107,19 +107,27 @@ def test_user_errors_reach_the_terminal_whole_and_without_traceback(tmp_path):
     """`diffexp sweep` and `diffexp compare` as the user runs them, output piped, in a narrow terminal."""
     env = subprocess_env(COLUMNS="40", **{STORAGE_URL_ENV: URL_FORMS[":pw@"]})
     env.pop("DIFFEXP_DEBUG", None)
-    bad_rank = small_spec(tmp_path, cases={"Shared DIFF rank 0 with a long name": {
-        "model.arch.attention": "shared_diff", "model.arch.rank": 0}})
-    sweep = subprocess.run([sys.executable, "-m", "diffexp", "sweep", "--config", bad_rank], env=env, cwd=tmp_path,
-                           capture_output=True, text=True, timeout=300)
-    compare_run = subprocess.run([sys.executable, "-m", "diffexp", "compare", "--study", "table6"], env=env,
-                                 cwd=tmp_path, capture_output=True, text=True, timeout=300)
-    for proc in (sweep, compare_run):
+
+    def diffexp(*args: str) -> subprocess.CompletedProcess:
+        proc = subprocess.run([sys.executable, "-m", "diffexp", *args], env=env, cwd=tmp_path, capture_output=True,
+                              text=True, timeout=300)
         assert proc.returncode == 2, proc.stderr
         assert proc.stderr.startswith("error: ") and "Traceback" not in proc.stderr
         assert PASSWORD not in proc.stdout + proc.stderr
-    # one line per bad row, unbroken by the 40 columns: the spec's path, the case name, the key and its value
+        return proc
+
+    # a spec that does not parse: the message, with the spec's path, on one line despite the 40 columns
+    bad_seeds = small_spec(tmp_path, seeds="three")
+    assert f"error: {bad_seeds}: seeds='three' has the wrong type: expected list/int\n" in \
+        diffexp("sweep", "--config", bad_seeds).stderr
+    # a row `diffexp fit` would refuse: one line per bad row with the case name, the key and its value
+    bad_rank = small_spec(tmp_path, cases={"Shared DIFF rank 0 with a long name": {
+        "model.arch.attention": "shared_diff", "model.arch.rank": 0}})
+    sweep = diffexp("sweep", "--config", bad_rank)
     assert f"{bad_rank}: 1 of 1 trial configurations would be refused" in sweep.stderr
     line = next(line for line in sweep.stderr.splitlines() if "Shared DIFF rank 0 with a long name" in line)
     assert "rank=0" in line and "expected a positive integer" in line
+    # a storage that cannot be reached: the masked URL whole
+    compare_run = diffexp("compare", "--study", "table6")
     assert f"{STORAGE_URL_ENV}={mask_url(URL_FORMS[':pw@'])!r}: cannot open the storage" in compare_run.stderr
     assert not (tmp_path / "runs").exists()

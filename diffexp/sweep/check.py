@@ -13,6 +13,7 @@ import contextlib
 import io
 import json
 import logging
+import os
 import warnings
 from dataclasses import dataclass
 from typing import Any
@@ -20,6 +21,8 @@ from typing import Any
 from diffexp.errors import UserError, invalid
 from diffexp.sweep.command import cli_value, fit_args
 from diffexp.sweep.spec import Point, SpecError, SweepSpec, slugify
+
+SEED_ENV = ("PL_GLOBAL_SEED", "PL_SEED_WORKERS")  # what Lightning's seed_everything leaves in os.environ
 
 
 @dataclass(frozen=True)
@@ -38,6 +41,7 @@ def validate_fit_args(args: list[str]) -> None:
     output = io.StringIO()
     previous = logging.root.manager.disable
     logging.disable(logging.INFO)  # "Seed set to ..." for every row
+    seed_env = {key: os.environ.get(key) for key in SEED_ENV}  # parsing seeds this process; trials inherit its env
     try:
         with contextlib.redirect_stdout(output), contextlib.redirect_stderr(output), warnings.catch_warnings():
             warnings.simplefilter("ignore")
@@ -53,6 +57,11 @@ def validate_fit_args(args: list[str]) -> None:
         raise UserError(str(exc)) from None
     finally:
         logging.disable(previous)
+        for key, value in seed_env.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
 
 
 def _validate_fit_config(config) -> None:
