@@ -125,6 +125,18 @@ class DiffexpCLI(LightningCLI):
             "checkpoint.auto_insert_metric_name": False,
         })
 
+    def instantiate_classes(self) -> None:
+        """jsonargparse wraps a class's own UserError in a union error with a Namespace dump: unwrap it."""
+        try:
+            super().instantiate_classes()
+        except Exception as err:
+            cause = err
+            while cause is not None and not isinstance(cause, UserError):
+                cause = cause.__cause__ or cause.__context__
+            if cause is None:
+                raise
+            raise cause from None
+
     def instantiate_trainer(self, **kwargs):
         trainer = super().instantiate_trainer(**kwargs)
         if type(trainer.strategy.checkpoint_io) is TorchCheckpointIO:  # FSDP's sharded IO is left alone
@@ -175,6 +187,35 @@ class DiffexpCLI(LightningCLI):
             init_args.version = version
             self.save_config_kwargs["config_filename"] = time.strftime("config.resumed-%Y%m%d-%H%M%S.yaml")
         print(f"resuming from {path}", file=sys.stderr)
+
+
+def check_config_files(argv: list[str]) -> None:
+    """Each --config file exists and is a YAML mapping; jsonargparse's own messages do not name the file."""
+    import yaml
+
+    example = "a sweep spec such as sweeps/table6.yaml" if argv[:1] == ["sweep"] else \
+        "a YAML recipe such as recipes/tiny/diff_v1.yaml"
+    for i, arg in enumerate(argv):
+        if arg in ("--config", "-c") and i + 1 < len(argv):
+            path = argv[i + 1]
+        elif arg.startswith("--config="):
+            path = arg.split("=", 1)[1]
+        else:
+            continue
+        file = Path(path)
+        if not file.is_file():
+            raise UserError(f"--config {path}: no such file" + (" (a directory)" if file.is_dir() else "") +
+                            f"; expected {example}")
+        try:
+            loaded = yaml.safe_load(file.read_text())
+        except (yaml.YAMLError, UnicodeDecodeError) as err:
+            where = getattr(err, "problem_mark", None)
+            line = f" at line {where.line + 1}" if where is not None else ""
+            raise UserError(f"--config {path}: not valid YAML{line} ({getattr(err, 'problem', None) or err}); "
+                            "expected a mapping of keys such as model:, data:, trainer:") from None
+        if loaded is not None and not isinstance(loaded, dict):
+            raise UserError(f"--config {path}: holds a {type(loaded).__name__}, expected a mapping of keys such as "
+                            "model:, data:, trainer:")
 
 
 def data_options_help() -> str:
@@ -231,6 +272,7 @@ def _main(args: list[str] | None = None) -> None:
     if argv[0] not in SUBCOMMANDS and not argv[0].startswith("-"):
         raise UserError(f"unknown subcommand {argv[0]!r}; expected one of {', '.join(SUBCOMMANDS)} "
                         "(`diffexp --help` describes them)")
+    check_config_files(argv)
     if argv and argv[0] == "sweep":
         from diffexp.sweep.runner import main as sweep_main
 
@@ -254,6 +296,7 @@ def _main(args: list[str] | None = None) -> None:
         DiffexpLM,
         L.LightningDataModule,
         parser_class=DiffexpArgumentParser,
+        parser_kwargs={"prog": "diffexp"},
         subclass_mode_data=True,  # TextDataModule by default; NeedleDataModule, MQARDataModule, ... by class_path
         seed_everything_default=1234,
         trainer_defaults=TRAINER_DEFAULTS,
