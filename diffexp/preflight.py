@@ -21,6 +21,7 @@ from diffexp.errors import UserError, invalid
 
 # data module settings that do not change what is trained (where files live, how many loader processes)
 DATA_KEYS_FREE_ON_RESUME = {"num_workers", "cache_dir"}
+TOKENIZER_KEYS = ("tokenizer", "bpe_vocab_size")
 # trainer settings that shape the optimization (a checkpoint records them in "diffexp_run")
 RESUME_TRAINER_KEYS = ("max_steps", "accumulate_grad_batches", "gradient_clip_val")
 
@@ -150,12 +151,12 @@ def saved_run_values(checkpoint: dict[str, Any], model_only: bool) -> dict[str, 
     hparams = checkpoint.get("hyper_parameters") or {}
     arch = {k: v for k, v in (hparams.get("arch") or {}).items() if k != "vocab_size"}
     values = _flat("model.arch", arch)
-    if model_only:
-        return values
+    data_hparams = checkpoint.get("datamodule_hyper_parameters") or {}
+    if model_only:  # evaluating: the same network, and the tokenizer its embeddings were trained with
+        return {**values, **_flat("data", {k: v for k, v in data_hparams.items() if k in TOKENIZER_KEYS})}
     optim = dict(hparams.get("optim") or {})
     optim.pop("schedule_steps", None)  # compared below, resolved against max_steps
     values.update(_flat("model.optim", optim))
-    data_hparams = checkpoint.get("datamodule_hyper_parameters") or {}
     data_class = (checkpoint.get("diffexp_run") or {}).get("data_class") or data_hparams.get("_class_path")
     if data_class:
         values["data.class_path"] = data_class

@@ -185,6 +185,8 @@ CASES = [
      ["trainer.gradient_clip_val"]),
     ("validate-other-variant", ["validate", "--config", RECIPE, "--model.arch.attention", "diff_v1",
                                 "--ckpt_path", LAST], ["model.arch.attention", "'dint'", "'diff_v1'"]),
+    ("validate-other-tokenizer", ["validate", "--config", RECIPE, "--data.tokenizer", "bpe", "--ckpt_path", LAST],
+     ["data.tokenizer", "'byte'", "'bpe'"]),
     ("test-missing-ckpt", ["test", "--config", RECIPE, "--ckpt_path", "{root}/gone.ckpt"], ["gone.ckpt"]),
     # the command line itself
     ("unknown-subcommand", ["predict", "--config", RECIPE], ["predict", "fit"]),
