@@ -15,17 +15,18 @@ from pathlib import Path
 
 from diffexp.errors import UserError
 
-SNIFF_BYTES = 64 * 1024
+SNIFF_BYTES = 16 * 1024  # enough to tell text from binary and UTF-8 from not, at every run, for every file
+RECORD_BYTES = 1 << 20  # how far to read when the first JSON record is longer than that
 TEXT_CONTROL = frozenset(b"\t\n\v\f\r\b\x1b")  # control bytes ordinary text files do hold
 PARQUET_MAGIC = b"PAR1"
 TOKENIZER_CHOICES = "expected 'byte', 'bpe' or a path to an existing tokenizer.json file"
 
 
-def _prefix(path: Path) -> tuple[bytes, bool]:
-    """The first SNIFF_BYTES of the file, and whether that is the whole file."""
+def _prefix(path: Path, size: int) -> tuple[bytes, bool]:
+    """The first `size` bytes of the file, and whether that is the whole file."""
     with open(path, "rb") as f:
-        data = f.read(SNIFF_BYTES + 1)
-    return data[:SNIFF_BYTES], len(data) <= SNIFF_BYTES
+        data = f.read(size + 1)
+    return data[:size], len(data) <= size
 
 
 def _decode(data: bytes, complete: bool) -> tuple[str | None, str | None]:
@@ -129,14 +130,17 @@ def file_problem(path: Path, text_field: str) -> str | None:
     suffix = path.suffix.lower()
     if suffix == ".parquet":
         return _parquet_problem(path, text_field)
-    data, complete = _prefix(path)
-    text, problem = _decode(data, complete)
-    if problem or text is None:
-        return problem
-    if suffix == ".txt":
-        return "contains no text (only whitespace)" if complete and not text.strip() else None
     read = _first_jsonl_record if suffix == ".jsonl" else _first_json_record
-    record, problem = read(text, complete)
+    for size in (SNIFF_BYTES, RECORD_BYTES):
+        data, complete = _prefix(path, size)
+        text, problem = _decode(data, complete)
+        if problem or text is None:
+            return problem
+        if suffix == ".txt":
+            return "contains no text (only whitespace)" if complete and not text.strip() else None
+        record, problem = read(text, complete)
+        if problem or record is not None or complete:
+            break  # else the first record is longer than the prefix: read further, once
     if problem or record is None:
         return problem
     return _field_problem(record, text_field)
