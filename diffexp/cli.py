@@ -22,8 +22,9 @@ from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 
+from diffexp.checkpoint_io import read_checkpoint
 from diffexp.errors import UserError, debug_enabled, guarded
-from diffexp.preflight import check_resume, read_checkpoint_meta, validate_fit_config
+from diffexp.preflight import check_resume, validate_fit_config
 from diffexp.training.diagnostics import Diagnostics
 from diffexp.training.module import DiffexpLM
 from diffexp.training.progress import use_step_progress_bar
@@ -176,10 +177,7 @@ class DiffexpCLI(LightningCLI):
             path, version = resolve_resume(ckpt_path, init_args.save_dir, init_args.name)
         else:
             path, version = Path(ckpt_path), None
-            if not path.exists():
-                raise UserError(f"--ckpt_path {ckpt_path!r}: no such file; expected a .ckpt file written by "
-                                "diffexp fit" + (" or 'last'" if subcommand == "fit" else ""))
-        check_resume(config, read_checkpoint_meta(path), path, subcommand)
+        check_resume(config, read_checkpoint(path, weights=False), path, subcommand)
         config.ckpt_path = str(path)
         if subcommand != "fit":
             return

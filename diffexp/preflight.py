@@ -9,9 +9,7 @@ key and the command that resumes with the saved config.
 from __future__ import annotations
 
 import os
-import pickle
 import tempfile
-import zipfile
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -227,25 +225,3 @@ def check_resume(config, checkpoint: dict[str, Any], ckpt_path: Path, subcommand
     what = "resume" if subcommand == "fit" else subcommand
     raise UserError(f"--ckpt_path {ckpt_path}: cannot {what}: the config differs from the run that wrote this "
                     f"checkpoint in {len(differing)} key(s):\n" + "\n".join(differing) + f"\n{how}")
-
-
-def read_checkpoint_meta(path: Path) -> dict[str, Any]:
-    """The non-tensor parts of a checkpoint (hyper-parameters, run settings), as a UserError when unreadable."""
-    import torch
-
-    source = path / "meta.pt" if path.is_dir() else path  # Lightning's FSDP sharded directory keeps them there
-    if path.is_dir() and not source.is_file():
-        raise UserError(f"--ckpt_path {path}: a directory without meta.pt; expected a .ckpt file or a sharded "
-                        "checkpoint directory written by diffexp fit")
-    try:
-        checkpoint = torch.load(source, map_location="cpu", weights_only=True, mmap=not path.is_dir())
-    except Exception as err:  # truncated, corrupt, or not a torch file: the message must not suggest unsafe loading
-        reason = "truncated or corrupt"
-        if isinstance(err, pickle.UnpicklingError) and zipfile.is_zipfile(source):
-            reason = "it holds Python objects besides tensors and plain containers: not a diffexp checkpoint"
-        raise UserError(f"--ckpt_path {path}: cannot read the checkpoint ({reason}); expected a checkpoint "
-                        "written by diffexp fit") from None
-    if not isinstance(checkpoint, dict) or "arch" not in (checkpoint.get("hyper_parameters") or {}):
-        raise UserError(f"--ckpt_path {path}: not a diffexp checkpoint (no hyper_parameters.arch); expected a "
-                        "checkpoint written by diffexp fit")
-    return checkpoint

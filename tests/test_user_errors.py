@@ -163,7 +163,7 @@ CASES = [
     # checkpoints and resume
     ("ckpt-missing", ["fit", "--config", RECIPE, "--ckpt_path", "{root}/gone.ckpt"], ["--ckpt_path", "gone.ckpt"]),
     ("ckpt-truncated", ["fit", "--config", RECIPE, "--ckpt_path", "{root}/truncated.ckpt"],
-     ["truncated.ckpt", "truncated or corrupt"]),
+     ["truncated.ckpt", "truncated"]),
     ("ckpt-random", ["fit", "--config", RECIPE, "--ckpt_path", "{root}/random.ckpt"], ["random.ckpt"]),
     ("ckpt-empty", ["fit", "--config", RECIPE, "--ckpt_path", "{root}/empty.ckpt"], ["empty.ckpt"]),
     ("ckpt-not-diffexp", ["fit", "--config", RECIPE, "--ckpt_path", "{root}/plain.ckpt"],

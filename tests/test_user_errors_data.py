@@ -129,7 +129,6 @@ def test_tokenizer_path_problems(tmp_path):
         make_dm(tmp_path, source=str(corpus), tokenizer=str(tmp_path / "model"))
 
 
-@pytest.mark.xfail(strict=False, reason="needs cli guard: LightningCLI/jsonargparse wraps the UserError")
 def test_fit_on_a_binary_file_stops_with_one_paragraph_and_exit_2(tmp_path, monkeypatch, capsys):
     from diffexp.cli import main
 

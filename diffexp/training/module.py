@@ -271,7 +271,10 @@ class DiffexpLM(L.LightningModule):
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         checkpoint["diffexp_validated_step"] = self.validated_step
         # what a resume must repeat to continue this run exactly (checked by diffexp.preflight.check_resume)
-        trainer, datamodule = self.trainer, getattr(self.trainer, "datamodule", None)
+        trainer = self._trainer
+        if trainer is None:  # saved outside a Trainer: no run to continue
+            return
+        datamodule = getattr(trainer, "datamodule", None)
         checkpoint["diffexp_run"] = {
             "max_steps": trainer.max_steps, "schedule_steps": self.schedule_steps(),
             "accumulate_grad_batches": trainer.accumulate_grad_batches,
