@@ -6,6 +6,8 @@ import math
 from dataclasses import dataclass
 from typing import Literal, Union
 
+from diffexp.errors import UserError, invalid
+
 ATTENTION_VARIANTS = ("baseline", "diff_v1", "diff_v2", "shared_diff", "dint")
 BACKENDS = ("sdpa", "flash_attn", "eager")
 
@@ -106,8 +108,8 @@ class ModelConfig:
         return float(self.lambda_init)
 
     def validate(self) -> None:
-        def bad(field: str, value: object, allowed: str) -> ValueError:
-            return ValueError(f"model.{field}={value!r} is invalid: {allowed}")
+        def bad(field: str, value: object, allowed: str) -> UserError:
+            return invalid(f"model.arch.{field}", value, allowed)
 
         if self.attention not in ATTENTION_VARIANTS:
             raise bad("attention", self.attention, f"expected one of {', '.join(ATTENTION_VARIANTS)}")
@@ -150,5 +152,13 @@ class ModelConfig:
             raise bad("integral", self.integral, "expected 'softmax' or 'mean'")
         if self.backend not in BACKENDS:
             raise bad("backend", self.backend, f"expected one of {', '.join(BACKENDS)}")
-        if self.lowrank_init_std < 0 or self.init_std <= 0:
-            raise bad("init_std", (self.init_std, self.lowrank_init_std), "expected positive stds")
+        if not self.init_std > 0:
+            raise bad("init_std", self.init_std, "expected a positive standard deviation")
+        if not self.lowrank_init_std >= 0:
+            raise bad("lowrank_init_std", self.lowrank_init_std, "expected a standard deviation >= 0")
+        if not self.norm_eps > 0:
+            raise bad("norm_eps", self.norm_eps, "expected a positive number")
+        if not self.rope_theta > 0:
+            raise bad("rope_theta", self.rope_theta, "expected a positive number")
+        if self.ffn_hidden is not None and self.ffn_hidden <= 0:
+            raise bad("ffn_hidden", self.ffn_hidden, "expected a positive integer or null")

@@ -170,10 +170,12 @@ def test_bad_values_fail_before_training(tmp_path, monkeypatch, override, messag
     assert not (tmp_path / "runs").exists()
 
 
-def test_ckpt_path_last_without_runs_is_a_clear_error(tmp_path, monkeypatch):
+def test_ckpt_path_last_without_runs_is_a_clear_error(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
-    with pytest.raises(ValueError, match="no run under runs/run/ has checkpoints/last.ckpt"):
+    with pytest.raises(SystemExit) as err:
         main(["fit", "--config", str(write_recipe(tmp_path)), "--ckpt_path", "last"])
+    assert err.value.code == 2
+    assert "no run under runs/run/ has checkpoints/last.ckpt" in capsys.readouterr().err
 
 
 def test_checkpoint_write_is_atomic(tmp_path, monkeypatch):

@@ -24,10 +24,11 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader
 
-from diffexp.data import sources
+from diffexp.data import checks, sources
 from diffexp.data.loader import PackedRows, collate_rows, resumable_train_loader
 from diffexp.data.packing import encode_documents, pack_rows, save_atomic, split_documents
 from diffexp.data.tokenizer import ByteTokenizer, TextTokenizer, load_or_train_bpe, load_tokenizer_file
+from diffexp.errors import UserError
 
 log = logging.getLogger(__name__)
 
@@ -80,27 +81,26 @@ class TextDataModule(L.LightningDataModule):
     ) -> None:
         super().__init__()
         self.save_hyperparameters()
-        # Validate everything up front so a bad config fails before any data work starts.
+        # Validate everything up front so a bad config fails before any data work or model building starts.
         self.source = sources.resolve_source(source)
-        if tokenizer not in ("byte", "bpe") and not Path(tokenizer).expanduser().is_file():
-            raise ValueError(
-                f"data.tokenizer={tokenizer!r}: unknown tokenizer; expected 'byte', 'bpe' "
-                "or a path to an existing tokenizer.json file"
-            )
+        tokenizer_file = checks.tokenizer_path(tokenizer)
         if tokenizer == "bpe" and bpe_vocab_size < 257:
-            raise ValueError(
+            raise UserError(
                 f"data.bpe_vocab_size={bpe_vocab_size}: must be >= 257 (256 byte symbols + <|endoftext|>)"
             )
         if seq_len <= 0:
-            raise ValueError(f"data.seq_len={seq_len}: must be a positive integer")
+            raise UserError(f"data.seq_len={seq_len}: must be a positive integer")
         if batch_size <= 0:
-            raise ValueError(f"data.batch_size={batch_size}: must be a positive integer")
+            raise UserError(f"data.batch_size={batch_size}: must be a positive integer")
         if not 0.0 < val_fraction < 1.0:
-            raise ValueError(f"data.val_fraction={val_fraction}: must be strictly between 0 and 1")
+            raise UserError(f"data.val_fraction={val_fraction}: must be strictly between 0 and 1")
         if max_chars is not None and max_chars <= 0:
-            raise ValueError(f"data.max_chars={max_chars}: must be a positive integer or None")
+            raise UserError(f"data.max_chars={max_chars}: must be a positive integer or None")
         if num_workers < 0:
-            raise ValueError(f"data.num_workers={num_workers}: must be >= 0")
+            raise UserError(f"data.num_workers={num_workers}: must be >= 0")
+        sources.check_source(self.source, text_field)  # a prefix of each file: empty, binary, not UTF-8, no field
+        # Loaded now (it is needed anyway for the vocabulary size), so a bad file fails here.
+        self._file_tokenizer = load_tokenizer_file(tokenizer_file, tokenizer) if tokenizer_file else None
 
         self.text_field = text_field
         self.tokenizer_spec = tokenizer
@@ -136,6 +136,10 @@ class TextDataModule(L.LightningDataModule):
             log.info("loading documents from %s", self.source.spec)
             hf_cache = str(self.cache_dir / "hf_datasets")
             self._documents = sources.load_documents(self.source, self.text_field, self.max_chars, hf_cache)
+            if not self._documents:
+                field = "" if self.source.kind == "stdlib" else f" (data.text_field={self.text_field!r})"
+                raise UserError(f"data.source={self.source.spec!r}: no text at all: every document{field} is "
+                                "empty or whitespace; expected text to train on")
         return self._documents
 
     def split(self) -> tuple[list[str], list[str]]:
@@ -144,7 +148,8 @@ class TextDataModule(L.LightningDataModule):
         try:
             train_ids, val_ids = split_documents(len(documents), self.val_fraction, self.seed)
         except ValueError as error:
-            raise ValueError(f"data.source={self.source.spec!r}: {error} (raise data.max_chars?)") from None
+            hint = "raise data.max_chars" if self.max_chars else "add text; .txt files split at blank lines"
+            raise UserError(f"data.source={self.source.spec!r}: {error} ({hint})") from None
         return [documents[i] for i in train_ids], [documents[i] for i in val_ids]
 
     @cached_property
@@ -152,8 +157,8 @@ class TextDataModule(L.LightningDataModule):
         """The tokenizer; for "bpe" trained on the training split on first use, then cached."""
         if self.tokenizer_spec == "byte":
             return ByteTokenizer()
-        if self.tokenizer_spec != "bpe":
-            return load_tokenizer_file(Path(self.tokenizer_spec).expanduser())
+        if self._file_tokenizer is not None:
+            return self._file_tokenizer
         key = _short_hash(self.corpus_key, self.bpe_vocab_size)
         path = self.cache_dir / "tokenizers" / f"bpe-{key}.json"
 
@@ -228,12 +233,12 @@ class TextDataModule(L.LightningDataModule):
         assert self.train_rows is not None and self.val_rows is not None
         hint = "lower data.seq_len or data.batch_size, or use more data (data.max_chars)"
         if len(self.train_rows) < self.batch_size:
-            raise ValueError(
+            raise UserError(
                 f"data.batch_size={self.batch_size}: the training split has only {len(self.train_rows)} rows "
                 f"of {self.seq_len + 1} tokens; {hint}"
             )
         if len(self.val_rows) == 0:
-            raise ValueError(
+            raise UserError(
                 f"data.val_fraction={self.val_fraction}: the validation split has fewer than "
                 f"{self.seq_len + 1} tokens ({self.meta['val']['tokens']}); raise it, or {hint}"
             )

@@ -80,10 +80,19 @@ class HFTokenizer:
         return [np.asarray(encoding.ids, dtype=np.int64) for encoding in encodings]
 
 
-def load_tokenizer_file(path: str | os.PathLike) -> HFTokenizer:
-    """Load an existing ``tokenizer.json``; its content hash is the cache identity."""
-    content_hash = hashlib.sha256(Path(path).read_bytes()).hexdigest()[:16]
-    return HFTokenizer(Tokenizer.from_file(str(path)), identity=f"file-{content_hash}")
+def load_tokenizer_file(path: str | os.PathLike, spec: str | None = None) -> HFTokenizer:
+    """Load an existing ``tokenizer.json``; its content hash is the cache identity.
+
+    A file that is not a tokenizer.json raises a UserError naming ``data.tokenizer={spec}``.
+    """
+    from diffexp.data.checks import tokenizer_error
+
+    content = Path(path).read_bytes()
+    try:
+        tokenizer = Tokenizer.from_str(content.decode("utf-8"))
+    except Exception as err:  # tokenizers raises a bare Exception for a bad file; decoding a UnicodeDecodeError
+        raise tokenizer_error(str(path) if spec is None else spec, Path(path), err) from None
+    return HFTokenizer(tokenizer, identity=f"file-{hashlib.sha256(content).hexdigest()[:16]}")
 
 
 def train_bpe(texts: Sequence[str], vocab_size: int) -> Tokenizer:

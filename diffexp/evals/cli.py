@@ -1,86 +1,126 @@
 """`diffexp eval <task> CKPT ...`: the papers' evaluations on a trained checkpoint.
 
 Results go to files (default <run>/eval/) and into the run's own TensorBoard at the checkpoint's step.
-Tasks: needle (retrieval grid + attention-to-answer table), icl (many-shot in-context classification),
-mqar (multi-query associative recall).
+Every task runs under `guarded`: a bad checkpoint or flag prints one paragraph and exits 2, and is found
+before the model is built or any output exists (diffexp.evals.common).
 """
 
 from __future__ import annotations
 
+import argparse
 import sys
-from pathlib import Path
 
 import torch
 
+from diffexp.errors import UserError, guarded
+from diffexp.evals.common import (
+    CKPT_KEY,
+    as_flags,
+    at_most_max_seq_len,
+    byte_vocab,
+    check_device,
+    check_out,
+    eval_output,
+    load_checkpoint,
+    load_model,
+    positive,
+)
 
-def eval_output(checkpoint: str, out: str | None):
-    """(output dir, SummaryWriter on the run dir or None, the checkpoint's global step)."""
-    ckpt = Path(checkpoint)
-    if not ckpt.is_file():
-        raise SystemExit(f"error: checkpoint {checkpoint!r}: no such file")
-    run_dir = ckpt.parent.parent if ckpt.parent.name == "checkpoints" else None
-    if out:
-        directory = Path(out)
-    else:
-        directory = run_dir / "eval" if run_dir else ckpt.with_name(ckpt.stem + "-eval")
-    directory.mkdir(parents=True, exist_ok=True)
-    step = int(torch.load(ckpt, map_location="cpu", weights_only=True).get("global_step", 0))
-    writer = None
-    if run_dir is not None:
-        from torch.utils.tensorboard import SummaryWriter
-
-        writer = SummaryWriter(log_dir=str(run_dir))
-    return directory, writer, step
-
-
-def _load(checkpoint: str, device: str):
-    from diffexp.training.module import DiffexpLM
-
-    return DiffexpLM.load_from_checkpoint(checkpoint, map_location=device).eval()
+TASKS = {
+    "needle": "multi-needle retrieval (context length x depth x N,R) and attention to the answer vs noise",
+    "icl": "many-shot in-context classification: accuracy vs demonstrations, spread over orderings",
+    "mqar": "multi-query associative recall accuracy on held-out MQAR sequences",
+}
+ICL_FLAGS = {"k_classes": "--k-classes", "group_size": "--group-size", "words_per_input": "--words-per-input",
+             "n_tests": "--n-tests", "n_demos": "--n-demos"}
+MQAR_FLAGS = {"seq_len": "--seq-len", "num_kv_pairs": "--num-kv-pairs", "val_size": "--samples",
+              "vocab_size": "the checkpoint's model.arch.vocab_size"}
 
 
-def _icl_training_task(checkpoint: str) -> dict:
-    """The ICLDataModule settings saved in a checkpoint ({} when it was trained on other data)."""
-    ckpt = torch.load(checkpoint, map_location="cpu", weights_only=True)
-    return dict(ckpt.get("datamodule_hyper_parameters") or {})
+def usage() -> str:
+    width = max(map(len, TASKS))
+    lines = ["usage: diffexp eval TASK CKPT [options]", "",
+             "Evaluate a trained checkpoint (CKPT: a .ckpt file or a sharded checkpoint directory). Results go",
+             "to <run>/eval/ (or --out) and into the run's TensorBoard at the checkpoint's step.", "", "tasks:"]
+    lines += [f"  {name:<{width}}  {text}" for name, text in TASKS.items()]
+    lines += ["", "`diffexp eval TASK --help` lists the options of a task."]
+    return "\n".join(lines)
+
+
+def _parser(task: str, description: str) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog=f"diffexp eval {task}", description=description)
+    parser.add_argument("checkpoint", metavar=CKPT_KEY, help="a .ckpt file or a sharded checkpoint directory")
+    return parser
+
+
+def _device_and_out(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--out", default=None, help="default: <run>/eval/")
+
+
+def _icl_task(args, trained: dict):
+    """The ICL task the flags (else the checkpoint's ICLDataModule, else the defaults) describe."""
+    from diffexp.evals.icl import ICLTask
+
+    shape = {"k_classes": 4, "group_size": 10, "words_per_input": 3, "random_label_names": False}
+    for key in shape:
+        given = getattr(args, key)
+        shape[key] = given if given is not None else trained.get(key, shape[key])
+    source = "the checkpoint's ICLDataModule" if trained else "defaults"
+    summary = (f"ICL task: K={shape['k_classes']}, {shape['group_size']} words per class, "
+               f"{shape['words_per_input']} per input, random label names {shape['random_label_names']} "
+               f"(flags, else {source})")
+    try:
+        task = ICLTask(shape.pop("k_classes"), seed=args.seed, **shape)
+    except ValueError as err:
+        raise UserError(as_flags(str(err), ICL_FLAGS)) from None
+    hint = "lower it, or raise --group-size or --words-per-input"
+    if max(args.n_demos) > task.max_demos:
+        raise UserError(f"--n-demos={max(args.n_demos)} is invalid: this task has at most {task.max_demos} "
+                        f"class-balanced distinct demonstrations; {hint}")
+    if args.n_tests > task.max_tests:
+        raise UserError(f"--n-tests={args.n_tests} is invalid: this task has at most {task.max_tests} "
+                        f"class-balanced held-out test inputs; {hint}")
+    return task, summary
 
 
 def icl_main(argv: list[str]) -> int:
     """Many-shot in-context classification: accuracy vs demonstrations, spread over orderings."""
-    import argparse
+    from diffexp.evals.icl import ORDERINGS, evaluate_icl
 
-    from diffexp.evals.icl import ICLTask, evaluate_icl
-
-    parser = argparse.ArgumentParser(prog="diffexp eval icl", description=icl_main.__doc__)
-    parser.add_argument("checkpoint")
+    parser = _parser("icl", icl_main.__doc__)
     parser.add_argument("--k-classes", type=int, default=None,
                         help="default: the checkpoint's ICLDataModule setting, else 4 (also for the next three)")
     parser.add_argument("--group-size", type=int, default=None, help="words per class (default 10)")
     parser.add_argument("--words-per-input", type=int, default=None, help="default 3")
     parser.add_argument("--random-label-names", action=argparse.BooleanOptionalAction, default=None)
     parser.add_argument("--n-demos", type=int, nargs="+", default=[1, 4, 16, 64])
-    parser.add_argument("--orderings", nargs="+", default=["random", "alternating"])
+    parser.add_argument("--orderings", nargs="+", choices=ORDERINGS, default=["random", "alternating"])
     parser.add_argument("--n-orderings", type=int, default=5)
     parser.add_argument("--n-tests", type=int, default=50)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--out", default=None, help="default: <run>/eval/")
+    _device_and_out(parser)
     args = parser.parse_args(argv)
-    trained = _icl_training_task(args.checkpoint)  # evaluate the task shape the model was trained on
-    shape = {"k_classes": 4, "group_size": 10, "words_per_input": 3, "random_label_names": False}
-    for key in shape:
-        given = getattr(args, key)
-        shape[key] = given if given is not None else trained.get(key, shape[key])
-    model = _load(args.checkpoint, args.device)
-    source = "the checkpoint's ICLDataModule" if trained else "defaults"
-    print(f"ICL task: K={shape['k_classes']}, {shape['group_size']} words per class, {shape['words_per_input']} per "
-          f"input, random label names {shape['random_label_names']} (flags, else {source})")
-    task = ICLTask(shape.pop("k_classes"), seed=args.seed, **shape)
+    # everything is checked before the model is built and before any output exists
+    checkpoint, hparams = load_checkpoint(args.checkpoint)
+    positive("--n-demos", args.n_demos)
+    positive("--n-orderings", args.n_orderings)
+    positive("--n-tests", args.n_tests)
+    for flag in ("k_classes", "group_size", "words_per_input"):
+        if getattr(args, flag) is not None:
+            positive(ICL_FLAGS[flag], getattr(args, flag))
+    byte_vocab("icl", hparams["arch"], 256)
+    check_device(args.device)
+    check_out(args.out)
+    # evaluate the task shape the model was trained on
+    task, summary = _icl_task(args, hparams["data"] if "k_classes" in hparams["data"] else {})
+    model = load_model(checkpoint, args.checkpoint, args.device)
+    print(summary)
     results = evaluate_icl(model, task, args.n_demos, args.orderings,
                            args.n_orderings, args.n_tests, device=args.device, seed=args.seed,
                            max_seq_len=model.arch.max_seq_len)
     print(results.summary())
-    out, writer, step = eval_output(args.checkpoint, args.out)
+    out, writer, step = eval_output(args.checkpoint, args.out, hparams["global_step"])
     results.save(out)
     if writer is not None:
         results.log_to_tensorboard(writer, step)
@@ -91,27 +131,34 @@ def icl_main(argv: list[str]) -> int:
 
 def mqar_main(argv: list[str]) -> int:
     """Multi-query associative recall accuracy on held-out MQAR sequences."""
-    import argparse
     import json
 
     from diffexp.data.mqar import MQARDataModule
     from diffexp.evals.mqar import evaluate_mqar
 
-    parser = argparse.ArgumentParser(prog="diffexp eval mqar", description=mqar_main.__doc__)
-    parser.add_argument("checkpoint")
-    parser.add_argument("--seq-len", type=int, default=256)
+    parser = _parser("mqar", mqar_main.__doc__)
+    parser.add_argument("--seq-len", type=int, default=256, help="tokens the model sees per sequence")
     parser.add_argument("--num-kv-pairs", type=int, default=16)
     parser.add_argument("--samples", type=int, default=1000)
     parser.add_argument("--seed", type=int, default=1234)
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--out", default=None, help="default: <run>/eval/")
+    _device_and_out(parser)
     args = parser.parse_args(argv)
-    model = _load(args.checkpoint, args.device)
-    data = MQARDataModule(vocab_size=model.arch.vocab_size, seq_len=args.seq_len, num_kv_pairs=args.num_kv_pairs,
-                          val_size=args.samples, seed=args.seed)
+    checkpoint, hparams = load_checkpoint(args.checkpoint)
+    positive("--seq-len", args.seq_len)
+    positive("--num-kv-pairs", args.num_kv_pairs)
+    positive("--samples", args.samples)
+    at_most_max_seq_len("--seq-len", args.seq_len, hparams["arch"])
+    check_device(args.device)
+    check_out(args.out)
+    try:
+        data = MQARDataModule(vocab_size=hparams["arch"]["vocab_size"], seq_len=args.seq_len,
+                              num_kv_pairs=args.num_kv_pairs, val_size=args.samples, seed=args.seed)
+    except ValueError as err:
+        raise UserError(as_flags(str(err), MQAR_FLAGS)) from None
+    model = load_model(checkpoint, args.checkpoint, args.device)
     result = evaluate_mqar(model, data, device=args.device)
     print(json.dumps(result))
-    out, writer, step = eval_output(args.checkpoint, args.out)
+    out, writer, step = eval_output(args.checkpoint, args.out, hparams["global_step"])
     (out / f"mqar-seq{args.seq_len}-kv{args.num_kv_pairs}.json").write_text(json.dumps(result, indent=2))
     if writer is not None:
         writer.add_scalar(f"mqar/accuracy_seq{args.seq_len}_kv{args.num_kv_pairs}", result["mqar/accuracy"], step)
@@ -119,18 +166,21 @@ def mqar_main(argv: list[str]) -> int:
     return 0
 
 
-def _tasks():
-    from diffexp.evals import needle
+def _run(argv: list[str]) -> int:
+    if not argv or argv[0] not in TASKS:
+        given = f"{argv[0]!r}" if argv else "no task"
+        raise UserError(f"diffexp eval TASK: got {given}; expected one of {', '.join(TASKS)} "
+                        "(`diffexp eval --help` describes them)")
+    if argv[0] == "needle":
+        from diffexp.evals.needle import needle_main
 
-    return {"needle": needle.main, "icl": icl_main, "mqar": mqar_main}
+        return needle_main(argv[1:])
+    return {"icl": icl_main, "mqar": mqar_main}[argv[0]](argv[1:])
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    tasks = _tasks()
-    if not argv or argv[0] not in tasks:
-        given = repr(argv[0]) if argv else "nothing"
-        print(f"usage: diffexp eval {{{','.join(tasks)}}} CKPT [options]\nerror: got {given}; expected one of "
-              f"{', '.join(tasks)}", file=sys.stderr)
-        return 2
-    return tasks[argv[0]](argv[1:])
+    if argv[:1] in (["-h"], ["--help"]):
+        print(usage())
+        return 0
+    return guarded(_run, argv)

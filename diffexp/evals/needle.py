@@ -517,12 +517,30 @@ class NeedleEvalCallback(L.Callback):
             (Path(trainer.log_dir) / f"needles-step{step:06d}.md").write_text(text + "\n")
 
 
-def main(argv: list[str] | None = None) -> int:
-    """``python -m diffexp.evals.needle CKPT [--context-lens 512 1024] [--out DIR] ...``: grid + attention table."""
+def _parse_nr(pairs: Sequence[str]) -> list[tuple[int, int]]:
+    from diffexp.errors import UserError
+
+    nr = []
+    for pair in pairs:
+        try:
+            n, r = (int(x) for x in pair.split(","))
+        except ValueError:
+            raise UserError(f"--nr={pair!r} is invalid: expected N,R pairs such as 4,2") from None
+        if not 1 <= r <= n:
+            raise UserError(f"--nr={pair!r} is invalid: expected 1 <= R <= N")
+        nr.append((n, r))
+    return nr
+
+
+def needle_main(argv: list[str]) -> int:
+    """Multi-needle retrieval grid (context length x depth x N,R) and the attention-to-answer table."""
     import argparse
 
-    parser = argparse.ArgumentParser(prog="diffexp needles", description=main.__doc__)
-    parser.add_argument("checkpoint", help="a DiffexpLM checkpoint (.ckpt)")
+    from diffexp.errors import UserError
+    from diffexp.evals import common
+
+    parser = argparse.ArgumentParser(prog="diffexp eval needle", description=needle_main.__doc__)
+    parser.add_argument("checkpoint", metavar=common.CKPT_KEY, help="a .ckpt file or a sharded checkpoint directory")
     parser.add_argument("--context-lens", type=int, nargs="+", default=[512])
     parser.add_argument("--depths", type=float, nargs="+", default=list(DEFAULT_DEPTHS))
     parser.add_argument("--nr", nargs="+", default=[f"{n},{r}" for n, r in DEFAULT_NR], help="N,R pairs")
@@ -534,11 +552,26 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default=None, help="directory for needles.csv, heatmaps and attention.md "
                         "(default: <run>/eval/ beside the checkpoint's checkpoints/)")
     args = parser.parse_args(argv)
+    # everything is checked before the model is built and before any output exists
+    checkpoint, hparams = common.load_checkpoint(args.checkpoint)
+    nr = _parse_nr(args.nr)
+    common.positive("--samples", args.samples)
+    common.positive("--batch-size", args.batch_size)
+    common.positive("--context-lens", args.context_lens)
+    common.at_most_max_seq_len("--context-lens", args.context_lens, hparams["arch"])
+    for context_len, (n, r) in itertools.product(args.context_lens, nr):
+        if context_len < min_context_len(n, r):
+            raise UserError(f"--context-lens={context_len} is invalid: too short for N={n}, R={r} (--nr); "
+                            f"expected >= {min_context_len(n, r)}")
+    for depth in args.depths:
+        if not 0.0 <= depth <= 1.0:
+            raise UserError(f"--depths={depth} is invalid: expected fractions in [0, 1]")
+    common.byte_vocab("needle", hparams["arch"], VOCAB_SIZE)
+    common.check_device(args.device)
+    common.check_out(args.out)
     from diffexp.evals.attention import attention_by_depth, attention_table
-    from diffexp.training.module import DiffexpLM
 
-    model = DiffexpLM.load_from_checkpoint(args.checkpoint, map_location=args.device)
-    nr = [tuple(int(x) for x in pair.split(",")) for pair in args.nr]
+    model = common.load_model(checkpoint, args.checkpoint, args.device)
     results = evaluate_needles(model, args.context_lens, args.depths, nr, args.samples, args.haystack, args.seed,
                                args.device, batch_size=args.batch_size)
     print(results.table())
@@ -547,9 +580,7 @@ def main(argv: list[str] | None = None) -> int:
                 for d in args.depths}
     table = attention_table(attention_by_depth(model, by_depth, device=args.device), model.arch.attention)
     print(f"\nattention from the query (context {args.context_lens[-1]}, N={n}, R={r}):\n{table}")
-    from diffexp.evals.cli import eval_output
-
-    out, writer, step = eval_output(args.checkpoint, args.out)
+    out, writer, step = common.eval_output(args.checkpoint, args.out, hparams["global_step"])
     results.to_csv(out / "needles.csv")
     results.heatmaps(out / "needles")
     (out / "attention.md").write_text(table + "\n")
@@ -559,6 +590,15 @@ def main(argv: list[str] | None = None) -> int:
         writer.close()
     print(f"wrote {out}/needles.csv, needles.md, needles_*.png, attention.md")
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m diffexp.evals.needle CKPT ...``: the same as ``diffexp eval needle CKPT ...``."""
+    import sys
+
+    from diffexp.errors import guarded
+
+    return guarded(needle_main, sys.argv[1:] if argv is None else argv)
 
 
 if __name__ == "__main__":

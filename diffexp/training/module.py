@@ -15,6 +15,7 @@ from lightning.pytorch.utilities import rank_zero_info
 from lightning.pytorch.utilities.model_helpers import is_overridden
 
 from diffexp.config import ModelConfig
+from diffexp.errors import UserError, invalid
 from diffexp.evals.ar_hit import ar_hit_mask, frequent_bigrams
 from diffexp.model import Decoder
 
@@ -30,6 +31,9 @@ class OptimConfig:
         eps: AdamW epsilon.
         warmup_steps: linear warmup from 0 to lr.
         min_lr_ratio: the cosine ends at this fraction of lr.
+        schedule_steps: steps the warmup + cosine spans; null means trainer.max_steps. Set it to a run's
+            planned steps to train on past them (a resume with a larger max_steps): the lr then stays at
+            min_lr_ratio * lr instead of the whole cosine being stretched.
     """
 
     lr: float = 1e-3
@@ -38,14 +42,25 @@ class OptimConfig:
     eps: float = 1e-8
     warmup_steps: int = 50
     min_lr_ratio: float = 0.1
+    schedule_steps: int | None = None
 
     def __post_init__(self) -> None:
+        self.betas = tuple(self.betas)
         if not self.lr > 0:
-            raise ValueError(f"model.optim.lr={self.lr!r} is invalid: expected a positive number")
+            raise invalid("model.optim.lr", self.lr, "expected a positive number")
+        if not self.weight_decay >= 0:
+            raise invalid("model.optim.weight_decay", self.weight_decay, "expected a number >= 0")
+        if len(self.betas) != 2 or not all(0 <= b < 1 for b in self.betas):
+            raise invalid("model.optim.betas", list(self.betas), "expected two numbers in [0, 1)")
+        if not self.eps > 0:
+            raise invalid("model.optim.eps", self.eps, "expected a positive number")
         if self.warmup_steps < 0:
-            raise ValueError(f"model.optim.warmup_steps={self.warmup_steps!r} is invalid: expected >= 0")
+            raise invalid("model.optim.warmup_steps", self.warmup_steps, "expected an integer >= 0")
         if not 0 <= self.min_lr_ratio <= 1:
-            raise ValueError(f"model.optim.min_lr_ratio={self.min_lr_ratio!r} is invalid: expected in [0, 1]")
+            raise invalid("model.optim.min_lr_ratio", self.min_lr_ratio, "expected a number in [0, 1]")
+        if self.schedule_steps is not None and self.schedule_steps <= 0:
+            raise invalid("model.optim.schedule_steps", self.schedule_steps,
+                          "expected a positive number of steps, or null (trainer.max_steps)")
 
 
 @dataclass
@@ -64,11 +79,12 @@ class ARHitConfig:
 
     def __post_init__(self) -> None:
         if self.min_count is not None and self.top_percent is not None:
-            raise ValueError("model.ar_hit: give min_count or top_percent, not both")
+            raise UserError(f"model.ar_hit.min_count={self.min_count!r} and model.ar_hit.top_percent="
+                            f"{self.top_percent!r}: give one of them, not both")
         if self.min_count is not None and self.min_count < 1:
-            raise ValueError(f"model.ar_hit.min_count={self.min_count!r} is invalid: expected >= 1")
+            raise invalid("model.ar_hit.min_count", self.min_count, "expected an integer >= 1")
         if self.top_percent is not None and not 0 < self.top_percent < 100:
-            raise ValueError(f"model.ar_hit.top_percent={self.top_percent!r} is invalid: expected in (0, 100)")
+            raise invalid("model.ar_hit.top_percent", self.top_percent, "expected a number in (0, 100)")
 
 
 def _shard_replicas(strategy) -> int:
@@ -131,8 +147,8 @@ class DiffexpLM(L.LightningModule):
             arch = ModelConfig(**{**asdict(arch), "vocab_size": vocab_size})
         self.arch, self.optim, self.ar_hit = arch, optim, ar_hit
         # plain dicts, so checkpoints load with torch.load(weights_only=True)
-        self.save_hyperparameters({"arch": asdict(arch), "optim": asdict(optim), "vocab_size": arch.vocab_size,
-                                   "ar_hit": asdict(ar_hit)})
+        self.save_hyperparameters({"arch": asdict(arch), "optim": {**asdict(optim), "betas": list(optim.betas)},
+                                   "vocab_size": arch.vocab_size, "ar_hit": asdict(ar_hit)})
         self.model = Decoder(arch)
         self.compile_blocks = compile
         self.last_grad_norm: float | None = None
@@ -246,8 +262,25 @@ class DiffexpLM(L.LightningModule):
         return (self.validated_step != self.global_step and not trainer.interrupted and self.global_step > 0
                 and trainer.limit_val_batches != 0 and has_val_data)
 
+    def schedule_steps(self) -> int:
+        """Steps the warmup + cosine spans: model.optim.schedule_steps, else the trainer's planned steps."""
+        if self.optim.schedule_steps is not None:
+            return self.optim.schedule_steps
+        return int(self.trainer.estimated_stepping_batches)
+
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         checkpoint["diffexp_validated_step"] = self.validated_step
+        # what a resume must repeat to continue this run exactly (checked by diffexp.preflight.check_resume)
+        trainer = self._trainer
+        if trainer is None:  # saved outside a Trainer: no run to continue
+            return
+        datamodule = getattr(trainer, "datamodule", None)
+        checkpoint["diffexp_run"] = {
+            "max_steps": trainer.max_steps, "schedule_steps": self.schedule_steps(),
+            "accumulate_grad_batches": trainer.accumulate_grad_batches,
+            "gradient_clip_val": trainer.gradient_clip_val,
+            "data_class": None if datamodule is None else f"{type(datamodule).__module__}.{type(datamodule).__name__}",
+        }
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         self.validated_step = checkpoint.get("diffexp_validated_step")
@@ -309,7 +342,7 @@ class DiffexpLM(L.LightningModule):
              {"params": no_decay, "weight_decay": 0.0}],
             lr=self.optim.lr, betas=tuple(self.optim.betas), eps=self.optim.eps,
         )
-        total = int(self.trainer.estimated_stepping_batches)
+        total = self.schedule_steps()
         warmup, min_ratio = self.optim.warmup_steps, self.optim.min_lr_ratio
         schedule = torch.optim.lr_scheduler.LambdaLR(
             opt, lambda step: warmup_cosine(step, warmup, total, min_ratio))

@@ -8,6 +8,11 @@ from lightning.pytorch.callbacks import RichProgressBar
 class StepProgressBar(RichProgressBar):
     """Runs bounded by max_steps have max_epochs = -1, which Lightning's bar shows as "Epoch 0/-2"."""
 
+    def get_metrics(self, trainer, pl_module):
+        metrics = super().get_metrics(trainer, pl_module)
+        metrics.pop("v_num", None)  # the logger's version number is not a metric
+        return metrics
+
     def _get_train_description(self, current_epoch: int) -> str:
         max_epochs = self.trainer.max_epochs
         if max_epochs is None or max_epochs >= 0:

@@ -15,6 +15,8 @@ from typing import Any
 import torch
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 
+from diffexp.errors import UserError
+
 
 def find_last_checkpoint(experiment_dir: Path) -> Path | None:
     """The most recently written checkpoints/last.ckpt (a file, or FSDP's sharded directory) of an experiment."""
@@ -32,7 +34,7 @@ def resolve_resume(ckpt_path: str, save_dir: str, name: str) -> tuple[Path, str 
     if ckpt_path == "last":
         found = find_last_checkpoint(experiment_dir)
         if found is None:
-            raise ValueError(
+            raise UserError(
                 f"--ckpt_path last: no run under {experiment_dir}/ has checkpoints/last.ckpt; "
                 "pass the path of a .ckpt file, or start a new run without --ckpt_path"
             )
@@ -40,7 +42,7 @@ def resolve_resume(ckpt_path: str, save_dir: str, name: str) -> tuple[Path, str 
     else:
         path = Path(ckpt_path)
         if not path.exists():  # a file, or a directory for FSDP's sharded checkpoints
-            raise ValueError(f"--ckpt_path {ckpt_path!r}: no such file; expected a .ckpt file or 'last'")
+            raise UserError(f"--ckpt_path {ckpt_path!r}: no such file; expected a .ckpt file or 'last'")
     run_dir = path.parent.parent
     in_experiment = path.parent.name == "checkpoints" and run_dir.parent.resolve() == experiment_dir.resolve()
     return path, run_dir.name if in_experiment else None

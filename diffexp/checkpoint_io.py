@@ -1,0 +1,166 @@
+"""Reading diffexp checkpoints safely, with errors a user can act on.
+
+Every checkpoint is read with ``torch.load(..., weights_only=True, map_location="cpu")``: diffexp
+writes only tensors and plain data, so a file that needs anything else unpickled is refused, never
+loaded unsafely. Every failure is a ``UserError`` that names the flag or key (``key``), the file and
+the problem: missing, a directory that is not a sharded (FSDP / torch.distributed.checkpoint)
+checkpoint, empty, truncated, corrupt, not a diffexp checkpoint, or needing unsafe unpickling.
+torch's own messages are not passed on: they suggest ``weights_only=False``, which runs code from
+the file.
+
+A sharded checkpoint is the directory Lightning's FSDP strategy writes (``.metadata`` and
+``*.distcp`` shards from torch.distributed.checkpoint, plus ``meta.pt`` with everything but the
+tensors); it is read into one full checkpoint on the CPU.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import re
+import zipfile
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from diffexp.errors import UserError
+
+DCP_INDEX = ".metadata"  # torch.distributed.checkpoint's index of the shards
+LIGHTNING_META = "meta.pt"  # Lightning's FSDP checkpoints: everything but the sharded tensors
+ZIP_MAGIC = b"PK\x03\x04"  # torch.save's default format is a zip archive
+PICKLE_PROTO = 0x80  # torch.save's legacy format starts with a pickle protocol opcode
+EXPECTED = "expected a .ckpt written by diffexp (a dict with 'state_dict' and 'hyper_parameters' with 'arch')"
+
+
+def _error(key: str, path: os.PathLike | str, problem: str) -> UserError:
+    return UserError(f"{key}={str(path)!r}: {problem}")
+
+
+def is_sharded_checkpoint(path: os.PathLike | str) -> bool:
+    """A directory written by torch.distributed.checkpoint (Lightning's FSDP `state_dict_type="sharded"`)."""
+    return Path(path).is_dir() and (Path(path) / DCP_INDEX).is_file()
+
+
+def _head(path: Path) -> bytes:
+    with open(path, "rb") as f:
+        return f.read(4)
+
+
+def _unreadable(path: Path) -> str:
+    """Why torch.load failed on a file, told from its bytes (torch's message is not passed on)."""
+    size = path.stat().st_size
+    if size == 0:
+        return "the file is empty (0 bytes): an interrupted write or copy?"
+    head = _head(path)
+    if head == ZIP_MAGIC:
+        if not zipfile.is_zipfile(path):
+            return (f"the file is truncated ({size:,} bytes, the end of its zip archive is missing): an "
+                    "interrupted copy or write? Copy it again, or use another checkpoint")
+        return "the file is a damaged torch.save archive (a record inside it cannot be read)"
+    if head[:1] == bytes([PICKLE_PROTO]):
+        return "the file is truncated or damaged (legacy torch.save format)"
+    return f"the file is not a PyTorch checkpoint (it starts with bytes {head!r}): corrupt, or another kind of file"
+
+
+def _torch_load(path: Path, key: str, mmap: bool = False) -> Any:
+    mmap = mmap and _head(path) == ZIP_MAGIC  # torch can memory-map only the zip format
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
+    except pickle.UnpicklingError as err:
+        found = re.search(r"Unsupported global: GLOBAL ([\w.]+)", str(err))
+        if found:
+            raise _error(key, path, f"the file needs the Python object {found.group(1)} unpickled, which a "
+                                    "safe load refuses (unpickling runs code from the file). diffexp checkpoints "
+                                    f"hold only tensors and plain data; {EXPECTED}") from None
+        raise _error(key, path, _unreadable(path)) from None
+    except (RuntimeError, EOFError, KeyError, ValueError, OSError, zipfile.BadZipFile):
+        # each of these is what some broken file gives; which one depends on where it is broken
+        raise _error(key, path, _unreadable(path)) from None
+
+
+def _check_diffexp(checkpoint: Any, path: Path, key: str, need_weights: bool = True) -> dict:
+    if not isinstance(checkpoint, dict):
+        raise _error(key, path, f"the file holds a {type(checkpoint).__name__}, not a diffexp checkpoint; {EXPECTED}")
+    if checkpoint and all(isinstance(v, torch.Tensor) for v in checkpoint.values()):
+        example = next(iter(checkpoint))
+        raise _error(key, path, f"the file is a bare state dict ({len(checkpoint)} tensors such as {example!r}), "
+                                f"not a diffexp checkpoint: it has no hyper_parameters to rebuild the model; "
+                                f"{EXPECTED}")
+    hparams = checkpoint.get("hyper_parameters")
+    missing = [name for name, ok in (("state_dict", not need_weights or isinstance(checkpoint.get("state_dict"), dict)),
+                                     ("hyper_parameters.arch", isinstance(hparams, dict)
+                                      and isinstance(hparams.get("arch"), dict))) if not ok]
+    if missing:
+        keys = ", ".join(map(repr, list(checkpoint)[:8])) or "none"
+        raise _error(key, path, f"the file is not a diffexp checkpoint: it lacks {' and '.join(missing)} "
+                                f"(its keys: {keys}); {EXPECTED}")
+    return checkpoint
+
+
+def _read_sharded(path: Path, key: str, weights: bool) -> dict:
+    meta = path / LIGHTNING_META
+    if not meta.is_file():
+        raise _error(key, path, f"the directory is a sharded checkpoint without Lightning's {LIGHTNING_META}, so not "
+                                f"a diffexp checkpoint; {EXPECTED}, or a sharded one written by diffexp fit")
+    checkpoint = _check_diffexp(_torch_load(meta, key), path, key, need_weights=False)
+    if not weights:
+        return checkpoint
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.format_utils import _EmptyStateDictLoadPlanner
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
+
+    loaded: dict[str, Any] = {}
+    try:
+        # the planner rebuilds the tensors from the index; only the model's, not the optimizer's
+        _load_state_dict(loaded, storage_reader=FileSystemReader(path),
+                         planner=_EmptyStateDictLoadPlanner(keys={"model"}), no_dist=True)
+    except Exception as err:  # torch.distributed.checkpoint wraps every failure in its own types
+        reason = (str(err).strip().splitlines() or [type(err).__name__])[0][:200]
+        raise _error(key, path, f"the sharded checkpoint cannot be read (a shard missing, truncated or damaged?): "
+                                f"{reason}") from None
+    if not isinstance(loaded.get("model"), dict):
+        raise _error(key, path, f"the sharded checkpoint holds no model weights; {EXPECTED}")
+    return {**checkpoint, "state_dict": loaded["model"]}
+
+
+def read_checkpoint(path: os.PathLike | str, key: str = "--ckpt_path", *, weights: bool = True) -> dict:
+    """Load a diffexp checkpoint (a .ckpt file or a sharded checkpoint directory) on the CPU.
+
+    ``key`` is how the user wrote the path (``--ckpt_path``, ``CKPT``), for the error messages.
+    ``weights=False`` memory-maps the tensors (zip files) or skips them (sharded directories): cheap,
+    for reading the hyperparameters of a large checkpoint.
+    """
+    path = Path(path).expanduser()
+    if not path.exists():
+        raise _error(key, path, "no such file")
+    if path.is_dir():
+        if is_sharded_checkpoint(path):
+            return _read_sharded(path, key, weights)
+        inside = sorted(p.name for p in path.glob("*.ckpt"))
+        hint = f"; it holds {', '.join(inside[:5])}: did you mean {str(path / inside[0])!r}?" if inside else ""
+        raise _error(key, path, f"a directory, not a checkpoint file, and not a sharded checkpoint (no {DCP_INDEX} "
+                                f"file){hint}")
+    return _check_diffexp(_torch_load(path, key, mmap=not weights), path, key)
+
+
+def model_hparams(checkpoint: dict) -> dict:
+    """The hyperparameters of a checkpoint read by read_checkpoint, as plain dicts:
+    ``arch``, ``optim`` and ``ar_hit`` (the model), ``data`` (the data module's init arguments, {} if none
+    were saved), ``data_class`` (its class path when trained through the CLI, else None), ``global_step``."""
+    hparams = checkpoint["hyper_parameters"]
+    data = dict(checkpoint.get("datamodule_hyper_parameters") or {})
+    data_class = data.pop("_class_path", None)
+    return {
+        "arch": dict(hparams["arch"]),
+        "optim": dict(hparams.get("optim") or {}),
+        "ar_hit": dict(hparams.get("ar_hit") or {}),
+        "data": {k: v for k, v in data.items() if not k.startswith("_")},  # no _instantiator
+        "data_class": data_class,
+        "global_step": int(checkpoint.get("global_step", 0)),
+    }
+
+
+def checkpoint_hparams(path: os.PathLike | str, key: str = "--ckpt_path") -> dict:
+    """``model_hparams`` of the checkpoint at ``path``, read cheaply (no tensors loaded); for resume checks."""
+    return model_hparams(read_checkpoint(path, key, weights=False))

@@ -1,0 +1,227 @@
+"""Checks of a parsed `fit`/`validate`/`test` config that run before any data, model or run directory is made.
+
+Everything that can be found wrong without doing work is found here, and reported as one `UserError` that
+names the key as the user writes it (`model.arch.rank`, `trainer.max_steps`), the value and what is allowed.
+A resume (`--ckpt_path`) must describe the same run as the checkpoint, or it is refused with every differing
+key and the command that resumes with the saved config.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+from diffexp.config import ModelConfig
+from diffexp.errors import UserError, invalid
+
+# data module settings that do not change what is trained (where files live, how many loader processes)
+DATA_KEYS_FREE_ON_RESUME = {"num_workers", "cache_dir"}
+TOKENIZER_KEYS = ("tokenizer", "bpe_vocab_size")
+# trainer settings that shape the optimization (a checkpoint records them in "diffexp_run")
+RESUME_TRAINER_KEYS = ("max_steps", "accumulate_grad_batches", "gradient_clip_val")
+
+
+def plain(value: Any) -> Any:
+    """A jsonargparse Namespace (nested) as plain dicts and lists."""
+    if hasattr(value, "as_dict"):
+        return value.as_dict()
+    if isinstance(value, dict):
+        return {k: plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [plain(v) for v in value]
+    return value
+
+
+def model_sections(config) -> tuple[ModelConfig, Any, Any]:
+    """Build the model's config dataclasses from a parsed config; their own checks raise UserError."""
+    from diffexp.training.module import ARHitConfig, OptimConfig
+
+    model = plain(config.get("model") or {})
+    arch = ModelConfig(**(model.get("arch") or {}))
+    optim = OptimConfig(**(model.get("optim") or {}))
+    ar_hit = ARHitConfig(**(model.get("ar_hit") or {}))
+    return arch, optim, ar_hit
+
+
+def data_init_args(config) -> tuple[str | None, dict[str, Any]]:
+    """(class path, init args) of the data module section."""
+    data = plain(config.get("data") or {})
+    if "class_path" in data:
+        return data["class_path"], dict(data.get("init_args") or {})
+    return None, dict(data)
+
+
+def check_trainer(trainer: dict[str, Any], subcommand: str) -> None:
+    if subcommand == "fit":
+        max_steps, max_epochs = trainer.get("max_steps"), trainer.get("max_epochs")
+        if max_steps is not None and max_steps != -1 and max_steps <= 0:
+            raise invalid("trainer.max_steps", max_steps, "expected a positive number of optimizer steps "
+                          "(or -1 together with a positive trainer.max_epochs)")
+        if max_steps in (None, -1) and (max_epochs is None or max_epochs <= 0):
+            raise invalid("trainer.max_steps", max_steps, "expected a positive number of optimizer steps; "
+                          "without it, give a positive trainer.max_epochs")
+    clip = trainer.get("gradient_clip_val")
+    if clip is not None and not clip >= 0:
+        raise invalid("trainer.gradient_clip_val", clip, "expected a number >= 0 (0 or null: no clipping)")
+    accumulate = trainer.get("accumulate_grad_batches")
+    if accumulate is not None and accumulate < 1:
+        raise invalid("trainer.accumulate_grad_batches", accumulate, "expected a positive integer")
+    every = trainer.get("log_every_n_steps")
+    if every is not None and every < 1:
+        raise invalid("trainer.log_every_n_steps", every, "expected a positive integer")
+    interval = trainer.get("val_check_interval")
+    if interval is not None and not interval > 0:
+        raise invalid("trainer.val_check_interval", interval,
+                      "expected a positive number of steps (int) or fraction of an epoch (float)")
+    for key in ("limit_train_batches", "limit_val_batches", "limit_test_batches"):
+        value = trainer.get(key)
+        if value is not None and value < 0:
+            raise invalid(f"trainer.{key}", value, "expected a number >= 0")
+
+
+def check_writable(key: str, path: str | os.PathLike | None) -> None:
+    """The directory exists and is writable, or can be created: probed with a real file, since permission bits
+    say nothing for root or on read-only mounts. Nothing is created or left behind."""
+    if path is None or str(path) == "" or "://" in str(path):  # remote logger URLs are the logger's business
+        return
+    target = Path(path).expanduser()
+    probe = target
+    while not probe.exists() and probe.parent != probe:
+        probe = probe.parent
+    if not probe.is_dir():
+        raise invalid(key, str(path), f"{probe} exists and is not a directory; expected a writable directory")
+    try:
+        fd, name = tempfile.mkstemp(prefix=".diffexp-write-check-", dir=probe)
+        os.close(fd)
+        os.unlink(name)
+    except OSError as err:
+        where = "is not writable" if probe == target else f"cannot be created: {probe} is not writable"
+        raise invalid(key, str(path), f"the directory {where} ({err.strerror}); expected a writable "
+                      "directory") from None
+
+
+def logger_save_dirs(trainer: dict[str, Any]) -> list[tuple[str, Any]]:
+    logger = trainer.get("logger")
+    loggers = logger if isinstance(logger, list) else [logger]
+    dirs = []
+    for i, entry in enumerate(loggers):
+        if isinstance(entry, dict) and isinstance(entry.get("init_args"), dict):
+            where = "trainer.logger" if not isinstance(logger, list) else f"trainer.logger[{i}]"
+            dirs.append((f"{where}.init_args.save_dir", entry["init_args"].get("save_dir")))
+    return dirs
+
+
+def validate_fit_config(config, subcommand: str = "fit") -> ModelConfig:
+    """Check a parsed config of `subcommand` before anything is built. Returns the model config."""
+    arch, _, _ = model_sections(config)
+    _, data_args = data_init_args(config)
+    seq_len = data_args.get("seq_len")
+    if isinstance(seq_len, int) and seq_len > arch.max_seq_len:
+        raise invalid("data.seq_len", seq_len, f"expected at most model.arch.max_seq_len={arch.max_seq_len} "
+                      "(RoPE is precomputed up to it); raise model.arch.max_seq_len or lower data.seq_len")
+    trainer = plain(config.get("trainer") or {})
+    check_trainer(trainer, subcommand)
+    check_writable("trainer.default_root_dir", trainer.get("default_root_dir"))
+    for key, save_dir in logger_save_dirs(trainer):
+        check_writable(key, save_dir)
+    checkpoint = plain(config.get("checkpoint") or {})
+    check_writable("checkpoint.dirpath", checkpoint.get("dirpath"))
+    return arch
+
+
+# -- resume ------------------------------------------------------------------------------------------------
+def _flat(prefix: str, values: dict[str, Any]) -> dict[str, Any]:
+    return {f"{prefix}.{k}": (list(v) if isinstance(v, tuple) else v) for k, v in values.items()}
+
+
+def _same(a: Any, b: Any) -> bool:
+    if isinstance(a, (int, float)) and isinstance(b, (int, float)) and not isinstance(a, bool) \
+            and not isinstance(b, bool):
+        return float(a) == float(b)
+    return plain(a) == plain(b)
+
+
+def saved_run_values(checkpoint: dict[str, Any], model_only: bool) -> dict[str, Any]:
+    """The dotted keys a checkpoint pins, as the user writes them."""
+    hparams = checkpoint.get("hyper_parameters") or {}
+    arch = {k: v for k, v in (hparams.get("arch") or {}).items() if k != "vocab_size"}
+    values = _flat("model.arch", arch)
+    data_hparams = checkpoint.get("datamodule_hyper_parameters") or {}
+    if model_only:  # evaluating: the same network, and the tokenizer its embeddings were trained with
+        return {**values, **_flat("data", {k: v for k, v in data_hparams.items() if k in TOKENIZER_KEYS})}
+    optim = dict(hparams.get("optim") or {})
+    optim.pop("schedule_steps", None)  # compared below, resolved against max_steps
+    values.update(_flat("model.optim", optim))
+    data_class = (checkpoint.get("diffexp_run") or {}).get("data_class") or data_hparams.get("_class_path")
+    if data_class:
+        values["data.class_path"] = data_class
+    # keys with a leading underscore are LightningCLI's bookkeeping (_class_path, _instantiator)
+    data = {k: v for k, v in data_hparams.items() if k not in DATA_KEYS_FREE_ON_RESUME and not k.startswith("_")}
+    values.update(_flat("data", data))
+    run = checkpoint.get("diffexp_run") or {}
+    for key in RESUME_TRAINER_KEYS:
+        if key in run:
+            values[f"trainer.{key}"] = run[key]
+    return values
+
+
+def requested_run_values(config, keys: set[str]) -> dict[str, Any]:
+    """The same dotted keys, from the parsed config (data keys looked up under init_args)."""
+    model = plain(config.get("model") or {})
+    arch = asdict(ModelConfig(**(model.get("arch") or {})))
+    optim_section = dict(model.get("optim") or {})
+    values = {**_flat("model.arch", arch), **_flat("model.optim", optim_section)}
+    data_class, data_args = data_init_args(config)
+    values["data.class_path"] = data_class
+    values.update(_flat("data", data_args))
+    trainer = plain(config.get("trainer") or {})
+    for key in RESUME_TRAINER_KEYS:
+        values[f"trainer.{key}"] = trainer.get(key)
+    return {k: values.get(k) for k in keys}
+
+
+def _schedule_difference(checkpoint: dict[str, Any], config) -> str | None:
+    """Changing max_steps changes the lr of the remaining steps unless schedule_steps pins the cosine."""
+    run = checkpoint.get("diffexp_run") or {}
+    saved_total = run.get("schedule_steps")
+    if saved_total is None:
+        return None
+    _, optim, _ = model_sections(config)
+    max_steps = plain(config.get("trainer") or {}).get("max_steps")
+    total = optim.schedule_steps if optim.schedule_steps is not None else max_steps
+    if total == saved_total:
+        return None
+    return (f"  learning-rate schedule: the saved run's cosine spans {saved_total} steps, this config's spans {total}"
+            f" (model.optim.schedule_steps, else trainer.max_steps). To train past step {saved_total} with the lr "
+            f"schedule as it was (the lr stays at its final value), add --model.optim.schedule_steps {saved_total}")
+
+
+def check_resume(config, checkpoint: dict[str, Any], ckpt_path: Path, subcommand: str) -> None:
+    """Refuse a resume (fit) or an evaluation (validate/test) whose config differs from the checkpoint's run."""
+    model_only = subcommand != "fit"
+    saved = saved_run_values(checkpoint, model_only)
+    requested = requested_run_values(config, set(saved))
+    if "data.class_path" in saved and requested.get("data.class_path"):  # by class name: modules re-export
+        saved["data.class_path"] = saved["data.class_path"].rsplit(".", 1)[-1]
+        requested["data.class_path"] = requested["data.class_path"].rsplit(".", 1)[-1]
+    differing = [f"  {key}: checkpoint {saved[key]!r}, this config {requested[key]!r}"
+                 for key in sorted(saved) if not _same(saved[key], requested[key])]
+    if not model_only and (checkpoint.get("diffexp_run") or {}).get("schedule_steps") is not None:
+        # max_steps may change when the lr schedule stays the same (pinned by model.optim.schedule_steps)
+        differing = [line for line in differing if not line.startswith("  trainer.max_steps:")]
+        schedule = _schedule_difference(checkpoint, config)
+        differing += [schedule] if schedule else []
+    if not differing:
+        return
+    run_config = ckpt_path.parent.parent / "config.yaml"
+    if ckpt_path.parent.name == "checkpoints" and run_config.is_file():
+        how = f"To {'resume' if subcommand == 'fit' else subcommand} the saved run as it was: diffexp {subcommand} " \
+              f"--config {run_config} --ckpt_path {ckpt_path}"
+    else:
+        how = "Pass the checkpoint's values above as flags (or in the config) to use this checkpoint."
+    what = "resume" if subcommand == "fit" else subcommand
+    raise UserError(f"--ckpt_path {ckpt_path}: cannot {what}: the config differs from the run that wrote this "
+                    f"checkpoint in {len(differing)} key(s):\n" + "\n".join(differing) + f"\n{how}")

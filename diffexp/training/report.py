@@ -1,0 +1,88 @@
+"""What a run tells the person who started it, in plain lines that survive logs without a TTY (CI, SLURM).
+
+`RunReport` prints `val/loss` at each validation when no live progress bar shows it, and collects what the
+closing summary needs; `print_summary` writes that one block at the end of `fit`.
+"""
+
+from __future__ import annotations
+
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import lightning as L
+from lightning.pytorch.callbacks import ModelCheckpoint
+
+
+def _shows_live_bar(trainer: L.Trainer) -> bool:
+    return trainer.progress_bar_callback is not None and sys.stdout.isatty()
+
+
+class RunReport(L.Callback):
+    """Per-validation lines without a TTY, and the numbers of the closing summary."""
+
+    def __init__(self) -> None:
+        self.started = time.time()
+        self.tokens_per_s: list[float] = []
+        self.train_loss: float | None = None
+
+    def on_fit_start(self, trainer, pl_module) -> None:
+        self.started = time.time()
+        self.tokens_per_s = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        value = trainer.callback_metrics.get("train/tokens_per_s")
+        if value is not None:
+            self.tokens_per_s.append(float(value))
+        loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
+        if loss is not None:  # kept here: the final validation replaces the trainer's callback_metrics
+            self.train_loss = float(loss)
+
+    def on_validation_end(self, trainer, pl_module) -> None:
+        if trainer.sanity_checking or not trainer.is_global_zero or _shows_live_bar(trainer):
+            return
+        loss = trainer.callback_metrics.get("val/loss")
+        if loss is not None:
+            print(f"step {trainer.global_step}: val/loss {float(loss):.4f}", flush=True)
+
+    def median_tokens_per_s(self) -> float | None:
+        return statistics.median(self.tokens_per_s) if self.tokens_per_s else None
+
+
+def _number(value) -> str:
+    return "-" if value is None else f"{float(value):.4f}"
+
+
+def print_summary(trainer: L.Trainer) -> None:
+    """One block at the end of fit: where the run is, its checkpoints, losses, speed and what to run next."""
+    if not trainer.is_global_zero:
+        return
+    report = next((c for c in trainer.callbacks if isinstance(c, RunReport)), None)
+    run_dir = Path(trainer.log_dir) if trainer.log_dir else None
+    checkpoints = [c for c in trainer.callbacks if isinstance(c, ModelCheckpoint)]
+    best = next((c.best_model_path for c in checkpoints if c.best_model_path), "")
+    best_score = next((c.best_model_score for c in checkpoints if c.best_model_path), None)
+    last = next((c.last_model_path for c in checkpoints if c.last_model_path), "")
+    tokens = report.median_tokens_per_s() if report else None
+    wall = time.time() - report.started if report else None
+    lines = [
+        f"run directory   {run_dir or '-'}",
+        f"best checkpoint {best or '-'}" + (f" (val/loss {float(best_score):.4f})" if best_score is not None else ""),
+        f"last checkpoint {last or '-'}",
+        f"final loss      train {_number(report.train_loss if report else None)}, "
+        f"val {_number(trainer.callback_metrics.get('val/loss'))} "
+        f"(step {trainer.global_step})",
+        f"tokens/s        {tokens:,.0f} (median over steps)" if tokens else "tokens/s        -",
+        f"wall time       {wall / 60:.1f} min" if wall is not None else "wall time       -",
+    ]
+    if run_dir is not None and last:
+        config = run_dir / "config.yaml"
+        lines.append(f"resume          diffexp fit --config {config} --ckpt_path {last}")
+    if run_dir is not None:
+        study_dir = run_dir.parent.parent
+        if (study_dir / "sweep.json").is_file():
+            lines.append(f"compare         diffexp compare {study_dir}")
+        else:
+            lines.append(f"compare         tensorboard --logdir {run_dir.parent}")
+    print("\n".join(["", "== diffexp fit: done " + "=" * 50, *lines, "=" * 71]), flush=True)

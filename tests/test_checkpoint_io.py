@@ -1,0 +1,115 @@
+"""read_checkpoint: every unreadable checkpoint is a UserError naming the file and the problem."""
+
+from __future__ import annotations
+
+import os
+import warnings
+
+import lightning as L
+import pytest
+import torch
+
+from diffexp.checkpoint_io import checkpoint_hparams, read_checkpoint
+from diffexp.config import ModelConfig
+from diffexp.errors import UserError
+from diffexp.training import DiffexpLM
+
+
+class NotAllowed:
+    """A class a weights-only load must refuse to unpickle."""
+
+
+@pytest.fixture(scope="module")
+def real_ckpt(tmp_path_factory):
+    module = DiffexpLM(ModelConfig(attention="diff_v1", vocab_size=64, d_model=32, n_layers=1, n_heads=2,
+                                   max_seq_len=64))
+    trainer = L.Trainer(max_steps=0, logger=False, enable_checkpointing=False, enable_progress_bar=False)
+    trainer.strategy.connect(module)
+    path = tmp_path_factory.mktemp("ckpt") / "last.ckpt"
+    trainer.save_checkpoint(path)
+    return path
+
+
+def broken(tmp_path, real_ckpt, kind: str):
+    path = tmp_path / f"{kind}.ckpt"
+    if kind == "truncated":
+        data = real_ckpt.read_bytes()
+        path.write_bytes(data[: len(data) // 2])
+    elif kind == "random":
+        path.write_bytes(os.urandom(5000))
+    elif kind == "empty":
+        path.write_bytes(b"")
+    elif kind == "text":
+        path.write_text("model weights go here\n")
+    elif kind == "plain_dict":
+        torch.save({"a": 1}, path)
+    elif kind == "state_dict":
+        torch.save({"weight": torch.zeros(3), "bias": torch.zeros(3)}, path)
+    elif kind == "unsafe":
+        torch.save({"state_dict": {}, "hyper_parameters": {"arch": {}}, "obj": NotAllowed()}, path)
+    elif kind == "directory":
+        path.mkdir()
+    elif kind == "missing":
+        pass
+    return path
+
+
+PROBLEMS = {
+    "truncated": "truncated", "random": "not a PyTorch checkpoint", "empty": "empty", "text": "not a PyTorch",
+    "plain_dict": "not a diffexp checkpoint", "state_dict": "bare state dict", "unsafe": "NotAllowed",
+    "directory": "not a sharded checkpoint", "missing": "no such file",
+}
+
+
+@pytest.mark.parametrize("kind", list(PROBLEMS))
+def test_unreadable_checkpoints_are_user_errors(tmp_path, real_ckpt, kind):
+    path = broken(tmp_path, real_ckpt, kind)
+    with pytest.raises(UserError) as error:
+        read_checkpoint(path, key="--ckpt_path")
+    message = str(error.value)
+    assert message.startswith(f"--ckpt_path={str(path)!r}: "), message
+    assert PROBLEMS[kind] in message, message
+    assert "weights_only=False" not in message and "weights_only` set to `False" not in message
+    assert error.value.__cause__ is None  # torch's exception (and its advice) is not chained into the report
+
+
+def test_unsafe_file_message_never_suggests_an_unsafe_load(tmp_path, real_ckpt):
+    path = broken(tmp_path, real_ckpt, "unsafe")
+    with pytest.raises(UserError) as error:
+        read_checkpoint(path, key="CKPT")
+    assert "False" not in str(error.value) and "safe_globals" not in str(error.value)
+
+
+def test_a_checkpoints_directory_points_at_the_file_inside(tmp_path, real_ckpt):
+    (tmp_path / "checkpoints").mkdir()
+    (tmp_path / "checkpoints" / "last.ckpt").write_bytes(real_ckpt.read_bytes())
+    with pytest.raises(UserError, match="did you mean .*last.ckpt"):
+        read_checkpoint(tmp_path / "checkpoints")
+
+
+def test_a_real_checkpoint_and_its_hparams(real_ckpt):
+    checkpoint = read_checkpoint(real_ckpt)
+    assert "state_dict" in checkpoint and checkpoint["hyper_parameters"]["arch"]["attention"] == "diff_v1"
+    hparams = checkpoint_hparams(real_ckpt)
+    assert hparams["arch"]["attention"] == "diff_v1" and hparams["arch"]["max_seq_len"] == 64
+    assert hparams["optim"]["lr"] > 0 and hparams["data"] == {} and hparams["global_step"] == 0
+
+
+def test_a_sharded_checkpoint_directory_reads_as_one_checkpoint(tmp_path, real_ckpt):
+    """The layout Lightning's FSDP strategy writes: DCP shards of {"model": state_dict} plus meta.pt."""
+    import torch.distributed.checkpoint as dcp
+
+    full = torch.load(real_ckpt, weights_only=True)
+    sharded = tmp_path / "last.ckpt"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.save({"model": full["state_dict"]}, checkpoint_id=sharded, no_dist=True)
+    torch.save({k: v for k, v in full.items() if k != "state_dict"}, sharded / "meta.pt")
+    checkpoint = read_checkpoint(sharded)
+    assert checkpoint["state_dict"].keys() == full["state_dict"].keys()
+    assert all(torch.equal(checkpoint["state_dict"][k], v) for k, v in full["state_dict"].items())
+    assert checkpoint_hparams(sharded)["arch"] == full["hyper_parameters"]["arch"]
+
+    (sharded / "meta.pt").unlink()
+    with pytest.raises(UserError, match="meta.pt"):
+        read_checkpoint(sharded)

@@ -1,0 +1,213 @@
+"""Bad input, fed to the CLI as a user would: each case must
+
+1. exit nonzero before any training step (training_step and data preparation are booby-trapped),
+2. print a message that names the culprit (the key as the user writes it, the file, the value),
+3. print no traceback,
+4. leave every file of an existing run directory byte-identical, and add no run directory.
+
+Calls go through `diffexp.cli.main` in-process (a subprocess per case would cost seconds each).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from diffexp.cli import main
+from diffexp.data import TextDataModule
+from diffexp.training import DiffexpLM
+
+sys.path.insert(0, str(Path(__file__).parent))
+from test_training import write_recipe  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def workspace(tmp_path_factory):
+    """A directory holding a tiny recipe and one finished run of it (dint), shared by every case."""
+    root = tmp_path_factory.mktemp("bad-input")
+    cwd = Path.cwd()
+    import os
+
+    os.chdir(root)
+    try:
+        recipe = write_recipe(root, attention="dint", max_steps=6)
+        main(["fit", "--config", str(recipe)])
+    finally:
+        os.chdir(cwd)
+    run = root / "runs/run/version_0"
+    assert (run / "checkpoints/last.ckpt").is_file()
+    good = run / "checkpoints/last.ckpt"
+    files = {
+        "truncated.ckpt": good.read_bytes()[: good.stat().st_size // 2],
+        "random.ckpt": bytes(range(256)) * 64,
+        "empty.ckpt": b"",
+    }
+    for name, data in files.items():
+        (root / name).write_bytes(data)
+    torch.save({"a": torch.ones(2)}, root / "plain.ckpt")
+    torch.save({"state_dict": {"w": torch.ones(2)}}, root / "weights-only.ckpt")
+    (root / "notyaml.yaml").write_text("model: [unclosed\n")
+    (root / "list.yaml").write_text("- 1\n- 2\n")
+    (root / "afile").write_text("x")
+    return root
+
+
+def snapshot(root: Path) -> dict[str, str]:
+    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted((root / "runs").rglob("*")) if p.is_file()}
+
+
+@pytest.fixture
+def no_work(monkeypatch):
+    def trap(*args, **kwargs):
+        raise AssertionError("work started on bad input")
+
+    monkeypatch.setattr(DiffexpLM, "training_step", trap)
+    monkeypatch.setattr(TextDataModule, "prepare_data", trap)
+    monkeypatch.setattr(TextDataModule, "setup", trap)
+
+
+RECIPE = "{root}/run.yaml"
+LAST = "{root}/runs/run/version_0/checkpoints/last.ckpt"
+
+# (id, argv after `diffexp`, fragments the message must contain)
+CASES = [
+    # model.arch
+    ("attention", ["fit", "--config", RECIPE, "--model.arch.attention", "diff_v9"],
+     ["model.arch.attention", "diff_v9", "baseline"]),
+    ("rank-zero", ["fit", "--config", RECIPE, "--model.arch.rank", "0"], ["model.arch.rank", "0"]),
+    ("rank-negative", ["fit", "--config", RECIPE, "--model.arch.rank", "-3"], ["model.arch.rank", "-3"]),
+    ("rank-text", ["fit", "--config", RECIPE, "--model.arch.rank", "abc"], ["model.arch.rank", "abc"]),
+    ("lambda-high", ["fit", "--config", RECIPE, "--model.arch.lambda_init", "1.5"],
+     ["model.arch.lambda_init", "1.5", "(0, 1)"]),
+    ("lambda-zero", ["fit", "--config", RECIPE, "--model.arch.lambda_init", "0"], ["model.arch.lambda_init", "0"]),
+    ("lambda-word", ["fit", "--config", RECIPE, "--model.arch.lambda_init", "linear"],
+     ["model.arch.lambda_init", "linear"]),
+    ("heads-divide", ["fit", "--config", RECIPE, "--model.arch.n_heads", "3"], ["model.arch.n_heads", "3"]),
+    ("kv-heads", ["fit", "--config", RECIPE, "--model.arch.n_kv_heads", "3", "--model.arch.n_heads", "4"],
+     ["model.arch.n_kv_heads", "3"]),
+    ("kv-heads-zero", ["fit", "--config", RECIPE, "--model.arch.n_kv_heads", "0"], ["model.arch.n_kv_heads", "0"]),
+    ("cross-pairing", ["fit", "--config", RECIPE, "--model.arch.attention", "diff_v2", "--model.arch.n_kv_heads",
+                       "1", "--model.arch.pairing", "cross"], ["model.arch.pairing", "cross"]),
+    ("pairing-word", ["fit", "--config", RECIPE, "--model.arch.pairing", "diagonal"],
+     ["model.arch.pairing", "diagonal"]),
+    ("lambda-mode", ["fit", "--config", RECIPE, "--model.arch.lambda_mode", "tanh"],
+     ["model.arch.lambda_mode", "tanh"]),
+    ("integral", ["fit", "--config", RECIPE, "--model.arch.integral", "max"], ["model.arch.integral", "max"]),
+    ("backend", ["fit", "--config", RECIPE, "--model.arch.backend", "triton2"], ["model.arch.backend", "triton2"]),
+    ("base-sharing", ["fit", "--config", RECIPE, "--model.arch.base_sharing", "all"],
+     ["model.arch.base_sharing", "all"]),
+    ("odd-head-dim", ["fit", "--config", RECIPE, "--model.arch.head_dim", "7"], ["model.arch.head_dim", "7"]),
+    ("d-model-zero", ["fit", "--config", RECIPE, "--model.arch.d_model", "0"], ["model.arch.d_model", "0"]),
+    ("layers-zero", ["fit", "--config", RECIPE, "--model.arch.n_layers", "0"], ["model.arch.n_layers", "0"]),
+    ("init-std", ["fit", "--config", RECIPE, "--model.arch.init_std", "0"], ["model.arch.init_std", "0"]),
+    ("norm-eps", ["fit", "--config", RECIPE, "--model.arch.norm_eps", "-1e-5"], ["model.arch.norm_eps"]),
+    ("rope-theta", ["fit", "--config", RECIPE, "--model.arch.rope_theta", "0"], ["model.arch.rope_theta", "0"]),
+    ("ffn-hidden", ["fit", "--config", RECIPE, "--model.arch.ffn_hidden", "-64"], ["model.arch.ffn_hidden", "-64"]),
+    ("unknown-arch-key", ["fit", "--config", RECIPE, "--model.arch.nope", "1"], ["model.arch.nope"]),
+    # model.optim and model.ar_hit
+    ("lr-negative", ["fit", "--config", RECIPE, "--model.optim.lr", "-1"], ["model.optim.lr", "-1"]),
+    ("lr-zero", ["fit", "--config", RECIPE, "--model.optim.lr", "0"], ["model.optim.lr", "0"]),
+    ("warmup", ["fit", "--config", RECIPE, "--model.optim.warmup_steps", "-5"], ["model.optim.warmup_steps", "-5"]),
+    ("min-lr", ["fit", "--config", RECIPE, "--model.optim.min_lr_ratio", "2"], ["model.optim.min_lr_ratio", "2"]),
+    ("betas", ["fit", "--config", RECIPE, "--model.optim.betas", "[0.9, 1.5]"], ["model.optim.betas", "1.5"]),
+    ("weight-decay", ["fit", "--config", RECIPE, "--model.optim.weight_decay", "-0.1"],
+     ["model.optim.weight_decay", "-0.1"]),
+    ("eps", ["fit", "--config", RECIPE, "--model.optim.eps", "0"], ["model.optim.eps", "0"]),
+    ("schedule-steps", ["fit", "--config", RECIPE, "--model.optim.schedule_steps", "0"],
+     ["model.optim.schedule_steps", "0"]),
+    ("ar-hit-both", ["fit", "--config", RECIPE, "--model.ar_hit.min_count", "2", "--model.ar_hit.top_percent", "5"],
+     ["model.ar_hit.min_count", "model.ar_hit.top_percent"]),
+    ("ar-hit-count", ["fit", "--config", RECIPE, "--model.ar_hit.min_count", "0"], ["model.ar_hit.min_count", "0"]),
+    ("unknown-model-key", ["fit", "--config", RECIPE, "--model.rank", "4"], ["model.rank"]),
+    # trainer and checkpoint
+    ("max-steps-zero", ["fit", "--config", RECIPE, "--trainer.max_steps", "0"], ["trainer.max_steps", "0"]),
+    ("max-steps-negative", ["fit", "--config", RECIPE, "--trainer.max_steps", "-5"], ["trainer.max_steps", "-5"]),
+    ("clip-negative", ["fit", "--config", RECIPE, "--trainer.gradient_clip_val", "-1"],
+     ["trainer.gradient_clip_val", "-1"]),
+    ("accumulate", ["fit", "--config", RECIPE, "--trainer.accumulate_grad_batches", "0"],
+     ["trainer.accumulate_grad_batches", "0"]),
+    ("log-every", ["fit", "--config", RECIPE, "--trainer.log_every_n_steps", "0"], ["trainer.log_every_n_steps"]),
+    ("val-interval", ["fit", "--config", RECIPE, "--trainer.val_check_interval", "0"],
+     ["trainer.val_check_interval"]),
+    ("limit-val", ["fit", "--config", RECIPE, "--trainer.limit_val_batches", "-1"], ["trainer.limit_val_batches"]),
+    ("root-dir-unwritable", ["fit", "--config", RECIPE, "--trainer.default_root_dir", "/proc/diffexp-runs"],
+     ["trainer.default_root_dir", "/proc/diffexp-runs"]),
+    ("root-dir-is-file", ["fit", "--config", RECIPE, "--trainer.default_root_dir", "{root}/afile/runs"],
+     ["trainer.default_root_dir", "afile"]),
+    ("logger-dir-unwritable", ["fit", "--config", RECIPE, "--trainer.logger.init_args.save_dir", "/proc/diffexp"],
+     ["save_dir", "/proc/diffexp"]),
+    ("checkpoint-dir", ["fit", "--config", RECIPE, "--checkpoint.dirpath", "/proc/diffexp-ckpt"],
+     ["checkpoint.dirpath", "/proc/diffexp-ckpt"]),
+    ("unknown-trainer-key", ["fit", "--config", RECIPE, "--trainer.max_stepz", "5"], ["trainer.max_stepz"]),
+    ("unknown-top-key", ["fit", "--config", RECIPE, "--optimizer", "adam"], ["optimizer"]),
+    # data (values; files are in test_data's own cases)
+    ("seq-len-over-max", ["fit", "--config", RECIPE, "--data.seq_len", "4096", "--model.arch.max_seq_len", "128"],
+     ["data.seq_len", "4096", "model.arch.max_seq_len"]),
+    ("seq-len-zero", ["fit", "--config", RECIPE, "--data.seq_len", "0"], ["data.seq_len", "0"]),
+    ("batch-size", ["fit", "--config", RECIPE, "--data.batch_size", "0"], ["data.batch_size", "0"]),
+    ("val-fraction", ["fit", "--config", RECIPE, "--data.val_fraction", "1.5"], ["data.val_fraction", "1.5"]),
+    ("missing-source", ["fit", "--config", RECIPE, "--data.source", "/nonexistent/corpus.txt"],
+     ["data.source", "/nonexistent/corpus.txt"]),
+    ("tokenizer", ["fit", "--config", RECIPE, "--data.tokenizer", "wordpiece"], ["data.tokenizer", "wordpiece"]),
+    ("bpe-vocab", ["fit", "--config", RECIPE, "--data.tokenizer", "bpe", "--data.bpe_vocab_size", "100"],
+     ["data.bpe_vocab_size", "100"]),
+    # config files
+    ("missing-config", ["fit", "--config", "{root}/nope.yaml"], ["nope.yaml"]),
+    ("broken-yaml", ["fit", "--config", "{root}/notyaml.yaml"], ["notyaml.yaml"]),
+    ("yaml-not-mapping", ["fit", "--config", "{root}/list.yaml"], ["list.yaml"]),
+    # checkpoints and resume
+    ("ckpt-missing", ["fit", "--config", RECIPE, "--ckpt_path", "{root}/gone.ckpt"], ["--ckpt_path", "gone.ckpt"]),
+    ("ckpt-truncated", ["fit", "--config", RECIPE, "--ckpt_path", "{root}/truncated.ckpt"],
+     ["truncated.ckpt", "truncated"]),
+    ("ckpt-random", ["fit", "--config", RECIPE, "--ckpt_path", "{root}/random.ckpt"], ["random.ckpt"]),
+    ("ckpt-empty", ["fit", "--config", RECIPE, "--ckpt_path", "{root}/empty.ckpt"], ["empty.ckpt"]),
+    ("ckpt-not-diffexp", ["fit", "--config", RECIPE, "--ckpt_path", "{root}/plain.ckpt"],
+     ["plain.ckpt", "not a diffexp checkpoint"]),
+    ("ckpt-weights-only", ["fit", "--config", RECIPE, "--ckpt_path", "{root}/weights-only.ckpt"],
+     ["weights-only.ckpt", "not a diffexp checkpoint"]),
+    ("ckpt-directory", ["fit", "--config", RECIPE, "--ckpt_path", "{root}/runs"], ["--ckpt_path", "runs"]),
+    ("ckpt-other-variant", ["fit", "--config", RECIPE, "--model.arch.attention", "baseline", "--ckpt_path", LAST],
+     ["model.arch.attention", "'dint'", "'baseline'", "config.yaml"]),
+    ("ckpt-other-width", ["fit", "--config", RECIPE, "--model.arch.d_model", "64", "--ckpt_path", LAST],
+     ["model.arch.d_model", "32", "64"]),
+    ("resume-lr", ["fit", "--config", RECIPE, "--model.optim.lr", "0.01", "--ckpt_path", LAST],
+     ["model.optim.lr", "0.003", "0.01"]),
+    ("resume-max-steps", ["fit", "--config", RECIPE, "--trainer.max_steps", "20", "--ckpt_path", LAST],
+     ["schedule", "--model.optim.schedule_steps 6"]),
+    ("resume-data", ["fit", "--config", RECIPE, "--data.seq_len", "16", "--ckpt_path", LAST],
+     ["data.seq_len", "32", "16"]),
+    ("resume-clip", ["fit", "--config", RECIPE, "--trainer.gradient_clip_val", "0.5", "--ckpt_path", LAST],
+     ["trainer.gradient_clip_val"]),
+    ("validate-other-variant", ["validate", "--config", RECIPE, "--model.arch.attention", "diff_v1",
+                                "--ckpt_path", LAST], ["model.arch.attention", "'dint'", "'diff_v1'"]),
+    ("validate-other-tokenizer", ["validate", "--config", RECIPE, "--data.tokenizer", "bpe", "--ckpt_path", LAST],
+     ["data.tokenizer", "'byte'", "'bpe'"]),
+    ("test-missing-ckpt", ["test", "--config", RECIPE, "--ckpt_path", "{root}/gone.ckpt"], ["gone.ckpt"]),
+    # the command line itself
+    ("unknown-subcommand", ["predict", "--config", RECIPE], ["predict", "fit"]),
+    ("no-subcommand", [], ["subcommand"]),
+]
+
+
+@pytest.mark.parametrize("argv, fragments", [c[1:] for c in CASES], ids=[c[0] for c in CASES])
+def test_bad_input_fails_early_and_clearly(workspace, no_work, monkeypatch, capsys, argv, fragments):
+    monkeypatch.chdir(workspace)
+    before = snapshot(workspace)
+    argv = [a.format(root=workspace) for a in argv]
+    with pytest.raises(SystemExit) as exit_:
+        main(argv)
+    assert exit_.value.code not in (0, None)
+    out = capsys.readouterr()
+    text = out.err + out.out
+    assert "Traceback" not in text
+    message = text[text.find("error:"):]
+    assert message.startswith("error:"), text[-2000:]
+    for fragment in fragments:
+        assert fragment.format(root=workspace) in message, f"{fragment!r} not in {message!r}"
+    assert "weights_only=False" not in message
+    assert snapshot(workspace) == before

@@ -1,0 +1,130 @@
+"""`diffexp eval`: help lists the tasks; a bad checkpoint or flag is one paragraph, exit 2, and changes no file."""
+
+from __future__ import annotations
+
+import os
+
+import lightning as L
+import pytest
+
+from diffexp.cli import main
+from diffexp.config import ModelConfig
+from diffexp.training import DiffexpLM
+
+TASKS = ("needle", "icl", "mqar")
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory):
+    """A run directory with a checkpoint of a byte-level model (max_seq_len 128) and a TensorBoard file."""
+    module = DiffexpLM(ModelConfig(attention="baseline", vocab_size=257, d_model=32, n_layers=1, n_heads=2,
+                                   max_seq_len=128))
+    trainer = L.Trainer(max_steps=0, logger=False, enable_checkpointing=False, enable_progress_bar=False)
+    trainer.strategy.connect(module)
+    run = tmp_path_factory.mktemp("runs") / "version_0"
+    trainer.save_checkpoint(run / "checkpoints" / "last.ckpt")
+    (run / "events.out.tfevents.0").write_bytes(b"")
+    return run
+
+
+def snapshot(directory) -> dict:
+    return {(path, stat.st_size, stat.st_mtime_ns) for path in directory.rglob("*")
+            for stat in [path.stat()]}
+
+
+def run_eval(args, capsys) -> tuple[int, str]:
+    with pytest.raises(SystemExit) as exit_:
+        main(["eval", *args])
+    captured = capsys.readouterr()
+    return exit_.value.code, captured.out + captured.err
+
+
+@pytest.mark.parametrize("flag", ["--help", "-h"])
+def test_eval_help_lists_the_tasks_one_line_each(capsys, flag):
+    code, out = run_eval([flag], capsys)
+    assert code == 0
+    for task in TASKS:
+        assert sum(line.strip().startswith(f"{task} ") for line in out.splitlines()) == 1
+
+
+@pytest.mark.parametrize("task", TASKS)
+def test_eval_task_help(capsys, task):
+    code, out = run_eval([task, "--help"], capsys)
+    assert code == 0 and f"diffexp eval {task}" in out and "CKPT" in out
+
+
+@pytest.mark.parametrize("args", [[], ["bogus", "x.ckpt"]])
+def test_eval_without_a_known_task(capsys, args):
+    code, out = run_eval(args, capsys)
+    assert code == 2 and "Traceback" not in out
+    assert "needle, icl, mqar" in out and (args[0] if args else "no task") in out
+    assert "diffexp eval --help" in out  # where the tasks are described
+
+
+@pytest.mark.parametrize("task", TASKS)
+@pytest.mark.parametrize("kind", ["truncated", "random", "plain", "missing"])
+def test_eval_on_a_bad_checkpoint(tmp_path, run_dir, capsys, task, kind):
+    import torch
+
+    bad = run_dir / "checkpoints" / f"{kind}.ckpt"
+    if kind == "truncated":
+        data = (run_dir / "checkpoints" / "last.ckpt").read_bytes()
+        bad.write_bytes(data[: len(data) // 2])
+    elif kind == "random":
+        bad.write_bytes(os.urandom(3000))
+    elif kind == "plain":
+        torch.save({"a": 1}, bad)
+    before = snapshot(run_dir)
+    try:
+        code, out = run_eval([task, str(bad), "--device", "cpu"], capsys)
+        after = snapshot(run_dir)
+    finally:
+        bad.unlink(missing_ok=True)
+    assert code == 2 and "Traceback" not in out and "weights_only" not in out
+    assert f"CKPT={str(bad)!r}" in out
+    assert after == before
+
+
+BAD_FLAGS = [
+    ("icl", ["--n-demos", "0"], "--n-demos=0"),
+    ("icl", ["--n-tests", "-1"], "--n-tests=-1"),
+    ("icl", ["--n-demos", "100000"], "--n-demos=100000"),
+    ("icl", ["--words-per-input", "20"], "--words-per-input=20"),
+    ("mqar", ["--seq-len", "4096"], "--seq-len=4096"),
+    ("mqar", ["--seq-len", "64", "--samples", "-5"], "--samples=-5"),
+    ("mqar", ["--seq-len", "64", "--num-kv-pairs", "40"], "--num-kv-pairs"),
+    ("needle", ["--context-lens", "4096"], "--context-lens=4096"),
+    ("needle", ["--context-lens", "128", "--samples", "-1"], "--samples=-1"),
+    ("needle", ["--context-lens", "128", "--nr", "2,3"], "--nr='2,3'"),
+    ("needle", ["--context-lens", "128", "--nr", "six"], "--nr='six'"),
+    ("needle", ["--context-lens", "128", "--nr", "1,1", "--depths", "1.5"], "--depths=1.5"),
+    ("mqar", ["--seq-len", "64", "--device", "nonsense"], "--device='nonsense'"),
+]
+
+
+@pytest.mark.parametrize(("task", "flags", "named"), BAD_FLAGS)
+def test_eval_bad_flags_are_checked_before_anything_is_written(run_dir, capsys, task, flags, named):
+    before = snapshot(run_dir)
+    code, out = run_eval([task, str(run_dir / "checkpoints" / "last.ckpt"), "--device", "cpu", *flags], capsys)
+    assert code == 2 and "Traceback" not in out
+    assert named in out, out
+    assert snapshot(run_dir) == before and not (run_dir / "eval").exists()
+
+
+def test_needle_module_entry_point_is_guarded(run_dir, capsys):
+    from diffexp.evals.needle import main as needle_main
+
+    with pytest.raises(SystemExit) as exit_:
+        needle_main([str(run_dir / "missing.ckpt")])
+    assert exit_.value.code == 2 and "no such file" in capsys.readouterr().err
+
+
+def test_evals_cli_and_needle_do_not_import_each_other():
+    import ast
+    import inspect
+
+    import diffexp.evals.needle as needle
+
+    imported = {node.module for node in ast.walk(ast.parse(inspect.getsource(needle)))
+                if isinstance(node, ast.ImportFrom)}
+    assert "diffexp.evals.cli" not in imported
