@@ -18,7 +18,7 @@ import warnings
 from dataclasses import dataclass
 from typing import Any
 
-from diffexp.errors import UserError, invalid
+from diffexp.errors import UserError
 from diffexp.sweep.command import cli_value, fit_args
 from diffexp.sweep.spec import Point, SpecError, SweepSpec, slugify
 
@@ -37,6 +37,7 @@ class TrialConfig:
 def validate_fit_args(args: list[str]) -> None:
     """Raise UserError when `diffexp fit ARGS` would refuse its config (parse_config, then preflight)."""
     from diffexp.cli import parse_config
+    from diffexp.preflight import validate_fit_config
 
     output = io.StringIO()
     previous = logging.root.manager.disable
@@ -46,14 +47,14 @@ def validate_fit_args(args: list[str]) -> None:
         with contextlib.redirect_stdout(output), contextlib.redirect_stderr(output), warnings.catch_warnings():
             warnings.simplefilter("ignore")
             config = parse_config(args)
-            _validate_fit_config(config)
-    except SystemExit:  # a parse error printed by jsonargparse (before diffexp.cli raised UserError for it)
+            validate_fit_config(config)
+    except SystemExit:  # a parse error jsonargparse printed itself (DIFFEXP_DEBUG=1)
         text = output.getvalue()
         message = " ".join(text[text.rfind("error:") + len("error:"):].split()) if "error:" in text else ""
         raise UserError(message or "the config does not parse") from None
     except UserError:
         raise
-    except (ValueError, TypeError) as exc:  # a config class's own check (ModelConfig, OptimConfig, ...)
+    except (ValueError, TypeError) as exc:  # a class's own check that is not (yet) a UserError
         raise UserError(str(exc)) from None
     finally:
         logging.disable(previous)
@@ -62,21 +63,6 @@ def validate_fit_args(args: list[str]) -> None:
                 os.environ.pop(key, None)
             else:
                 os.environ[key] = value
-
-
-def _validate_fit_config(config) -> None:
-    try:
-        from diffexp.preflight import validate_fit_config
-    except ImportError:  # until diffexp.preflight lands: the model config and the step count
-        from diffexp.config import ModelConfig
-
-        arch = config.model.arch
-        ModelConfig(**(arch.as_dict() if hasattr(arch, "as_dict") else dict(arch)))
-        max_steps = config.trainer.max_steps
-        if max_steps is not None and max_steps != -1 and max_steps <= 0:
-            raise invalid("trainer.max_steps", max_steps, "expected a positive number of optimizer steps") from None
-        return
-    validate_fit_config(config)
 
 
 def trial_configs(spec: SweepSpec) -> list[TrialConfig]:
