@@ -71,6 +71,7 @@ def no_work(monkeypatch):
     monkeypatch.setattr(TextDataModule, "setup", trap)
 
 
+REPO = Path(__file__).resolve().parents[1]
 RECIPE = "{root}/run.yaml"
 LAST = "{root}/runs/run/version_0/checkpoints/last.ckpt"
 
@@ -156,6 +157,18 @@ CASES = [
     ("tokenizer", ["fit", "--config", RECIPE, "--data.tokenizer", "wordpiece"], ["data.tokenizer", "wordpiece"]),
     ("bpe-vocab", ["fit", "--config", RECIPE, "--data.tokenizer", "bpe", "--data.bpe_vocab_size", "100"],
      ["data.bpe_vocab_size", "100"]),
+    ("mqar-kv-pairs", ["fit", "--config", "{repo}/recipes/mqar/diff_v1.yaml", "--data.num_kv_pairs", "0"],
+     ["data.num_kv_pairs", "0"]),
+    ("needle-depth", ["fit", "--config", "{repo}/recipes/needle/baseline.yaml", "--data.depth", "1.5"],
+     ["data.depth", "1.5"]),
+    ("icl-classes", ["fit", "--config", "{repo}/recipes/icl/baseline.yaml", "--data.k_classes", "1"],
+     ["data.k_classes", "1"]),
+    ("data-class", ["fit", "--config", RECIPE, "--data", "diffexp.data.NoSuchDataModule"],
+     ["NoSuchDataModule"]),
+    # callbacks diffexp always adds
+    ("diagnostics", ["fit", "--config", RECIPE, "--diagnostics.every_n_steps", "-1"],
+     ["diagnostics", "every_n_steps=-1"]),
+    ("throughput", ["fit", "--config", RECIPE, "--throughput.peak_tflops", "-1"], ["throughput.peak_tflops", "-1"]),
     # config files
     ("missing-config", ["fit", "--config", "{root}/nope.yaml"], ["nope.yaml"]),
     ("broken-yaml", ["fit", "--config", "{root}/notyaml.yaml"], ["notyaml.yaml"]),
@@ -198,7 +211,7 @@ CASES = [
 def test_bad_input_fails_early_and_clearly(workspace, no_work, monkeypatch, capsys, argv, fragments):
     monkeypatch.chdir(workspace)
     before = snapshot(workspace)
-    argv = [a.format(root=workspace) for a in argv]
+    argv = [a.format(root=workspace, repo=REPO) for a in argv]
     with pytest.raises(SystemExit) as exit_:
         main(argv)
     assert exit_.value.code not in (0, None)

@@ -33,6 +33,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from diffexp.data.loader import resumable_train_loader
+from diffexp.errors import UserError
 
 SPLITS = {"train": 0, "val": 1, "test": 2}
 
@@ -135,25 +136,25 @@ class MQARDataModule(L.LightningDataModule):
         for name, value in (("vocab_size", vocab_size), ("seq_len", seq_len), ("num_kv_pairs", num_kv_pairs),
                             ("train_size", train_size), ("val_size", val_size), ("batch_size", batch_size)):
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-                raise ValueError(f"data.{name}={value!r} is invalid: expected a positive integer")
+                raise UserError(f"data.{name}={value!r} is invalid: expected a positive integer")
         if seq_len < 4 * num_kv_pairs:
-            raise ValueError(
+            raise UserError(
                 f"data.seq_len={seq_len} is invalid: {num_kv_pairs} key-value pairs need 2 * {num_kv_pairs} "
                 f"context tokens plus room for {num_kv_pairs} distinct query slots, so seq_len >= "
                 f"4 * num_kv_pairs = {4 * num_kv_pairs}; raise seq_len or lower num_kv_pairs"
             )
         if vocab_size // 2 - 1 < num_kv_pairs or vocab_size - vocab_size // 2 < num_kv_pairs:
-            raise ValueError(
+            raise UserError(
                 f"data.vocab_size={vocab_size} is invalid: {num_kv_pairs} distinct keys from "
                 f"[1, vocab_size // 2) and values from [vocab_size // 2, vocab_size) need vocab_size >= "
                 f"{2 * num_kv_pairs + 2}"
             )
         if not (isinstance(power_a, (int, float)) and power_a > 0 and np.isfinite(power_a)):
-            raise ValueError(f"data.power_a={power_a!r} is invalid: expected a positive number (zoology: 0.01)")
+            raise UserError(f"data.power_a={power_a!r} is invalid: expected a positive number (zoology: 0.01)")
         if train_size < batch_size:
-            raise ValueError(f"data.train_size={train_size} is invalid: must be >= data.batch_size={batch_size}")
+            raise UserError(f"data.train_size={train_size} is invalid: must be >= data.batch_size={batch_size}")
         if num_workers < 0:
-            raise ValueError(f"data.num_workers={num_workers} is invalid: expected >= 0")
+            raise UserError(f"data.num_workers={num_workers} is invalid: expected >= 0")
         self.save_hyperparameters()
         self._vocab_size = vocab_size
         self.seq_len, self.num_kv_pairs = seq_len, num_kv_pairs

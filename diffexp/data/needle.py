@@ -47,6 +47,7 @@ from torch.utils.data import DataLoader, Dataset, default_collate
 
 from diffexp.data.loader import resumable_train_loader
 from diffexp.data.tokenizer import ByteTokenizer
+from diffexp.errors import UserError
 
 EOS_ID = ByteTokenizer.eos_id
 VOCAB_SIZE = ByteTokenizer.vocab_size
@@ -124,7 +125,7 @@ def haystack_bytes(haystack: str, split: str) -> bytes:
         rng = random.Random("needle-filler")  # same filler for both splits: it holds no needle
         return " ".join(rng.choice(FILLER_SENTENCES) for _ in range(20_000)).encode() + b" "
     if haystack != "corpus":
-        raise ValueError(f"haystack={haystack!r} is invalid: expected one of {', '.join(HAYSTACKS)}")
+        raise UserError(f"haystack={haystack!r} is invalid: expected one of {', '.join(HAYSTACKS)}")
     from diffexp.data.corpus import load_stdlib_corpus
 
     text = "\n".join(load_stdlib_corpus(CORPUS_CHARS)).encode("utf-8")
@@ -465,29 +466,29 @@ class NeedleDataModule(L.LightningDataModule):
         super().__init__()
         self.save_hyperparameters()
         if loss_on not in ("answers", "all"):
-            raise ValueError(f"data.loss_on={loss_on!r} is invalid: expected 'answers' or 'all'")
+            raise UserError(f"data.loss_on={loss_on!r} is invalid: expected 'answers' or 'all'")
         pairs = [tuple(p) for p in nr_mix] if nr_mix else [(n_needles, n_queries)]
         for n, r in pairs:
             name = "data.nr_mix" if nr_mix else "data.n_needles"
             if not isinstance(n, int) or n < 1:
-                raise ValueError(f"{name}: n_needles={n!r} is invalid: expected a positive integer")
+                raise UserError(f"{name}: n_needles={n!r} is invalid: expected a positive integer")
             if not isinstance(r, int) or not 1 <= r <= n:
-                raise ValueError(f"{'data.nr_mix' if nr_mix else 'data.n_queries'}: n_queries={r!r} is invalid: "
+                raise UserError(f"{'data.nr_mix' if nr_mix else 'data.n_queries'}: n_queries={r!r} is invalid: "
                                  f"expected 1 <= n_queries <= n_needles={n}")
             if context_len < min_context_len(n, r):
-                raise ValueError(f"data.context_len={context_len} is too short for N={n} needles and R={r} "
+                raise UserError(f"data.context_len={context_len} is too short for N={n} needles and R={r} "
                                  f"queries: expected >= {min_context_len(n, r)}")
         if depth is not None and not 0.0 <= depth <= 1.0:
-            raise ValueError(f"data.depth={depth!r} is invalid: expected a fraction in [0, 1] or null (random)")
+            raise UserError(f"data.depth={depth!r} is invalid: expected a fraction in [0, 1] or null (random)")
         if haystack not in HAYSTACKS:
-            raise ValueError(f"data.haystack={haystack!r} is invalid: expected one of {', '.join(HAYSTACKS)}")
+            raise UserError(f"data.haystack={haystack!r} is invalid: expected one of {', '.join(HAYSTACKS)}")
         for name, value in (("batch_size", batch_size), ("train_size", train_size), ("val_size", val_size)):
             if value <= 0:
-                raise ValueError(f"data.{name}={value!r} is invalid: expected a positive integer")
+                raise UserError(f"data.{name}={value!r} is invalid: expected a positive integer")
         if train_size < batch_size:
-            raise ValueError(f"data.train_size={train_size} is invalid: expected >= data.batch_size={batch_size}")
+            raise UserError(f"data.train_size={train_size} is invalid: expected >= data.batch_size={batch_size}")
         if num_workers < 0:
-            raise ValueError(f"data.num_workers={num_workers!r} is invalid: expected >= 0")
+            raise UserError(f"data.num_workers={num_workers!r} is invalid: expected >= 0")
         self.context_len, self.nr, self.depth, self.haystack = context_len, pairs, depth, haystack
         self.batch_size, self.train_size, self.val_size = batch_size, train_size, val_size
         self.num_workers, self.seed, self.loss_on = num_workers, seed, loss_on

@@ -69,6 +69,7 @@ from torch.utils.data import DataLoader, Dataset
 from diffexp.data.loader import resumable_train_loader
 from diffexp.data.mqar import collate_examples
 from diffexp.data.tokenizer import ByteTokenizer
+from diffexp.errors import UserError
 from diffexp.evals import refuse_sharded_model
 
 log = logging.getLogger(__name__)
@@ -628,14 +629,17 @@ class ICLDataModule(L.LightningDataModule):
         for name, value in (("k_classes", k_classes), ("seq_len", seq_len), ("batch_size", batch_size),
                             ("train_size", train_size), ("val_size", val_size)):
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-                raise ValueError(f"data.{name}={value!r} is invalid: expected a positive integer")
+                raise UserError(f"data.{name}={value!r} is invalid: expected a positive integer")
         if train_size < batch_size:
-            raise ValueError(f"data.train_size={train_size} is invalid: must be >= data.batch_size={batch_size}")
+            raise UserError(f"data.train_size={train_size} is invalid: must be >= data.batch_size={batch_size}")
         if num_workers < 0:
-            raise ValueError(f"data.num_workers={num_workers} is invalid: expected >= 0")
+            raise UserError(f"data.num_workers={num_workers} is invalid: expected >= 0")
         self.task_args = dict(k_classes=k_classes, group_size=group_size, words_per_input=words_per_input,
                               random_label_names=random_label_names)
-        ICLTask(seed=0, **self.task_args)  # validates them
+        try:
+            ICLTask(seed=0, **self.task_args)  # validates them
+        except ValueError as err:  # its messages name the argument, which is data.<argument> here
+            raise UserError(f"data.{err}") from None
         self.save_hyperparameters()
         self.k_classes, self.seq_len, self.batch_size = k_classes, seq_len, batch_size
         self.train_size, self.val_size, self.num_workers, self.seed = train_size, val_size, num_workers, seed

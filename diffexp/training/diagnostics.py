@@ -14,6 +14,7 @@ import lightning as L
 import torch
 from torch import nn
 
+from diffexp.errors import UserError
 from diffexp.model.attention.base import AttentionBase
 from diffexp.model.decoder import DecoderBlock
 
@@ -37,7 +38,7 @@ class Diagnostics(L.Callback):
     def __init__(self, every_n_steps: int = 50, sample_rows: int = 1, spike_factor: float = 3.0,
                  spike_warmup: int = 20) -> None:
         if every_n_steps < 0 or sample_rows < 1 or spike_factor <= 1:
-            raise ValueError(f"diagnostics: every_n_steps={every_n_steps} (>= 0), sample_rows={sample_rows} (>= 1), "
+            raise UserError(f"diagnostics: every_n_steps={every_n_steps} (>= 0), sample_rows={sample_rows} (>= 1), "
                              f"spike_factor={spike_factor} (> 1) expected")
         self.every_n_steps, self.sample_rows = every_n_steps, sample_rows
         self.spike_factor, self.spike_warmup = spike_factor, spike_warmup

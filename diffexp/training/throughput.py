@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from lightning.pytorch.callbacks import ThroughputMonitor
 
+from diffexp.errors import UserError
+
 
 def _tokens(batch) -> int:
     tokens = batch["tokens"] if isinstance(batch, dict) else batch
@@ -26,7 +28,7 @@ class Throughput(ThroughputMonitor):
 
     def __init__(self, peak_tflops: float | None = None, window_size: int = 20) -> None:
         if peak_tflops is not None and peak_tflops <= 0:
-            raise ValueError(f"throughput.peak_tflops={peak_tflops!r} is invalid: expected a positive number")
+            raise UserError(f"throughput.peak_tflops={peak_tflops!r} is invalid: expected a positive number")
         super().__init__(batch_size_fn=_rows, length_fn=_tokens, window_size=window_size)
         self.peak_tflops = peak_tflops
 
