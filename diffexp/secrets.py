@@ -11,8 +11,9 @@ import re
 
 # scheme://[user]:password@  ->  scheme://[user]:***@
 _USERINFO = re.compile(r"(?P<head>[A-Za-z][A-Za-z0-9+.\-]*://[^\s:/@?#]*:)(?P<pw>[^\s@/?#]*)@")
-# ?password=pw / &password=pw (query parameters, libpq-style)
-_QUERY = re.compile(r"(?P<head>[?&;](?:password|passwd|pwd|pass)=)(?P<pw>[^&\s#'\"]*)", re.IGNORECASE)
+# ?password=pw / &password=pw (query parameters, libpq-style; sslpassword unlocks a client key)
+_QUERY_KEYS = ("password", "passwd", "pwd", "pass", "sslpassword", "secret", "token")
+_QUERY = re.compile(rf"(?P<head>[?&;](?:{'|'.join(_QUERY_KEYS)})=)(?P<pw>[^&\s#'\"]*)", re.IGNORECASE)
 # key=value connection strings: "host=... password=pw"
 _KEYWORD = re.compile(r"(?P<head>\bpassword\s*=\s*)(?P<pw>'[^']*'|[^\s'\"&),;]+)", re.IGNORECASE)
 
@@ -43,9 +44,6 @@ def passwords_of(url: str) -> list[str]:
         pass
     found += [unquote(pw) for pw in found]
     return sorted({pw for pw in found if len(pw) >= 3 and pw != MASK}, key=len, reverse=True)
-
-
-_QUERY_KEYS = ("password", "passwd", "pwd", "pass")
 
 
 def mask_secrets_of(text: str, url: str) -> str:

@@ -36,6 +36,14 @@ def small_spec(tmp_path, **extra) -> str:
     return str(path)
 
 
+@pytest.mark.parametrize("url", [*URL_FORMS.values(),
+                                 f"postgresql+psycopg://alice@db/optuna?sslmode=verify-full&sslpassword={PASSWORD}"])
+def test_mask_url_hides_the_password_and_keeps_the_rest(url):
+    masked = mask_url(url)
+    assert PASSWORD not in masked and "***" in masked
+    assert masked.replace("***", PASSWORD) == url
+
+
 def test_storage_url_precedence(monkeypatch):
     monkeypatch.delenv(STORAGE_URL_ENV, raising=False)
     assert resolve_url(None, None) == (None, "")
