@@ -322,6 +322,6 @@ class _ParseOnlyCLI(DiffexpCLI):
 def parse_config(args: list[str], subcommand: str = "fit") -> Namespace:
     """Parse and type-check a full config (recipe + overrides) of a subcommand without building anything."""
     cli = _ParseOnlyCLI(DiffexpLM, L.LightningDataModule, parser_class=DiffexpArgumentParser,
-                        subclass_mode_data=True, seed_everything_default=1234,
+                        parser_kwargs={"prog": "diffexp"}, subclass_mode_data=True, seed_everything_default=1234,
                         trainer_defaults=TRAINER_DEFAULTS, auto_configure_optimizers=False, args=[subcommand, *args])
     return cli.config[subcommand]
