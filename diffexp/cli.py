@@ -16,13 +16,13 @@ import time
 import lightning as L
 from jsonargparse import Namespace
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
-from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.cli import LightningCLI
 
+from diffexp.training.checkpointing import RunCheckpoint
 from diffexp.training.diagnostics import Diagnostics
 from diffexp.training.module import DiffexpLM
 from diffexp.training.progress import use_step_progress_bar
-from diffexp.training.runs import AtomicCheckpointIO, resolve_resume
+from diffexp.training.runs import AtomicCheckpointIO, resolve_resume, run_logger
 from diffexp.training.throughput import Throughput
 
 TRAINER_DEFAULTS = {
@@ -46,7 +46,7 @@ class DiffexpCLI(LightningCLI):
             parser.set_defaults({"data": {"class_path": "diffexp.data.TextDataModule"}})
         parser.link_arguments("data.vocab_size", "model.vocab_size", apply_on="instantiate")
         # always on, configurable as checkpoint.*: last.ckpt for --ckpt_path last, plus the best by val/loss
-        parser.add_lightning_class_args(ModelCheckpoint, "checkpoint")
+        parser.add_lightning_class_args(RunCheckpoint, "checkpoint")
         # always on, configurable as diagnostics.*: outliers, attention logits, lambda, gradient spikes
         parser.add_lightning_class_args(Diagnostics, "diagnostics")
         # always on, configurable as throughput.*: tokens/s, FLOPs/s and MFU (ThroughputMonitor)
@@ -62,11 +62,24 @@ class DiffexpCLI(LightningCLI):
         })
 
     def instantiate_trainer(self, **kwargs):
+        # a new run's own version_<k>, reserved now; validate/test log into the evaluated run's eval/
+        trainer_config = self._get(self.config, "trainer", default={})
+        logger = run_logger(self.subcommand, self._get(self.config_init, "trainer", default={}).get("logger"),
+                            trainer_config.get("logger"), self._get(self.config, "ckpt_path"))
+        if logger is not None:
+            kwargs["logger"] = logger
         trainer = super().instantiate_trainer(**kwargs)
         if type(trainer.strategy.checkpoint_io) is TorchCheckpointIO:  # FSDP's sharded IO is left alone
             trainer.strategy.checkpoint_io = AtomicCheckpointIO()
         use_step_progress_bar(trainer)
         return trainer
+
+    def _parse_ckpt_path(self) -> None:
+        """Lightning lets a checkpoint's hyperparameters override the command line's model.*; a resumed fit
+        trains as configured (e.g. with the lower model.optim.lr a non-finite stop advises), as it does with
+        --ckpt_path last. validate/test still build the model the checkpoint describes."""
+        if self.config.get("subcommand") != "fit":
+            super()._parse_ckpt_path()
 
     def after_fit(self) -> None:
         """Every run ends validated at its last step, so its final val/loss belongs to its final weights."""
