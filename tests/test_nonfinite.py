@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -53,3 +55,10 @@ def test_non_finite_value_stops_and_saves_the_last_finite_state(tmp_path, monkey
     for path in run.glob("checkpoints/*.ckpt"):  # no non-finite weight or optimizer state in any checkpoint
         checkpoint = torch.load(path, weights_only=True)
         assert all_finite([checkpoint["state_dict"], checkpoint["optimizer_states"]]), path.name
+
+    # the advised command resumes with the lower lr (the injecting callback left out) and finishes the run
+    command = re.search(r"resume: diffexp (fit .*? --trainer\.gradient_clip_val \S+?)\.(?: |$)", message).group(1)
+    main([*command.split(), "--trainer.callbacks=[]"])
+    last = torch.load(run / "checkpoints/last.ckpt", weights_only=True)
+    assert last["global_step"] == 8
+    assert last["optimizer_states"][0]["param_groups"][0]["initial_lr"] == pytest.approx(1.5e-3)
