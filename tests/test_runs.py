@@ -25,11 +25,11 @@ def cli(args: list[str]) -> DiffexpCLI:
 
 @pytest.fixture(scope="module")
 def finished_run(tmp_path_factory) -> Path:
-    """One 12-step run validated every 3 steps (4 validations), checkpoints every 4; its directory."""
+    """One 11-step run validated every 3 steps and at its end (4 validations), checkpoints every 4."""
     tmp = tmp_path_factory.mktemp("finished")
     with pytest.MonkeyPatch.context() as patch:
         patch.chdir(tmp)
-        main(["fit", "--config", str(write_recipe(tmp)), "--trainer.val_check_interval", "3"])
+        main(["fit", "--config", str(write_recipe(tmp, max_steps=11)), "--trainer.val_check_interval", "3"])
     return tmp
 
 

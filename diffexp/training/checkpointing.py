@@ -8,7 +8,8 @@ that scored, under that older score. RunCheckpoint (the CLI's `checkpoint.*`) sp
   that validation's value, for the weights it scored;
 * last.ckpt: every `every_n_train_steps` (or `train_time_interval` / `every_n_epochs`) and at the end
   of training. When a validation runs right after the step, the save waits for its end, so a run
-  resumed from it neither skips nor repeats that validation.
+  resumed from it neither skips nor repeats that validation. The last step (max_steps) is always
+  validated inside fit, so its validation too competes for the best file.
 
 Everything logged before a checkpoint is on disk when its file appears: the loggers are flushed first,
 and the step's own metrics (which Lightning sends to the loggers only after the callbacks'
@@ -95,6 +96,10 @@ class RunCheckpoint(ModelCheckpoint):
     # -- when ---------------------------------------------------------------------------------------------
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
+        if 0 < trainer.max_steps <= trainer.global_step and trainer.enable_validation:
+            # a stop request makes Lightning validate first: a last step off the validation grid is validated
+            # inside fit, so that validation competes for the best file and last.ckpt is written after it
+            trainer.should_stop = True
         if self._last_after_validation is not None and self._last_after_validation != trainer.global_step:
             self._last_after_validation = None  # that validation did not run (no batches): nothing waits
         if self._skip(trainer) or not self._step_trigger(trainer):
