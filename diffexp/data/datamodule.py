@@ -286,6 +286,8 @@ class TextDataModule(L.LightningDataModule):
     def test_dataloader(self) -> DataLoader:
         self.setup("test")
         assert self.test_rows is not None
+        if self.test_fraction == 0:
+            raise UserError("data.test_fraction=0: this data has no test split; set it above 0 (e.g. 0.05)")
         if len(self.test_rows) == 0:
             raise UserError(
                 f"data.test_fraction={self.test_fraction}: the test split has fewer than {self.seq_len + 1} tokens "
