@@ -19,17 +19,17 @@ from pathlib import Path
 import lightning as L
 from jsonargparse import Namespace
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
-from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 
 from diffexp.checkpoint_io import read_checkpoint
 from diffexp.errors import UserError, debug_enabled, guarded
 from diffexp.preflight import check_resume, validate_fit_config
+from diffexp.training.checkpointing import RunCheckpoint
 from diffexp.training.diagnostics import Diagnostics
 from diffexp.training.module import DiffexpLM
 from diffexp.training.progress import use_step_progress_bar
 from diffexp.training.report import RunReport, print_summary
-from diffexp.training.runs import AtomicCheckpointIO, resolve_resume
+from diffexp.training.runs import AtomicCheckpointIO, resolve_resume, run_logger
 from diffexp.training.throughput import Throughput
 
 TRAINER_DEFAULTS = {
@@ -111,7 +111,7 @@ class DiffexpCLI(LightningCLI):
                 parser.appended_help = data_options_help()
         parser.link_arguments("data.vocab_size", "model.vocab_size", apply_on="instantiate")
         # always on, configurable as checkpoint.*: last.ckpt for --ckpt_path last, plus the best by val/loss
-        parser.add_lightning_class_args(ModelCheckpoint, "checkpoint")
+        parser.add_lightning_class_args(RunCheckpoint, "checkpoint")
         # always on, configurable as diagnostics.*: outliers, attention logits, lambda, gradient spikes
         parser.add_lightning_class_args(Diagnostics, "diagnostics")
         # always on, configurable as throughput.*: tokens/s, FLOPs/s and MFU (ThroughputMonitor)
@@ -139,6 +139,12 @@ class DiffexpCLI(LightningCLI):
             raise cause from None
 
     def instantiate_trainer(self, **kwargs):
+        # a new run's own version_<k>, reserved now; validate/test log into the evaluated run's eval/
+        trainer_config = self._get(self.config, "trainer", default={})
+        logger = run_logger(self.subcommand, self._get(self.config_init, "trainer", default={}).get("logger"),
+                            trainer_config.get("logger"), self._get(self.config, "ckpt_path"))
+        if logger is not None:
+            kwargs["logger"] = logger
         trainer = super().instantiate_trainer(**kwargs)
         if type(trainer.strategy.checkpoint_io) is TorchCheckpointIO:  # FSDP's sharded IO is left alone
             trainer.strategy.checkpoint_io = AtomicCheckpointIO()

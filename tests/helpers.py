@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 
 import lightning as L
 import torch
@@ -33,18 +34,6 @@ class KillAtStep(L.Callback):
             os._exit(137)
 
 
-class PoisonWeights(L.Callback):
-    """Make the loss non-finite from step `step` on."""
-
-    def __init__(self, step: int) -> None:
-        self.step = step
-
-    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
-        if trainer.global_step == self.step:
-            with torch.no_grad():
-                pl_module.model.final_norm.weight.fill_(float("nan"))
-
-
 class KillAtFitEnd(L.Callback):
     """Die after the final checkpoint is written but before later callbacks' on_fit_end; keep val/loss."""
 
@@ -55,3 +44,41 @@ class KillAtFitEnd(L.Callback):
         with open(self.path, "w") as f:
             json.dump({"val/loss": float(trainer.callback_metrics["val/loss"]), "step": trainer.global_step}, f)
         os._exit(137)
+
+
+class InjectNonFinite(L.Callback):
+    """At step `step`, make `quantity` non-finite without touching the weights, after saving them to
+    `weights_path`: "train/loss" becomes inf, or one gradient entry ("train/grad_norm") becomes NaN."""
+
+    def __init__(self, step: int, quantity: str, weights_path: str) -> None:
+        self.step, self.quantity, self.weights_path = step, quantity, weights_path
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        if trainer.global_step != self.step:
+            return
+        torch.save({k: v.detach().clone() for k, v in pl_module.state_dict().items()}, self.weights_path)
+        if self.quantity == "train/loss":
+            loss = pl_module._loss
+            pl_module._loss = lambda batch: loss(batch) + float("inf")
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
+        if trainer.global_step == self.step and self.quantity == "train/grad_norm":
+            grad = next(p.grad for p in pl_module.parameters() if p.grad is not None)
+            grad.view(-1)[0] = float("nan")
+
+
+class KillAfterCheckpoint(L.Callback):
+    """SIGKILL this process right after the checkpoint file `name` of step `step` is in place."""
+
+    def __init__(self, step: int, name: str = "last.ckpt") -> None:
+        self.step, self.name = step, name
+
+    def setup(self, trainer, pl_module, stage) -> None:
+        io, save = trainer.strategy.checkpoint_io, trainer.strategy.checkpoint_io.save_checkpoint
+
+        def save_then_die(checkpoint, path, storage_options=None):
+            save(checkpoint, path, storage_options)
+            if os.path.basename(path) == self.name and checkpoint["global_step"] == self.step:
+                os.kill(os.getpid(), signal.SIGKILL)
+
+        io.save_checkpoint = save_then_die

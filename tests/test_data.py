@@ -126,10 +126,10 @@ def test_split_is_disjoint_by_document_and_seeded():
 
 def test_datamodule_split_disjoint(tmp_path):
     dm = make_dm(tmp_path)
-    train_docs, val_docs = dm.split()
-    assert train_docs and val_docs
-    assert len(train_docs) + len(val_docs) == len(dm.documents())
-    assert set(train_docs).isdisjoint(val_docs)
+    train_docs, val_docs, test_docs = dm.splits().values()
+    assert train_docs and val_docs and test_docs
+    assert len(train_docs) + len(val_docs) + len(test_docs) == len(dm.documents())
+    assert set(train_docs).isdisjoint(val_docs) and set(test_docs).isdisjoint([*train_docs, *val_docs])
 
 
 # ----------------------------------------------------------------------------- local files
@@ -146,7 +146,7 @@ def test_local_txt_file(tmp_path):
     assert dm.documents() == paragraphs(40)  # one document per paragraph
     dm.setup("fit")
     assert next(iter(dm.train_dataloader())).shape == (4, 16)
-    assert dm.meta["train"]["documents"] + dm.meta["val"]["documents"] == 40
+    assert sum(dm.meta[split]["documents"] for split in ("train", "val", "test")) == 40
 
 
 def test_local_jsonl_with_text_field_and_glob(tmp_path):

@@ -1,4 +1,4 @@
-"""End-to-end runs of the CLI: logs, run directories, resume after a kill, NaN stop, early errors."""
+"""End-to-end runs of the CLI: logs, run directories, resume after a kill, early errors."""
 
 from __future__ import annotations
 
@@ -16,7 +16,6 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from diffexp.cli import DiffexpCLI, main
 from diffexp.data import TextDataModule
 from diffexp.training import DiffexpLM
-from diffexp.training.module import NonFiniteLossError
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -136,17 +135,6 @@ def test_resume_after_kill_continues_at_same_step_and_data(tmp_path):
         assert resumed[step]["loss"] == pytest.approx(reference[step]["loss"], rel=1e-5, abs=1e-6)
     final = torch.load(killed_dir / "runs/run/version_0/checkpoints/last.ckpt", weights_only=True)
     assert final["global_step"] == 12
-
-
-@pytest.mark.slow
-def test_non_finite_loss_saves_checkpoint_and_stops(tmp_path, monkeypatch):
-    monkeypatch.chdir(tmp_path)
-    recipe = write_recipe(tmp_path)
-    poison = '--trainer.callbacks+={"class_path": "tests.helpers.PoisonWeights", "init_args": {"step": 3}}'
-    with pytest.raises(NonFiniteLossError, match="train/loss is nan at step 3"):
-        main(["fit", "--config", str(recipe), poison])
-    saved = tmp_path / "runs/run/version_0/checkpoints/nonfinite-step3.ckpt"
-    assert torch.load(saved, weights_only=True)["global_step"] == 3
 
 
 @pytest.mark.parametrize(

@@ -4,7 +4,7 @@ Expensive steps are cached under ``cache_dir`` and reused by later runs:
 
 * ``tokenizers/bpe-<key>.json``: the BPE trained on the training split
   (key: source fingerprint, text field, ``max_chars``, split, ``bpe_vocab_size``);
-* ``packed/<key>/{train,val}.npy`` + ``meta.json``: the packed rows
+* ``packed/<key>/{train,val,test}.npy`` + ``meta.json``: the packed rows
   (key: the same corpus identity, the tokenizer identity and ``seq_len``).
 
 Cache keys use file paths, sizes and mtimes, so editing a data file invalidates them.
@@ -26,13 +26,16 @@ from torch.utils.data import DataLoader
 
 from diffexp.data import checks, sources
 from diffexp.data.loader import PackedRows, collate_rows, resumable_train_loader
-from diffexp.data.packing import encode_documents, pack_rows, save_atomic, split_documents
+from diffexp.data.packing import encode_documents, held_out_split, pack_rows, save_atomic
 from diffexp.data.tokenizer import ByteTokenizer, TextTokenizer, load_or_train_bpe, load_tokenizer_file
 from diffexp.errors import UserError
 
 log = logging.getLogger(__name__)
 
-CACHE_FORMAT = 1  # bump when the cached layout or packing rules change
+CACHE_FORMAT = 2  # bump when the cached layout or packing rules change (2: a test split of its own)
+
+
+SPLITS = ("train", "val", "test")
 
 
 def _short_hash(*parts: object) -> str:
@@ -45,7 +48,7 @@ class TextDataModule(L.LightningDataModule):
     Batches are ``torch.long`` tensors of shape ``(batch_size, seq_len + 1)``; the model uses
     ``batch[:, :-1]`` as inputs and ``batch[:, 1:]`` as targets. Every document is followed by
     the tokenizer's end-of-document id. The train loader is resumable mid-epoch (its state is
-    saved in Lightning checkpoints); validation and test use the same held-out rows in order.
+    saved in Lightning checkpoints); validation and test read their own held-out documents, in order.
 
     Args:
         source: "stdlib" (the Python standard library sources shipped with the interpreter; no
@@ -57,7 +60,9 @@ class TextDataModule(L.LightningDataModule):
         bpe_vocab_size: Target vocabulary size when ``tokenizer="bpe"`` (at least 257).
         seq_len: Tokens the model sees per row; rows hold ``seq_len + 1`` tokens.
         batch_size: Rows per batch.
-        val_fraction: Fraction of documents held out for validation/test, in (0, 1).
+        val_fraction: Fraction of documents held out for validation, in (0, 1).
+        test_fraction: Fraction of documents held out for ``diffexp test``, disjoint from the validation
+            ones, in [0, 1) (0: no test split).
         max_chars: Cap on corpus characters (documents in order, the last one truncated).
             None means everything, except for "stdlib" where it means 8 M characters.
         num_workers: DataLoader worker processes (0 loads in the main process).
@@ -74,6 +79,7 @@ class TextDataModule(L.LightningDataModule):
         seq_len: int = 256,
         batch_size: int = 16,
         val_fraction: float = 0.05,
+        test_fraction: float = 0.05,
         max_chars: int | None = None,
         num_workers: int = 0,
         cache_dir: str = ".cache/diffexp",
@@ -94,6 +100,9 @@ class TextDataModule(L.LightningDataModule):
             raise UserError(f"data.batch_size={batch_size}: must be a positive integer")
         if not 0.0 < val_fraction < 1.0:
             raise UserError(f"data.val_fraction={val_fraction}: must be strictly between 0 and 1")
+        if not 0.0 <= test_fraction < 1.0 or val_fraction + test_fraction >= 1.0:
+            raise UserError(f"data.test_fraction={test_fraction}: must be in [0, 1) and leave documents for "
+                            f"training beside data.val_fraction={val_fraction}")
         if max_chars is not None and max_chars <= 0:
             raise UserError(f"data.max_chars={max_chars}: must be a positive integer or None")
         if num_workers < 0:
@@ -108,6 +117,7 @@ class TextDataModule(L.LightningDataModule):
         self.seq_len = seq_len
         self.batch_size = batch_size
         self.val_fraction = val_fraction
+        self.test_fraction = test_fraction
         self.max_chars = max_chars
         self.num_workers = num_workers
         self.cache_dir = Path(cache_dir).expanduser()
@@ -117,6 +127,7 @@ class TextDataModule(L.LightningDataModule):
         self.packed_from_cache: bool | None = None  # set by prepare_data/setup
         self.train_rows: np.ndarray | None = None
         self.val_rows: np.ndarray | None = None
+        self.test_rows: np.ndarray | None = None
         self.meta: dict = {}
         self._documents: list[str] | None = None
 
@@ -127,7 +138,7 @@ class TextDataModule(L.LightningDataModule):
         """Identity of the documents and their split (cheap: no file contents are read)."""
         return _short_hash(
             CACHE_FORMAT, sources.fingerprint(self.source), self.text_field, self.max_chars,
-            self.val_fraction, self.seed,
+            self.val_fraction, self.test_fraction, self.seed,
         )  # fmt: skip
 
     def documents(self) -> list[str]:
@@ -142,15 +153,20 @@ class TextDataModule(L.LightningDataModule):
                                 "empty or whitespace; expected text to train on")
         return self._documents
 
-    def split(self) -> tuple[list[str], list[str]]:
-        """Train and validation documents (disjoint; deterministic given ``seed``)."""
+    def splits(self) -> dict[str, list[str]]:
+        """Train, validation and test documents (disjoint; deterministic given ``seed``)."""
         documents = self.documents()
         try:
-            train_ids, val_ids = split_documents(len(documents), self.val_fraction, self.seed)
+            ids = held_out_split(len(documents), self.val_fraction, self.test_fraction, self.seed)
         except ValueError as error:
             hint = "raise data.max_chars" if self.max_chars else "add text; .txt files split at blank lines"
             raise UserError(f"data.source={self.source.spec!r}: {error} ({hint})") from None
-        return [documents[i] for i in train_ids], [documents[i] for i in val_ids]
+        return {name: [documents[i] for i in part] for name, part in zip(SPLITS, ids, strict=True)}
+
+    def split(self) -> tuple[list[str], list[str]]:
+        """Train and validation documents (see ``splits`` for the test documents too)."""
+        splits = self.splits()
+        return splits["train"], splits["val"]
 
     @cached_property
     def tokenizer(self) -> TextTokenizer:
@@ -164,7 +180,7 @@ class TextDataModule(L.LightningDataModule):
 
         def training_texts() -> list[str]:
             log.info("training a %d-token byte-level BPE on the training split", self.bpe_vocab_size)
-            return self.split()[0]
+            return self.splits()["train"]
 
         tokenizer, self.tokenizer_trained = load_or_train_bpe(
             path, training_texts, self.bpe_vocab_size, f"bpe-{key}"
@@ -214,12 +230,13 @@ class TextDataModule(L.LightningDataModule):
         # Memory-mapped: cheap to open, shared by forked DataLoader workers.
         self.train_rows = np.load(directory / "train.npy", mmap_mode="r")
         self.val_rows = np.load(directory / "val.npy", mmap_mode="r")
+        self.test_rows = np.load(directory / "test.npy", mmap_mode="r")
         self._check_enough_rows()
 
     def _tokenize_and_pack(self, directory: Path) -> None:
         directory.mkdir(parents=True, exist_ok=True)
         meta = {"source": self.source.spec, "tokenizer": self.tokenizer.identity, "seq_len": self.seq_len}
-        for name, docs in zip(("train", "val"), self.split(), strict=True):
+        for name, docs in self.splits().items():
             stream = encode_documents(docs, self.tokenizer)
             rows = pack_rows(stream, self.seq_len)
             save_atomic(directory / f"{name}.npy", rows)
@@ -247,13 +264,12 @@ class TextDataModule(L.LightningDataModule):
         """One line for logs: source, tokenizer, documents / tokens / rows per split."""
         if not self.meta:
             return f"{self.source.spec} (not set up yet)"
-        train, val = self.meta["train"], self.meta["val"]
-        return (
-            f"{self.source.spec} | tokenizer {self.tokenizer.identity} (vocab {self.vocab_size}) | "
-            f"train {train['documents']} docs, {train['tokens']:,} tokens, {train['rows']} rows | "
-            f"val {val['documents']} docs, {val['tokens']:,} tokens, {val['rows']} rows | "
-            f"rows of {self.seq_len + 1} tokens"
+        parts = " | ".join(
+            f"{name} {m['documents']} docs, {m['tokens']:,} tokens, {m['rows']} rows"
+            for name in SPLITS if (m := self.meta[name])["documents"]
         )
+        tokenizer = f"tokenizer {self.tokenizer.identity} (vocab {self.vocab_size})"
+        return f"{self.source.spec} | {tokenizer} | {parts} | rows of {self.seq_len + 1} tokens"
 
     # ----------------------------------------------------------------- dataloaders
 
@@ -273,7 +289,15 @@ class TextDataModule(L.LightningDataModule):
 
     def test_dataloader(self) -> DataLoader:
         self.setup("test")
-        return self._ordered_loader(self.val_rows, drop_last=False)
+        assert self.test_rows is not None
+        if self.test_fraction == 0:
+            raise UserError("data.test_fraction=0: this data has no test split; set it above 0 (e.g. 0.05)")
+        if len(self.test_rows) == 0:
+            raise UserError(
+                f"data.test_fraction={self.test_fraction}: the test split has fewer than {self.seq_len + 1} tokens "
+                f"({self.meta['test']['tokens']}); raise data.test_fraction, lower data.seq_len or use more data"
+            )
+        return self._ordered_loader(self.test_rows, drop_last=False)
 
     def _ordered_loader(self, rows: np.ndarray, drop_last: bool) -> DataLoader:
         return DataLoader(

@@ -22,9 +22,10 @@ them first and depth 1 last; needle cut points are then snapped (by at most 16 b
 (corpus) or a sentence start (synthetic). The other needles go to random places before or after.
 
 Held-out split: a city or number is *held out* when ``crc32(str) % 5 == 0``. Training samples use only
-the other cities and numbers; validation/evaluation samples only held-out ones, so evaluation asks
-about (city, number) pairs never seen in training. The corpus haystack is split too: training windows
-come from the first 90 % of the corpus text, validation windows from the last 10 %.
+the other cities and numbers; validation/evaluation and test samples only held-out ones, so evaluation
+asks about (city, number) pairs never seen in training. The corpus haystack is split too: training
+windows come from the first 90 % of the corpus text, validation and test windows from the last 10 %.
+Validation and test samples are different draws (their own random streams), not the same rows.
 
 Every sample is generated on the fly from ``random.Random(f"...{seed}:{split}:{index}")``: deterministic,
 with nothing stored. Rejection sampling guarantees that every needle city and number occurs exactly
@@ -53,7 +54,7 @@ EOS_ID = ByteTokenizer.eos_id
 VOCAB_SIZE = ByteTokenizer.vocab_size
 NEEDLE_TEMPLATE = "the magic number of {city} is {number}."
 QUESTION_TEMPLATE = "what is the magic number of {city}? "
-SPLITS = ("train", "val")
+SPLITS = ("train", "val", "test")
 HAYSTACKS = ("corpus", "synthetic")
 HELD_OUT_MODULUS = 5  # held out: crc32(text) % 5 == 0, i.e. about 20 % of cities and numbers
 MAX_SNAP = 16  # bytes a needle may move to start at a line / sentence boundary
@@ -88,13 +89,13 @@ def _check_split(split: str) -> None:
 
 
 def random_city(rng: random.Random, split: str) -> str:
-    """A synthetic city name of the split (held out for "val", never held out for "train")."""
+    """A synthetic city name of the split (held out for "val" and "test", never held out for "train")."""
     _check_split(split)
     while True:
         syllables = rng.choice((2, 2, 3))
         name = "".join(rng.choice(ONSETS) + rng.choice(VOWELS) + rng.choice(CODAS) for _ in range(syllables))
         name = name.capitalize()
-        if is_held_out(name) == (split == "val"):
+        if is_held_out(name) == (split != "train"):
             return name
 
 
@@ -104,7 +105,7 @@ def random_number(rng: random.Random, split: str) -> str:
     while True:
         digits = rng.randint(MIN_DIGITS, MAX_DIGITS)
         number = str(rng.randrange(10 ** (digits - 1), 10**digits))
-        if is_held_out(number) == (split == "val"):
+        if is_held_out(number) == (split != "train"):
             return number
 
 
@@ -244,7 +245,7 @@ def make_sample(
     n_queries: int,
     depth: float | None,
     haystack: Literal["corpus", "synthetic"],
-    split: Literal["train", "val"],
+    split: Literal["train", "val", "test"],
     max_tries: int = 200,
 ) -> NeedleSample:
     """Generate one multi-needle sequence from ``rng`` (pure: same rng state, same sample).
@@ -256,7 +257,7 @@ def make_sample(
         n_queries: R <= N, cities asked for at the end; their needles sit at ``depth``.
         depth: 0..1, where in the haystack region the answer needles start; None draws it uniformly.
         haystack: "corpus" (windows of the stdlib text) or "synthetic" (repeated filler sentences).
-        split: "train" (cities/numbers not held out) or "val" (held-out cities/numbers only).
+        split: "train" (cities/numbers not held out), or "val" / "test" (held-out cities/numbers only).
         max_tries: rejection-sampling attempts before giving up (a leak check failed every time).
     """
     _check_split(split)
@@ -439,7 +440,7 @@ class NeedleDataModule(L.LightningDataModule):
         haystack: "corpus" (windows of the embedded stdlib text) or "synthetic" (repeated filler sentences).
         batch_size: Samples per batch.
         train_size: Training samples per epoch (generated from seed and index; nothing is stored).
-        val_size: Validation samples (held-out cities and numbers).
+        val_size: Validation samples (held-out cities and numbers), and as many test samples (other draws).
         num_workers: DataLoader worker processes (0 generates in the main process).
         seed: Seeds the samples and the per-epoch shuffle order.
         loss_on: the training targets: "answers" (the answer digits and their ".", retrieval only) or
@@ -464,7 +465,8 @@ class NeedleDataModule(L.LightningDataModule):
         loss_on: Literal["answers", "all"] = "answers",
     ) -> None:
         super().__init__()
-        self.save_hyperparameters()
+        nr_mix = [list(p) for p in nr_mix] if nr_mix else nr_mix  # saved as lists: hparams.yaml is plain YAML
+        self.save_hyperparameters()  # reads the arguments' current values, nr_mix included
         if loss_on not in ("answers", "all"):
             raise UserError(f"data.loss_on={loss_on!r} is invalid: expected 'answers' or 'all'")
         pairs = [tuple(p) for p in nr_mix] if nr_mix else [(n_needles, n_queries)]
@@ -541,7 +543,7 @@ class NeedleDataModule(L.LightningDataModule):
         return self._ordered_loader(self.dataset("val"), drop_last=False)
 
     def test_dataloader(self) -> DataLoader:
-        return self._ordered_loader(self.dataset("val"), drop_last=False)
+        return self._ordered_loader(self.dataset("test"), drop_last=False)
 
     def _ordered_loader(self, dataset: NeedleDataset, drop_last: bool) -> DataLoader:
         return DataLoader(dataset, batch_size=self.batch_size, shuffle=False, drop_last=drop_last,

@@ -21,11 +21,28 @@ def split_documents(num_documents: int, val_fraction: float, seed: int) -> tuple
 
     At least one document goes to each side, so ``num_documents`` must be >= 2.
     """
-    if num_documents < 2:
-        raise ValueError(f"need at least 2 documents to split into train/val, got {num_documents}")
-    num_val = min(max(1, round(num_documents * val_fraction)), num_documents - 1)
+    train, val, _ = held_out_split(num_documents, val_fraction, 0.0, seed)
+    return train, val
+
+
+def held_out_split(num_documents: int, val_fraction: float, test_fraction: float,
+                   seed: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Deterministic train/val/test split of document indices (each kept in corpus order).
+
+    The validation documents are the ones ``split_documents`` holds out with the same seed; the test
+    documents come next in the same permutation, so no document is in two splits. Train and val get at
+    least one document each, and test too unless ``test_fraction`` is 0.
+    """
+    needed = 3 if test_fraction > 0 else 2
+    if num_documents < needed:
+        splits = "train/val/test" if test_fraction > 0 else "train/val"
+        raise ValueError(f"need at least {needed} documents to split into {splits}, got {num_documents}")
+    num_val = min(max(1, round(num_documents * val_fraction)), num_documents - needed + 1)
+    num_test = 0 if test_fraction == 0 else min(max(1, round(num_documents * test_fraction)),
+                                                 num_documents - 1 - num_val)
     order = np.random.default_rng(seed).permutation(num_documents)
-    return np.sort(order[num_val:]), np.sort(order[:num_val])
+    held_out = num_val + num_test
+    return np.sort(order[held_out:]), np.sort(order[:num_val]), np.sort(order[num_val:held_out])
 
 
 def token_dtype(vocab_size: int) -> np.dtype:

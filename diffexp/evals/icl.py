@@ -614,7 +614,7 @@ class ICLDataModule(L.LightningDataModule):
         seq_len: tokens the model sees per row.
         batch_size: rows per batch.
         train_size: training rows (tasks) per epoch.
-        val_size: validation rows (tasks), from a disjoint stream.
+        val_size: validation rows (tasks), and as many test rows; each split is its own stream of tasks.
         group_size: words per class.
         words_per_input: words per input.
         random_label_names: draw each task's label names from the pool (see ``ICLTask``).
@@ -675,7 +675,8 @@ class ICLDataModule(L.LightningDataModule):
                           collate_fn=collate_examples)
 
     def test_dataloader(self) -> DataLoader:
-        return self.val_dataloader()
+        return DataLoader(self._dataset(2), batch_size=self.batch_size, num_workers=self.num_workers,
+                          collate_fn=collate_examples)
 
 
 class ICLEval(L.Callback):

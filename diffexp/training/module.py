@@ -5,7 +5,6 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import asdict, dataclass
-from pathlib import Path
 from typing import Any
 
 import lightning as L
@@ -18,6 +17,7 @@ from diffexp.config import ModelConfig
 from diffexp.errors import UserError, invalid
 from diffexp.evals.ar_hit import ar_hit_mask, frequent_bigrams
 from diffexp.model import Decoder
+from diffexp.training.nonfinite import any_rank, stop_with_last_finite
 
 
 @dataclass
@@ -121,10 +121,6 @@ def _batch_size(batch) -> int:
     return _tokens(batch).shape[0]
 
 
-class NonFiniteLossError(FloatingPointError):
-    pass
-
-
 class DiffexpLM(L.LightningModule):
     """Causal language model around `Decoder`; batches are (B, T + 1) token ids.
 
@@ -146,14 +142,16 @@ class DiffexpLM(L.LightningModule):
         if vocab_size is not None:
             arch = ModelConfig(**{**asdict(arch), "vocab_size": vocab_size})
         self.arch, self.optim, self.ar_hit = arch, optim, ar_hit
-        # plain dicts, so checkpoints load with torch.load(weights_only=True)
-        self.save_hyperparameters({"arch": asdict(arch), "optim": {**asdict(optim), "betas": list(optim.betas)},
-                                   "vocab_size": arch.vocab_size, "ar_hit": asdict(ar_hit)})
+        # plain dicts, so checkpoints load with torch.load(weights_only=True), and lists, not tuples, so
+        # hparams.yaml loads with yaml.safe_load
+        optim_hparams = {**asdict(optim), "betas": list(optim.betas)}
+        self.save_hyperparameters({"arch": asdict(arch), "optim": optim_hparams, "vocab_size": arch.vocab_size,
+                                   "ar_hit": asdict(ar_hit)})
         self.model = Decoder(arch)
         self.compile_blocks = compile
         self.last_grad_norm: float | None = None
         self.validated_step: int | None = None  # the global step of the last validation, kept in checkpoints
-        self._last_batch_time: float | None = None
+        self._last_step_time: float | None = None
         self._frequent_bigrams: torch.Tensor | None = None
         self._split_sums = torch.zeros(4, dtype=torch.float64)  # ar-hit loss, count, others loss, count
 
@@ -186,23 +184,25 @@ class DiffexpLM(L.LightningModule):
 
     def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
         loss = self._loss(batch)
-        if not torch.isfinite(loss):
-            self._stop_on_non_finite(loss)
+        if any_rank(self.trainer, not bool(torch.isfinite(loss))):  # before backward: nothing has moved yet
+            stop_with_last_finite(self.trainer, self, "train/loss", loss.item(), self.optim.lr)
         self.log("train/loss", loss, prog_bar=True)
         self.log("lr", self.trainer.optimizers[0].param_groups[0]["lr"])
+        self._log_step_extras(batch)
         return loss
 
-    def _stop_on_non_finite(self, loss: torch.Tensor) -> None:
-        """Save the (still finite) weights before this step, then stop with a clear error."""
-        ckpt = None
-        if self.trainer.log_dir is not None:
-            ckpt = Path(self.trainer.log_dir) / "checkpoints" / f"nonfinite-step{self.global_step}.ckpt"
-            self.trainer.save_checkpoint(ckpt)
-        raise NonFiniteLossError(
-            f"train/loss is {loss.item()} at step {self.global_step}; stopped. "
-            f"Checkpoint of the weights before this step: {ckpt}. Lower model.optim.lr or raise "
-            "trainer.gradient_clip_val, then resume with --ckpt_path."
-        )
+    def _log_step_extras(self, batch) -> None:
+        """tokens/s and lambda, logged here rather than at batch end so that they are among the step's
+        metrics a last.ckpt of this step carries (see training.checkpointing)."""
+        now = time.perf_counter()
+        if self._last_step_time is not None:  # one whole step: forward, backward, optimizer, callbacks
+            tokens = _batch_size(batch) * (_tokens(batch).shape[1] - 1) * self.trainer.world_size
+            self.log("train/tokens_per_s", tokens / max(now - self._last_step_time, 1e-9))
+        self._last_step_time = now
+        if (self.global_step + 1) % max(1, self.trainer.log_every_n_steps) == 0:  # the steps Lightning logs
+            for i, block in enumerate(self.model.blocks):
+                if hasattr(block.attn, "lambda_"):
+                    self.log(f"lambda/layer_{i:02d}", block.attn.lambda_().detach())
 
     def validation_step(self, batch: torch.Tensor, batch_idx: int) -> None:
         losses, mask = self._token_losses(batch)
@@ -294,21 +294,15 @@ class DiffexpLM(L.LightningModule):
             if replicas:  # each rank holds a shard: sum the squares over ranks, once per replica of the shards
                 norm = (self.trainer.strategy.reduce(norm.pow(2), reduce_op="sum") / replicas).sqrt()
             self.last_grad_norm = float(norm)
+            # identical on every rank (DDP averages gradients, FSDP reduces the norm); fp16's GradScaler
+            # expects inf gradients now and then and skips those steps itself
+            fp16_scaled = getattr(self.trainer.precision_plugin, "scaler", None) is not None
+            if not math.isfinite(self.last_grad_norm) and not fp16_scaled:
+                stop_with_last_finite(self.trainer, self, "train/grad_norm", self.last_grad_norm, self.optim.lr)
             self.log("train/grad_norm", norm)
 
-    def on_train_batch_end(self, outputs: Any, batch: torch.Tensor, batch_idx: int) -> None:
-        now = time.perf_counter()
-        if self._last_batch_time is not None:
-            tokens = _batch_size(batch) * (_tokens(batch).shape[1] - 1) * self.trainer.world_size
-            self.log("train/tokens_per_s", tokens / max(now - self._last_batch_time, 1e-9))
-        self._last_batch_time = now
-        if self.global_step % max(1, self.trainer.log_every_n_steps) == 0:
-            for i, block in enumerate(self.model.blocks):
-                if hasattr(block.attn, "lambda_"):
-                    self.log(f"lambda/layer_{i:02d}", block.attn.lambda_().detach())
-
     def on_train_epoch_start(self) -> None:
-        self._last_batch_time = None
+        self._last_step_time = None
 
     # read by the Throughput callback for FLOPs/s and MFU; training counts forward + backward
     def on_train_batch_start(self, batch, batch_idx: int) -> None:
@@ -320,6 +314,29 @@ class DiffexpLM(L.LightningModule):
         tokens = _tokens(batch)
         self.flops_per_batch = tokens.shape[0] * (tokens.shape[1] - 1) * self.model.flops_per_token(
             tokens.shape[1] - 1, training=False)
+
+    def on_train_start(self) -> None:
+        if self.trainer.ckpt_path is not None:
+            self._apply_configured_optim()
+
+    def _apply_configured_optim(self) -> None:
+        """A resumed run trains with model.optim as configured now (e.g. a lower lr after a non-finite
+        stop): restoring the optimizer and scheduler states brought back the values of the run that wrote
+        the checkpoint."""
+        optimizer = self.trainer.optimizers[0]
+        old_lr = optimizer.param_groups[0].get("initial_lr")
+        for group, weight_decay in zip(optimizer.param_groups, (self.optim.weight_decay, 0.0)):
+            group.update(weight_decay=weight_decay, betas=tuple(self.optim.betas), eps=self.optim.eps,
+                         initial_lr=self.optim.lr)
+        for config in self.trainer.lr_scheduler_configs:
+            scheduler = config.scheduler
+            scheduler.base_lrs = [self.optim.lr] * len(optimizer.param_groups)
+            multiplier = warmup_cosine(scheduler.last_epoch, self.optim.warmup_steps,
+                                       int(self.trainer.estimated_stepping_batches), self.optim.min_lr_ratio)
+            for group in optimizer.param_groups:
+                group["lr"] = self.optim.lr * multiplier
+        if old_lr is not None and old_lr != self.optim.lr:
+            rank_zero_info(f"resumed with model.optim.lr={self.optim.lr:g} (the checkpoint's run used {old_lr:g})")
 
     def on_fit_start(self) -> None:
         report = self.model.parameter_report()

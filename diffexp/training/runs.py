@@ -1,21 +1,36 @@
 """Run directories: where a run logs, and which run `--ckpt_path last` resumes.
 
 Layout: <save_dir>/<name>/<version>/ holds the TensorBoard events, config.yaml and checkpoints/.
-A new run always gets a new version; a resumed run appends to the version it resumes.
+A new run always gets a new version, reserved with an atomic mkdir; a resumed run appends to the
+version it resumes. `diffexp validate` / `test` log into <run>/eval/<subcommand>-<time>/ of the run
+whose checkpoint they evaluate (<save_dir>/<name>/eval/... for other checkpoints), never into a new
+version_<k> that would look like a training run.
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
+import re
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
 import torch
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
+from lightning.pytorch.loggers import TensorBoardLogger
+from lightning.pytorch.utilities import rank_zero_only
 
 from diffexp.errors import UserError
+
+log = logging.getLogger(__name__)
+
+VERSION_DIR = re.compile(r"version_(\d+)")
+# AtomicCheckpointIO's temporary files: .<target name>.<random>.tmp beside the target
+TEMP_CHECKPOINT = re.compile(r"\..+\.ckpt\.[^.]+\.tmp")
+
 
 
 def find_last_checkpoint(experiment_dir: Path) -> Path | None:
@@ -70,3 +85,85 @@ class AtomicCheckpointIO(TorchCheckpointIO):
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(tmp_name)
             raise
+
+
+def remove_orphan_temp_files(checkpoint_dir: Path) -> list[Path]:
+    """Delete the temporary files a kill during AtomicCheckpointIO.save_checkpoint left behind."""
+    if not checkpoint_dir.is_dir():
+        return []
+    orphans = [p for p in checkpoint_dir.iterdir() if p.is_file() and TEMP_CHECKPOINT.fullmatch(p.name)]
+    for orphan in orphans:
+        with contextlib.suppress(FileNotFoundError):  # another process of this run got there first
+            orphan.unlink()
+    if orphans:
+        log.info("removed %d incomplete checkpoint file(s) of an interrupted save from %s", len(orphans),
+                 checkpoint_dir)
+    return orphans
+
+
+def reserve_version(experiment_dir: Path) -> int:
+    """Create <experiment_dir>/version_<k> for a new run and return k.
+
+    os.mkdir fails when the directory exists, so two runs started at the same moment never share one
+    (TensorBoardLogger alone lists the directories and picks the next number, which both would pick).
+    """
+    experiment_dir.mkdir(parents=True, exist_ok=True)
+    taken = [int(m.group(1)) for p in experiment_dir.iterdir() if (m := VERSION_DIR.fullmatch(p.name))]
+    k = max(taken, default=-1) + 1
+    while True:
+        try:
+            (experiment_dir / f"version_{k}").mkdir()
+            return k
+        except FileExistsError:
+            k += 1
+
+
+def reserve_dir(parent: Path, stem: str) -> Path:
+    """Create and return parent/stem, or parent/stem-1, stem-2, ... when that exists."""
+    parent.mkdir(parents=True, exist_ok=True)
+    suffix = 0
+    while True:
+        path = parent / (stem if suffix == 0 else f"{stem}-{suffix}")
+        try:
+            path.mkdir()
+            return path
+        except FileExistsError:
+            suffix += 1
+
+
+def eval_dir_parent(ckpt_path: str | None, save_dir: str, name: str) -> Path:
+    """Where validate/test runs log: <run>/eval when the checkpoint lies in <run>/checkpoints/ of a run
+    directory (one holding config.yaml or TensorBoard events), else <save_dir>/<name>/eval."""
+    if ckpt_path:
+        path = Path(ckpt_path)
+        run_dir = path.parent.parent
+        if path.parent.name == "checkpoints" and (
+            (run_dir / "config.yaml").is_file() or any(run_dir.glob("events.out.tfevents.*"))
+        ):
+            return run_dir / "eval"
+    return Path(save_dir) / name / "eval"
+
+
+def run_logger(subcommand: str | None, logger: Any, logger_config: Any,
+               ckpt_path: str | None) -> TensorBoardLogger | None:
+    """The TensorBoard logger a command should use instead of the configured one, or None to keep that.
+
+    fit: a new run's version directory is reserved now, before anything logs (resumed runs and runs
+    given a version keep theirs). validate/test: a fresh <run>/eval/<subcommand>-<time>/ directory.
+    `logger` is the instantiated logger and `logger_config` its parsed config (class_path, init_args),
+    from which the replacement is built; other loggers are left alone.
+    """
+    init_args = getattr(logger_config, "init_args", None)
+    if not isinstance(logger, TensorBoardLogger) or not hasattr(init_args, "as_dict"):
+        return None
+    init_args = init_args.as_dict()
+    if subcommand in ("validate", "test"):
+        parent = eval_dir_parent(ckpt_path, init_args["save_dir"], init_args.get("name") or "")
+        stem = f"{subcommand}-{time.strftime('%Y%m%d-%H%M%S')}"
+        # only global rank 0 creates it; the other ranks' loggers never write
+        version = reserve_dir(parent, stem).name if rank_zero_only.rank == 0 else stem
+        return type(logger)(**{**init_args, "save_dir": str(parent), "name": "", "version": version})
+    if init_args.get("version") is None and rank_zero_only.rank == 0:
+        experiment_dir = Path(init_args["save_dir"]) / (init_args.get("name") or "")
+        return type(logger)(**{**init_args, "version": reserve_version(experiment_dir)})
+    return None

@@ -1,0 +1,166 @@
+"""A run's checkpoints: last.ckpt to resume from, and the best by the monitored metric.
+
+Lightning's ModelCheckpoint ranks its top-k whenever its step trigger fires; at a training step the
+monitored val/loss is the previous validation's, so the "best" file held other weights than the ones
+that scored, under that older score. RunCheckpoint (the CLI's `checkpoint.*`) splits the two duties:
+
+* the best (top-k by `monitor`): saved at the end of every validation during fit, ranked and named by
+  that validation's value, for the weights it scored;
+* last.ckpt: every `every_n_train_steps` (or `train_time_interval` / `every_n_epochs`) and at the end
+  of training. When a validation runs right after the step, the save waits for its end, so a run
+  resumed from it neither skips nor repeats that validation. The last step (max_steps) is always
+  validated inside fit, so its validation too competes for the best file.
+
+Everything logged before a checkpoint is on disk when its file appears: the loggers are flushed first,
+and the step's own metrics (which Lightning sends to the loggers only after the callbacks'
+on_train_batch_end, where a step save happens) travel inside last.ckpt and are logged by the run that
+resumes from it. On a fit's start, temporary files of a save a kill interrupted are removed.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+from lightning.fabric.utilities.apply_func import convert_tensors_to_scalars
+from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.trainer.states import TrainerFn
+
+from diffexp.errors import invalid
+from diffexp.training.runs import remove_orphan_temp_files
+
+
+def flush_loggers(trainer: L.Trainer) -> None:
+    """Write what the loggers buffer (TensorBoard's event queue) to disk."""
+    for logger in trainer.loggers:
+        logger.save()
+
+
+def unlogged_step_metrics(trainer: L.Trainer) -> dict[str, Any] | None:
+    """The current training step's metrics that Lightning will send to the loggers after the callbacks'
+    on_train_batch_end, with the step it will log them at; None when it logs nothing this step.
+
+    Reads Lightning's logger connector and epoch loop (private; checked against Lightning 2.6).
+    """
+    connector = trainer._logger_connector
+    if not trainer.loggers or not connector.should_update_logs:
+        return None
+    metrics = convert_tensors_to_scalars(dict(connector.metrics["log"]))
+    if not metrics:
+        return None
+    metrics.setdefault("epoch", trainer.current_epoch)  # as Lightning's log_metrics adds it
+    return {"step": trainer.fit_loop.epoch_loop._batches_that_stepped, "metrics": metrics}
+
+
+def validation_follows(trainer: L.Trainer) -> bool:
+    """Whether Lightning validates right after the training batch that just ended (its own test, private)."""
+    loop = trainer.fit_loop.epoch_loop
+    return not loop._skip_next_val and loop._should_check_val_fx(trainer.fit_loop._data_fetcher)
+
+
+class RunCheckpoint(ModelCheckpoint):
+    """ModelCheckpoint whose best files are saved at validation end and whose last.ckpt follows the
+    step, epoch or time trigger (see the module docstring). Takes ModelCheckpoint's arguments;
+    `save_last="link"` is refused, since last.ckpt is mostly written at steps that have no best file."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        if self.save_last == "link":
+            raise invalid("checkpoint.save_last", "link", "expected true or false: last.ckpt is written at "
+                          "steps without a best checkpoint to link to")
+        self._last_saved_step: int | None = None
+        self._last_after_validation: int | None = None  # the step whose last.ckpt waits for its validation
+        self._unlogged: dict[str, Any] | None = None  # goes into the last.ckpt being written
+        self._replay: dict[str, Any] | None = None  # from the checkpoint this run resumed from
+
+    @property
+    def state_key(self) -> str:
+        # ModelCheckpoint's key, so checkpoints written before this class existed resume with their state
+        return "ModelCheckpoint" + super().state_key[len(type(self).__qualname__):]
+
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        super().setup(trainer, pl_module, stage)
+        if stage == "fit" and trainer.is_global_zero and self.dirpath:
+            remove_orphan_temp_files(Path(self.dirpath))
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        super().on_train_start(trainer, pl_module)
+        replay, self._replay = self._replay, None
+        if replay and trainer.is_global_zero:  # the points the interrupted run logged after its last save
+            for logger in trainer.loggers:
+                logger.log_metrics(replay["metrics"], step=replay["step"])
+                logger.save()
+
+    # -- when ---------------------------------------------------------------------------------------------
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        if 0 < trainer.max_steps <= trainer.global_step and trainer.enable_validation:
+            # a stop request makes Lightning validate first: a last step off the validation grid is validated
+            # inside fit, so that validation competes for the best file and last.ckpt is written after it
+            trainer.should_stop = True
+        if self._last_after_validation is not None and self._last_after_validation != trainer.global_step:
+            self._last_after_validation = None  # that validation did not run (no batches): nothing waits
+        if self._skip(trainer) or not self._step_trigger(trainer):
+            return
+        if validation_follows(trainer):
+            self._last_after_validation = trainer.global_step
+            return
+        self._unlogged = unlogged_step_metrics(trainer)
+        try:
+            self._save_last_checkpoint(trainer, self._monitor_candidates(trainer))
+        finally:
+            self._unlogged = None
+
+    def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if bool(trainer.fast_dev_run) or trainer.state.fn != TrainerFn.FITTING or trainer.sanity_checking:
+            return
+        candidates = self._monitor_candidates(trainer)
+        self._save_topk_checkpoint(trainer, candidates)  # this validation's value, these weights
+        if self._last_after_validation == trainer.global_step:
+            self._last_after_validation = None
+            self._save_last_checkpoint(trainer, candidates)
+
+    def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        # runs after the epoch's validation and after the last step's metrics went to the loggers
+        if self._every_n_epochs >= 1 and (trainer.current_epoch + 1) % self._every_n_epochs == 0:
+            if not self._skip(trainer):
+                self._save_last_checkpoint(trainer, self._monitor_candidates(trainer))
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if not self._skip(trainer):  # the final weights, whatever the trigger
+            self._save_last_checkpoint(trainer, self._monitor_candidates(trainer))
+
+    def _skip(self, trainer: L.Trainer) -> bool:
+        return (bool(trainer.fast_dev_run) or trainer.state.fn != TrainerFn.FITTING or trainer.sanity_checking
+                or self._last_saved_step == trainer.global_step)
+
+    def _step_trigger(self, trainer: L.Trainer) -> bool:
+        if self._every_n_train_steps >= 1 and trainer.global_step % self._every_n_train_steps == 0:
+            return True
+        if self._train_time_interval is None or self._last_time_checked is None:
+            return False
+        now = time.monotonic()
+        # one decision for all ranks: their clocks differ
+        due = trainer.strategy.broadcast(now - self._last_time_checked >= self._train_time_interval.total_seconds())
+        if due:
+            self._last_time_checked = now
+        return due
+
+    # -- how ----------------------------------------------------------------------------------------------
+    def _save_last_checkpoint(self, trainer: L.Trainer, monitor_candidates: dict[str, Any]) -> None:
+        super()._save_last_checkpoint(trainer, monitor_candidates)
+        if self.save_last:
+            self._last_saved_step = trainer.global_step
+
+    def _save_checkpoint(self, trainer: L.Trainer, filepath: str) -> None:
+        flush_loggers(trainer)  # what was logged so far is on disk before the checkpoint exists
+        super()._save_checkpoint(trainer, filepath)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {**super().state_dict(), "unlogged_step_metrics": self._unlogged}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        super().load_state_dict(state_dict)
+        self._replay = state_dict.get("unlogged_step_metrics")

@@ -1,0 +1,84 @@
+"""Stop at the first non-finite loss or gradient norm, before it reaches the weights or a checkpoint.
+
+DiffexpLM checks train/loss before backward and train/grad_norm before clipping and the optimizer step.
+At that moment the weights and the optimizer state are still the finite ones the step started from:
+they are saved as checkpoints/last-finite-step<N>.ckpt, and the run stops with NonFiniteError, whose
+message says what to change and how to resume. The data position saved with them is after the failing
+step's batch: the same weights on the same batch would give the same value again.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import NoReturn
+
+import lightning as L
+import torch
+
+from diffexp.errors import UserError
+from diffexp.training.checkpointing import flush_loggers
+
+
+class NonFiniteError(UserError):
+    """train/loss or train/grad_norm became NaN/inf; the last finite state was saved."""
+
+
+def any_rank(trainer: L.Trainer, flag: bool) -> bool:
+    """True on every rank when it is true on one: all ranks must stop (and save) together."""
+    return bool(trainer.strategy.reduce_boolean_decision(flag, all=False))
+
+
+def _checkpoint_dir(trainer: L.Trainer) -> Path:
+    callback = trainer.checkpoint_callback
+    if callback is not None and getattr(callback, "dirpath", None):
+        return Path(callback.dirpath)
+    return Path(trainer.log_dir or trainer.default_root_dir) / "checkpoints"
+
+
+def _config_file(trainer: L.Trainer) -> str:
+    """The config this run saved (LightningCLI's SaveConfigCallback), to resume with."""
+    from lightning.pytorch.cli import SaveConfigCallback
+
+    for callback in trainer.callbacks:
+        if isinstance(callback, SaveConfigCallback) and trainer.log_dir is not None:
+            return str(Path(trainer.log_dir) / callback.config_filename)
+    return "<your config>"
+
+
+def stop_with_last_finite(trainer: L.Trainer, module: L.LightningModule, quantity: str, value: float,
+                          lr: float) -> NoReturn:
+    """Save the pre-step state (unless the weights are already non-finite) and raise NonFiniteError.
+
+    Called on every rank at once (see any_rank): under DDP/FSDP saving a checkpoint is collective.
+    """
+    step = trainer.global_step
+    weights_finite = all(bool(torch.isfinite(p).all()) for p in module.parameters())
+    weights_finite = bool(trainer.strategy.reduce_boolean_decision(weights_finite, all=True))
+    previous = getattr(trainer.checkpoint_callback, "last_model_path", "") or ""
+    path = _checkpoint_dir(trainer) / f"last-finite-step{step:06d}.ckpt"
+    if weights_finite:
+        flush_loggers(trainer)  # the logs up to this step are on disk with the checkpoint
+        # saved as a batch that ended without an optimizer step (the position of any checkpoint taken at a
+        # batch end), so Lightning resumes at the next batch with consistent counters
+        trainer.fit_loop.epoch_loop.batch_progress.increment_processed()
+        trainer.save_checkpoint(path)
+        saved = (f"Saved {path}: the weights and optimizer state from before step {step} and the data position "
+                 "after that step's batch, so a run resumed from it skips the batch that failed.")
+        resume_from = str(path)
+    else:
+        saved = ("The weights were already non-finite when the step began, so no checkpoint was saved; "
+                 "resume from an earlier one.")
+        resume_from = previous or "<an earlier checkpoint>"
+    clip = trainer.gradient_clip_val
+    if clip:
+        clip_advice, new_clip = f"lower trainer.gradient_clip_val (now {clip:g})", clip / 2
+    else:
+        clip_advice, new_clip = "enable gradient clipping with trainer.gradient_clip_val (e.g. 1.0)", 1.0
+    retrace = (f" To retrace the steps before it with the new settings instead, resume from {previous}."
+               if previous and weights_finite else "")
+    raise NonFiniteError(
+        f"{quantity} is {value} at step {step}; training stopped before the optimizer step, so no weights "
+        f"were updated with it. {saved} To continue, lower model.optim.lr (now {lr:g}) and {clip_advice}, then "
+        f"resume: diffexp fit --config {_config_file(trainer)} --ckpt_path {resume_from} "
+        f"--model.optim.lr {lr / 2:g} --trainer.gradient_clip_val {new_clip:g}.{retrace}"
+    )
