@@ -9,6 +9,7 @@ key and the command that resumes with the saved config.
 from __future__ import annotations
 
 import os
+import sys
 import tempfile
 from dataclasses import asdict
 from pathlib import Path
@@ -20,6 +21,8 @@ from diffexp.errors import UserError, invalid
 # data module settings that do not change what is trained (where files live, how many loader processes)
 DATA_KEYS_FREE_ON_RESUME = {"num_workers", "cache_dir"}
 TOKENIZER_KEYS = ("tokenizer", "bpe_vocab_size")
+HONOURED_ON_RESUME = ("  model.optim.lr:", "  model.optim.betas:", "  model.optim.eps:", "  model.optim.weight_decay:",
+                      "  model.optim.warmup_steps:", "  model.optim.min_lr_ratio:", "  trainer.gradient_clip_val:")
 # trainer settings that shape the optimization (a checkpoint records them in "diffexp_run")
 RESUME_TRAINER_KEYS = ("max_steps", "accumulate_grad_batches", "gradient_clip_val")
 
@@ -214,7 +217,14 @@ def check_resume(config, checkpoint: dict[str, Any], ckpt_path: Path, subcommand
         differing = [line for line in differing if not line.startswith("  trainer.max_steps:")]
         schedule = _schedule_difference(checkpoint, config)
         differing += [schedule] if schedule else []
+    # optimizer settings a resumed run applies from its first step on (DiffexpLM._apply_configured_optim),
+    # e.g. the lower lr a non-finite stop advises: honoured and announced, never silent
+    honoured = [line for line in differing if line.startswith(HONOURED_ON_RESUME)] if not model_only else []
+    differing = [line for line in differing if line not in honoured]
     if not differing:
+        if honoured:
+            print("resuming with changed optimization settings, applied from the checkpoint's step on:\n"
+                  + "\n".join(honoured), file=sys.stderr)
         return
     run_config = ckpt_path.parent.parent / "config.yaml"
     if ckpt_path.parent.name == "checkpoints" and run_config.is_file():

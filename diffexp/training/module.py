@@ -331,8 +331,8 @@ class DiffexpLM(L.LightningModule):
         for config in self.trainer.lr_scheduler_configs:
             scheduler = config.scheduler
             scheduler.base_lrs = [self.optim.lr] * len(optimizer.param_groups)
-            multiplier = warmup_cosine(scheduler.last_epoch, self.optim.warmup_steps,
-                                       int(self.trainer.estimated_stepping_batches), self.optim.min_lr_ratio)
+            multiplier = warmup_cosine(scheduler.last_epoch, self.optim.warmup_steps, self.schedule_steps(),
+                                       self.optim.min_lr_ratio)
             for group in optimizer.param_groups:
                 group["lr"] = self.optim.lr * multiplier
         if old_lr is not None and old_lr != self.optim.lr:
