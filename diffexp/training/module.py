@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import Any
 
 import lightning as L
@@ -337,6 +338,12 @@ class DiffexpLM(L.LightningModule):
                 group["lr"] = self.optim.lr * multiplier
         if old_lr is not None and old_lr != self.optim.lr:
             rank_zero_info(f"resumed with model.optim.lr={self.optim.lr:g} (the checkpoint's run used {old_lr:g})")
+            from lightning.pytorch.core.saving import save_hparams_to_yaml
+
+            for logger in self.trainer.loggers:  # the run's recorded hparams follow what it now trains with
+                logger.log_hyperparams(self.hparams)
+                if getattr(logger, "log_dir", None) and Path(logger.log_dir).is_dir():  # Lightning writes it once
+                    save_hparams_to_yaml(Path(logger.log_dir) / "hparams.yaml", dict(self.hparams))
 
     def on_fit_start(self) -> None:
         report = self.model.parameter_report()
