@@ -82,3 +82,13 @@ class KillAfterCheckpoint(L.Callback):
                 os.kill(os.getpid(), signal.SIGKILL)
 
         io.save_checkpoint = save_then_die
+
+
+def save_untrained_checkpoint(arch, path) -> None:
+    """A real diffexp checkpoint of an untrained model (a Trainer's save, no training), for checkpoint readers."""
+    from diffexp.training import DiffexpLM
+
+    module = DiffexpLM(arch)
+    trainer = L.Trainer(max_steps=0, logger=False, enable_checkpointing=False, enable_progress_bar=False)
+    trainer.strategy.connect(module)
+    trainer.save_checkpoint(path)

@@ -5,14 +5,13 @@ from __future__ import annotations
 import os
 import warnings
 
-import lightning as L
 import pytest
 import torch
 
 from diffexp.checkpoint_io import checkpoint_hparams, read_checkpoint
 from diffexp.config import ModelConfig
 from diffexp.errors import UserError
-from diffexp.training import DiffexpLM
+from tests.helpers import save_untrained_checkpoint
 
 
 class NotAllowed:
@@ -21,12 +20,9 @@ class NotAllowed:
 
 @pytest.fixture(scope="module")
 def real_ckpt(tmp_path_factory):
-    module = DiffexpLM(ModelConfig(attention="diff_v1", vocab_size=64, d_model=32, n_layers=1, n_heads=2,
-                                   max_seq_len=64))
-    trainer = L.Trainer(max_steps=0, logger=False, enable_checkpointing=False, enable_progress_bar=False)
-    trainer.strategy.connect(module)
     path = tmp_path_factory.mktemp("ckpt") / "last.ckpt"
-    trainer.save_checkpoint(path)
+    save_untrained_checkpoint(ModelConfig(attention="diff_v1", vocab_size=64, d_model=32, n_layers=1, n_heads=2,
+                                          max_seq_len=64), path)
     return path
 
 

@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import os
 
-import lightning as L
 import pytest
 
 from diffexp.cli import main
 from diffexp.config import ModelConfig
-from diffexp.training import DiffexpLM
+from tests.helpers import save_untrained_checkpoint
 
 TASKS = ("needle", "icl", "mqar")
 
@@ -17,12 +16,9 @@ TASKS = ("needle", "icl", "mqar")
 @pytest.fixture(scope="module")
 def run_dir(tmp_path_factory):
     """A run directory with a checkpoint of a byte-level model (max_seq_len 128) and a TensorBoard file."""
-    module = DiffexpLM(ModelConfig(attention="baseline", vocab_size=257, d_model=32, n_layers=1, n_heads=2,
-                                   max_seq_len=128))
-    trainer = L.Trainer(max_steps=0, logger=False, enable_checkpointing=False, enable_progress_bar=False)
-    trainer.strategy.connect(module)
     run = tmp_path_factory.mktemp("runs") / "version_0"
-    trainer.save_checkpoint(run / "checkpoints" / "last.ckpt")
+    save_untrained_checkpoint(ModelConfig(attention="baseline", vocab_size=257, d_model=32, n_layers=1, n_heads=2,
+                                          max_seq_len=128), run / "checkpoints" / "last.ckpt")
     (run / "events.out.tfevents.0").write_bytes(b"")
     return run
 
