@@ -130,13 +130,16 @@ def load_study_when_created(url: str, name: str, timeout: float = 120) -> optuna
 
 def test_workers_on_two_machines_share_one_postgres_study(postgres, tmp_path, monkeypatch, capsys):
     # 2 cases, 6 steps each; no storage in the spec: every machine gets the URL from DIFFEXP_STORAGE
-    spec = write_spec(tmp_path, "pg", seeds=[0], stale_after_s=10)
+    spec = write_spec(tmp_path, "pg", seeds=[0], stale_after_s=30)  # no false stale marks under load
     logs = [tmp_path / "worker-a.log", tmp_path / "worker-b.log", tmp_path / "worker-a2.log"]
     worker_a = start_worker(spec, postgres.url("user:pw@"), logs[0])
     worker_b = start_worker(spec, postgres.url("user:pw@"), logs[1])
     try:
         study = load_study_when_created(postgres.url(), "pg")
-        killed_dir = wait_for_trial_in_flight(study, worker_a)
+        try:
+            killed_dir = wait_for_trial_in_flight(study, worker_a)
+        except AssertionError as err:
+            raise AssertionError(f"{err}\n{logs[0].read_text()[-3000:]}") from None
         worker_a.send_signal(signal.SIGKILL)  # the machine dies mid-trial (its trial process goes with it)
         worker_a.wait()
         running = study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.RUNNING,))
