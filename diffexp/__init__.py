@@ -1,6 +1,6 @@
 """diffexp: train, ablate and compare differential-attention transformers."""
 
-from diffexp.config import ModelConfig
+from diffexp.model.config import ModelConfig
 from diffexp.model import Decoder
 
 __version__ = "0.1.0"

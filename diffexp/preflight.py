@@ -15,7 +15,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from diffexp.config import ModelConfig
+from diffexp.model.config import ModelConfig
 from diffexp.errors import UserError, invalid
 
 # data module settings that do not change what is trained (where files live, how many loader processes)

@@ -9,34 +9,29 @@ import torch
 import torch.nn.functional as F
 
 from diffexp import Decoder, ModelConfig
-from diffexp.config import depth_lambda_init
-from diffexp.model.attention import build_attention
+from diffexp.model.attention.differential import depth_lambda_init
+from diffexp.model.attention import build_attention, variants
 from diffexp.model.attention.dint import DintAttention
 from tests.reference import reference_attention
 
 SMALL = dict(vocab_size=61, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=64)
 
-# every variant and every value of each of its flags (GQA and plain MHA layouts both appear)
-CASES = {
-    "baseline": {}, "baseline-mha": dict(n_kv_heads=None), "baseline-tied": dict(tie_embeddings=True),
-    "diff_v1": {}, "diff_v1-mha": dict(n_kv_heads=None), "diff_v1-nonorm": dict(head_norm=False),
-    "diff_v1-lam0.5": dict(lambda_init=0.5), "diff_v1-lam0.8": dict(lambda_init=0.8),
-    "diff_v2": {}, "diff_v2-mha": dict(n_kv_heads=None), "diff_v2-cross": dict(pairing="cross"),
-    "diff_v2-none": dict(lambda_mode="none"), "diff_v2-raw": dict(lambda_mode="raw"),
-    "diff_v2-cross-raw": dict(pairing="cross", lambda_mode="raw"),
-    "shared_diff": {}, "shared_diff-heads": dict(base_sharing="heads"),
-    "shared_diff-mha": dict(n_kv_heads=None), "shared_diff-nonorm": dict(head_norm=False),
-    "shared_diff-rank4": dict(rank=4), "shared_diff-heads-rank2-lam0.5": dict(base_sharing="heads", rank=2,
-                                                                              lambda_init=0.5),
-    "dint": {}, "dint-mha": dict(n_kv_heads=None), "dint-mean": dict(integral="mean"),
-    "dint-nonorm": dict(head_norm=False), "dint-mean-nonorm-lam0.5": dict(integral="mean", head_norm=False,
-                                                                          lambda_init=0.5),
-}
+
+
+def variant_cases() -> dict[str, dict]:
+    """Every registered variant and every value of each of its flags, from the registry entries
+    (GQA and plain MHA layouts both appear): "diff_v1", "diff_v1-mha", ..."""
+    return {"-".join(filter(None, (v.name, suffix))): dict(overrides)
+            for v in variants() for suffix, overrides in v.cases.items()}
+
+
+CASES = variant_cases()
 
 
 def make_config(case: str, **extra) -> ModelConfig:
-    variant = case.split("-")[0]
-    return ModelConfig(attention=variant, **{**SMALL, **CASES[case], **extra})
+    cases = variant_cases()  # also variants registered after collection (tests/test_variant_registry.py)
+    name = next(v.name for v in variants() if case == v.name or case.startswith(v.name + "-"))
+    return ModelConfig(attention=name, **{**SMALL, **cases[case], **extra})
 
 
 def small_blocks(model: torch.nn.Module) -> None:

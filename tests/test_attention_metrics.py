@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from diffexp.config import ModelConfig
+from diffexp.model.config import ModelConfig
 from diffexp.evals.attention import (
     attention_allocation,
     attention_by_depth,

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from diffexp.checkpoint_io import checkpoint_hparams, read_checkpoint
-from diffexp.config import ModelConfig
+from diffexp.model.config import ModelConfig
 from diffexp.errors import UserError
 from tests.helpers import save_untrained_checkpoint
 

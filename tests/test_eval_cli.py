@@ -7,7 +7,7 @@ import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from diffexp.cli import main
-from diffexp.config import ModelConfig
+from diffexp.model.config import ModelConfig
 from diffexp.training import DiffexpLM
 
 

@@ -12,7 +12,7 @@ import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from torch.utils.tensorboard import SummaryWriter
 
-from diffexp.config import ModelConfig
+from diffexp.model.config import ModelConfig
 from diffexp.evals.icl import (
     ICLDataModule,
     ICLEval,

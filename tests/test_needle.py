@@ -9,7 +9,7 @@ import re
 import pytest
 import torch
 
-from diffexp.config import ModelConfig
+from diffexp.model.config import ModelConfig
 from diffexp.data.needle import (
     MAX_SNAP,
     NeedleDataModule,

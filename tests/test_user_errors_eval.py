@@ -7,7 +7,7 @@ import os
 import pytest
 
 from diffexp.cli import main
-from diffexp.config import ModelConfig
+from diffexp.model.config import ModelConfig
 from tests.helpers import save_untrained_checkpoint
 
 TASKS = ("needle", "icl", "mqar")

@@ -9,38 +9,11 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from diffexp.config import ModelConfig
-from diffexp.model.attention import build_attention
-from diffexp.model.attention.base import RMSNorm
-
-
-class SwiGLU(nn.Module):
-    def __init__(self, d_model: int, hidden: int) -> None:
-        super().__init__()
-        self.gate_proj = nn.Linear(d_model, hidden, bias=False)
-        self.up_proj = nn.Linear(d_model, hidden, bias=False)
-        self.down_proj = nn.Linear(hidden, d_model, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
-
-
-class DecoderBlock(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_idx: int) -> None:
-        super().__init__()
-        self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
-        self.attn = build_attention(cfg, layer_idx)
-        self.ffn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
-        self.ffn = SwiGLU(cfg.d_model, cfg.resolved_ffn_hidden)
-
-    def forward(self, x: torch.Tensor, need_weights: bool = False):
-        attn_out, weights = self.attn(self.attn_norm(x), need_weights)
-        x = x + attn_out
-        x = x + self.ffn(self.ffn_norm(x))
-        return x, weights
+from diffexp.model.attention import build_attention, variant
+from diffexp.model.blocks import DecoderBlock, RMSNorm
+from diffexp.model.config import ModelConfig
 
 
 class Decoder(nn.Module):
@@ -49,7 +22,9 @@ class Decoder(nn.Module):
         cfg.validate()
         self.cfg = cfg
         self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
-        self.blocks = nn.ModuleList(DecoderBlock(cfg, i) for i in range(cfg.n_layers))
+        self.blocks = nn.ModuleList(
+            DecoderBlock(cfg.d_model, cfg.resolved_ffn_hidden, cfg.norm_eps, build_attention(cfg, i))
+            for i in range(cfg.n_layers))
         self.final_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
@@ -86,23 +61,13 @@ class Decoder(nn.Module):
     def flops_per_token(self, seq_len: int, training: bool = True) -> float:
         """Model FLOPs per token (2 per multiply-add) at sequence length seq_len, for throughput and MFU.
 
-        Matmuls with weights: 2 x (linear parameters). Attention, causal (on average T/2 keys per query):
-        each map costs 2 d per key for Q K^T plus 2 dv per key for A V. Per layer:
-        baseline h maps (dv = d); diff_v1 / shared_diff 2h maps with dv = 2d; dint those plus the
-        integral's A3 V (h x 2 x 2d); diff_v2 2h maps (dv = d). The logical count: FlashAttention's
-        recomputation and V splitting are not counted. Training = forward + backward = 3 x forward.
+        Matmuls with weights: 2 x (nn.Linear parameters). Per layer, the variant's registry entry adds what is
+        not an nn.Linear (scores, attention times V, ...), causal: T/2 keys per query on average. The logical
+        count: FlashAttention's recomputation and V splitting are not counted. Training = 3 x forward.
         """
         linear = sum(m.weight.numel() for m in self.modules() if isinstance(m, nn.Linear))
-        if self.cfg.attention == "shared_diff":  # its low-rank updates are matmuls too
-            linear += sum(p.numel() for n, p in self.named_parameters() if n.endswith(".up"))
-        cfg, d, h = self.cfg, self.cfg.resolved_head_dim, self.cfg.n_heads
-        keys = seq_len / 2
-        per_map = {"baseline": (h, d), "diff_v2": (2 * h, d)}.get(cfg.attention, (2 * h, 2 * d))
-        maps, dv = per_map
-        attention = maps * 2 * keys * (d + dv)
-        if cfg.attention == "dint":
-            attention += h * 2 * keys * 2 * d
-        forward = 2 * linear + cfg.n_layers * attention
+        attention = variant(self.cfg.attention).attention_flops(self.cfg, seq_len / 2)
+        forward = 2 * linear + self.cfg.n_layers * attention
         return forward * (3 if training else 1)
 
     def parameter_report(self) -> dict[str, int]:

@@ -16,7 +16,7 @@ from torch import nn
 
 from diffexp.errors import UserError
 from diffexp.model.attention.base import AttentionBase
-from diffexp.model.decoder import DecoderBlock
+from diffexp.model.blocks import DecoderBlock
 
 
 def kurtosis(x: torch.Tensor) -> float:

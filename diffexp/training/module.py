@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from lightning.pytorch.utilities import rank_zero_info
 from lightning.pytorch.utilities.model_helpers import is_overridden
 
-from diffexp.config import ModelConfig
+from diffexp.model.config import ModelConfig
 from diffexp.errors import UserError, invalid
 from diffexp.evals.ar_hit import ar_hit_mask, frequent_bigrams
 from diffexp.model import Decoder

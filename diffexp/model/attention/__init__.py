@@ -1,23 +1,24 @@
-"""One module per attention variant; `build_attention` picks one by name."""
+"""One module per attention variant. Each registers itself (see registry.py); this package imports
+every module in its folder, so a new variant is one new file here and nothing else.
+"""
+
+import importlib
+import pkgutil
 
 from diffexp.model.attention.base import AttentionBase
-from diffexp.model.attention.baseline import BaselineAttention
-from diffexp.model.attention.diff_v1 import DiffV1Attention
-from diffexp.model.attention.diff_v2 import DiffV2Attention
-from diffexp.model.attention.dint import DintAttention
-from diffexp.model.attention.shared_diff import SharedDiffAttention
+from diffexp.model.attention.registry import Variant, variant, variant_class, variant_names, variants
 
-ATTENTION_CLASSES: dict[str, type[AttentionBase]] = {
-    "baseline": BaselineAttention,
-    "diff_v1": DiffV1Attention,
-    "diff_v2": DiffV2Attention,
-    "shared_diff": SharedDiffAttention,
-    "dint": DintAttention,
-}
+
+def _import_variant_modules() -> None:
+    for module in pkgutil.iter_modules(__path__):
+        importlib.import_module(f"{__name__}.{module.name}")
+
+
+_import_variant_modules()
 
 
 def build_attention(cfg, layer_idx: int) -> AttentionBase:
-    return ATTENTION_CLASSES[cfg.attention](cfg, layer_idx)
+    return variant_class(cfg.attention)(cfg, layer_idx)
 
 
-__all__ = ["ATTENTION_CLASSES", "AttentionBase", "build_attention"]
+__all__ = ["AttentionBase", "Variant", "build_attention", "variant", "variant_class", "variant_names", "variants"]

@@ -14,7 +14,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from diffexp.config import ModelConfig
 from diffexp.model.rope import RotaryEmbedding
 
 try:  # optional GPU extra
@@ -108,19 +107,6 @@ def resolve_backend(backend: str, fallback: bool = True) -> str:
     return backend
 
 
-class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float = 1e-5) -> None:
-        super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = torch.promote_types(x.dtype, torch.float32)  # normalise in fp32 under bf16
-        x_wide = x.to(dtype)
-        normed = x_wide * torch.rsqrt(x_wide.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (normed * self.weight.to(dtype)).to(x.dtype)
-
-
 class AttentionBase(nn.Module):
     """Holds sizes, RoPE and the attention call; subclasses define projections and how maps combine.
 
@@ -128,7 +114,7 @@ class AttentionBase(nn.Module):
     (B, n_heads, T, T), the per-head matrix that multiplies V (see variants.md).
     """
 
-    def __init__(self, cfg: ModelConfig, layer_idx: int) -> None:
+    def __init__(self, cfg, layer_idx: int) -> None:  # cfg: a validated diffexp.model.config.ModelConfig
         super().__init__()
         self.cfg = cfg
         self.layer_idx = layer_idx

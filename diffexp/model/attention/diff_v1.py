@@ -8,8 +8,30 @@
 Everything lives in the shared two-map base; DIFF V1 is that base with plain projections.
 """
 
-from diffexp.model.attention.differential import TwoMapDifferentialAttention
+from diffexp.model.attention.differential import (
+    TWO_MAP_CASES,
+    TWO_MAP_FIELDS,
+    TwoMapDifferentialAttention,
+    check_two_map,
+    naive_plain_qk,
+    naive_two_map,
+    two_map_flops,
+)
+from diffexp.model.attention.registry import Variant, register
 
 
+@register
 class DiffV1Attention(TwoMapDifferentialAttention):
     """Parameter-matched to a baseline with 2h heads of dim d (plus 4d lambda and 2d norm weights)."""
+
+    variant = Variant(
+        name="diff_v1",
+        summary="two softmax maps subtracted with a learnable lambda, per-head norm",
+        paper="Ye et al. 2024, Differential Transformer, arXiv 2410.05258",
+        maps_per_head=2,
+        fields=TWO_MAP_FIELDS,
+        check=check_two_map,
+        attention_flops=two_map_flops,
+        reference=lambda m, x: naive_two_map(m, x, naive_plain_qk(m, x)),
+        cases={**TWO_MAP_CASES, "lam0.5": {"lambda_init": 0.5}, "lam0.8": {"lambda_init": 0.8}},
+    )

@@ -14,9 +14,45 @@ from __future__ import annotations
 
 import torch
 
+from diffexp.errors import invalid
 from diffexp.model.attention.base import expand_kv
-from diffexp.model.attention.differential import TwoMapDifferentialAttention
+from diffexp.model.attention.differential import (
+    TWO_MAP_CASES,
+    TWO_MAP_FIELDS,
+    TwoMapDifferentialAttention,
+    check_two_map,
+    naive_plain_qk,
+    naive_two_map,
+    two_map_flops,
+)
 from diffexp.model.attention.dint_integral import streaming_integral
+from diffexp.model.attention.registry import Variant, register
+
+
+def check(cfg) -> None:
+    check_two_map(cfg)
+    if cfg.integral not in ("softmax", "mean"):
+        raise invalid("model.arch.integral", cfg.integral, "expected 'softmax' or 'mean'")
+
+
+def attention_flops(cfg, keys: float) -> float:
+    """DIFF V1's maps plus the integral's A3 V: h maps over the 2d-wide V."""
+    return two_map_flops(cfg, keys) + cfg.n_heads * 2 * keys * 2 * cfg.resolved_head_dim
+
+
+def naive_integral(a1: torch.Tensor, integral: str) -> torch.Tensor:
+    """A3 of one head, row by row: the (soft-maxed) mean of A1's rows 0..n over columns 0..n."""
+    t = a1.shape[0]
+    a3 = torch.zeros_like(a1)
+    for n in range(t):
+        g = a1[: n + 1, : n + 1].sum(dim=0) / (n + 1)
+        a3[n, : n + 1] = g if integral == "mean" else torch.softmax(g, dim=0)
+    return a3
+
+
+def reference(m, x: torch.Tensor):
+    return naive_two_map(m, x, naive_plain_qk(m, x), extra_map=lambda a1: naive_integral(a1, m.cfg.integral),
+                         scale_by_lambda_init=False)
 
 
 def row_positions(t: int, like: torch.Tensor, start: int = 0) -> torch.Tensor:
@@ -25,7 +61,7 @@ def row_positions(t: int, like: torch.Tensor, start: int = 0) -> torch.Tensor:
 
 
 def integral_map(weights1: torch.Tensor, integral: str) -> torch.Tensor:
-    """A3 from the full map A1 (B, h, T, T), the naive way."""
+    """A3 from the full map A1 (B, h, T, T), the eager way."""
     t = weights1.shape[-1]
     g = weights1.cumsum(dim=-2) / row_positions(t, weights1)
     if integral == "mean":
@@ -34,13 +70,26 @@ def integral_map(weights1: torch.Tensor, integral: str) -> torch.Tensor:
     return g.masked_fill(future, float("-inf")).softmax(dim=-1)
 
 
+@register
 class DintAttention(TwoMapDifferentialAttention):
+    variant = Variant(
+        name="dint",
+        summary="DIFF V1 plus an integral term from cumulative attention; rows sum to 1",
+        paper="Cang et al. 2025, DINT Transformer",
+        maps_per_head=2,
+        fields=(*TWO_MAP_FIELDS, "integral"),
+        check=check,
+        attention_flops=attention_flops,
+        reference=reference,
+        cases={**TWO_MAP_CASES, "mean": {"integral": "mean"},
+               "mean-nonorm-lam0.5": {"integral": "mean", "head_norm": False, "lambda_init": 0.5}},
+    )
     scale_by_lambda_init = False
     #: query rows per step of the streaming integral; memory is O(block_size * T) per head
     integral_block_size = 128
 
     def add_terms(self, out, effective, lam, q1, k1, v, out1, weights1):
-        if weights1 is not None:  # eager: the naive map
+        if weights1 is not None:  # eager: the full map
             a3 = integral_map(weights1, self.cfg.integral)
             integral_out = a3.to(v.dtype) @ expand_kv(v, a3.shape[1])
             effective = effective + lam * a3
