@@ -49,12 +49,13 @@ TRAINER_DEFAULTS = {
 
 
 SUBCOMMANDS = {
-    "fit": "train a model (a recipe: --config recipes/tiny/diff_v1.yaml; resume: --ckpt_path last)",
+    "fit": "train a model (a recipe: --config recipes/tiny/<variant>.yaml; resume: --ckpt_path last)",
     "validate": "validation loss of a checkpoint (--config <run>/config.yaml --ckpt_path CKPT)",
     "test": "loss on the held-out test split of a checkpoint",
     "sweep": "run an ablation table of fits through an Optuna study (--config sweeps/<name>.yaml)",
     "compare": "tabulate and plot a sweep's runs, the papers' way (diffexp compare runs/<study>)",
     "eval": "the papers' evaluations on a checkpoint (needle, icl, mqar)",
+    "variants": "the attention variants: name, paper and the model.arch flags each one reads",
 }
 
 
@@ -65,6 +66,21 @@ def overview() -> str:
             "diffexp trains, ablates and compares differential-attention transformers (DIFF V1, DIFF V2,\n"
             "Shared DIFF, DINT and a LLaMA-style baseline).\n\nsubcommands:\n" + "\n".join(lines) +
             "\n\n`diffexp SUBCOMMAND --help` lists a subcommand's options. DIFFEXP_DEBUG=1 shows tracebacks.\n")
+
+
+def describe_variants() -> str:
+    """`diffexp variants`: one paragraph per registry entry."""
+    from diffexp.model.attention import variants
+    from diffexp.model.config import SHARED_FIELDS
+
+    import textwrap
+
+    shared = f"model.arch.attention: one of the variants below. Every variant reads {', '.join(SHARED_FIELDS[1:])}."
+    lines = [textwrap.fill(shared, 100), ""]
+    for entry in variants():
+        own = ", ".join(entry.fields) or "(none beyond the shared ones)"
+        lines += [f"{entry.name}: {entry.summary}", f"  paper: {entry.paper}", f"  flags: {own}", ""]
+    return "\n".join(lines)
 
 
 def _clean_parser_message(message: str) -> str:
@@ -198,7 +214,7 @@ def check_config_files(argv: list[str]) -> None:
     import yaml
 
     example = "a sweep spec such as sweeps/table6.yaml" if argv[:1] == ["sweep"] else \
-        "a YAML recipe such as recipes/tiny/diff_v1.yaml"
+        "a YAML recipe such as recipes/tiny/<variant>.yaml"
     for i, arg in enumerate(argv):
         if arg in ("--config", "-c") and i + 1 < len(argv):
             path = argv[i + 1]
@@ -277,6 +293,9 @@ def _main(args: list[str] | None = None) -> None:
         raise UserError(f"unknown subcommand {argv[0]!r}; expected one of {', '.join(SUBCOMMANDS)} "
                         "(`diffexp --help` describes them)")
     check_config_files(argv)
+    if argv[0] == "variants":
+        sys.stdout.write(describe_variants())
+        return
     if argv and argv[0] == "sweep":
         from diffexp.sweep.runner import main as sweep_main
 

@@ -132,7 +132,18 @@ def validate_fit_config(config, subcommand: str = "fit") -> ModelConfig:
         check_writable(key, save_dir)
     checkpoint = plain(config.get("checkpoint") or {})
     check_writable("checkpoint.dirpath", checkpoint.get("dirpath"))
+    warn_unused_settings(arch)
     return arch
+
+
+def warn_unused_settings(arch: ModelConfig) -> None:
+    """A flag the chosen variant does not read changes nothing: say so rather than run silently without it."""
+    unused = arch.unused_settings()
+    if unused:
+        settings = ", ".join(f"model.arch.{key}={value!r}" for key, value in unused.items())
+        print(f"warning: model.arch.attention={arch.attention!r} does not read {settings}; "
+              "this run is the same as without them (`diffexp variants` lists each variant's flags)",
+              file=sys.stderr)
 
 
 # -- resume ------------------------------------------------------------------------------------------------

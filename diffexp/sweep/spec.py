@@ -5,7 +5,7 @@ A spec names a base recipe, the rows of a table (`cases`, each a set of dotted o
 and shared `overrides`. Every (case x grid point x seed x search draw) is one trial: one `fit` run.
 
     study: table6
-    base: recipes/tiny/diff_v1.yaml
+    base: recipes/tiny/<variant>.yaml
     overrides: {trainer.max_steps: 200}
     cases:
       DIFF: {}

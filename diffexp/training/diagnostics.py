@@ -3,7 +3,7 @@
 Every `every_n_steps`, the training step's own forward is observed (hooks, no extra forward, so it works
 unchanged under FSDP and activation checkpointing) on the first `sample_rows` rows of the batch, per layer:
 the largest |activation| and the kurtosis of the hidden states (outliers, DIFF V1 section 3.8), the
-largest attention logit, and for diff_v2 the mean and spread of the token-wise lambda. Every step,
+largest attention logit, and statistics a variant records (DIFF V2: its token-wise lambda). Every step,
 gradient-norm spikes (norm above `spike_factor` x the running mean of the previous norms, the DIFF V2
 blog's instability signal) are counted. Lambda traces are logged by the LightningModule.
 """
