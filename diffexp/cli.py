@@ -70,10 +70,10 @@ def overview() -> str:
 
 def describe_variants() -> str:
     """`diffexp variants`: one paragraph per registry entry."""
+    import textwrap
+
     from diffexp.model.attention import variants
     from diffexp.model.config import SHARED_FIELDS
-
-    import textwrap
 
     shared = f"model.arch.attention: one of the variants below. Every variant reads {', '.join(SHARED_FIELDS[1:])}."
     lines = [textwrap.fill(shared, 100), ""]

@@ -15,8 +15,8 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from diffexp.model.config import ModelConfig
 from diffexp.errors import UserError, invalid
+from diffexp.model.config import ModelConfig
 
 # data module settings that do not change what is trained (where files live, how many loader processes)
 DATA_KEYS_FREE_ON_RESUME = {"num_workers", "cache_dir"}

@@ -9,8 +9,8 @@ import torch
 import torch.nn.functional as F
 
 from diffexp import Decoder, ModelConfig
-from diffexp.model.attention.differential import depth_lambda_init
 from diffexp.model.attention import build_attention, variants
+from diffexp.model.attention.differential import depth_lambda_init
 from diffexp.model.attention.dint import DintAttention
 from tests.reference import reference_attention
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from diffexp.model.config import ModelConfig
 from diffexp.evals.attention import (
     attention_allocation,
     attention_by_depth,
@@ -15,6 +14,7 @@ from diffexp.evals.attention import (
 )
 from diffexp.evals.needle import eval_samples
 from diffexp.model import Decoder
+from diffexp.model.config import ModelConfig
 
 T = 6
 

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from diffexp.checkpoint_io import checkpoint_hparams, read_checkpoint
-from diffexp.model.config import ModelConfig
 from diffexp.errors import UserError
+from diffexp.model.config import ModelConfig
 from tests.helpers import save_untrained_checkpoint
 
 

@@ -12,7 +12,6 @@ import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from torch.utils.tensorboard import SummaryWriter
 
-from diffexp.model.config import ModelConfig
 from diffexp.evals.icl import (
     ICLDataModule,
     ICLEval,
@@ -24,6 +23,7 @@ from diffexp.evals.icl import (
     predict_labels,
 )
 from diffexp.model import Decoder
+from diffexp.model.config import ModelConfig
 from diffexp.training import DiffexpLM
 
 

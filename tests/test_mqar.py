@@ -7,10 +7,10 @@ import numpy as np
 import pytest
 import torch
 
-from diffexp.model.config import ModelConfig
 from diffexp.data.mqar import MQARDataModule, power_law_gap_probs
 from diffexp.evals.mqar import MQARAccuracy, evaluate_mqar, mqar_accuracy
 from diffexp.model import Decoder
+from diffexp.model.config import ModelConfig
 from diffexp.training import DiffexpLM
 
 

@@ -9,7 +9,6 @@ import re
 import pytest
 import torch
 
-from diffexp.model.config import ModelConfig
 from diffexp.data.needle import (
     MAX_SNAP,
     NeedleDataModule,
@@ -25,6 +24,7 @@ from diffexp.evals.needle import (
     score_samples,
 )
 from diffexp.model import Decoder
+from diffexp.model.config import ModelConfig
 
 DEPTHS = (0.0, 0.25, 0.5, 0.75, 1.0)
 

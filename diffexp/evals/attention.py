@@ -1,8 +1,8 @@
 """Attention to the answer vs attention noise (Table 5 of the DIFF/DINT papers) and negative attention.
 
 Both work on the *effective* attention maps of ``Decoder.forward(idx, need_weights=True)``: one
-(B, heads, T, T) tensor per layer, rows summing to 1 (baseline, dint) or 1 - lambda (the others), with
-possibly negative entries (differential variants).
+(B, heads, T, T) tensor per layer, rows summing to 1 (plain softmax, DINT) or 1 - lambda (the other
+two-map variants), with possibly negative entries (differential variants).
 
 Allocation of a query row ``a = map[b, h, q, :q + 1]`` (the causal part of the row of position q):
 

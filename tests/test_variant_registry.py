@@ -1,0 +1,203 @@
+"""A sixth variant defined in this file alone reaches every part of diffexp through its registry entry.
+
+`GatedAttention` is softmax attention whose heads are scaled by a learned sigmoid gate, optionally
+after a per-head RMSNorm. Nothing outside this file knows it: it is registered for the length of a
+test, and then validates, trains through `diffexp fit`, counts its FLOPs, passes the shared
+attention cases, and shows up in the benchmark and in a compare table.
+"""
+
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+import tests.test_attention as shared_cases
+from diffexp import Decoder, ModelConfig
+from diffexp.cli import main
+from diffexp.errors import invalid
+from diffexp.model.attention import build_attention, naive, variant_names, variants
+from diffexp.model.attention.base import AttentionBase, merge_heads, split_heads
+from diffexp.model.attention.registry import Variant, register, unregister
+from diffexp.model.blocks import RMSNorm
+
+REPO = Path(__file__).resolve().parents[1]
+TOY = "toy_gated"
+
+
+def toy_flops(cfg, keys: float) -> float:
+    """h maps of dim d: 2 d per key for Q K^T and 2 d per key for A V; the gate is negligible."""
+    d = cfg.resolved_head_dim
+    return cfg.n_heads * 2 * keys * (d + d)
+
+
+def toy_check(cfg) -> None:
+    if cfg.n_heads < 2:
+        raise invalid("model.arch.n_heads", cfg.n_heads, f"{TOY} gates heads against each other; expected >= 2")
+
+
+def toy_reference(m, x: torch.Tensor):
+    cfg = m.cfg
+    h, h_kv = cfg.n_heads, cfg.kv_heads
+    q = m.rope.rotate(naive.project(x, m.q_proj, h))
+    k = m.rope.rotate(naive.project(x, m.k_proj, h_kv))
+    v = naive.project(x, m.v_proj, h_kv).double()
+    b, t = x.shape[:2]
+    maps = torch.zeros(b, h, t, t, dtype=torch.float64)
+    out = torch.zeros(b, h, t, v.shape[-1], dtype=torch.float64)
+    for bi in range(b):
+        for i in range(h):
+            gate = 1.0 / (1.0 + torch.exp(-m.gate[i].double()))
+            a = naive.causal_softmax_rows(q[bi, i], k[bi, i // (h // h_kv)])
+            o = a @ v[bi, i // (h // h_kv)]
+            if cfg.head_norm:
+                o = naive.rmsnorm(o, m.head_norm.weight)
+            maps[bi, i], out[bi, i] = gate * a, gate * o
+    return naive.output(out, m.o_proj), maps
+
+
+class GatedAttention(AttentionBase):
+    variant = Variant(
+        name=TOY,
+        summary="softmax attention with a learned sigmoid gate per head (a test's toy)",
+        paper="none: tests/test_variant_registry.py",
+        differential=False,
+        fields=("head_norm",),
+        check=toy_check,
+        attention_flops=toy_flops,
+        reference=toy_reference,
+        cases={"": {}, "mha": {"n_kv_heads": None}, "nonorm": {"head_norm": False}},
+    )
+
+    def __init__(self, cfg, layer_idx: int) -> None:
+        super().__init__(cfg, layer_idx)
+        h, h_kv, d = self.n_heads, self.n_kv_heads, self.head_dim
+        self.q_proj = self.linear(self.d_model, h * d)
+        self.k_proj = self.linear(self.d_model, h_kv * d)
+        self.v_proj = self.linear(self.d_model, h_kv * d)
+        self.o_proj = self.linear(h * d, self.d_model)
+        self.gate = nn.Parameter(torch.linspace(-1.0, 1.0, h))  # distinct per head, so a mix-up shows
+        self.head_norm = RMSNorm(d) if cfg.head_norm else nn.Identity()
+
+    def forward(self, x: torch.Tensor, need_weights: bool = False):
+        q = self.rope.rotate(split_heads(self.q_proj(x), self.n_heads))
+        k = self.rope.rotate(split_heads(self.k_proj(x), self.n_kv_heads))
+        v = split_heads(self.v_proj(x), self.n_kv_heads)
+        out, weights = self.attend(q, k, v, need_weights)
+        gate = torch.sigmoid(self.gate).view(1, -1, 1, 1)
+        out = self.head_norm(out) * gate.to(out.dtype)
+        effective = weights * gate.to(weights.dtype) if weights is not None else None
+        return self.o_proj(merge_heads(out)), effective
+
+
+@pytest.fixture
+def toy():
+    register(GatedAttention)
+    yield GatedAttention.variant
+    unregister(TOY)
+
+
+def test_unknown_until_registered_then_validated_like_any_variant(toy):
+    unregister(TOY)
+    with pytest.raises(ValueError, match=f"attention='{TOY}'"):
+        ModelConfig(attention=TOY)
+    register(GatedAttention)
+    cfg = ModelConfig(attention=TOY, d_model=64, n_heads=4, n_kv_heads=2)
+    assert TOY in variant_names() and toy in variants()
+    assert cfg.resolved_head_dim == 16  # maps_per_head 1: the baseline's parameter matching
+    with pytest.raises(ValueError, match="n_heads=1"):  # its own check
+        ModelConfig(attention=TOY, d_model=64, n_heads=1)
+    with pytest.raises(ValueError, match="n_kv_heads=3"):  # the shared checks
+        ModelConfig(attention=TOY, d_model=64, n_heads=4, n_kv_heads=3)
+    assert ModelConfig(attention=TOY, rank=4).unused_settings() == {"rank": 4}
+    assert ModelConfig(attention=TOY, head_norm=False).unused_settings() == {}
+
+
+def test_flops_come_from_its_entry(toy):
+    cfg = ModelConfig(attention=TOY, vocab_size=61, d_model=64, n_layers=3, n_heads=4, n_kv_heads=None)
+    model = Decoder(cfg)
+    linear = sum(m.weight.numel() for m in model.modules() if isinstance(m, nn.Linear))
+    t, h, d = 128, 4, 16
+    assert model.flops_per_token(t, training=False) == 2 * linear + 3 * h * 2 * (t / 2) * (d + d)
+    assert model.flops_per_token(t) == 3 * model.flops_per_token(t, training=False)
+    attn_params = sum(p.numel() for p in build_attention(cfg, 0).parameters())
+    assert attn_params == 4 * 64 * 64 + h + d  # Q, K, V, O, the gates and the head-norm weight
+
+
+@pytest.mark.parametrize("case", [TOY, f"{TOY}-mha", f"{TOY}-nonorm"])
+def test_shared_attention_cases(toy, case):
+    for backend in ("sdpa", "eager"):
+        torch.manual_seed(0)
+        shared_cases.test_matches_naive_reference(case, backend)
+        shared_cases.test_causality(case, backend)
+    shared_cases.test_fast_path_equals_eager_forward_and_gradients(case)
+
+
+def test_the_gate_really_changes_the_output(toy):
+    attn = build_attention(ModelConfig(attention=TOY, d_model=32, n_heads=2, max_seq_len=16), 0)
+    x = torch.randn(1, 8, 32)
+    before = attn(x)[0]
+    with torch.no_grad():
+        attn.gate.add_(1.0)
+    assert not torch.allclose(before, attn(x)[0])
+
+
+RECIPE = """
+seed_everything: 3
+trainer:
+  max_steps: 4
+  val_check_interval: 4
+  limit_val_batches: 1
+  log_every_n_steps: 1
+  enable_progress_bar: false
+  logger:
+    class_path: lightning.pytorch.loggers.TensorBoardLogger
+    init_args: {{save_dir: runs, name: toy, default_hp_metric: false}}
+model:
+  arch: {{attention: {name}, d_model: 32, n_layers: 1, n_heads: 2}}
+  optim: {{lr: 3.0e-3, warmup_steps: 1}}
+data:
+  source: stdlib
+  seq_len: 32
+  batch_size: 2
+  max_chars: 20000
+  cache_dir: {cache}
+"""
+
+
+def test_trains_through_diffexp_fit(toy, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    recipe = tmp_path / "toy.yaml"
+    recipe.write_text(RECIPE.format(name=TOY, cache=tmp_path / "cache"))
+    main(["fit", "--config", str(recipe)])
+    run = tmp_path / "runs" / "toy" / "version_0"
+    last = torch.load(run / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=False)
+    assert last["global_step"] == 4 and last["hyper_parameters"]["arch"]["attention"] == TOY
+    gates = [v for k, v in last["state_dict"].items() if k.endswith("attn.gate")]
+    assert len(gates) == 1 and not torch.equal(gates[0], torch.linspace(-1.0, 1.0, 2))  # trained
+
+
+def test_no_other_file_names_the_toy():
+    found = subprocess.run(["grep", "-rl", TOY, str(REPO / "diffexp"), str(REPO / "recipes"), str(REPO / "sweeps")],
+                           capture_output=True, text=True)
+    assert found.stdout == ""
+
+
+def test_built_in_variants_are_named_only_in_their_own_file_and_the_registry():
+    """The registry is the one place that knows a variant: no other module dispatches on its name."""
+    import inspect
+    import re
+
+    from diffexp.model.attention import variant_class
+
+    sources = {p: p.read_text() for p in (REPO / "diffexp").rglob("*.py")}
+    for name in variant_names():
+        own = {Path(inspect.getfile(variant_class(name))), REPO / "diffexp/model/attention/registry.py"}
+        # "baseline" is also an English word: only its use as a string literal counts
+        pattern = re.compile(rf"[\"']{name}[\"']" if name == "baseline" else rf"\b{name}\b")
+        named = [f"{p.relative_to(REPO)}:{i}" for p, text in sources.items() if p not in own
+                 for i, line in enumerate(text.splitlines(), 1) if pattern.search(line)]
+        assert named == [], f"{name} is named outside its own file: {named}"
