@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from typing import Literal, Union
 
 from diffexp.errors import UserError, invalid
-from diffexp.model.attention.registry import reference_variant, variant, variant_names
+from diffexp.model.attention.registry import reference_variant, variant, variant_names, variants
 
 BACKENDS = ("sdpa", "flash_attn", "eager")
 #: fields every variant reads; the others belong to the variants that list them in their registry entry
@@ -129,11 +129,20 @@ class ModelConfig:
             raise bad("rope_theta", self.rope_theta, "expected a positive number")
         if self.ffn_hidden is not None and self.ffn_hidden <= 0:
             raise bad("ffn_hidden", self.ffn_hidden, "expected a positive integer or null")
-        variant(self.attention).check(self)
+        chosen = variant(self.attention)
+        chosen.check(self)
+        # a value given for another variant's flag is checked too: a bad value fails now, not in a later run
+        changed = set(self.changed_settings())
+        for other in variants():
+            if other is not chosen and changed & set(other.fields):
+                other.check(self)
+
+    def changed_settings(self) -> dict[str, object]:
+        """Fields set away from their defaults."""
+        return {name: getattr(self, name) for name, f in ModelConfig.__dataclass_fields__.items()
+                if getattr(self, name) != f.default}
 
     def unused_settings(self) -> dict[str, object]:
         """Fields set away from their default that the chosen variant does not read (they change nothing)."""
         used = set(SHARED_FIELDS) | set(variant(self.attention).fields)
-        defaults = ModelConfig.__dataclass_fields__
-        return {name: getattr(self, name) for name, f in defaults.items()
-                if name not in used and getattr(self, name) != f.default}
+        return {name: value for name, value in self.changed_settings().items() if name not in used}

@@ -1,7 +1,7 @@
 """Every trial of a sweep spec, checked the way `diffexp fit` will check it, before anything is created.
 
 A row of the table (case x grid point, with the shared overrides) is turned into the arguments its
-trials' `diffexp fit` gets, parsed (diffexp.cli.parse_config) and checked (diffexp.preflight), without
+trials' `diffexp fit` gets, parsed (diffexp.training.cli.parse_config) and checked (diffexp.training.preflight), without
 building a model or touching data. Search spaces are checked at both ends (low and high) and at every
 categorical choice. Each distinct set of overrides is checked once. All the bad rows are reported
 together, in one SpecError, so the spec can be fixed in one go; today's trials never start.
@@ -36,8 +36,8 @@ class TrialConfig:
 
 def validate_fit_args(args: list[str]) -> None:
     """Raise UserError when `diffexp fit ARGS` would refuse its config (parse_config, then preflight)."""
-    from diffexp.cli import parse_config
-    from diffexp.preflight import validate_fit_config
+    from diffexp.training.cli import parse_config
+    from diffexp.training.preflight import validate_fit_config
 
     output = io.StringIO()
     previous = logging.root.manager.disable

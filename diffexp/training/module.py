@@ -271,7 +271,7 @@ class DiffexpLM(L.LightningModule):
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         checkpoint["diffexp_validated_step"] = self.validated_step
-        # what a resume must repeat to continue this run exactly (checked by diffexp.preflight.check_resume)
+        # what a resume must repeat to continue this run exactly (checked by diffexp.training.preflight.check_resume)
         trainer = self._trainer
         if trainer is None:  # saved outside a Trainer: no run to continue
             return
