@@ -75,13 +75,13 @@ def test_recipe_parses_and_builds(path):
 
 @pytest.mark.parametrize("size,variant", GPU_COMBOS, ids=[f"{v}-{s}" for s, v in GPU_COMBOS])
 def test_gpu_recipe_has_the_size_in_its_name(size, variant):
-    """The papers' sizes (DIFF V1, Table 3: 830M = d_model 1536, 1.4B = d_model 2048, both 24 layers and 8
-    heads) count every parameter, embeddings included: without them 24 layers hold about 0.68B / 1.21B.
-    Here the count includes the (untied) embedding and LM head of the recipes' 32,768-token BPE vocabulary,
-    within 10% of the name: the names leave about 150M / 190M for embeddings (a larger vocabulary than ours),
-    the recipes hold 101M / 134M (32,768 x d_model, in and out), so the parameter-matched variants (baseline, DIFF V1, DINT) come out 6% / 4%
-    under, DIFF V2 (GQA keys and values) 9% / 7% under and Shared DIFF (its low-rank updates) 2% / 4% over.
-    A swapped size file or a wrong layer count is off by far more."""
+    """The papers' sizes (Table 3: 830M = d_model 1536, 1.4B = d_model 2048, both 24 layers and 8 heads)
+    count every parameter, embeddings included: without them the 24 layers hold only about 0.68B / 1.21B
+    (18% / 13% under). So the count here includes the untied embedding and LM head, and must be within 10%
+    of the name. The names leave about 150M / 190M beyond the layers; the recipes' 32,768-token vocabulary
+    gives 101M / 134M (2 x 32,768 x d_model), so the parameter-matched variants (baseline, DIFF V1, DINT)
+    come out 6% / 4% under, DIFF V2 (fewer K/V heads, GQA) 9% / 7% under and Shared DIFF (its low-rank
+    updates) 2% / 4% over. A size file holding the other size's numbers is over 40% off."""
     config = parse_config(gpu_args(size, variant))
     arch = ModelConfig(**config.model.arch.as_dict())
     assert arch.attention == variant
@@ -96,8 +96,8 @@ def test_gpu_recipe_has_the_size_in_its_name(size, variant):
 
 @pytest.mark.parametrize("size", GPU_SIZES)
 def test_gpu_baseline_matches_diff_v1_parameters(size):
-    """The baseline's 2h heads of dim d_model/2h and DINT's shared maps keep DIFF V1's budget (only the
-    lambda vectors and per-head norms differ)."""
+    """The baseline's 2h heads of dim d_model/2h match DIFF V1's budget, and DINT (DIFF V1 plus an integral
+    term without weights) equals it; only the lambda vectors and per-head norms differ."""
     with torch.device("meta"):
         counts = {v: Decoder(arch_of(gpu_args(size, v))).num_parameters() for v in ("baseline", "diff_v1", "dint")}
     for variant, count in counts.items():
