@@ -1,13 +1,20 @@
-"""Every recipe parses and builds its model; flags in YAML reach the built modules."""
+"""Every recipe parses and builds its model; flags in YAML reach the built modules.
+
+The GPU recipes are a base plus deltas, applied in this order by repeated --config flags:
+recipes/gpu/base.yaml (every training number), recipes/gpu/size/<size>.yaml (the model's size),
+recipes/gpu/variant/<variant>.yaml (the attention variant and its flags)."""
 
 from __future__ import annotations
 
 import contextlib
 import io
+import itertools
+import re
 from pathlib import Path
 
 import pytest
 import torch
+import yaml
 
 from diffexp import Decoder, ModelConfig
 from diffexp.cli import DiffexpCLI, main, parse_config
@@ -15,19 +22,45 @@ from diffexp.data import TextDataModule
 from diffexp.training import DiffexpLM
 
 REPO = Path(__file__).resolve().parents[1]
-RECIPES = sorted((REPO / "recipes").rglob("*.yaml"))
+GPU = REPO / "recipes" / "gpu"
+#: recipes that are one file each (the GPU ones are base + size + variant, below)
+RECIPES = sorted(p for p in (REPO / "recipes").rglob("*.yaml") if GPU not in p.parents)
 TINY = sorted((REPO / "recipes" / "tiny").glob("*.yaml"))
+GPU_SIZES = sorted(p.stem for p in (GPU / "size").glob("*.yaml"))
+GPU_VARIANTS = sorted(p.stem for p in (GPU / "variant").glob("*.yaml"))
+GPU_COMBOS = list(itertools.product(GPU_SIZES, GPU_VARIANTS))
+#: a size's name as a parameter count: 830m -> 830e6, 1.4b -> 1.4e9
+SCALE = {"m": 1e6, "b": 1e9}
 
 
-def arch_of(path: Path) -> ModelConfig:
-    return ModelConfig(**parse_config(["--config", str(path)]).model.arch.as_dict())
+def gpu_args(size: str, variant: str) -> list[str]:
+    """The --config flags of a GPU run, in the order README.md gives them."""
+    return ["--config", str(GPU / "base.yaml"), "--config", str(GPU / "size" / f"{size}.yaml"),
+            "--config", str(GPU / "variant" / f"{variant}.yaml")]
+
+
+def arch_of(args: list[str] | Path) -> ModelConfig:
+    args = ["--config", str(args)] if isinstance(args, Path) else args
+    return ModelConfig(**parse_config(args).model.arch.as_dict())
+
+
+def dotted_keys(path: Path) -> set[str]:
+    """The keys a YAML file sets, dotted (model.arch.d_model); class_path/init_args kept as written."""
+    def walk(node, prefix):
+        if isinstance(node, dict):
+            for key, value in node.items():
+                yield from walk(value, f"{prefix}{key}.")
+        else:
+            yield prefix[:-1]
+    return set(walk(yaml.safe_load(path.read_text()), ""))
 
 
 def test_recipes_exist_for_every_variant():
     names = {p.stem for p in TINY}
     assert names == {"baseline", "diff_v1", "diff_v2", "shared_diff", "dint"}
-    gpu = {p.stem.split("-")[0] for p in (REPO / "recipes" / "gpu").glob("*.yaml")}
-    assert gpu == names
+    assert set(GPU_VARIANTS) == names  # every variant has a tiny recipe and a GPU delta
+    assert GPU_SIZES == ["1.4b", "830m"]
+    assert sorted(p.name for p in GPU.glob("*.yaml")) == ["base.yaml"]  # no per-combination copies
 
 
 @pytest.mark.parametrize("path", RECIPES, ids=lambda p: str(p.relative_to(REPO / "recipes")))
@@ -37,21 +70,92 @@ def test_recipe_parses_and_builds(path):
         model = Decoder(arch)
     assert model.num_parameters() > 0
     if path.parent.name != "mqar":
-        assert path.stem.split("-")[0] == arch.attention
+        assert path.stem == arch.attention
+
+
+@pytest.mark.parametrize("size,variant", GPU_COMBOS, ids=[f"{v}-{s}" for s, v in GPU_COMBOS])
+def test_gpu_recipe_has_the_size_in_its_name(size, variant):
+    """The papers' sizes (Table 3: 830M = d_model 1536, 1.4B = d_model 2048, both 24 layers and 8 heads)
+    count every parameter, embeddings included: without them the 24 layers hold only about 0.68B / 1.21B
+    (18% / 13% under). So the count here includes the untied embedding and LM head, and must be within 10%
+    of the name. The names leave about 150M / 190M beyond the layers; the recipes' 32,768-token vocabulary
+    gives 101M / 134M (2 x 32,768 x d_model), so the parameter-matched variants (baseline, DIFF V1, DINT)
+    come out 6% / 4% under, DIFF V2 (fewer K/V heads, GQA) 9% / 7% under and Shared DIFF (its low-rank
+    updates) 2% / 4% over. A size file holding the other size's numbers is over 40% off."""
+    config = parse_config(gpu_args(size, variant))
+    arch = ModelConfig(**config.model.arch.as_dict())
+    assert arch.attention == variant
+    with torch.device("meta"):  # 1.4B parameters cost no memory here
+        model = Decoder(arch)
+    promised = float(size[:-1]) * SCALE[size[-1]]
+    count = model.num_parameters()
+    assert abs(count / promised - 1) < 0.10, (f"{variant}-{size}", f"{count:,}")
+    logger = config.trainer.logger.init_args
+    assert (Path(logger.save_dir).name, logger.name) == (size, variant)  # runs/gpu/<size>/<variant>
+
+
+@pytest.mark.parametrize("size", GPU_SIZES)
+def test_gpu_baseline_matches_diff_v1_parameters(size):
+    """The baseline's 2h heads of dim d_model/2h match DIFF V1's budget, and DINT (DIFF V1 plus an integral
+    term without weights) equals it; only the lambda vectors and per-head norms differ."""
+    with torch.device("meta"):
+        counts = {v: Decoder(arch_of(gpu_args(size, v))).num_parameters() for v in ("baseline", "diff_v1", "dint")}
+    for variant, count in counts.items():
+        assert abs(count / counts["diff_v1"] - 1) < 1e-3, (variant, count, counts["diff_v1"])
+
+
+def test_gpu_numbers_live_in_one_file():
+    """base.yaml holds every training number; a size delta only the model's size, a variant delta only the
+    attention variant and its flags (plus each one's part of the run directory, runs/gpu/<size>/<variant>)."""
+    base = dotted_keys(GPU / "base.yaml")
+    size_keys = {"model.arch.d_model", "model.arch.n_layers", "model.arch.n_heads", "model.arch.rank",
+                 "trainer.logger.init_args.save_dir"}
+    for path in (GPU / "size").glob("*.yaml"):
+        assert dotted_keys(path) == size_keys, path.name
+    for path in (GPU / "variant").glob("*.yaml"):
+        keys = dotted_keys(path)
+        assert "model.arch.attention" in keys and "trainer.logger.init_args.name" in keys, path.name
+        extra = {k for k in keys - {"trainer.logger.init_args.name"} if not k.startswith("model.arch.")}
+        assert not extra, (path.name, extra)
+        # heads are the size's, except the variants whose convention is 2h heads
+        assert not keys & (size_keys - {"model.arch.n_heads"}), path.name
+    for key in ("model.optim.lr", "model.optim.warmup_steps", "model.optim.weight_decay", "trainer.max_steps",
+                "trainer.accumulate_grad_batches", "trainer.precision", "data.seq_len", "data.batch_size"):
+        assert key in base, key
+    run_dir = {"trainer.logger.init_args.save_dir", "trainer.logger.init_args.name"}  # base's placeholders
+    for path in [*(GPU / "size").glob("*.yaml"), *(GPU / "variant").glob("*.yaml")]:
+        assert not dotted_keys(path) & (base - run_dir), path.name
+
+
+def test_gpu_recipes_are_bf16_fsdp():
+    for size, variant in GPU_COMBOS:
+        trainer = parse_config(gpu_args(size, variant)).trainer
+        assert trainer.precision == "bf16-mixed"
+        assert trainer.strategy.class_path.endswith("FSDPStrategy")
+        assert any(cls.__name__ == "DecoderBlock" for cls in trainer.strategy.init_args.auto_wrap_policy)
+
+
+def test_documented_recipe_paths_exist():
+    """Every recipes/... path the README and docs show (commands users copy) names a file."""
+    for doc in [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]:
+        for path in re.findall(r"recipes/[\w./-]+\.yaml", doc.read_text()):
+            assert (REPO / path).is_file(), (doc.name, path)
+
+
+def test_documented_gpu_command_prints_the_merged_recipe():
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out), pytest.raises(SystemExit):
+        main(["fit", *gpu_args("830m", "diff_v1"), "--print_config"])
+    printed = yaml.safe_load(out.getvalue())
+    assert printed["model"]["arch"]["d_model"] == 1536 and printed["model"]["arch"]["attention"] == "diff_v1"
+    assert printed["model"]["optim"]["lr"] == 3.0e-4 and printed["trainer"]["precision"] == "bf16-mixed"
+    assert printed["trainer"]["logger"]["init_args"]["save_dir"] == "runs/gpu/830m"
 
 
 def test_tiny_recipes_have_matched_parameter_budgets():
     counts = {p.stem: Decoder(arch_of(p)).num_parameters(exclude_embeddings=True) for p in TINY}
     for name, count in counts.items():
         assert abs(count / counts["baseline"] - 1) < 0.05, (name, count, counts["baseline"])
-
-
-def test_gpu_recipes_are_bf16_fsdp():
-    for path in (REPO / "recipes" / "gpu").glob("*.yaml"):
-        trainer = parse_config(["--config", str(path)]).trainer
-        assert trainer.precision == "bf16-mixed"
-        assert trainer.strategy.class_path.endswith("FSDPStrategy")
-        assert any(cls.__name__ == "DecoderBlock" for cls in trainer.strategy.init_args.auto_wrap_policy)
 
 
 def test_yaml_flag_reaches_the_built_module(tmp_path, monkeypatch):
