@@ -60,7 +60,7 @@ def test_fsdp_bf16_fit_logs_diagnostics_and_resumes_from_sharded_checkpoint(tmp_
 
     recipe = write_recipe(tmp_path, max_steps=8)
     fsdp = ('--trainer.strategy={"class_path": "lightning.pytorch.strategies.FSDPStrategy", "init_args": '
-            '{"auto_wrap_policy": ["diffexp.model.decoder.DecoderBlock"], "state_dict_type": "sharded"}}')
+            '{"auto_wrap_policy": ["diffexp.model.blocks.DecoderBlock"], "state_dict_type": "sharded"}}')
     common = ["--trainer.accelerator=gpu", "--trainer.devices=1", "--trainer.precision=bf16-mixed", fsdp,
               "--diagnostics.every_n_steps=2"]
     run_cli(["fit", "--config", str(recipe), *common], tmp_path)
