@@ -81,7 +81,8 @@ def render_markdown(runs: StudyRuns, rows: Sequence[CaseSummary], metrics: Seque
     if runs.spec:
         meta += f". Spec: `{runs.spec}`"
     meta += f". Seeds: {', '.join(map(str, runs.seeds))}."
-    lines += [meta, "", "| " + " | ".join(header) + " |", "|" + "|".join(["---"] + ["---:"] * (len(header) - 1)) + "|"]
+    align = ["---"] + ["---:"] * (len(header) - 1 - variant) + ["---"] * variant  # text left, numbers right
+    lines += [meta, "", "| " + " | ".join(header) + " |", "|" + "|".join(align) + "|"]
     for row in rows:
         cells = [_md_cell(row.case.name), format_params(row.params_total), format_params(row.params_non_embedding)]
         for m in metrics:
