@@ -1,4 +1,5 @@
-"""Where a sweep's trials live on disk: the one naming of run directories, for the runner and for compare.
+"""Where a sweep's trials live on disk: the one naming of run directories, for the runner (which writes
+them) and diffexp.sweep.runs (which reads them for compare).
 
     runs/<study>/sweep.json                          the table: cases, seeds, draws, objective
     runs/<study>/<case_slug>/seed<k>/                a trial (the only one of its case and seed)

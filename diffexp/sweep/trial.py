@@ -16,6 +16,9 @@ from typing import Any
 import lightning as L
 import optuna
 
+from diffexp.sweep.layout import TRIAL_FILE
+from diffexp.sweep.runs import CONFIG_FILE, effective_values
+
 STORAGE_ENV = "DIFFEXP_SWEEP_STORAGE"
 #: last values that say nothing about a run's result (tokens/s is recorded as a median instead)
 NOT_RESULTS = {"lr", "epoch", "train/tokens_per_s", "train/grad_norm"}
@@ -140,40 +143,17 @@ class SweepTrialCallback(L.Callback):
         run_dir = self._run_dir(trainer)
         record["case_slug"] = run_dir.parent.name
         if trainer.logger is not None:  # the HParams dashboard: one row per trial
-            values = {**effective_values(run_dir / "config.yaml", self.hparam_keys), **self.overrides}
+            values = {**effective_values(run_dir / CONFIG_FILE, self.hparam_keys), **self.overrides}
             hparams = {"case": self.case, "seed": self.seed, "params/total": params.get("total", 0),
                        **{k: _hparam_value(v) for k, v in values.items()}}
             hp_metrics = {f"hparams/{k}": v for k, v in metrics.items() if k.startswith(("val/", "train/loss"))}
             trainer.logger.log_hyperparams(hparams, hp_metrics)
-        write_json_atomic(run_dir / "trial.json", record)
+        write_json_atomic(run_dir / TRIAL_FILE, record)
 
 
 def _scalar_results(trainer: L.Trainer) -> dict[str, float]:
     return {k: float(v) for k, v in trainer.callback_metrics.items()
             if getattr(v, "numel", lambda: 1)() == 1 and k not in NOT_RESULTS and not k.startswith("diag/layer_")}
-
-
-def effective_values(config_path: Path, keys: list[str]) -> dict[str, Any]:
-    """The value of each dotted key in a run's saved config; `init_args` levels are looked through, so
-    `data.seq_len` finds `data.init_args.seq_len`. Keys the config does not hold are left out."""
-    import yaml
-
-    try:
-        config = yaml.safe_load(config_path.read_text())
-    except (OSError, yaml.YAMLError):
-        return {}
-    values = {}
-    for key in keys:
-        node: Any = config
-        for part in key.split("."):
-            if isinstance(node, dict) and part not in node and isinstance(node.get("init_args"), dict):
-                node = node["init_args"]
-            if not isinstance(node, dict) or part not in node:
-                break
-            node = node[part]
-        else:
-            values[key] = node
-    return values
 
 
 def _hparam_value(value: Any) -> Any:

@@ -1,0 +1,109 @@
+"""`diffexp compare RUNS_DIR` or `--study NAME [--storage URL]`: the arguments, and what runs in which order."""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Sequence
+from pathlib import Path
+
+from diffexp.compare.errors import CompareError
+from diffexp.compare.plots import CURVE_TAG, plot_objective_bars, plot_val_curves
+from diffexp.compare.render import print_report, render_markdown, write_csv
+from diffexp.compare.stats import CaseSummary, check_metrics, summarize
+from diffexp.compare.study import runs_dir_from_optuna
+from diffexp.errors import guarded
+from diffexp.sweep.runs import load_study_runs
+
+DEFAULT_OUT = "compare"
+PIPED_WIDTH = 200  # piped or captured output is read in an editor, not a terminal: no need to squeeze
+
+
+def compare(study_dir: str | Path, out: str | Path | None = None, metrics: Sequence[str] | None = None,
+            plots: bool = True, console=None) -> list[CaseSummary]:
+    """Load, summarize, print, and write compare.md, compare.csv (and the PNGs) into `out`."""
+    from rich.console import Console
+
+    console = console or Console()
+    runs = load_study_runs(study_dir, curves=plots)
+    columns = check_metrics(runs, metrics)
+    rows = summarize(runs, columns)
+    out = Path(out) if out is not None else runs.study_dir / DEFAULT_OUT
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise CompareError(f"--out {str(out)!r}: cannot create the directory ({exc.strerror or exc})") from exc
+    print_report(console, runs, rows, columns)
+    written = [out / "compare.md", out / "compare.csv"]
+    (out / "compare.md").write_text(render_markdown(runs, rows, columns))
+    write_csv(out / "compare.csv", runs, rows, columns)
+    if plots:
+        if plot_val_curves(runs, rows, out / "val_loss_curves.png"):
+            written.append(out / "val_loss_curves.png")
+        else:
+            console.print(f"no {CURVE_TAG} curve in any complete trial: val_loss_curves.png not written",
+                          soft_wrap=True, markup=False, highlight=False)
+        plot_objective_bars(runs, rows, out / "objective_bars.png")
+        written.append(out / "objective_bars.png")
+    console.print("wrote " + ", ".join(str(p) for p in written), soft_wrap=True, markup=False, highlight=False)
+    return rows
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="diffexp compare",
+        description="Compare the cases of a sweep: mean ± std over seeds per case, as a table (printed, "
+                    "compare.md, compare.csv) and plots.")
+    parser.add_argument("runs_dir", nargs="?", metavar="RUNS_DIR",
+                        help="the study's run directory (runs/<study>/, holding sweep.json)")
+    parser.add_argument("--study", help="Optuna study name (with --storage) instead of RUNS_DIR")
+    parser.add_argument("--storage", help="Optuna storage of --study: an RDB URL, a .db file or a .log/.journal "
+                                          "file (default: the environment variable DIFFEXP_STORAGE)")
+    parser.add_argument("--out", help="output directory (default RUNS_DIR/compare/)")
+    parser.add_argument("--metric", nargs="+", action="extend", metavar="NAME",
+                        help="metric columns to show besides the objective (default: all recorded)")
+    parser.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`diffexp compare RUNS_DIR [--out DIR] [--metric NAME ...] [--no-plots]` or `--study NAME [--storage URL]`.
+
+    Returns 0 on success (partial studies included), 2 on bad input, printed as one `error: ...` paragraph
+    (diffexp.errors.guarded; DIFFEXP_DEBUG=1 shows the traceback instead).
+    """
+    try:
+        return guarded(_main, argv)
+    except SystemExit as exc:  # a UserError (printed by guarded), or argparse's usage error or --help
+        return exc.code if isinstance(exc.code, int) else 2
+
+
+def _study_dir(args: argparse.Namespace) -> Path:
+    """RUNS_DIR, or the run directory the Optuna study of --study records."""
+    from diffexp.sweep.storage import STORAGE_URL_ENV, resolve_url
+
+    if args.runs_dir and (args.study or args.storage):
+        raise CompareError("give either RUNS_DIR or --study NAME (with --storage URL or DIFFEXP_STORAGE), not both")
+    if args.runs_dir:
+        return Path(args.runs_dir)
+    if args.study:
+        storage, origin = resolve_url(args.storage)
+        if storage is None:
+            raise CompareError(f"--study {args.study!r} needs the study's storage: --storage URL, or the URL in "
+                               f"the environment variable {STORAGE_URL_ENV}")
+        return runs_dir_from_optuna(args.study, storage, origin)
+    if args.storage:
+        raise CompareError("--storage goes with --study NAME: --study NAME --storage URL")
+    raise CompareError("expected RUNS_DIR (a study's run directory, runs/<study>/) "
+                       f"or --study NAME with --storage URL (or {STORAGE_URL_ENV})")
+
+
+def _main(argv: list[str] | None) -> int:
+    from rich.console import Console
+
+    args = build_parser().parse_args(argv)
+    console = Console()
+    if not console.is_terminal:  # piped or captured: do not squeeze the table into 80 columns
+        console = Console(width=max(console.width, PIPED_WIDTH))
+    compare(_study_dir(args), out=args.out, metrics=args.metric, plots=not args.no_plots, console=console)
+    return 0
+

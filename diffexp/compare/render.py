@@ -1,0 +1,225 @@
+"""The comparison as text: the terminal report (rich tables), compare.md and compare.csv.
+
+Metric columns: the objective first, then val/*, test/*, train/*, the rest (StudyRuns.metric_names).
+A "Variant" column (the attention variant each case ran) appears when the runs record one.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from diffexp.compare.stats import EMPTY, CaseSummary, best_case, issues
+from diffexp.sweep import layout
+from diffexp.sweep.runs import StudyRuns
+
+_PREFIX_LABELS = {"val": "Valid", "test": "Test", "train": "Train"}
+
+SECTION_TITLES = {
+    "missing": "Missing trials (no trial.json)",
+    "no completed seed": "Cases with no completed seed (shown as —)",
+    "pruned": "Pruned trials (counted in Seeds, excluded from the means)",
+    "failed": "Failed trials (excluded from the means)",
+    "unexpected": "Unexpected run directories",
+}
+
+NOTE = ("mean ± sample std (ddof=1) over the complete seeds; std is n/a with a single complete seed; "
+        "pruned trials are counted in Seeds but excluded from the means")
+
+
+def format_params(n: int | None) -> str:
+    """Paper style: 920_000 -> '0.92M', 1_003_000 -> '1.00M', 830_000_000 -> '830M', 1.4e9 -> '1.40B'."""
+    if n is None:
+        return EMPTY
+    for scale, suffix in ((1e9, "B"), (1e5, "M"), (1e3, "K")):
+        if abs(n) >= scale:
+            value = n / (1e6 if suffix == "M" else scale)
+            return f"{value:.0f}{suffix}" if abs(value) >= 100 else f"{value:.{1 if abs(value) >= 10 else 2}f}{suffix}"
+    return str(n)
+
+
+def format_tokens_per_s(value: float | None) -> str:
+    return EMPTY if value is None else f"{value:,.0f}"
+
+
+def metric_label(name: str) -> str:
+    """'val/loss' -> 'Valid loss', 'train/loss' -> 'Train loss'; other names unchanged."""
+    head, sep, tail = name.partition("/")
+    if sep and head in _PREFIX_LABELS:
+        return f"{_PREFIX_LABELS[head]} {tail}"
+    return name
+
+
+def arrow(direction: str) -> str:
+    return "↓" if direction == "minimize" else "↑"
+
+
+def shows_variant(rows: Sequence[CaseSummary]) -> bool:
+    """A Variant column only when some case's runs name their attention (older runs may not)."""
+    return any(row.variant is not None for row in rows)
+
+
+# -- compare.md -----------------------------------------------------------------------------------------
+def _md_cell(text: str) -> str:
+    return text.replace("|", "\\|")
+
+
+def render_markdown(runs: StudyRuns, rows: Sequence[CaseSummary], metrics: Sequence[str]) -> str:
+    best = best_case(runs, rows)
+    variant = shows_variant(rows)
+    header = ["Model", "Params", "Non-emb. params"]
+    header += [f"{metric_label(m)} {arrow(runs.direction)}" if m == runs.objective else metric_label(m)
+               for m in metrics]
+    header += ["Seeds", "Tokens/s"] + (["Variant"] if variant else [])
+    lines = [f"# {runs.study}: comparison", ""]
+    meta = f"Objective: `{runs.objective}` ({runs.direction})"
+    if runs.spec:
+        meta += f". Spec: `{runs.spec}`"
+    meta += f". Seeds: {', '.join(map(str, runs.seeds))}."
+    align = ["---"] + ["---:"] * (len(header) - 1 - variant) + ["---"] * variant  # text left, numbers right
+    lines += [meta, "", "| " + " | ".join(header) + " |", "|" + "|".join(align) + "|"]
+    for row in rows:
+        cells = [_md_cell(row.case.name), format_params(row.params_total), format_params(row.params_non_embedding)]
+        for m in metrics:
+            text = row.stats[m].format()
+            cells.append(f"**{text}**" if m == runs.objective and row is best else text)
+        cells += [row.seeds_text, format_tokens_per_s(row.tokens_per_s)]
+        if variant:
+            cells.append(_md_cell(row.variant or EMPTY))
+        lines.append("| " + " | ".join(cells) + " |")
+    lines += ["", f"Values: {NOTE}. Best objective in bold. Params: total and non-embedding counts.", ""]
+    for key, items in issues(runs, rows).items():
+        lines += [f"## {SECTION_TITLES[key]}", ""] + [f"- {_md_cell(item)}" for item in items] + [""]
+    return "\n".join(lines)
+
+
+# -- compare.csv ----------------------------------------------------------------------------------------
+def _run_ids(trials) -> str:
+    """'0;0-draw1;1': each trial's run directory name without its 'seed' prefix."""
+    return ";".join(layout.run_name(t.seed, t.draw).removeprefix("seed") for t in trials)
+
+
+def write_csv(path: str | Path, runs: StudyRuns, rows: Sequence[CaseSummary], metrics: Sequence[str]) -> None:
+    """One row per case; for each metric `<metric>_mean`, `<metric>_std` and `<metric>_ci95` (95% CI
+    half-width; both empty with < 2 seeds), `<metric>_n`."""
+    fields = ["case", "slug", "variant", "overrides", "n_expected", "n_complete", "n_pruned", "n_failed",
+              "n_missing", "seeds_complete", "seeds_pruned", "params_total", "params_non_embedding",
+              "tokens_per_s_mean", "wall_s_mean"]
+    for m in metrics:
+        fields += [f"{m}_mean", f"{m}_std", f"{m}_ci95", f"{m}_n"]
+    with open(path, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=fields)
+        writer.writeheader()
+        for row in rows:
+            record: dict[str, Any] = {
+                "case": row.case.name, "slug": row.case.slug, "variant": row.variant,
+                "overrides": json.dumps(row.case.overrides),
+                "n_expected": row.n_expected, "n_complete": len(row.complete), "n_pruned": len(row.pruned),
+                "n_failed": len(row.failed), "n_missing": len(row.missing),
+                "seeds_complete": _run_ids(row.complete), "seeds_pruned": _run_ids(row.pruned),
+                "params_total": row.params_total, "params_non_embedding": row.params_non_embedding,
+                "tokens_per_s_mean": row.tokens_per_s, "wall_s_mean": row.wall_s,
+            }
+            for m in metrics:
+                stat = row.stats[m]
+                record.update({f"{m}_mean": stat.mean, f"{m}_std": stat.std, f"{m}_ci95": stat.ci95,
+                               f"{m}_n": stat.n})
+            writer.writerow({k: "" if v is None else v for k, v in record.items()})
+
+
+# -- terminal -------------------------------------------------------------------------------------------
+@dataclass
+class _Column:
+    label: str
+    cells: list  # rich Text, one per row
+    bold: bool = False
+
+
+def _columns(runs: StudyRuns, rows: Sequence[CaseSummary], metrics: Sequence[str]) -> list[_Column]:
+    """In print order: what a paper's table shows (objective, parameters, seeds, tokens/s, variant), then
+    the other recorded metrics."""
+    from rich.text import Text
+
+    best = best_case(runs, rows)
+
+    def metric(m: str) -> _Column:
+        objective = m == runs.objective
+        label = metric_label(m) + (f" {arrow(runs.direction)}" if objective else "")
+        cells = [Text(row.stats[m].format(), style="green" if objective and row is best else "") for row in rows]
+        return _Column(label, cells, bold=objective)
+
+    def text(label: str, values: Sequence[str], styles: Sequence[str] | None = None) -> _Column:
+        return _Column(label, [Text(v, style=styles[i] if styles else "") for i, v in enumerate(values)])
+
+    head = [metric(m) for m in metrics if m == runs.objective] + [
+        text("Params", [format_params(r.params_total) for r in rows]),
+        text("Non-emb.", [format_params(r.params_non_embedding) for r in rows]),
+        text("Seeds", [r.seeds_text for r in rows],
+             ["" if len(r.complete) == r.n_expected else "yellow" for r in rows]),
+        text("Tokens/s", [format_tokens_per_s(r.tokens_per_s) for r in rows]),
+    ]
+    if shows_variant(rows):
+        head.append(text("Variant", [r.variant or EMPTY for r in rows]))
+    return head + [metric(m) for m in metrics if m != runs.objective]
+
+
+def _table(title: str, rows: Sequence[CaseSummary], columns: Sequence[_Column]):
+    """One rich table: the Case column, then `columns`. Cells fold rather than end in an ellipsis, so a
+    narrow terminal wraps a number onto two lines instead of hiding its digits."""
+    from rich.table import Table
+    from rich.text import Text
+
+    table = Table(title=title, title_justify="left")
+    table.add_column("Case", overflow="fold")
+    for column in columns:
+        table.add_column(column.label, justify="right", overflow="fold", style="bold" if column.bold else None)
+    for r, row in enumerate(rows):
+        table.add_row(Text(row.case.name), *(column.cells[r] for column in columns))
+    return table
+
+
+def _natural_width(console, table) -> int:
+    """The width rich would draw `table` at with nothing wrapped."""
+    from rich.measure import Measurement
+
+    return Measurement.get(console, console.options.update_width(sys.maxsize // 4), table).maximum
+
+
+def _split(console, rows: Sequence[CaseSummary], columns: Sequence[_Column]) -> list[list[_Column]]:
+    """Columns, in order, into as many tables as keep each one unwrapped within the console width;
+    every table holds at least one column (rich folds its cells when even that does not fit)."""
+    groups: list[list[_Column]] = []
+    for column in columns:
+        if groups and _natural_width(console, _table("", rows, [*groups[-1], column])) <= console.width:
+            groups[-1].append(column)
+        else:
+            groups.append([column])
+    return groups
+
+
+def print_report(console, runs: StudyRuns, rows: Sequence[CaseSummary], metrics: Sequence[str]) -> None:
+    """The table, split into as many tables as the console width needs; each repeats the Case column.
+
+    The first holds what a paper's table shows (the objective, parameters, seeds, tokens/s); the other
+    recorded metrics follow in order, so every column stays readable instead of squeezed to an ellipsis.
+    """
+    from rich.text import Text
+
+    groups = _split(console, rows, _columns(runs, rows, metrics))
+    for n, columns in enumerate(groups):
+        title = f"{runs.study}: objective {runs.objective} ({runs.direction})"
+        if len(groups) > 1:
+            title += f" [{n + 1}/{len(groups)}]"
+        console.print(_table(title, rows, columns))
+    # plain lines hold paths and case names: never wrapped inside them, whatever the console width
+    console.print(Text(NOTE), soft_wrap=True)
+    for key, items in issues(runs, rows).items():
+        console.print(Text(SECTION_TITLES[key] + ":", style="bold yellow" if key != "pruned" else "bold"),
+                      soft_wrap=True)
+        for item in items:
+            console.print(Text("  - " + item), soft_wrap=True)

@@ -1,0 +1,232 @@
+"""The numbers of a comparison: per case, mean, sample std and 95% CI over complete seeds; what is missing.
+
+Rules:
+
+* one CaseSummary per case of sweep.json, in its order, whether or not any of its trials finished;
+* means and sample standard deviations (ddof=1) are over the *complete* trials of the case; with a
+  single complete seed the std (and CI) is None, shown as ``n/a``, never as 0;
+* pruned trials are excluded from every mean but counted (Seeds column, "pruned" section);
+* a search sweep's draws (sweep.json's n_trials) are trials of their case like its seeds;
+* a (case, seed[, draw]) with no trial.json is missing: "running or crashed" when its run directory exists,
+  "not started" otherwise; trial.json states other than complete/pruned are listed as failed;
+* if a complete trial lacks the objective in trial.json, the last value of that tag in its events is used.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from diffexp.compare.errors import CompareError
+from diffexp.sweep.layout import SWEEP_FILE
+from diffexp.sweep.runs import ATTENTION_KEY, Case, StudyRuns, TrialRun
+
+NA = "n/a"  # the std of a single seed
+EMPTY = "—"  # a case with no complete seed
+
+# Two-sided 95% Student-t critical values t(0.975, df) for df = 1..30 (scipy is not a dependency);
+# beyond 30 the Cornish-Fisher expansion below is within 2e-6 of the exact value.
+_T975 = (12.7062, 4.3027, 3.1824, 2.7764, 2.5706, 2.4469, 2.3646, 2.3060, 2.2622, 2.2281,
+         2.2010, 2.1788, 2.1604, 2.1448, 2.1314, 2.1199, 2.1098, 2.1009, 2.0930, 2.0860,
+         2.0796, 2.0739, 2.0687, 2.0639, 2.0595, 2.0555, 2.0518, 2.0484, 2.0452, 2.0423)
+_Z975 = 1.959963984540054
+
+
+def t975(df: int) -> float:
+    """The 97.5% quantile of Student's t with `df` degrees of freedom (df >= 1)."""
+    if df <= len(_T975):
+        return _T975[df - 1]
+    z = _Z975
+    return (z + (z**3 + z) / (4 * df) + (5 * z**5 + 16 * z**3 + 3 * z) / (96 * df**2)
+            + (3 * z**7 + 19 * z**5 + 17 * z**3 - 15 * z) / (384 * df**3))
+
+
+def format_number(x: float) -> str:
+    if not math.isfinite(x):
+        return str(x)
+    return f"{x:,.1f}" if abs(x) >= 1000 else f"{x:.3f}"
+
+
+@dataclass
+class Stat:
+    """Mean, sample std (ddof=1) and 95% CI half-width of the complete seeds' values.
+
+    std and ci95 are None with one value, all three None with none."""
+
+    values: list[float]
+
+    @property
+    def n(self) -> int:
+        return len(self.values)
+
+    @property
+    def mean(self) -> float | None:
+        return float(np.mean(self.values)) if self.values else None
+
+    @property
+    def std(self) -> float | None:
+        return float(np.std(self.values, ddof=1)) if self.n > 1 else None
+
+    @property
+    def ci95(self) -> float | None:
+        """Half-width of the 95% confidence interval of the mean: t(0.975, n-1) * std / sqrt(n)."""
+        return t975(self.n - 1) * self.std / math.sqrt(self.n) if self.n > 1 else None
+
+    def format(self) -> str:
+        if self.mean is None:
+            return EMPTY
+        return f"{format_number(self.mean)} ± {NA if self.std is None else format_number(self.std)}"
+
+
+@dataclass
+class CaseSummary:
+    case: Case
+    n_expected: int
+    complete: list[TrialRun]
+    pruned: list[TrialRun]
+    failed: list[TrialRun]  # trial.json with another state, or unreadable
+    missing: list[TrialRun]  # no trial.json
+    stats: dict[str, Stat]
+    params_total: int | None
+    params_non_embedding: int | None
+    tokens_per_s: float | None
+    wall_s: float | None
+    variant: str | None = None  # attention variant(s) the case's runs used, as they record it
+
+    @property
+    def seeds_text(self) -> str:
+        notes = [f"{len(group)} {word}" for group, word in
+                 ((self.pruned, "pruned"), (self.failed, "failed"), (self.missing, "missing")) if group]
+        return f"{len(self.complete)}/{self.n_expected}" + (f" ({', '.join(notes)})" if notes else "")
+
+
+def _mean(values: Iterable[float | None]) -> float | None:
+    values = [v for v in values if v is not None]
+    return float(np.mean(values)) if values else None
+
+
+def _number(value: Any) -> float | None:
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+
+
+def _param(trials: Sequence[TrialRun], key: str) -> int | None:
+    for trial in trials:  # the same for every seed of a case: take the first that has it
+        value = _number(((trial.record or {}).get("params") or {}).get(key))
+        if value is not None:
+            return int(value)
+    return None
+
+
+def case_variant(case: Case, trials: Sequence[TrialRun]) -> str | None:
+    """The variant(s) the case's trials ran (a search may draw several), else what sweep.json's case sets."""
+    found = list(dict.fromkeys(t.variant for t in trials if t.variant is not None))
+    if found:
+        return ", ".join(found)
+    planned = case.overrides.get(ATTENTION_KEY)
+    return str(planned) if planned is not None else None
+
+
+def check_metrics(runs: StudyRuns, metrics: Sequence[str] | None) -> list[str]:
+    """The metric columns: the objective then `metrics` (default: every recorded metric). Unknown -> CompareError."""
+    available = runs.metric_names()
+    if not metrics:
+        return available
+    unknown = [m for m in metrics if m not in available]
+    if unknown:
+        have = ", ".join(available[1:]) if len(available) > 1 else "none besides the objective yet"
+        raise CompareError(f"unknown --metric {', '.join(map(repr, unknown))}: available metrics of study "
+                           f"{runs.study!r} are {runs.objective} (objective), {have}")
+    return list(dict.fromkeys([runs.objective, *metrics]))
+
+
+def _values(runs: StudyRuns, trials: Sequence[TrialRun], name: str) -> list[float]:
+    values = []
+    for trial in trials:
+        value = trial.metrics.get(name)
+        if value is None and name == runs.objective and trial.curves.get(name):
+            value = trial.curves[name][-1][1]  # fallback: last logged value of the objective tag
+        if value is not None:
+            values.append(value)
+    return values
+
+
+def summarize(runs: StudyRuns, metrics: Sequence[str] | None = None) -> list[CaseSummary]:
+    """One CaseSummary per case of sweep.json, in its order (see the module docstring for the rules)."""
+    columns = check_metrics(runs, metrics)
+    rows = []
+    for case in runs.cases:
+        trials = runs.trials_of(case)
+        complete = [t for t in trials if t.state == "complete"]
+        pruned = [t for t in trials if t.state == "pruned"]
+        missing = [t for t in trials if t.record is None and t.error is None]
+        failed = [t for t in trials if (t.record is not None and t.state not in ("complete", "pruned")) or t.error]
+        ran = complete + pruned + failed
+        rows.append(CaseSummary(
+            case=case, n_expected=len(trials), complete=complete, pruned=pruned, failed=failed, missing=missing,
+            stats={name: Stat(_values(runs, complete, name)) for name in columns},
+            params_total=_param(ran, "total"),
+            params_non_embedding=_param(ran, "non_embedding"),
+            tokens_per_s=_mean(_number((t.record or {}).get("tokens_per_s")) for t in complete),
+            wall_s=_mean(_number((t.record or {}).get("wall_s")) for t in complete),
+            variant=case_variant(case, trials),
+        ))
+    return rows
+
+
+def best_case(runs: StudyRuns, rows: Sequence[CaseSummary]) -> CaseSummary | None:
+    scored = [r for r in rows if r.stats[runs.objective].mean is not None]
+    if not scored:
+        return None
+    pick = min if runs.direction == "minimize" else max
+    return pick(scored, key=lambda r: r.stats[runs.objective].mean)
+
+
+def _ago(seconds: float) -> str:
+    if seconds < 90:
+        return f"{seconds:.0f} s"
+    if seconds < 5400:
+        return f"{seconds / 60:.0f} min"
+    if seconds < 172800:
+        return f"{seconds / 3600:.1f} h"
+    return f"{seconds / 86400:.1f} d"
+
+
+def _missing_detail(trial: TrialRun, now: float) -> str:
+    if not trial.path.is_dir():
+        return "not started (no run dir)"
+    detail = "run dir exists, no trial.json (running or crashed)"
+    step, written = trial.last_step, trial.last_write
+    if step is not None:
+        detail += f"; last logged step {step}"
+    if written is not None:
+        detail += f"; last write {_ago(max(0.0, now - written))} ago"
+    return detail
+
+
+def issues(runs: StudyRuns, rows: Sequence[CaseSummary], now: float | None = None) -> dict[str, list[str]]:
+    """Plain-text lines of the sections below the table: missing, no completed seed, pruned, failed, unexpected."""
+    now = time.time() if now is None else now
+    out: dict[str, list[str]] = {"missing": [], "no completed seed": [], "pruned": [], "failed": [],
+                                 "unexpected": []}
+    for row in rows:
+        for trial in row.missing:
+            out["missing"].append(f"{row.case.name}, {trial.label}: {_missing_detail(trial, now)}")
+        if not row.complete:
+            out["no completed seed"].append(row.case.name)
+        for trial in row.pruned:
+            step = (trial.record or {}).get("global_step")
+            value = trial.metrics.get(runs.objective)
+            where = f" at step {step}" if step is not None else ""
+            last = f" ({runs.objective} {format_number(value)})" if value is not None else ""
+            out["pruned"].append(f"{row.case.name}, {trial.label}: pruned{where}{last}")
+        for trial in row.failed:
+            why = trial.error or f"state {trial.state!r}"
+            out["failed"].append(f"{row.case.name}, {trial.label}: {why}")
+    for path in runs.unexpected:
+        out["unexpected"].append(f"{path.relative_to(runs.study_dir)}: not a trial of {SWEEP_FILE}; ignored")
+    return {k: v for k, v in out.items() if v}

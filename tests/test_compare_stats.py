@@ -1,0 +1,50 @@
+"""compare's statistics: the 95% confidence interval of a case's mean over seeds."""
+
+from __future__ import annotations
+
+import csv
+import math
+
+import numpy as np
+import pytest
+
+from diffexp import compare
+from diffexp.compare.stats import Stat, t975
+from tests.fixtures_compare import make_study
+
+
+def _t_cdf(x: float, df: int) -> float:
+    """Student's t CDF at x > 0 by integrating its density (scipy, which has t.cdf, is not a dependency)."""
+    grid = np.linspace(0.0, x, 400_001)
+    scale = math.exp(math.lgamma((df + 1) / 2) - math.lgamma(df / 2)) / math.sqrt(df * math.pi)
+    density = scale * (1 + grid**2 / df) ** (-(df + 1) / 2)
+    return 0.5 + float(np.sum((density[1:] + density[:-1]) / 2 * np.diff(grid)))
+
+
+@pytest.mark.parametrize("df", [1, 2, 3, 4, 9, 29, 30, 31, 45, 60, 1000])
+def test_t_quantile(df):
+    assert _t_cdf(t975(df), df) == pytest.approx(0.975, abs=2e-6)
+
+
+def test_ci95_half_width():
+    stat = Stat([1.90, 1.92, 1.94])
+    assert stat.ci95 == pytest.approx(4.3027 * 0.02 / math.sqrt(3), rel=1e-4)  # t(0.975, 2) = 4.3027
+    assert Stat([1.5]).ci95 is None and Stat([]).ci95 is None
+    assert stat.format() == "1.920 ± 0.020"  # the table keeps mean ± std
+
+
+def test_csv_holds_the_ci(tmp_path):
+    study = make_study(tmp_path)
+    compare.compare(study, out=tmp_path / "out", plots=False, console=_quiet())
+    with open(tmp_path / "out" / "compare.csv", newline="") as f:
+        records = list(csv.DictReader(f))
+    assert float(records[0]["val/loss_ci95"]) == pytest.approx(t975(2) * 0.02 / math.sqrt(3), rel=1e-4)
+    assert records[2]["val/loss_ci95"] == "" and records[2]["val/loss_n"] == "1"  # one seed: no interval
+
+
+def _quiet():
+    import io
+
+    from rich.console import Console
+
+    return Console(file=io.StringIO(), width=200)
