@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+from scipy.stats import t as student_t
 
 from diffexp.compare.errors import CompareError
 from diffexp.sweep.layout import SWEEP_FILE
@@ -29,21 +30,9 @@ from diffexp.sweep.runs import ATTENTION_KEY, Case, StudyRuns, TrialRun
 NA = "n/a"  # the std of a single seed
 EMPTY = "—"  # a case with no complete seed
 
-# Two-sided 95% Student-t critical values t(0.975, df) for df = 1..30 (scipy is not a dependency);
-# beyond 30 the Cornish-Fisher expansion below is within 2e-6 of the exact value.
-_T975 = (12.7062, 4.3027, 3.1824, 2.7764, 2.5706, 2.4469, 2.3646, 2.3060, 2.2622, 2.2281,
-         2.2010, 2.1788, 2.1604, 2.1448, 2.1314, 2.1199, 2.1098, 2.1009, 2.0930, 2.0860,
-         2.0796, 2.0739, 2.0687, 2.0639, 2.0595, 2.0555, 2.0518, 2.0484, 2.0452, 2.0423)
-_Z975 = 1.959963984540054
-
-
 def t975(df: int) -> float:
     """The 97.5% quantile of Student's t with `df` degrees of freedom (df >= 1)."""
-    if df <= len(_T975):
-        return _T975[df - 1]
-    z = _Z975
-    return (z + (z**3 + z) / (4 * df) + (5 * z**5 + 16 * z**3 + 3 * z) / (96 * df**2)
-            + (3 * z**7 + 19 * z**5 + 17 * z**3 - 15 * z) / (384 * df**3))
+    return float(student_t.ppf(0.975, df))
 
 
 def format_number(x: float) -> str:
