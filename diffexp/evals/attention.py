@@ -197,7 +197,7 @@ def attention_by_depth(
 
     Args:
         model: a Decoder (or DiffexpLM) whose forward accepts ``need_weights=True``.
-        samples_by_depth: depth -> NeedleSamples (``diffexp.data.needle``) of one context length.
+        samples_by_depth: depth -> NeedleSamples (``diffexp.data.needle_samples``) of one context length.
         span: what counts as the answer: "needle" (the whole answer sentence) or "number" (its digits).
         device: where the model runs.
         batch_size: samples per forward pass.

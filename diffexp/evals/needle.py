@@ -1,7 +1,7 @@
 """Multi-needle retrieval grid (the papers' Needle-in-a-Haystack figure and N/R table).
 
 For every cell (context length, answer depth, N needles, R queries), ``samples`` sequences are drawn
-from ``diffexp.data.needle.make_sample`` with held-out cities and numbers (split "val"), and each
+from ``diffexp.data.needle_samples.make_sample`` with held-out cities and numbers (split "val"), and each
 asked city is scored two ways:
 
 * ``greedy``: the model decodes greedily after the question prompt (``... what is the magic number of
@@ -33,7 +33,7 @@ import lightning as L
 import torch
 import torch.nn.functional as F
 
-from diffexp.data.needle import EOS_ID, VOCAB_SIZE, NeedleSample, make_sample, min_context_len
+from diffexp.data.needle_samples import EOS_ID, VOCAB_SIZE, NeedleSample, make_sample, min_context_len
 from diffexp.evals import refuse_sharded_model
 
 METHODS = ("greedy", "rank")
