@@ -1,18 +1,17 @@
 """The figures of the evaluations (matplotlib, imported only when a figure is drawn, with the Agg backend
-unless one is already chosen): the ICL accuracy curve and the needle retrieval heatmaps."""
+unless one is already chosen): the ICL accuracy curve and the needle retrieval heatmaps.
+
+The drawing functions read the results objects (``diffexp.evals.icl.ICLResults``,
+``diffexp.evals.needle_results.NeedleResults``) by attribute only; this module imports neither, so the
+results modules can import it without a loop."""
 
 from __future__ import annotations
 
 import itertools
 import math
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import numpy as np
-
-if TYPE_CHECKING:
-    from diffexp.evals.icl import ICLResults
-    from diffexp.evals.needle import NeedleResults
 
 
 def pyplot():
@@ -34,8 +33,8 @@ def save_figure(fig, path: str | Path, dpi: float | str = "figure") -> Path:
     return path
 
 
-def icl_figure(results: ICLResults):
-    """Accuracy vs n demos (log2 axis), one line per ordering with a min-max band and ±std bars."""
+def icl_figure(results):
+    """An ``ICLResults``' accuracy vs n demos (log2 axis), one line per ordering with a min-max band and ±std bars."""
     plt = pyplot()
     fig, ax = plt.subplots(figsize=(6.4, 4.2), dpi=120)
     rows = results.to_rows()
@@ -74,8 +73,8 @@ def icl_figure(results: ICLResults):
     return fig
 
 
-def needle_heatmaps(results: NeedleResults) -> dict[tuple[str, int, int], object]:
-    """One heatmap figure (context length x depth) per (method, N, R)."""
+def needle_heatmaps(results) -> dict[tuple[str, int, int], object]:
+    """A ``NeedleResults``' heatmaps (context length x depth), one figure per (method, N, R)."""
     plt = pyplot()
     figures = {}
     depths, lengths = results.depths, results.context_lens
