@@ -147,6 +147,12 @@ def eval_samples(context_len: int, depth: float | None, n: int, r: int, samples:
                         context_len, n, r, depth, haystack, "val") for i in range(samples)]
 
 
+def samples_by_depth(context_len: int, depths: Sequence[float], n: int, r: int, samples: int, haystack: str,
+                     seed: int) -> dict[float, list[NeedleSample]]:
+    """The held-out samples of one (context length, N, R) at every depth: the input of the attention table."""
+    return {depth: eval_samples(context_len, depth, n, r, samples, haystack, seed) for depth in depths}
+
+
 def evaluate_needles(
     model,
     context_lens: Sequence[int],
@@ -284,8 +290,8 @@ class NeedleEvalCallback(L.Callback):
             from diffexp.evals.attention import attention_by_depth, attention_table, negative_fraction
 
             n, r = self.nr[-1]
-            by_depth = {d: eval_samples(self.context_lens[-1], d, n, r, min(self.samples, 8), self.haystack,
-                                        self.seed) for d in self.depths}
+            by_depth = samples_by_depth(self.context_lens[-1], self.depths, n, r, min(self.samples, 8), self.haystack,
+                                        self.seed)
             all_rows = attention_by_depth(pl_module, by_depth, device=pl_module.device,
                                           batch_size=max(1, self.batch_size // 4))
             rows = [row for row in all_rows if row["layer"] == "all"]
@@ -367,8 +373,8 @@ def needle_main(argv: list[str]) -> int:
                                args.device, batch_size=args.batch_size)
     print(results.table())
     n, r = nr[-1]
-    by_depth = {d: eval_samples(args.context_lens[-1], d, n, r, min(args.samples, 16), args.haystack, args.seed)
-                for d in args.depths}
+    by_depth = samples_by_depth(args.context_lens[-1], args.depths, n, r, min(args.samples, 16), args.haystack,
+                                args.seed)
     table = attention_table(attention_by_depth(model, by_depth, device=args.device), model.arch.attention)
     print(f"\nattention from the query (context {args.context_lens[-1]}, N={n}, R={r}):\n{table}")
     out, writer, step = common.eval_output(args.checkpoint, args.out, hparams["global_step"])
