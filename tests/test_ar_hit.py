@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from diffexp.evals.ar_hit import ar_hit_mask, frequent_bigrams
+from diffexp.training.loss_slices import ar_hit_mask, frequent_bigrams
 
 
 def test_ar_hit_mask_by_hand():

@@ -43,7 +43,7 @@ def test_eval_icl(checkpoint):
 
 
 def test_eval_icl_uses_the_task_shape_the_checkpoint_was_trained_on(tmp_path, capsys):
-    from diffexp.evals.icl import ICLDataModule
+    from diffexp.data.icl import ICLDataModule
 
     module = DiffexpLM(ModelConfig(vocab_size=257, d_model=32, n_layers=1, n_heads=2, max_seq_len=256))
     data = ICLDataModule(k_classes=3, group_size=6, words_per_input=2, seq_len=64, batch_size=2, train_size=2)

@@ -37,8 +37,8 @@ def test_text_test_rows_are_the_test_documents_not_the_validation_rows(tmp_path)
 
 
 def test_synthetic_test_batches_are_not_the_validation_batches():
+    from diffexp.data.icl import ICLDataModule
     from diffexp.data.needle import NeedleDataModule
-    from diffexp.evals.icl import ICLDataModule
 
     for dm in (NeedleDataModule(context_len=256, haystack="synthetic", batch_size=4, train_size=4, val_size=8),
                ICLDataModule(seq_len=64, batch_size=4, train_size=4, val_size=8)):

@@ -12,16 +12,15 @@ import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from torch.utils.tensorboard import SummaryWriter
 
+from diffexp.data.icl import ICLDataModule, ICLTask
 from diffexp.evals.icl import (
-    ICLDataModule,
     ICLEval,
-    ICLTask,
-    choose_labels,
     evaluate_icl,
     oracle_scorer,
     order_demonstrations,
     predict_labels,
 )
+from diffexp.evals.scoring import best_candidates as choose_labels
 from diffexp.model import Decoder
 from diffexp.model.config import ModelConfig
 from diffexp.training import DiffexpLM
@@ -205,7 +204,7 @@ def test_icl_datamodule_masks_labels_and_trains(tmp_path):
 
 def test_batched_scores_match_one_sequence_at_a_time():
     """Padding and batching do not change a candidate's summed log-likelihood."""
-    from diffexp.evals.icl import score_candidates
+    from diffexp.evals.scoring import candidate_logprobs as score_candidates
 
     task = ICLTask(3, seed=9)
     model = tiny_decoder().eval()

@@ -9,9 +9,9 @@ import re
 import pytest
 import torch
 
-from diffexp.data.needle import (
+from diffexp.data.needle import NeedleDataModule
+from diffexp.data.needle_samples import (
     MAX_SNAP,
-    NeedleDataModule,
     is_held_out,
     make_sample,
     min_context_len,

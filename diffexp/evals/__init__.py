@@ -1,4 +1,6 @@
-"""Evaluations the papers use: AR-Hit/Others, needle retrieval, attention noise, MQAR, in-context learning."""
+"""Evaluations the papers use: needle retrieval, attention noise, MQAR, in-context learning.
+
+(The AR-Hit / Others split of the validation loss is logged by training: diffexp.training.loss_slices.)"""
 
 
 def refuse_sharded_model(trainer, callback: str, command: str) -> None:

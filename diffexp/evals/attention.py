@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
-Span = tuple[int, int]
+from diffexp.evals.scoring import Span, attention_shares, evaluating, span_mask
 
 
 @dataclass
@@ -57,13 +57,6 @@ class AttentionAllocation:
                 row["distractor"] = self.distractor[layer].item()
             rows.append(row)
         return rows
-
-
-def _span_mask(length: int, spans: Sequence[Span], device) -> torch.Tensor:
-    mask = torch.zeros(length, dtype=torch.bool, device=device)
-    for start, end in spans:
-        mask[max(0, start) : max(0, min(end, length))] = True
-    return mask
 
 
 def attention_allocation(
@@ -110,31 +103,28 @@ def attention_allocation(
             if not 0 <= q < T:
                 raise ValueError(f"query position {q} is outside the map (T={T})")
             causal = torch.arange(T, device=device) <= q
-            answer = _span_mask(T, [span], device) & causal
+            answer = span_mask(T, [span], device) & causal
             start = q if query_starts is None else int(query_starts[b])
             query = (torch.arange(T, device=device) >= start) & causal & ~answer
             distractor = None
             if needle_spans is not None:
-                distractor = _span_mask(T, needle_spans[b], device) & causal & ~answer & ~query
+                distractor = span_mask(T, needle_spans[b], device) & causal & ~answer & ~query
             region_masks.append((b, q, answer, query, distractor))
     results = {"answer": [], "noise": [], "query": [], "distractor": []}
     for layer_map in maps:
         per_row = {"answer": [], "noise": [], "query": [], "distractor": []}
         for b, q, answer, query, distractor in region_masks:
-            row = layer_map[b, :, q, :].detach().float().abs()  # (heads, T)
-            row = row * (torch.arange(T, device=device) <= q)
-            total = row.sum(-1)
-            keep = total > 0
-            if not keep.any():
+            regions = [answer, query] if distractor is None else [answer, query, distractor]
+            shares = attention_shares(layer_map[b, :, q, :], q, regions)  # (heads, regions)
+            shares = shares[~shares[:, 0].isnan()]  # heads with no causal attention at all are skipped
+            if len(shares) == 0:
                 continue
-            row, total = row[keep], total[keep]
-            a = (row * answer).sum(-1) / total
-            qu = (row * query).sum(-1) / total
+            a, qu = shares[:, 0], shares[:, 1]
             per_row["answer"].append(a.mean())
             per_row["query"].append(qu.mean())
             per_row["noise"].append((1 - a - qu).clamp_min(0).mean())
             if distractor is not None:
-                per_row["distractor"].append(((row * distractor).sum(-1) / total).mean())
+                per_row["distractor"].append(shares[:, 2].mean())
         for key, values in per_row.items():
             if values:
                 results[key].append(torch.stack(values).mean())
@@ -197,7 +187,7 @@ def attention_by_depth(
 
     Args:
         model: a Decoder (or DiffexpLM) whose forward accepts ``need_weights=True``.
-        samples_by_depth: depth -> NeedleSamples (``diffexp.data.needle``) of one context length.
+        samples_by_depth: depth -> NeedleSamples (``diffexp.data.needle_samples``) of one context length.
         span: what counts as the answer: "needle" (the whole answer sentence) or "number" (its digits).
         device: where the model runs.
         batch_size: samples per forward pass.
@@ -209,37 +199,32 @@ def attention_by_depth(
     if span not in ("needle", "number"):
         raise ValueError(f"span={span!r} is invalid: expected 'needle' or 'number'")
     decoder = getattr(model, "model", model)
-    decoder.to(device)
-    was_training = decoder.training
-    decoder.eval()
     rows = []
-    for depth, samples in samples_by_depth.items():
-        samples = list(samples)
-        sums: dict[str, torch.Tensor] = {}
-        weight = 0
-        for start in range(0, len(samples), batch_size):
-            chunk = samples[start : start + batch_size]
-            idx = torch.stack([s.tokens[:-1] for s in chunk]).to(device)
-            maps = _effective_maps(decoder, idx)
-            alloc = attention_allocation(
-                maps,
-                [s.query_positions for s in chunk],
-                [s.answer_needle_spans if span == "needle" else s.answer_spans for s in chunk],
-                query_starts=[s.query_start for s in chunk],
-                needle_spans=[s.needle_spans for s in chunk],
-            )
-            for key in ("answer", "noise", "query", "distractor"):
-                value = getattr(alloc, key) * len(chunk)
-                sums[key] = sums[key] + value if key in sums else value
-            weight += len(chunk)
-        means = {key: value / weight for key, value in sums.items()}
-        n_layers = len(means["answer"])
-        for layer in range(n_layers):
-            rows.append({"depth": float(depth), "layer": layer,
-                         **{key: means[key][layer].item() for key in means}})
-        rows.append({"depth": float(depth), "layer": "all", **{key: means[key].mean().item() for key in means}})
-    if was_training:
-        decoder.train()
+    with evaluating(decoder, device):
+        for depth, samples in samples_by_depth.items():
+            samples = list(samples)
+            sums: dict[str, torch.Tensor] = {}
+            weight = 0
+            for start in range(0, len(samples), batch_size):
+                chunk = samples[start : start + batch_size]
+                idx = torch.stack([s.tokens[:-1] for s in chunk]).to(device)
+                alloc = attention_allocation(
+                    _effective_maps(decoder, idx),
+                    [s.query_positions for s in chunk],
+                    [s.answer_needle_spans if span == "needle" else s.answer_spans for s in chunk],
+                    query_starts=[s.query_start for s in chunk],
+                    needle_spans=[s.needle_spans for s in chunk],
+                )
+                for key in ("answer", "noise", "query", "distractor"):
+                    value = getattr(alloc, key) * len(chunk)
+                    sums[key] = sums[key] + value if key in sums else value
+                weight += len(chunk)
+            means = {key: value / weight for key, value in sums.items()}
+            for layer in range(len(means["answer"])):
+                rows.append({"depth": float(depth), "layer": layer,
+                             **{key: means[key][layer].item() for key in means}})
+            rows.append({"depth": float(depth), "layer": "all",
+                         **{key: means[key].mean().item() for key in means}})
     return rows
 
 

@@ -60,7 +60,7 @@ def _device_and_out(parser: argparse.ArgumentParser) -> None:
 
 def _icl_task(args, trained: dict):
     """The ICL task the flags (else the checkpoint's ICLDataModule, else the defaults) describe."""
-    from diffexp.evals.icl import ICLTask
+    from diffexp.data.icl import ICLTask
 
     shape = {"k_classes": 4, "group_size": 10, "words_per_input": 3, "random_label_names": False}
     for key in shape:

@@ -4,37 +4,9 @@ The papers measure accuracy as the number of demonstrations grows (TREC, Banking
 spread over orderings of the same demonstrations. Those datasets need a download; offline, ``ICLTask`` is
 a synthetic stand-in that a tiny byte-level model can learn.
 
-The task (``ICLTask``)
-    K classes; class c owns a hidden group of ``group_size`` random short words (1-character "words" from
-    ``a-z0-9A-Z`` when they fit, else longer strings). An input is ``words_per_input`` distinct words of one
-    group, so the hidden rule is "which group do the words come from". Each class has a label string (a
-    3-letter word, all of equal length so that summed log-likelihoods are comparable): by default the K
-    labels are always the first K of ``LABEL_POOL`` (like a real dataset's fixed label names) and only
-    their assignment to the groups is random per task; ``random_label_names=True`` also draws the K names
-    from the pool per task (harder: the label set itself must be read from the context).
-    A prompt is demonstrations then the test input::
-
-        input: q 7 d label: owl
-        input: k a m label: fig
-        input: 7 x q label:                   <- the model must continue with "owl\\n"
-
-    Why this rule: a test input shares words with the demonstrations of its class and with no other class,
-    so the label is found by matching words in context and copying the label that followed them (a
-    retrieval circuit two attention layers can implement: gather each line's words onto its label slot,
-    then attend from the query's label slot to the slots with matching words), and accuracy grows with the
-    number of demonstrations because more of the group's words get covered. Training has to get past the
-    "label prior" plateau first: a d_model 64, 2-layer baseline trained 2,400 steps on CPU (K=4,
-    ``ICLDataModule`` with seq_len 256) reached a label-token loss of ln(4)/4 = 0.347 (uniform over the 4
-    labels of 4 tokens each) and chance accuracy; expect to need longer (GPU) runs before in-context
-    accuracy rises.
-    The words, groups and label assignment are fresh per task seed, so a model trained on other seeds
-    (``ICLDataModule``) can only succeed by learning in context, never by memorising the mapping. Within
-    a task, the inputs (as word sets) are split into a demonstration pool and a held-out test pool: no
-    test input ever appears as a demonstration.
-
-Tokens: UTF-8 bytes (``diffexp.data.tokenizer.ByteTokenizer``, ids 0..255, vocab 257), so any model with
-``vocab_size >= 256`` can be scored, e.g. the byte-level recipes. Another tokenizer (an object with
-``encode``/``decode``) can be passed; prompt and label are encoded separately and concatenated.
+The task, ``ICLTask`` (hidden word groups, label strings, demonstration and test pools, the prompt
+format), and the training data made of fresh tasks, ``ICLDataModule``, are in ``diffexp.data.icl``; the
+log-likelihoods come from ``diffexp.evals.scoring`` and the figure from ``diffexp.evals.plots``.
 
 Evaluation (``evaluate_icl``)
     For each n in ``n_demos_list``: one class-balanced demonstration set (nested: the set for a smaller n
@@ -51,7 +23,6 @@ Evaluation (``evaluate_icl``)
 from __future__ import annotations
 
 import csv
-import itertools
 import logging
 import math
 import os
@@ -64,194 +35,17 @@ import lightning as L
 import numpy as np
 import torch
 from torch import nn
-from torch.utils.data import DataLoader, Dataset
 
-from diffexp.data.loader import resumable_train_loader
-from diffexp.data.mqar import collate_examples
-from diffexp.data.tokenizer import ByteTokenizer
-from diffexp.errors import UserError
-from diffexp.evals import refuse_sharded_model
+# ICLDataModule is re-exported: recipes and saved runs name it diffexp.evals.icl.ICLDataModule
+from diffexp.data.icl import ICLDataModule, ICLTask  # noqa: F401
+from diffexp.evals import plots, refuse_sharded_model
+from diffexp.evals.scoring import as_logits_fn, best_candidates, candidate_logprobs, evaluating, model_max_seq_len
 
 log = logging.getLogger(__name__)
 
-WORD_ALPHABET = "abcdefghijklmnopqrstuvwxyz0123456789ABCDEFGHIJKLMNOPQRSTUVWXYZ"
-LABEL_POOL = (
-    "owl", "fig", "elk", "sea", "red", "oak", "cow", "jam", "tin", "pup", "hat", "gem", "yak", "bus", "dew", "ink",
-    "vat", "zip", "log", "rum", "kit", "nut", "wax", "fox",
-)  # 3 letters each, all different first letters
 ORDERINGS = ("random", "alternating", "grouped")
 
 Scorer = Callable[[list[list[int]], list[list[int]]], Any]  # (prompts, candidates) -> scores (P, K)
-
-
-def _words(n: int, rng: np.random.Generator, word_len: int) -> list[str]:
-    base = len(WORD_ALPHABET)
-    codes = rng.choice(base**word_len, size=n, replace=False)
-    out = []
-    for code in codes.tolist():
-        chars = []
-        for _ in range(word_len):
-            code, r = divmod(code, base)
-            chars.append(WORD_ALPHABET[r])
-        out.append("".join(chars))
-    return out
-
-
-class ICLTask:
-    """A synthetic K-class task: hidden word groups, random label strings, demonstration and test pools.
-
-    Args:
-        k_classes: number of classes K (2..len(LABEL_POOL) unless ``labels`` are given).
-        seed: int or sequence of ints; fixes the words, groups, label assignment and pools.
-        group_size: words owned by each class.
-        words_per_input: distinct words of one group per input.
-        word_len: characters per word; None picks the shortest length with enough distinct words.
-        random_label_names: draw the K label strings from LABEL_POOL per task instead of taking its first K
-            (the assignment to groups is random either way).
-        labels: explicit K label strings (overrides the two above); they must be distinct,
-            non-empty, without whitespace, and best of equal token length (log-likelihoods are summed).
-        test_fraction: share of each class's inputs (as word sets) held out for tests. Each class has
-            C(group_size, words_per_input) inputs: by default 120, 60 of them for demonstrations (so
-            n_demos <= 60 K) and 60 for tests.
-        tokenizer: object with ``encode(str) -> list[int]`` and ``decode``; default ``ByteTokenizer``.
-    """
-
-    def __init__(self, k_classes: int, seed: int | Sequence[int] = 0, group_size: int = 10,
-                 words_per_input: int = 3, word_len: int | None = None, random_label_names: bool = False,
-                 labels: Sequence[str] | None = None, test_fraction: float = 0.5, tokenizer: Any = None) -> None:
-        if isinstance(k_classes, bool) or not isinstance(k_classes, int) or k_classes < 2:
-            raise ValueError(f"k_classes={k_classes!r} is invalid: expected an integer >= 2")
-        if labels is None and k_classes > len(LABEL_POOL):
-            raise ValueError(f"k_classes={k_classes} is invalid: the default label pool has {len(LABEL_POOL)} "
-                             "labels; pass labels=[...] for more classes")
-        if not 1 <= words_per_input <= group_size:
-            raise ValueError(f"words_per_input={words_per_input} is invalid: expected 1..group_size={group_size}")
-        if not 0.0 < test_fraction < 1.0:
-            raise ValueError(f"test_fraction={test_fraction} is invalid: expected in (0, 1)")
-        n_words = k_classes * group_size
-        if word_len is None:
-            word_len = 1
-            while len(WORD_ALPHABET) ** word_len < n_words:
-                word_len += 1
-        elif word_len < 1 or len(WORD_ALPHABET) ** word_len < n_words:
-            raise ValueError(f"word_len={word_len} is invalid: {k_classes} x {group_size} distinct words need "
-                             f"{len(WORD_ALPHABET)} ** word_len >= {n_words}")
-        self.k_classes, self.group_size, self.words_per_input = k_classes, group_size, words_per_input
-        self.word_len, self.test_fraction = word_len, test_fraction
-        self.tokenizer = tokenizer if tokenizer is not None else ByteTokenizer()
-        rng = np.random.default_rng(seed)
-
-        words = _words(n_words, rng, word_len)
-        self.groups: list[list[str]] = [words[c * group_size:(c + 1) * group_size] for c in range(k_classes)]
-        self.word_class = {w: c for c, group in enumerate(self.groups) for w in group}
-        if labels is None:
-            names = rng.choice(len(LABEL_POOL), size=k_classes, replace=False) if random_label_names else \
-                rng.permutation(k_classes)  # the first K names, assigned to the groups at random
-            labels = [LABEL_POOL[i] for i in names]
-        labels = [str(y) for y in labels]
-        if len(labels) != k_classes or len(set(labels)) != k_classes or any(
-                not y or any(ch.isspace() for ch in y) for y in labels):
-            raise ValueError(f"labels={labels!r} is invalid: expected {k_classes} distinct non-empty strings "
-                             "without whitespace")
-        self.labels: list[str] = labels
-
-        # inputs: word sets of one group, shown in a fixed random word order; split by set into pools
-        self.demo_pool: list[list[str]] = []
-        self.test_pool: list[list[str]] = []
-        for group in self.groups:
-            combos = list(itertools.combinations(range(group_size), words_per_input))
-            rng.shuffle(combos)
-            if len(combos) < 2:
-                raise ValueError(f"group_size={group_size}, words_per_input={words_per_input}: a class has only "
-                                 f"{len(combos)} distinct input(s); nothing to hold out")
-            n_test = min(len(combos) - 1, max(1, round(test_fraction * len(combos))))
-            inputs = [" ".join(group[i] for i in rng.permutation(combo)) for combo in combos]
-            self.test_pool.append(inputs[:n_test])
-            self.demo_pool.append(inputs[n_test:])
-
-    @property
-    def max_demos(self) -> int:
-        """The most class-balanced distinct demonstrations the pools can give."""
-        return self.k_classes * min(len(p) for p in self.demo_pool)
-
-    @property
-    def max_tests(self) -> int:
-        return self.k_classes * min(len(p) for p in self.test_pool)
-
-    # -- the hidden rule and the format ------------------------------------------------------------
-    def label_of(self, x: str) -> int:
-        """The class of an input: the group its words come from."""
-        classes = {self.word_class[w] for w in x.split()}
-        if len(classes) != 1:
-            raise ValueError(f"input {x!r} does not come from one group")
-        return classes.pop()
-
-    @staticmethod
-    def format_demo(x: str, label: str) -> str:
-        return f"input: {x} label: {label}\n"
-
-    @staticmethod
-    def format_query(x: str) -> str:
-        return f"input: {x} label: "
-
-    def prompt(self, demos: Sequence[tuple[str, int]], x: str) -> str:
-        return "".join(self.format_demo(d, self.labels[c]) for d, c in demos) + self.format_query(x)
-
-    def candidate_texts(self) -> list[str]:
-        """What each label continues the prompt with (its string and the closing newline)."""
-        return [f"{y}\n" for y in self.labels]
-
-    def encode(self, text: str) -> list[int]:
-        return list(self.tokenizer.encode(text))
-
-    def decode(self, ids: Sequence[int]) -> str:
-        return self.tokenizer.decode(list(ids))
-
-    # -- sampling ----------------------------------------------------------------------------------
-    def _balanced_counts(self, n: int, rng: np.random.Generator) -> list[int]:
-        counts = [n // self.k_classes] * self.k_classes
-        for c in rng.permutation(self.k_classes)[: n % self.k_classes]:
-            counts[c] += 1
-        return counts
-
-    def _draw(self, pools: list[list[str]], n: int, rng: np.random.Generator, what: str) -> list[tuple[str, int]]:
-        counts = self._balanced_counts(n, rng)
-        out = []
-        for c, (pool, k) in enumerate(zip(pools, counts)):
-            if k > len(pool):
-                raise ValueError(f"{what}={n} is invalid: class {c} needs {k} distinct inputs but its {what} pool "
-                                 f"has {len(pool)}; raise group_size or words_per_input")
-            out += [(pool[i], c) for i in rng.choice(len(pool), size=k, replace=False)]
-        return out
-
-    def demonstrations(self, n: int, seed: int | Sequence[int] = 0) -> list[tuple[str, int]]:
-        """n class-balanced demonstrations (input, class) from the demonstration pool, grouped by class.
-
-        Nested in n for a fixed seed: the first items of every class's shuffled pool are used, and the
-        classes that get one more item (n not a multiple of K) come first in a fixed random class order."""
-        rng = np.random.default_rng(seed)
-        class_order = rng.permutation(self.k_classes)
-        shuffled = [[pool[i] for i in rng.permutation(len(pool))] for pool in self.demo_pool]
-        counts = [n // self.k_classes] * self.k_classes
-        for c in class_order[: n % self.k_classes]:
-            counts[c] += 1
-        out = []
-        for c, k in enumerate(counts):
-            if k > len(shuffled[c]):
-                raise ValueError(f"n_demos={n} is invalid: class {c} needs {k} distinct demonstrations but the "
-                                 f"demonstration pool has {len(shuffled[c])}; raise group_size or words_per_input")
-            out += [(x, c) for x in shuffled[c][:k]]
-        return out
-
-    def tests(self, n: int, seed: int | Sequence[int] = 0) -> list[tuple[str, int]]:
-        """n class-balanced held-out test inputs (input, class)."""
-        return self._draw(self.test_pool, n, np.random.default_rng(seed), "n_tests")
-
-    def sample(self, rng: np.random.Generator) -> tuple[str, int]:
-        """One (input, class) with a uniform class, from either pool (for training on fresh tasks)."""
-        c = int(rng.integers(self.k_classes))
-        pool = self.demo_pool[c] + self.test_pool[c]
-        return pool[int(rng.integers(len(pool)))], c
 
 
 def order_demonstrations(demos: Sequence[tuple[str, int]], ordering: str,
@@ -281,54 +75,13 @@ def order_demonstrations(demos: Sequence[tuple[str, int]], ordering: str,
 
 
 # -- scoring ---------------------------------------------------------------------------------------
-def model_max_seq_len(model: Any) -> int | None:
-    """max_seq_len of a Decoder, a DiffexpLM or anything holding one; None if unknown."""
-    for path in ("cfg", "arch", "model.cfg", "model.arch"):
-        obj = model
-        for attr in path.split("."):
-            obj = getattr(obj, attr, None)
-        if obj is not None and getattr(obj, "max_seq_len", None) is not None:
-            return int(obj.max_seq_len)
-    return None
-
-
-@torch.no_grad()
-def score_candidates(model: nn.Module, prompts: Sequence[Sequence[int]], candidates: Sequence[Sequence[int]],
-                     device: str | torch.device = "cpu", batch_size: int = 16) -> torch.Tensor:
-    """(P, K) summed log-likelihood of every candidate continuation after every prompt, under ``model``
-    (``idx (B, T) -> logits (B, T, V)``). Sequences are right-padded; causality keeps padding inert."""
-    seqs = [(i, j, list(p) + list(c)) for i, p in enumerate(prompts) for j, c in enumerate(candidates)]
-    scores = torch.empty(len(prompts), len(candidates), dtype=torch.float64)
-    order = sorted(range(len(seqs)), key=lambda s: len(seqs[s][2]))
-    for start in range(0, len(order), batch_size):
-        chunk = [seqs[s] for s in order[start:start + batch_size]]
-        width = max(len(ids) for _, _, ids in chunk) - 1
-        idx = torch.zeros(len(chunk), width, dtype=torch.long)
-        for r, (_, _, ids) in enumerate(chunk):
-            idx[r, : len(ids) - 1] = torch.tensor(ids[:-1])
-        logp = model(idx.to(device)).float().log_softmax(dim=-1).cpu()
-        for r, (i, j, ids) in enumerate(chunk):
-            n_prompt = len(prompts[i])
-            positions = torch.arange(n_prompt - 1, len(ids) - 1)
-            targets = torch.tensor(ids[n_prompt:])
-            scores[i, j] = logp[r, positions, targets].double().sum()
-    return scores
-
-
 def _as_scorer(model: nn.Module | Scorer, device, batch_size: int) -> Scorer:
     if isinstance(model, nn.Module):
-        return lambda prompts, candidates: score_candidates(model, prompts, candidates, device, batch_size)
+        logits_fn = as_logits_fn(model)
+        return lambda prompts, candidates: candidate_logprobs(logits_fn, prompts, candidates, device, batch_size)
     if callable(model):
         return model
     raise TypeError(f"expected an nn.Module (idx -> logits) or a scorer callable, got {type(model).__name__}")
-
-
-def choose_labels(scores: Any) -> list[int]:
-    """Constrained choice: the index of the best-scoring label per prompt (always one of the K)."""
-    scores = torch.as_tensor(np.asarray(scores, dtype=np.float64))
-    if scores.ndim != 2:
-        raise ValueError(f"scores must be (prompts, labels), got shape {tuple(scores.shape)}")
-    return scores.argmax(dim=1).tolist()
 
 
 def predict_labels(model: nn.Module | Scorer, task: ICLTask, prompts: Sequence[str], device="cpu",
@@ -337,7 +90,7 @@ def predict_labels(model: nn.Module | Scorer, task: ICLTask, prompts: Sequence[s
     scorer = _as_scorer(model, device, batch_size)
     candidates = [task.encode(t) for t in task.candidate_texts()]
     scores = scorer([task.encode(p) for p in prompts], candidates)
-    return [task.labels[i] for i in choose_labels(scores)]
+    return [task.labels[i] for i in best_candidates(scores)]
 
 
 # -- results ---------------------------------------------------------------------------------------
@@ -430,57 +183,11 @@ class ICLResults:
         return "\n".join(lines)
 
     def figure(self):
-        import matplotlib
-
-        matplotlib.use("Agg", force=False)
-        import matplotlib.pyplot as plt
-
-        fig, ax = plt.subplots(figsize=(6.4, 4.2), dpi=120)
-        rows = self.to_rows()
-        colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
-        for i, ordering in enumerate(self.orderings):
-            r = [row for row in rows if row["ordering"] == ordering]
-            x = np.array([row["n_demos"] for row in r], dtype=float)
-            mean = np.array([row["mean"] for row in r])
-            lo, hi = np.array([row["min"] for row in r]), np.array([row["max"] for row in r])
-            std = np.array([row["std"] for row in r])
-            color = colors[i % len(colors)]
-            ax.fill_between(x, lo, hi, color=color, alpha=0.18, linewidth=0)
-            ax.errorbar(x, mean, yerr=std, color=color, marker="o", markersize=4, capsize=3, linewidth=1.6,
-                        label=ordering)
-        ax.axhline(self.chance, color="0.4", linestyle="--", linewidth=1, label=f"chance 1/{self.k_classes}")
-        ax.set_xscale("log", base=2)
-        ticks = self.n_demos or [1]
-        ax.set_xticks(ticks)
-        ax.set_xticklabels([str(t) for t in ticks])
-        ax.minorticks_off()
-        ax.set_ylim(-0.02, 1.02)
-        ax.set_xlabel("demonstrations in context (n)")
-        ax.set_ylabel(f"accuracy ({self.n_tests} held-out tests)")
-        ax.set_title(f"Many-shot in-context classification, K={self.k_classes}\n"
-                     f"lines: mean \u00b1 std, bands: min-max over {self.n_orderings} orders of the same demos",
-                     fontsize=10)
-        ax.grid(True, alpha=0.3)
-        if self.skipped:
-            skipped = ", ".join(str(s["n_demos"]) for s in self.skipped)
-            ax.text(0.99, 0.01, f"skipped (context > {self.max_seq_len} tokens): n = {skipped}",
-                    transform=ax.transAxes, ha="right", va="bottom", fontsize=8, color="0.3")
-        if not self.accuracies:
-            ax.text(0.5, 0.5, "no n fits the context", transform=ax.transAxes, ha="center")
-        ax.legend(loc="best", fontsize=8, framealpha=0.85)
-        fig.tight_layout()
-        return fig
+        return plots.icl_figure(self)
 
     def plot(self, path: str | os.PathLike) -> Path:
         """Accuracy vs n demos (log2 axis), one line per ordering with a min-max band and ±std bars."""
-        import matplotlib.pyplot as plt
-
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fig = self.figure()
-        fig.savefig(path)
-        plt.close(fig)
-        return path
+        return plots.save_figure(self.figure(), path)
 
     def save(self, directory: str | os.PathLike, stem: str = "icl") -> dict[str, Path]:
         """``<stem>.csv``, ``<stem>.png`` and ``<stem>.txt`` (the summary) in ``directory``."""
@@ -522,14 +229,7 @@ def evaluate_icl(model: nn.Module | Scorer, task: ICLTask, n_demos_list: Sequenc
         max_seq_len = model_max_seq_len(model)
     results = ICLResults(task.k_classes, n_tests, n_orderings, max_seq_len)
 
-    restore = None
-    if isinstance(model, nn.Module):
-        first = next(model.parameters(), None)
-        restore = (model.training, first.device if first is not None else None)
-        model.eval()
-        if first is not None and first.device != torch.device(device):
-            model.to(device)
-    try:
+    with evaluating(model, device):
         scorer = _as_scorer(model, device, batch_size)
         candidates = [task.encode(t) for t in task.candidate_texts()]
         tests = task.tests(n_tests, seed=[seed, 1])
@@ -551,15 +251,9 @@ def evaluate_icl(model: nn.Module | Scorer, task: ICLTask, n_demos_list: Sequenc
                     ordered = order_demonstrations(demos, ordering, rng)
                     context = task.encode("".join(task.format_demo(x, task.labels[c]) for x, c in ordered))
                     prompts = [context + t for t in test_ids]
-                    predicted = np.array(choose_labels(scorer(prompts, candidates)))
+                    predicted = np.array(best_candidates(scorer(prompts, candidates)))
                     accs.append(float((predicted == truth).mean()))
                 results.accuracies[(n, ordering)] = accs
-    finally:
-        if restore is not None:
-            training, original_device = restore
-            if original_device is not None:
-                model.to(original_device)
-            model.train(training)
     return results
 
 
@@ -575,110 +269,7 @@ def oracle_scorer(task: ICLTask) -> Scorer:
     return score
 
 
-# -- training on fresh tasks -----------------------------------------------------------------------
-class ICLEpisodes(Dataset):
-    """Rows of ``seq_len + 1`` byte tokens, each many demonstrations of one fresh task, with the loss on labels."""
-
-    def __init__(self, size: int, seq_len: int, seed: int, split: int, **task_args: Any) -> None:
-        self.size, self.seq_len, self.seed, self.split = size, seq_len, seed, split
-        self.task_args = task_args
-
-    def __len__(self) -> int:
-        return self.size
-
-    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
-        # task seeds are sequences (seed, 1 + split, index): never the plain-int seeds of evaluation tasks
-        task = ICLTask(seed=[self.seed, 1 + self.split, int(index)], **self.task_args)
-        rng = np.random.default_rng([self.seed, 10 + self.split, int(index)])
-        tokens: list[int] = []
-        is_label: list[bool] = []
-        while len(tokens) < self.seq_len + 1:
-            x, c = task.sample(rng)
-            head = task.encode(task.format_query(x))
-            label = task.encode(task.candidate_texts()[c])
-            tokens += head + label
-            is_label += [False] * len(head) + [True] * len(label)
-        tokens, is_label = tokens[: self.seq_len + 1], is_label[: self.seq_len + 1]
-        return {"tokens": torch.tensor(tokens, dtype=torch.long),
-                "loss_mask": torch.tensor(is_label[1:], dtype=torch.bool)}  # target t is tokens[t + 1]
-
-
-class ICLDataModule(L.LightningDataModule):
-    """Train a byte-level model to classify in context: each row is one fresh ``ICLTask`` (new words, groups
-    and label assignment) with demonstrations packed up to ``seq_len + 1`` tokens; ``loss_mask`` selects the
-    label tokens (label and newline) of every demonstration, so the model learns to infer labels from the
-    demonstrations before them. Evaluation tasks (``ICLTask(seed=<int>)``) never occur in training.
-
-    Args:
-        k_classes: classes per task.
-        seq_len: tokens the model sees per row.
-        batch_size: rows per batch.
-        train_size: training rows (tasks) per epoch.
-        val_size: validation rows (tasks), and as many test rows; each split is its own stream of tasks.
-        group_size: words per class.
-        words_per_input: words per input.
-        random_label_names: draw each task's label names from the pool (see ``ICLTask``).
-        num_workers: DataLoader worker processes.
-        seed: seeds the tasks and the shuffle order.
-    """
-
-    def __init__(self, k_classes: int = 4, seq_len: int = 512, batch_size: int = 16, train_size: int = 20_000,
-                 val_size: int = 256, group_size: int = 10, words_per_input: int = 3,
-                 random_label_names: bool = False, num_workers: int = 0, seed: int = 1234) -> None:
-        super().__init__()
-        for name, value in (("k_classes", k_classes), ("seq_len", seq_len), ("batch_size", batch_size),
-                            ("train_size", train_size), ("val_size", val_size)):
-            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-                raise UserError(f"data.{name}={value!r} is invalid: expected a positive integer")
-        if train_size < batch_size:
-            raise UserError(f"data.train_size={train_size} is invalid: must be >= data.batch_size={batch_size}")
-        if num_workers < 0:
-            raise UserError(f"data.num_workers={num_workers} is invalid: expected >= 0")
-        self.task_args = dict(k_classes=k_classes, group_size=group_size, words_per_input=words_per_input,
-                              random_label_names=random_label_names)
-        try:
-            ICLTask(seed=0, **self.task_args)  # validates them
-        except ValueError as err:  # its messages name the argument, which is data.<argument> here
-            raise UserError(f"data.{err}") from None
-        self.save_hyperparameters()
-        self.k_classes, self.seq_len, self.batch_size = k_classes, seq_len, batch_size
-        self.train_size, self.val_size, self.num_workers, self.seed = train_size, val_size, num_workers, seed
-        self.group_size, self.words_per_input = group_size, words_per_input
-
-    @property
-    def vocab_size(self) -> int:
-        return ByteTokenizer.vocab_size
-
-    def task(self, seed: int) -> ICLTask:
-        """An evaluation task with this module's shape (held out from training by construction)."""
-        return ICLTask(seed=seed, **self.task_args)
-
-    def _dataset(self, split: int) -> ICLEpisodes:
-        return ICLEpisodes(self.train_size if split == 0 else self.val_size, self.seq_len, self.seed, split,
-                           **self.task_args)
-
-    def describe(self) -> str:
-        return (f"synthetic ICL | K={self.k_classes}, {self.group_size} words per class, {self.words_per_input} per "
-                f"input | byte tokens | seq_len {self.seq_len} | train {self.train_size} val {self.val_size} tasks")
-
-    def train_dataloader(self) -> DataLoader:
-        trainer = self.trainer  # None unless attached to a Trainer
-        if trainer is not None and trainer.overfit_batches > 0:
-            return DataLoader(self._dataset(0), batch_size=self.batch_size, drop_last=True,
-                              num_workers=self.num_workers, collate_fn=collate_examples)
-        # shuffled per (seed, epoch), resumes mid-epoch like the text data
-        return resumable_train_loader(self._dataset(0), trainer, self.batch_size, self.seed, self.num_workers,
-                                      collate_fn=collate_examples)
-
-    def val_dataloader(self) -> DataLoader:
-        return DataLoader(self._dataset(1), batch_size=self.batch_size, num_workers=self.num_workers,
-                          collate_fn=collate_examples)
-
-    def test_dataloader(self) -> DataLoader:
-        return DataLoader(self._dataset(2), batch_size=self.batch_size, num_workers=self.num_workers,
-                          collate_fn=collate_examples)
-
-
+# -- training-time hook ---------------------------------------------------------------------------
 class ICLEval(L.Callback):
     """Run ``evaluate_icl`` on a held-out task and log ``icl/<ordering>/n<n>`` (and spreads) to the logger;
     writes ``icl.csv``, ``icl.png`` and ``icl.txt`` under ``<log_dir>/icl/step<step>/``. Runs on global rank 0

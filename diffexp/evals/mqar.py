@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from diffexp.evals import refuse_sharded_model
+from diffexp.evals.scoring import argmax_matches, evaluating
 
 
 def _split(batch) -> tuple[torch.Tensor, torch.Tensor]:
@@ -33,13 +34,11 @@ def _split(batch) -> tuple[torch.Tensor, torch.Tensor]:
 def mqar_counts(logits: torch.Tensor, batch) -> tuple[int, int]:
     """(correct, scored) argmax predictions over the masked targets of one batch."""
     tokens, mask = _split(batch)
-    targets = tokens[:, 1:].to(logits.device)
-    mask = mask.to(logits.device)
+    targets = tokens[:, 1:]
     if logits.shape[:2] != targets.shape:
         raise ValueError(f"logits {tuple(logits.shape)} do not match targets {tuple(targets.shape)} "
                          "(logits must be the model's output on tokens[:, :-1])")
-    correct = (logits.argmax(dim=-1) == targets) & mask
-    return int(correct.sum()), int(mask.sum())
+    return argmax_matches(logits, targets, mask)
 
 
 def mqar_accuracy(logits: torch.Tensor, batch) -> float:
@@ -62,10 +61,8 @@ def evaluate_mqar(model: nn.Module, data, device: str | torch.device | None = No
     (``n``: number of scored queries). The model's train/eval mode is restored afterwards."""
     if device is None:
         device = next(model.parameters()).device
-    was_training = model.training
-    model.eval()
     correct = total = 0
-    try:
+    with evaluating(model):
         for i, batch in enumerate(_loader(data)):
             if max_batches is not None and i >= max_batches:
                 break
@@ -73,8 +70,6 @@ def evaluate_mqar(model: nn.Module, data, device: str | torch.device | None = No
             logits = model(tokens[:, :-1].to(device))
             c, t = mqar_counts(logits, {"tokens": tokens, "loss_mask": mask})
             correct, total = correct + c, total + t
-    finally:
-        model.train(was_training)
     return {"mqar/accuracy": correct / total if total else float("nan"), "mqar/n": total}
 
 

@@ -1,7 +1,7 @@
 """Multi-needle retrieval grid (the papers' Needle-in-a-Haystack figure and N/R table).
 
 For every cell (context length, answer depth, N needles, R queries), ``samples`` sequences are drawn
-from ``diffexp.data.needle.make_sample`` with held-out cities and numbers (split "val"), and each
+from ``diffexp.data.needle_samples.make_sample`` with held-out cities and numbers (split "val"), and each
 asked city is scored two ways:
 
 * ``greedy``: the model decodes greedily after the question prompt (``... what is the magic number of
@@ -20,28 +20,31 @@ the answer from the context (it scores 1.0 with both methods).
 
 from __future__ import annotations
 
-import csv
 import itertools
-import math
 import random
 import re
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Sequence
 from pathlib import Path
 
 import lightning as L
 import torch
-import torch.nn.functional as F
 
-from diffexp.data.needle import EOS_ID, VOCAB_SIZE, NeedleSample, make_sample, min_context_len
+from diffexp.data.needle_samples import EOS_ID, VOCAB_SIZE, NeedleSample, make_sample, min_context_len
 from diffexp.evals import refuse_sharded_model
+from diffexp.evals.needle_results import METHODS, NeedleResults
+from diffexp.evals.scoring import (
+    LogitsFn,
+    as_logits_fn,
+    best_candidates,
+    continuation_logprobs,
+    evaluating,
+    greedy_continuations,
+    model_max_seq_len,
+)
 
-METHODS = ("greedy", "rank")
 DEFAULT_DEPTHS = (0.0, 0.25, 0.5, 0.75, 1.0)
 DEFAULT_NR = ((1, 1), (2, 2), (4, 2), (6, 2))
 DOT = ord(".")
-
-Model = Callable[[torch.Tensor], torch.Tensor]
 
 
 # ----------------------------------------------------------------------------- oracle
@@ -80,233 +83,26 @@ class NeedleOracle:
         return logits.to(idx.device)
 
 
-# ----------------------------------------------------------------------------- results
-
-
-@dataclass
-class NeedleResults:
-    """Accuracies per cell and method (long format) plus the per-question records.
-
-    ``rows``: one dict per (context_len, depth, n_needles, n_queries, method) with ``accuracy``,
-    ``correct``, ``asked`` (questions scored), ``samples`` and ``chance``.
-    ``records``: one dict per (cell, sample, query): the answer, the greedy output and the ranked choice.
-    """
-
-    rows: list[dict] = field(default_factory=list)
-    records: list[dict] = field(default_factory=list)
-
-    @property
-    def context_lens(self) -> list[int]:
-        return sorted({r["context_len"] for r in self.rows})
-
-    @property
-    def depths(self) -> list[float]:
-        return sorted({r["depth"] for r in self.rows})
-
-    @property
-    def nr(self) -> list[tuple[int, int]]:
-        return sorted({(r["n_needles"], r["n_queries"]) for r in self.rows})
-
-    @property
-    def methods(self) -> list[str]:
-        return [m for m in METHODS if any(r["method"] == m for r in self.rows)]
-
-    def accuracy(self, method: str, context_len: int, depth: float, n: int, r: int) -> float:
-        for row in self.rows:
-            if (row["method"], row["context_len"], row["depth"], row["n_needles"], row["n_queries"]) == (
-                    method, context_len, depth, n, r):
-                return row["accuracy"]
-        raise KeyError((method, context_len, depth, n, r))
-
-    def mean_by_nr(self) -> dict[tuple[str, int, int], float]:
-        """Mean accuracy over every (context length, depth) cell, per (method, N, R)."""
-        out: dict[tuple[str, int, int], float] = {}
-        for method in self.methods:
-            for n, r in self.nr:
-                cells = [row["accuracy"] for row in self.rows
-                         if row["method"] == method and (row["n_needles"], row["n_queries"]) == (n, r)]
-                out[(method, n, r)] = sum(cells) / len(cells)
-        return out
-
-    def grid(self, method: str, n: int, r: int) -> list[list[float]]:
-        """Accuracy matrix: rows are context lengths, columns depths (NaN where not evaluated)."""
-        values = {(row["context_len"], row["depth"]): row["accuracy"] for row in self.rows
-                  if row["method"] == method and (row["n_needles"], row["n_queries"]) == (n, r)}
-        return [[values.get((c, d), math.nan) for d in self.depths] for c in self.context_lens]
-
-    def table(self) -> str:
-        """Markdown table like the papers': mean accuracy per (N, R), one row per method."""
-        means = self.mean_by_nr()
-        header = "| method | " + " | ".join(f"N={n},R={r}" for n, r in self.nr) + " |"
-        lines = [header, "|---" * (len(self.nr) + 1) + "|"]
-        for method in self.methods:
-            cells = " | ".join(f"{means[(method, n, r)]:.2f}" for n, r in self.nr)
-            lines.append(f"| {method} | {cells} |")
-        return "\n".join(lines)
-
-    def to_csv(self, path: str | Path) -> Path:
-        """Write ``rows`` (long format, one line per cell and method)."""
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        columns = ["method", "context_len", "depth", "n_needles", "n_queries", "accuracy", "correct", "asked",
-                   "samples", "chance"]
-        with path.open("w", newline="") as f:
-            writer = csv.DictWriter(f, fieldnames=columns)
-            writer.writeheader()
-            for row in self.rows:
-                writer.writerow({k: row[k] for k in columns})
-        return path
-
-    def figures(self) -> dict[tuple[str, int, int], object]:
-        """One matplotlib heatmap figure (context length x depth) per (method, N, R)."""
-        import matplotlib
-
-        matplotlib.use("Agg", force=False)
-        import matplotlib.pyplot as plt
-
-        figures = {}
-        depths, lengths = self.depths, self.context_lens
-        for method in self.methods:
-            for n, r in self.nr:
-                grid = torch.tensor(self.grid(method, n, r))
-                width = max(4.0, 1.1 * len(depths) + 2.0)
-                fig, ax = plt.subplots(figsize=(width, max(2.6, 0.55 * len(lengths) + 1.8)))
-                image = ax.imshow(grid.numpy(), cmap="RdYlGn", vmin=0.0, vmax=1.0, aspect="auto")
-                ax.set_xticks(range(len(depths)), [f"{d:.0%}" for d in depths])
-                ax.set_yticks(range(len(lengths)), [str(c) for c in lengths])
-                ax.set_xlabel("answer depth")
-                ax.set_ylabel("context length (tokens)")
-                chance = f", chance {1 / n:.2f}" if method == "rank" else ""
-                ax.set_title(f"needles N={n}, R={r}: {method} accuracy{chance}")
-                for i, j in itertools.product(range(len(lengths)), range(len(depths))):
-                    value = grid[i, j].item()
-                    if not math.isnan(value):
-                        ax.text(j, i, f"{value:.2f}", ha="center", va="center", fontsize=10,
-                                color="black" if 0.12 < value < 0.88 else "white")
-                fig.colorbar(image, ax=ax, fraction=0.046, pad=0.04)
-                fig.tight_layout()
-                figures[(method, n, r)] = fig
-        return figures
-
-    def heatmaps(self, path_prefix: str | Path) -> list[Path]:
-        """Write ``<prefix>_<method>_N<n>R<r>.png`` per (method, N, R); returns the paths."""
-        import matplotlib.pyplot as plt
-
-        prefix = Path(path_prefix)
-        prefix.parent.mkdir(parents=True, exist_ok=True)
-        paths = []
-        for (method, n, r), fig in self.figures().items():
-            path = prefix.with_name(f"{prefix.name}_{method}_N{n}R{r}.png")
-            fig.savefig(path, dpi=110)
-            plt.close(fig)
-            paths.append(path)
-        return paths
-
-    def log_to_tensorboard(self, logger_or_writer, step: int = 0) -> None:
-        """Heatmaps as images ``needle_heatmap/<method>/N<n>R<r>``, means as scalars ``needle/<method>/N<n>R<r>``.
-
-        Accepts a ``SummaryWriter`` or a Lightning ``TensorBoardLogger`` (its ``experiment``).
-        """
-        import matplotlib.pyplot as plt
-
-        writer = getattr(logger_or_writer, "experiment", logger_or_writer)
-        for (method, n, r), fig in self.figures().items():
-            writer.add_figure(f"needle_heatmap/{method}/N{n}R{r}", fig, global_step=step, close=True)
-            plt.close(fig)
-        for (method, n, r), value in self.mean_by_nr().items():
-            writer.add_scalar(f"needle/{method}/N{n}R{r}", value, global_step=step)
-        writer.flush()
-
-
 # ----------------------------------------------------------------------------- scoring
 
 
-def _as_callable(model) -> tuple[Model, int | None]:
-    """The logits function and the longest sequence it accepts (None: unknown)."""
-    inner = getattr(model, "model", model)  # DiffexpLM -> Decoder
-    cfg = getattr(inner, "cfg", None)
-    max_len = getattr(cfg, "max_seq_len", None)
-    if isinstance(inner, torch.nn.Module):
-        inner.eval()
-
-        def logits_fn(idx: torch.Tensor) -> torch.Tensor:
-            out = inner(idx)
-            return out[0] if isinstance(out, tuple) else out
-
-        return logits_fn, max_len
-    return inner, max_len
-
-
-def _pad_rows(rows: list[list[int]], device) -> torch.Tensor:
-    width = max(len(r) for r in rows)
-    batch = torch.full((len(rows), width), EOS_ID, dtype=torch.long)
-    for i, r in enumerate(rows):
-        batch[i, : len(r)] = torch.tensor(r, dtype=torch.long)
-    return batch.to(device)
-
-
-@torch.no_grad()
-def greedy_answers(logits_fn: Model, prompts: list[list[int]], max_new: list[int], device="cpu",
+def greedy_answers(logits_fn: LogitsFn, prompts: list[list[int]], max_new: list[int], device="cpu",
                    batch_size: int = 16) -> list[str]:
     """Greedy decoding after each prompt until "." or ``max_new`` tokens; returns the text before ".".
 
-    Rows are right-padded in a batch: with a causal model the padding never influences the positions
-    that are read. A row that stops without a "." returns its text followed by "<no stop>".
+    A row that stops without a "." returns its text followed by "<no stop>".
     """
-    outputs: list[str] = []
-    for start in range(0, len(prompts), batch_size):
-        chunk, limits = prompts[start : start + batch_size], max_new[start : start + batch_size]
-        buffer = _pad_rows([p + [EOS_ID] * m for p, m in zip(chunk, limits)], device)
-        lengths = [len(p) for p in chunk]
-        generated: list[list[int]] = [[] for _ in chunk]
-        active = [True] * len(chunk)
-        while any(active):
-            width = max(lengths[i] for i in range(len(chunk)) if active[i])
-            logits = logits_fn(buffer[:, :width])
-            for i in range(len(chunk)):
-                if not active[i]:
-                    continue
-                token = int(logits[i, lengths[i] - 1].argmax())
-                generated[i].append(token)
-                buffer[i, lengths[i]] = token
-                lengths[i] += 1
-                if token == DOT or len(generated[i]) >= limits[i]:
-                    active[i] = False
-        for tokens in generated:
-            text = bytes(t for t in tokens if t < 256).decode("latin-1")
-            outputs.append(text[:-1] if tokens and tokens[-1] == DOT else text + "<no stop>")
+    outputs = []
+    for tokens in greedy_continuations(logits_fn, prompts, max_new, DOT, device, batch_size, pad_id=EOS_ID):
+        text = bytes(t for t in tokens if t < 256).decode("latin-1")
+        outputs.append(text[:-1] if tokens and tokens[-1] == DOT else text + "<no stop>")
     return outputs
-
-
-@torch.no_grad()
-def continuation_logprobs(logits_fn: Model, prompts: list[list[int]], continuations: list[list[int]],
-                          device="cpu", batch_size: int = 16, max_len: int | None = None) -> list[float]:
-    """Summed log-probability of each continuation after its prompt (one row per pair).
-
-    Rows longer than ``max_len`` tokens (the model's limit) drop their first tokens.
-    """
-    scores: list[float] = []
-    for start in range(0, len(prompts), batch_size):
-        rows, offsets = [], []
-        for prompt, cont in zip(prompts[start : start + batch_size], continuations[start : start + batch_size]):
-            row = prompt + cont
-            cut = max(0, len(row) - 1 - max_len) if max_len else 0
-            rows.append(row[cut:])
-            offsets.append(len(prompt) - cut)
-        batch = _pad_rows(rows, device)
-        logprobs = F.log_softmax(logits_fn(batch[:, :-1]).float(), dim=-1)
-        for i, (row, offset) in enumerate(zip(rows, offsets)):
-            positions = torch.arange(offset - 1, len(row) - 1, device=logprobs.device)
-            targets = batch[i, offset : len(row)]
-            scores.append(float(logprobs[i, positions, targets].sum()))
-    return scores
 
 
 def score_samples(model, samples: Sequence[NeedleSample], methods: Sequence[str] = METHODS, device="cpu",
                   batch_size: int = 16) -> list[dict]:
     """Score every asked city of every sample; one record per (sample, query)."""
-    logits_fn, max_len = _as_callable(model)
-    records = []
+    logits_fn, max_len = as_logits_fn(model), model_max_seq_len(model)
     prompts, answers, meta = [], [], []
     for s_index, sample in enumerate(samples):
         tokens = sample.tokens.tolist()
@@ -314,22 +110,22 @@ def score_samples(model, samples: Sequence[NeedleSample], methods: Sequence[str]
             prompts.append(tokens[: positions[0]])
             answers.append(answer)
             meta.append((s_index, q))
-    greedy = (greedy_answers(logits_fn, prompts, [len(a) + 1 for a in answers], device, batch_size)
-              if "greedy" in methods else [None] * len(prompts))
+    greedy: list[str | None] = [None] * len(prompts)
     choices: list[str | None] = [None] * len(prompts)
-    if "rank" in methods:
-        pair_prompts, pair_conts, owners = [], [], []
-        for i, (s_index, _) in enumerate(meta):
-            for cand in samples[s_index].candidates:
-                pair_prompts.append(prompts[i])
-                pair_conts.append(list((cand + ".").encode()))
-                owners.append(i)
-        scores = continuation_logprobs(logits_fn, pair_prompts, pair_conts, device, batch_size, max_len)
-        best: dict[int, tuple[float, str]] = {}
-        for i, cont, score in zip(owners, pair_conts, scores):
-            if i not in best or score > best[i][0]:
-                best[i] = (score, bytes(cont[:-1]).decode())
-        choices = [best[i][1] for i in range(len(prompts))]
+    with evaluating(getattr(model, "model", model)):
+        if "greedy" in methods:
+            greedy = greedy_answers(logits_fn, prompts, [len(a) + 1 for a in answers], device, batch_size)
+        if "rank" in methods:  # every number in the context, as the continuation "<number>."
+            candidates = [samples[s_index].candidates for s_index, _ in meta]
+            pair_prompts = [prompt for prompt, cands in zip(prompts, candidates) for _ in cands]
+            continuations = [list(f"{c}.".encode()) for cands in candidates for c in cands]
+            scores = continuation_logprobs(logits_fn, pair_prompts, continuations, device, batch_size, max_len,
+                                           pad_id=EOS_ID).tolist()
+            first = 0
+            for i, cands in enumerate(candidates):
+                choices[i] = cands[best_candidates([scores[first : first + len(cands)]])[0]]
+                first += len(cands)
+    records = []
     for i, (s_index, q) in enumerate(meta):
         sample = samples[s_index]
         record = {"sample": s_index, "query": q, "city": sample.cities[q], "answer": answers[i],
@@ -349,6 +145,12 @@ def eval_samples(context_len: int, depth: float | None, n: int, r: int, samples:
     """The held-out samples of one cell (deterministic in every argument)."""
     return [make_sample(random.Random(f"needle-eval:{seed}:{context_len}:{depth}:{n}:{r}:{i}"),
                         context_len, n, r, depth, haystack, "val") for i in range(samples)]
+
+
+def samples_by_depth(context_len: int, depths: Sequence[float], n: int, r: int, samples: int, haystack: str,
+                     seed: int) -> dict[float, list[NeedleSample]]:
+    """The held-out samples of one (context length, N, R) at every depth: the input of the attention table."""
+    return {depth: eval_samples(context_len, depth, n, r, samples, haystack, seed) for depth in depths}
 
 
 def evaluate_needles(
@@ -390,10 +192,6 @@ def evaluate_needles(
         if context_len < min_context_len(n, r):
             raise ValueError(f"context_lens: {context_len} is too short for N={n}, R={r}: "
                              f"expected >= {min_context_len(n, r)}")
-    module = getattr(model, "model", model)
-    if isinstance(module, torch.nn.Module):
-        module.to(device)
-        was_training = module.training
     cells = list(itertools.product(context_lens, depths, nr))
     try:
         from tqdm.auto import tqdm
@@ -402,18 +200,17 @@ def evaluate_needles(
     except ImportError:  # pragma: no cover
         iterator = cells
     results = NeedleResults()
-    for context_len, depth, (n, r) in iterator:
-        cell_samples = eval_samples(context_len, depth, n, r, samples, haystack, seed)
-        records = score_samples(model, cell_samples, methods, device, batch_size)
-        cell = {"context_len": context_len, "depth": float(depth), "n_needles": n, "n_queries": r}
-        for method in methods:
-            correct = sum(rec[f"{method}_correct"] for rec in records)
-            results.rows.append({**cell, "method": method, "accuracy": correct / len(records), "correct": correct,
-                                 "asked": len(records), "samples": samples,
-                                 "chance": 1.0 / n if method == "rank" else 0.0})
-        results.records.extend({**cell, **rec} for rec in records)
-    if isinstance(module, torch.nn.Module) and was_training:
-        module.train()
+    with evaluating(getattr(model, "model", model), device):
+        for context_len, depth, (n, r) in iterator:
+            cell_samples = eval_samples(context_len, depth, n, r, samples, haystack, seed)
+            records = score_samples(model, cell_samples, methods, device, batch_size)
+            cell = {"context_len": context_len, "depth": float(depth), "n_needles": n, "n_queries": r}
+            for method in methods:
+                correct = sum(rec[f"{method}_correct"] for rec in records)
+                results.rows.append({**cell, "method": method, "accuracy": correct / len(records), "correct": correct,
+                                     "asked": len(records), "samples": samples,
+                                     "chance": 1.0 / n if method == "rank" else 0.0})
+            results.records.extend({**cell, **rec} for rec in records)
     return results
 
 
@@ -493,8 +290,8 @@ class NeedleEvalCallback(L.Callback):
             from diffexp.evals.attention import attention_by_depth, attention_table, negative_fraction
 
             n, r = self.nr[-1]
-            by_depth = {d: eval_samples(self.context_lens[-1], d, n, r, min(self.samples, 8), self.haystack,
-                                        self.seed) for d in self.depths}
+            by_depth = samples_by_depth(self.context_lens[-1], self.depths, n, r, min(self.samples, 8), self.haystack,
+                                        self.seed)
             all_rows = attention_by_depth(pl_module, by_depth, device=pl_module.device,
                                           batch_size=max(1, self.batch_size // 4))
             rows = [row for row in all_rows if row["layer"] == "all"]
@@ -576,8 +373,8 @@ def needle_main(argv: list[str]) -> int:
                                args.device, batch_size=args.batch_size)
     print(results.table())
     n, r = nr[-1]
-    by_depth = {d: eval_samples(args.context_lens[-1], d, n, r, min(args.samples, 16), args.haystack, args.seed)
-                for d in args.depths}
+    by_depth = samples_by_depth(args.context_lens[-1], args.depths, n, r, min(args.samples, 16), args.haystack,
+                                args.seed)
     table = attention_table(attention_by_depth(model, by_depth, device=args.device), model.arch.attention)
     print(f"\nattention from the query (context {args.context_lens[-1]}, N={n}, R={r}):\n{table}")
     out, writer, step = common.eval_output(args.checkpoint, args.out, hparams["global_step"])

@@ -15,9 +15,9 @@ from lightning.pytorch.utilities import rank_zero_info
 from lightning.pytorch.utilities.model_helpers import is_overridden
 
 from diffexp.errors import UserError, invalid
-from diffexp.evals.ar_hit import ar_hit_mask, frequent_bigrams
 from diffexp.model import Decoder
 from diffexp.model.config import ModelConfig
+from diffexp.training.loss_slices import ar_hit_mask, frequent_bigrams
 from diffexp.training.nonfinite import any_rank, stop_with_last_finite
 
 

@@ -1,0 +1,247 @@
+"""Scoring shared by the evaluations: what a causal language model says about given token spans, and where
+its attention goes.
+
+Everything here works on tensors, token-id lists and a *logits function*, never on an evaluation's own
+dataclasses, so any task (needle, ICL, MQAR, a tokenizer-agnostic harness adapter) can reuse it.
+
+Conventions
+    A logits function maps token ids ``idx (B, T)`` to ``logits (B, T, V)`` and is causal: ``logits[:, t]``
+    depends on ``idx[:, : t + 1]`` only and predicts token ``t + 1``. That is why rows of different lengths
+    can share a right-padded batch: the padding comes after every position that is read.
+    A span is ``(start, end)``, the positions ``start .. end - 1`` of a sequence.
+
+Likelihood
+    ``span_logprobs`` (from logits already computed), ``continuation_logprobs`` (prompt/continuation pairs,
+    batched through a model), ``candidate_logprobs`` (every candidate after every prompt).
+Choice and exact match
+    ``best_candidates`` (argmax of candidate scores), ``argmax_matches`` (next-token argmax against targets),
+    ``greedy_continuations`` (greedy decoding, for exact match of generated text).
+Attention
+    ``span_mask``, ``attention_shares`` (share of a query row's attention on regions of key positions),
+    ``attention_to_span``.
+Models
+    ``as_logits_fn``, ``model_max_seq_len``, ``evaluating`` (eval mode and device, restored afterwards).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+LogitsFn = Callable[[torch.Tensor], torch.Tensor]
+Span = tuple[int, int]
+
+
+# ----------------------------------------------------------------------------- models
+
+
+def as_logits_fn(model: Any) -> LogitsFn:
+    """The logits function of a ``Decoder``, a ``DiffexpLM`` (its inner ``Decoder``) or any causal callable.
+
+    A module whose forward returns ``(logits, maps)`` gives its logits."""
+    inner = getattr(model, "model", model)  # DiffexpLM -> Decoder: no Lightning hooks around the forward
+    if not isinstance(inner, nn.Module):
+        return inner
+
+    def logits_fn(idx: torch.Tensor) -> torch.Tensor:
+        out = inner(idx)
+        return out[0] if isinstance(out, tuple) else out
+
+    return logits_fn
+
+
+def model_max_seq_len(model: Any) -> int | None:
+    """max_seq_len of a Decoder, a DiffexpLM or anything holding one; None if unknown."""
+    for path in ("cfg", "arch", "model.cfg", "model.arch"):
+        obj = model
+        for attr in path.split("."):
+            obj = getattr(obj, attr, None)
+        if obj is not None and getattr(obj, "max_seq_len", None) is not None:
+            return int(obj.max_seq_len)
+    return None
+
+
+@contextlib.contextmanager
+def evaluating(model: Any, device: str | torch.device | None = None) -> Iterator[None]:
+    """Run an ``nn.Module`` in eval mode (on ``device`` if given); its training mode and device are restored
+    afterwards, also on error. Anything else (a plain callable) is left alone."""
+    if not isinstance(model, nn.Module):
+        yield
+        return
+    first = next(model.parameters(), None)
+    was_training, original_device = model.training, first.device if first is not None else None
+    model.eval()
+    if device is not None and original_device is not None and original_device != torch.device(device):
+        model.to(device)
+    try:
+        yield
+    finally:
+        if device is not None and original_device is not None:
+            model.to(original_device)
+        model.train(was_training)
+
+
+# ----------------------------------------------------------------------------- likelihood
+
+
+def pad_rows(rows: Sequence[Sequence[int]], pad_id: int = 0) -> torch.Tensor:
+    """Token-id rows of any lengths as one right-padded (B, longest) long tensor."""
+    batch = torch.full((len(rows), max(len(r) for r in rows)), pad_id, dtype=torch.long)
+    for i, row in enumerate(rows):
+        batch[i, : len(row)] = torch.as_tensor(list(row), dtype=torch.long)
+    return batch
+
+
+def span_logprobs(logits: torch.Tensor, tokens: torch.Tensor, spans: Sequence[Span]) -> torch.Tensor:
+    """(B,) float64: per row b, log p(tokens[b, start:end] | tokens[b, :start]), the sum over the span of
+    ``log_softmax(logits[b, t - 1])[tokens[b, t]]``.
+
+    Args:
+        logits: (B, T, V), ``logits[:, t]`` predicting ``tokens[:, t + 1]`` (the model's output on
+            ``tokens[:, :T]``).
+        tokens: (B, >= T + 1) or (B, T) token ids; only the spans' tokens are read.
+        spans: one ``(start, end)`` per row, ``1 <= start <= end <= T + 1`` (an empty span scores 0).
+    """
+    if len(spans) != logits.shape[0]:
+        raise ValueError(f"spans: expected one span per row ({logits.shape[0]}), got {len(spans)}")
+    logp = logits.float().log_softmax(dim=-1)
+    tokens = tokens.to(logp.device)
+    scores = torch.empty(len(spans), dtype=torch.float64)
+    for b, (start, end) in enumerate(spans):
+        if not 1 <= start <= end <= min(logits.shape[1] + 1, tokens.shape[1]):
+            raise ValueError(f"span ({start}, {end}) of row {b} is invalid for {logits.shape[1]} logits and "
+                             f"{tokens.shape[1]} tokens: expected 1 <= start <= end <= {logits.shape[1] + 1}")
+        positions = torch.arange(start - 1, end - 1, device=logp.device)
+        # summed in float64: candidates' scores are compared, rounding should not break near-ties
+        scores[b] = logp[b, positions, tokens[b, start:end]].cpu().double().sum()
+    return scores
+
+
+@torch.no_grad()
+def continuation_logprobs(logits_fn: LogitsFn, prompts: Sequence[Sequence[int]],
+                          continuations: Sequence[Sequence[int]], device: str | torch.device = "cpu",
+                          batch_size: int = 16, max_len: int | None = None, pad_id: int = 0) -> torch.Tensor:
+    """(N,) float64: summed log-likelihood of ``continuations[i]`` after ``prompts[i]``.
+
+    Rows are batched by length (less padding). A row longer than ``max_len`` model inputs (the model's
+    context limit) drops its first tokens; without ``max_len`` every row must fit the model.
+    """
+    if len(prompts) != len(continuations):
+        raise ValueError(f"{len(prompts)} prompts but {len(continuations)} continuations: expected pairs")
+    rows, starts = [], []
+    for prompt, continuation in zip(prompts, continuations):
+        row = list(prompt) + list(continuation)
+        cut = max(0, len(row) - 1 - max_len) if max_len else 0
+        rows.append(row[cut:])
+        starts.append(len(prompt) - cut)
+    scores = torch.empty(len(rows), dtype=torch.float64)
+    order = sorted(range(len(rows)), key=lambda i: len(rows[i]))
+    for first in range(0, len(order), batch_size):
+        chunk = order[first : first + batch_size]
+        batch = pad_rows([rows[i] for i in chunk], pad_id).to(device)
+        logits = logits_fn(batch[:, :-1])
+        scores[chunk] = span_logprobs(logits, batch, [(starts[i], len(rows[i])) for i in chunk])
+    return scores
+
+
+def candidate_logprobs(logits_fn: LogitsFn, prompts: Sequence[Sequence[int]],
+                       candidates: Sequence[Sequence[int]], device: str | torch.device = "cpu",
+                       batch_size: int = 16, max_len: int | None = None, pad_id: int = 0) -> torch.Tensor:
+    """(P, K) float64: summed log-likelihood of every candidate continuation after every prompt."""
+    pairs = [(p, c) for p in prompts for c in candidates]
+    scores = continuation_logprobs(logits_fn, [p for p, _ in pairs], [c for _, c in pairs], device, batch_size,
+                                   max_len, pad_id)
+    return scores.view(len(prompts), len(candidates))
+
+
+# ----------------------------------------------------------------------------- choice and exact match
+
+
+def best_candidates(scores: Any) -> list[int]:
+    """Constrained choice: per row of a (prompts, candidates) score matrix, the index of the best candidate
+    (the first one on ties)."""
+    scores = torch.as_tensor(np.asarray(scores, dtype=np.float64))
+    if scores.ndim != 2:
+        raise ValueError(f"scores must be (prompts, candidates), got shape {tuple(scores.shape)}")
+    return scores.argmax(dim=1).tolist()
+
+
+def argmax_matches(logits: torch.Tensor, targets: torch.Tensor, mask: torch.Tensor | None = None) -> tuple[int, int]:
+    """(correct, scored): positions (where ``mask`` is set, else all) whose argmax logit is the target.
+
+    ``logits`` (..., V) and ``targets`` / ``mask`` (...) must line up: ``logits[:, t]`` scored against
+    ``targets[:, t]``."""
+    targets = targets.to(logits.device)
+    mask = torch.ones_like(targets, dtype=torch.bool) if mask is None else mask.to(logits.device).bool()
+    correct = (logits.argmax(dim=-1) == targets) & mask
+    return int(correct.sum()), int(mask.sum())
+
+
+@torch.no_grad()
+def greedy_continuations(logits_fn: LogitsFn, prompts: Sequence[Sequence[int]], max_new: Sequence[int],
+                         stop_id: int | None = None, device: str | torch.device = "cpu", batch_size: int = 16,
+                         pad_id: int = 0) -> list[list[int]]:
+    """Greedy decoding: per prompt, the argmax tokens that follow it, up to ``max_new[i]`` tokens or through
+    the first ``stop_id`` (kept as the last token). Prompts share right-padded batches."""
+    outputs: list[list[int]] = []
+    for first in range(0, len(prompts), batch_size):
+        chunk, limits = prompts[first : first + batch_size], max_new[first : first + batch_size]
+        buffer = pad_rows([list(p) + [pad_id] * m for p, m in zip(chunk, limits)], pad_id).to(device)
+        lengths = [len(p) for p in chunk]
+        generated: list[list[int]] = [[] for _ in chunk]
+        active = [m > 0 for m in limits]
+        while any(active):
+            width = max(length for length, on in zip(lengths, active) if on)
+            logits = logits_fn(buffer[:, :width])
+            for i in (i for i, on in enumerate(active) if on):
+                token = int(logits[i, lengths[i] - 1].argmax())
+                generated[i].append(token)
+                buffer[i, lengths[i]] = token
+                lengths[i] += 1
+                active[i] = token != stop_id and len(generated[i]) < limits[i]
+        outputs.extend(generated)
+    return outputs
+
+
+# ----------------------------------------------------------------------------- attention
+
+
+def span_mask(length: int, spans: Sequence[Span], device: str | torch.device | None = None) -> torch.Tensor:
+    """(length,) bool: True on the positions of the spans (clipped to ``0 .. length - 1``)."""
+    mask = torch.zeros(length, dtype=torch.bool, device=device)
+    for start, end in spans:
+        mask[max(0, start) : max(0, min(end, length))] = True
+    return mask
+
+
+def attention_shares(rows: torch.Tensor, query_position: int, regions: Sequence[torch.Tensor]) -> torch.Tensor:
+    """(..., R): the share of each attention row that falls on each region of key positions.
+
+    Args:
+        rows: (..., T) attention of query position ``query_position`` over the T keys (e.g. one row per
+            head); entries may be negative (differential attention).
+        query_position: q; only the causal keys ``0 .. q`` count.
+        regions: R (T,) bool masks over the keys.
+
+    Entries are taken by magnitude and each row is normalised by its absolute causal sum, so shares lie in
+    [0, 1] whatever the signs (for non-negative rows: the renormalised attention). NaN where that sum is 0.
+    """
+    T = rows.shape[-1]
+    causal = torch.arange(T, device=rows.device) <= query_position
+    weights = rows.detach().float().abs() * causal
+    total = weights.sum(-1)
+    shares = [(weights * region.to(rows.device)).sum(-1) / total for region in regions]
+    return torch.stack(shares, dim=-1).where(total[..., None] > 0, torch.tensor(float("nan"), device=rows.device))
+
+
+def attention_to_span(attention: torch.Tensor, query_positions: Sequence[int], spans: Sequence[Span]) -> torch.Tensor:
+    """(..., Q): share of the attention from each query position that lands on the spans, e.g. how much the
+    answer tokens attend to the needle. ``attention`` is a (..., T, T) map (rows: queries, columns: keys),
+    such as one layer's (B, heads, T, T); see ``attention_shares`` for the normalisation."""
+    region = span_mask(attention.shape[-1], spans, attention.device)
+    return torch.stack([attention_shares(attention[..., q, :], q, [region])[..., 0] for q in query_positions], dim=-1)
