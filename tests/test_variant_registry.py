@@ -8,21 +8,29 @@ attention cases, and shows up in the benchmark and in a compare table.
 
 from __future__ import annotations
 
+import io
+import json
+import shutil
 import subprocess
 from pathlib import Path
 
 import pytest
 import torch
+from rich.console import Console
 from torch import nn
 
 import tests.test_attention as shared_cases
 from diffexp import Decoder, ModelConfig
 from diffexp.cli import main
+from diffexp.compare import compare
 from diffexp.errors import invalid
 from diffexp.model.attention import build_attention, naive, variant_names, variants
 from diffexp.model.attention.base import AttentionBase, merge_heads, split_heads
 from diffexp.model.attention.registry import Variant, register, unregister
 from diffexp.model.blocks import RMSNorm
+from diffexp.sweep.layout import TRIAL_FILE, trial_dir
+from diffexp.sweep.runs import load_curves
+from tests.fixtures_compare import write_sweep
 
 REPO = Path(__file__).resolve().parents[1]
 TOY = "toy_gated"
@@ -168,7 +176,7 @@ data:
 """
 
 
-def test_trains_through_diffexp_fit(toy, tmp_path, monkeypatch):
+def test_trains_through_diffexp_fit_and_appears_in_a_compare_table(toy, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     recipe = tmp_path / "toy.yaml"
     recipe.write_text(RECIPE.format(name=TOY, cache=tmp_path / "cache"))
@@ -178,6 +186,21 @@ def test_trains_through_diffexp_fit(toy, tmp_path, monkeypatch):
     assert last["global_step"] == 4 and last["hyper_parameters"]["arch"]["attention"] == TOY
     gates = [v for k, v in last["state_dict"].items() if k.endswith("attn.gate")]
     assert len(gates) == 1 and not torch.equal(gates[0], torch.linspace(-1.0, 1.0, 2))  # trained
+
+    # the run, filed as the one trial of a one-case study the way the sweep runner files trials
+    study = tmp_path / "runs" / "toy-study"
+    write_sweep(study, [("Gated heads", TOY)], [0])
+    trial = trial_dir(study, TOY, 0)
+    shutil.copytree(run, trial)
+    (trial / TRIAL_FILE).write_text(json.dumps({
+        "study": study.name, "case": "Gated heads", "case_slug": TOY, "seed": 0, "state": "complete",
+        "overrides": {"model.arch.attention": TOY}, "metrics": {}, "global_step": 4}))
+    buffer = io.StringIO()
+    compare(study, out=tmp_path / "compare", plots=False,
+            console=Console(file=buffer, width=200, color_system=None))
+    row = next(line for line in buffer.getvalue().splitlines() if line.startswith("│ Gated heads"))
+    final_val_loss = load_curves(run)["val/loss"][-1][1]  # read from the run's own events
+    assert TOY in row and f"{final_val_loss:.3f} ± n/a" in row
 
 
 def test_no_other_file_names_the_toy():
