@@ -36,7 +36,7 @@ import numpy as np
 import torch
 from torch import nn
 
-# ICLDataModule is re-exported: recipes and saved runs name it diffexp.evals.icl.ICLDataModule
+# ICLDataModule is re-exported: runs saved before it moved to diffexp.data.icl name it diffexp.evals.icl.ICLDataModule
 from diffexp.data.icl import ICLDataModule, ICLTask  # noqa: F401
 from diffexp.evals import plots, refuse_sharded_model
 from diffexp.evals.scoring import as_logits_fn, best_candidates, candidate_logprobs, evaluating, model_max_seq_len
