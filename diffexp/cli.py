@@ -1,7 +1,8 @@
 """`diffexp fit | validate | test --config recipe.yaml`: LightningCLI over DiffexpLM and TextDataModule.
 
 `diffexp sweep --config sweeps/<name>.yaml` and `diffexp compare runs/<study>` run ablation grids and
-tabulate them (diffexp.sweep, diffexp.compare); `diffexp eval TASK CKPT` runs the papers' evaluations.
+tabulate them (diffexp.sweep, diffexp.compare); `diffexp eval TASK CKPT` runs the papers' evaluations;
+`diffexp bench train|decode|kernel` measures each variant's cost against the reference (diffexp.bench).
 
 With no --config, `diffexp fit` trains the tiny default (the defaults of every class) on the
 embedded corpus. Every run logs to TensorBoard under runs/<name>/<version>/.
@@ -56,6 +57,7 @@ SUBCOMMANDS = {
     "compare": "tabulate and plot a sweep's runs, the papers' way (diffexp compare runs/<study>)",
     "eval": "the papers' evaluations on a checkpoint (needle, icl, mqar)",
     "variants": "the attention variants: name, paper and the model.arch flags each one reads",
+    "bench": "cost of each variant vs the reference, side by side: diffexp bench train|decode|kernel",
 }
 
 
@@ -308,6 +310,10 @@ def _main(args: list[str] | None = None) -> None:
         from diffexp.compare import main as compare_main
 
         sys.exit(compare_main(argv[1:]))
+    if argv and argv[0] == "bench":
+        from diffexp.bench.cli import main as bench_main
+
+        sys.exit(bench_main(argv[1:]))
     quiet_third_party_noise()
     log = logging.getLogger("diffexp")
     if not log.handlers:  # data preparation messages ("tokenizing ...", "reusing cached ...")
