@@ -3,7 +3,7 @@
 Every kind measures all variants side by side in one run (diffexp.bench.timing), writes a results JSON
 (default bench/results/<kind>-<timestamp>.json under the current directory), prints a table, and with
 `--compare OLD.json` how the ratios changed since an earlier run of the same kind. `diffexp bench` with
-no kind (or with options first) runs `train`, the training-step benchmark, as bench/bench_variants.py did.
+no kind (or with options first) runs `train`, the training-step benchmark that was once the whole bench.
 Every flag is checked before any model is built; a bad one prints one paragraph and exits 2.
 """
 

@@ -128,10 +128,10 @@ def print_table(title: str, headers: list[str], rows: list[list[str]], caption: 
             print(caption)
         return
     table = Table(title=title, caption=caption, caption_justify="left")
-    # cells are never cut: each column is as wide as its widest cell (or the header's longest word),
-    # the header wraps to that width, and the console is as wide as the table needs
+    # cells are never cut: each column is as wide as its widest cell (or its header up to 16 characters,
+    # or the header's longest word); a longer header wraps to that width, and the console is as wide as the table needs
     for i, h in enumerate(headers):
-        width = max([len(r[i]) for r in rows] + [len(word) for word in h.split()])
+        width = max([len(r[i]) for r in rows] + [len(word) for word in h.split()] + [min(len(h), 16)])
         table.add_column("\n".join(textwrap.wrap(h, width)), justify="left" if i == 0 else "right", no_wrap=True,
                          vertical="bottom")
     previous = None
@@ -179,8 +179,12 @@ def compare(old: dict, new: dict, layout: Layout, compare_path: Path) -> None:
     """Ratio changes between an earlier run and this one, per result key present in both."""
     diffs = [f"{k}: {old['env'].get(k)} -> {new['env'].get(k)}" for k in ENV_KEYS
              if old["env"].get(k) != new["env"].get(k)]
-    diffs += [f"{k}: {old['config'].get(k)} -> {new['config'].get(k)}" for k in layout.config_keys
-              if old["config"].get(k) != new["config"].get(k)]
+    for k in layout.config_keys:
+        a, b = old["config"].get(k), new["config"].get(k)
+        if isinstance(a, dict) and isinstance(b, dict):  # per variant: only the variants both runs measured
+            a, b = ({v: d[v] for v in a.keys() & b.keys()} for d in (a, b))
+        if a != b:
+            diffs.append(f"{k}: {a} -> {b}")
     rows = []
     for key, e in new["results"].items():
         o = old["results"].get(key)
@@ -190,7 +194,8 @@ def compare(old: dict, new: dict, layout: Layout, compare_path: Path) -> None:
             diffs.append(f"batch at seq {e['seq_len']}: {o.get('batch_size')} -> {e['batch_size']}")
         row = [str(e[field]) for _, field in layout.labels]
         for ratio in layout.ratios:
-            row += [ratio_cell(o.get(ratio.key)), ratio_cell(e.get(ratio.key)), _change(o.get(ratio.key), e.get(ratio.key))]
+            before, after = o.get(ratio.key), e.get(ratio.key)
+            row += [ratio_cell(before), ratio_cell(after), _change(before, after)]
             if ratio.spread:
                 row.append(spread_cell(o, ratio.key))
         rows.append(row)

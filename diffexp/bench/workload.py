@@ -52,7 +52,7 @@ def random_tokens(args: argparse.Namespace, batch: int, length: int, seq_len: in
     import torch
 
     gen = torch.Generator().manual_seed(SEED + seq_len)
-    return torch.randint(0, args.vocab_size, (batch, length), generator=gen).to(device)
+    return torch.empty(batch, length, dtype=torch.int64).random_(0, args.vocab_size, generator=gen).to(device)
 
 
 def autocast(args: argparse.Namespace, device):
