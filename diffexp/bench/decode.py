@@ -22,7 +22,7 @@ from __future__ import annotations
 import argparse
 
 from diffexp.bench import options, report, timing, workload
-from diffexp.bench.memory import measure_peaks, peak_bytes, release, tensor_bytes
+from diffexp.bench.memory import peak_bytes, release, tensor_bytes
 from diffexp.bench.progress import ProgressReporter
 from diffexp.errors import UserError
 from diffexp.model.attention.registry import reference_variant
@@ -124,7 +124,7 @@ def run(args: argparse.Namespace) -> dict:
 
     device = torch.device(args.device)
     variants = args.variants
-    per_variant = timing.runs_per_variant(args, 0 if args.no_memory else 1)
+    per_variant = timing.runs_per_variant(args)
     results: dict[str, dict] = {}
     with ProgressReporter(total=len(args.seq_lens) * len(variants) * per_variant) as progress:
         for prompt_len in args.seq_lens:
@@ -133,8 +133,7 @@ def run(args: argparse.Namespace) -> dict:
             progress.log(f"{label}, batch {args.batch_size}, {args.new_tokens} new tokens without KV cache: "
                          f"building {len(variants)} models")
             runners = {v: GenerationRunner(args, v, prompt, device) for v in variants}
-            samples = timing.interleaved(runners, args, progress, label, headline="decode_token_times_s")
-            peaks = measure_peaks(runners, not args.no_memory, progress, label)
+            samples, peaks = timing.measure(runners, args, progress, label, headline="decode_token_times_s")
             for v in variants:
                 r = runners[v]
                 results[f"{v}@{prompt_len}"] = {

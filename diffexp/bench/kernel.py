@@ -22,7 +22,7 @@ from __future__ import annotations
 import argparse
 
 from diffexp.bench import options, report, timing, workload
-from diffexp.bench.memory import measure_peaks, peak_bytes, release, tensor_bytes
+from diffexp.bench.memory import peak_bytes, release, tensor_bytes
 from diffexp.bench.progress import ProgressReporter
 from diffexp.model.attention.registry import reference_variant
 
@@ -130,7 +130,7 @@ def run(args: argparse.Namespace) -> dict:
 
     device = torch.device(args.device)
     pairs = [(v, b) for b in args.backends for v in args.variants]
-    per_pair = timing.runs_per_variant(args, 0 if args.no_memory else 1)
+    per_pair = timing.runs_per_variant(args)
     results: dict[str, dict] = {}
     with ProgressReporter(total=len(args.seq_lens) * len(pairs) * per_pair) as progress:
         for seq_len in args.seq_lens:
@@ -140,8 +140,7 @@ def run(args: argparse.Namespace) -> dict:
             grad_out = torch.randn(batch, seq_len, args.d_model, generator=gen).to(device)
             progress.log(f"seq {seq_len}, batch {batch}: building {len(pairs)} attention modules")
             runners = {f"{v}/{b}": AttentionRunner(args, v, b, x, grad_out, device) for v, b in pairs}
-            samples = timing.interleaved(runners, args, progress, f"seq {seq_len}", headline="times_s")
-            peaks = measure_peaks(runners, not args.no_memory, progress, f"seq {seq_len}")
+            samples, peaks = timing.measure(runners, args, progress, f"seq {seq_len}", headline="times_s")
             for v, b in pairs:
                 r = runners[f"{v}/{b}"]
                 results[f"{v}@{seq_len}/{b}"] = {
@@ -193,5 +192,5 @@ def table(data: dict) -> tuple[str, list[str], list[list[str]], str]:
                "min-max of the fwd+bwd ratio per round; peak mem = live tensor bytes of one forward+backward "
                "(weights included); TFLOP/s = the layer's attention FLOPs (linear weights + the registry's "
                f"attention_flops, x3) / fwd+bwd time; MFU = that / the peak "
-               f"({'n/a' if not peak else f'{peak / 1e12:g}'} TFLOP/s).")
+               f"({report.tflops_text(peak)} TFLOP/s).")
     return title, HEADERS, rows, caption

@@ -21,6 +21,15 @@ BACKENDS = ("sdpa", "eager", "flash_attn")
 RESULTS_DIR = Path("bench") / "results"
 
 
+class _DefaultsFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows each option's default, except where there is none to show (None: the help says what happens)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        if action.default is None:
+            return action.help or ""
+        return super()._get_help_string(action)
+
+
 class BenchArgumentParser(argparse.ArgumentParser):
     """argparse's errors (unknown flag, bad choice, not a number) as a UserError, without the usage page."""
 
@@ -32,20 +41,21 @@ def build_parser(kind: str, description: str, *, batch_size: int, seq_lens: list
                  seq_lens_help: str | None = None) -> BenchArgumentParser:
     """The shared flags: variants, model shape, sizes, timing scheme, device, output and --compare."""
     p = BenchArgumentParser(prog=f"diffexp bench {kind}", description=description,
-                            formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                            formatter_class=_DefaultsFormatter)
     p.add_argument("--variants", nargs="+", default=None, metavar="NAME",
                    help="variants to measure (default: every registered one; `diffexp variants` lists them); "
                         f"the reference variant ({reference_variant().name}) is always added")
-    p.add_argument("--seq-lens", nargs="+", type=int, default=seq_lens, metavar="T", help=seq_lens_help)
-    p.add_argument("--batch-size", type=int, default=batch_size)
-    p.add_argument("--d-model", type=int, default=DEFAULT_SHAPE["d_model"])
-    p.add_argument("--n-layers", type=int, default=DEFAULT_SHAPE["n_layers"])
-    p.add_argument("--n-heads", type=int, default=DEFAULT_SHAPE["n_heads"])
-    p.add_argument("--vocab-size", type=int, default=DEFAULT_SHAPE["vocab_size"])
+    p.add_argument("--seq-lens", nargs="+", type=int, default=seq_lens, metavar="T",
+                   help=seq_lens_help or "sequence lengths")
+    p.add_argument("--batch-size", type=int, default=batch_size, help="sequences per batch")
+    p.add_argument("--d-model", type=int, default=DEFAULT_SHAPE["d_model"], help="residual width")
+    p.add_argument("--n-layers", type=int, default=DEFAULT_SHAPE["n_layers"], help="decoder blocks")
+    p.add_argument("--n-heads", type=int, default=DEFAULT_SHAPE["n_heads"], help="attention heads")
+    p.add_argument("--vocab-size", type=int, default=DEFAULT_SHAPE["vocab_size"], help="token ids")
     p.add_argument("--steps", type=int, default=3, help="timed runs per variant per round")
     p.add_argument("--warmup", type=int, default=1, help="untimed runs per variant per round")
-    p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    p.add_argument("--rounds", type=int, default=3, help="rounds, each in a rotated variant order")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="where to run")
     p.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32",
                    help="bf16 = autocast mixed precision (fp32 weights and optimizer state)")
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's default)")

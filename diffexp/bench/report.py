@@ -91,7 +91,8 @@ def load_results(path: Path, kind: str) -> dict:
         raise UserError(f"--compare {path}: cannot read an earlier result: {err}") from None
     found = data.get("kind", "train")
     if found != kind:
-        raise UserError(f"--compare {path}: a `diffexp bench {found}` result; expected one of `diffexp bench {kind}`")
+        raise UserError(f"--compare {path}: a `diffexp bench {found}` result; expected the JSON of a "
+                        f"`diffexp bench {kind}` run")
     return data
 
 
@@ -109,6 +110,10 @@ def spread_cell(entry: dict, ratio: str) -> str:
 
 def mib_cell(nbytes: int | None) -> str:
     return "n/a" if nbytes is None else f"{nbytes / 2**20:.1f}"
+
+
+def tflops_text(flops_per_s: float | None) -> str:
+    return "n/a" if not flops_per_s else f"{flops_per_s / 1e12:g}"
 
 
 def print_table(title: str, headers: list[str], rows: list[list[str]], caption: str = "",

@@ -27,6 +27,7 @@ import time
 from collections.abc import Mapping
 from typing import Protocol
 
+from diffexp.bench.memory import measure_peaks
 from diffexp.bench.progress import ProgressReporter
 
 #: samples[runner][measure][round] = the seconds of each timed run
@@ -67,9 +68,9 @@ class Stopwatch:
         return elapsed
 
 
-def runs_per_variant(args, memory_runs: int = 0) -> int:
-    """Runs `interleaved` makes per runner (for the progress total), plus untimed memory runs."""
-    return 1 + args.rounds * (args.warmup + args.steps) + memory_runs
+def runs_per_variant(args) -> int:
+    """Runs `measure` makes per runner (for the progress total): interleaved, plus one for memory."""
+    return 1 + args.rounds * (args.warmup + args.steps) + (0 if args.no_memory else 1)
 
 
 def rotated(items: list[str], r: int) -> list[str]:
@@ -101,6 +102,13 @@ def interleaved(runners: Mapping[str, Runner], args, progress: ProgressReporter,
         summary = ", ".join(f"{name} {statistics.median(samples[name][headline][r]) * 1e3:.0f}" for name in order)
         progress.log(f"{label} round {r + 1}/{args.rounds} median ms: {summary}")
     return samples
+
+
+def measure(runners: Mapping[str, Runner], args, progress: ProgressReporter, label: str,
+            headline: str) -> tuple[Samples, dict[str, int | None]]:
+    """`interleaved` timing, then each runner's peak memory (None without memory runs)."""
+    samples = interleaved(runners, args, progress, label, headline)
+    return samples, measure_peaks(runners, not args.no_memory, progress, label)
 
 
 def add_ratio(entry: dict, base: dict, times: str, median: str, ratio: str) -> None:

@@ -26,7 +26,7 @@ from __future__ import annotations
 import argparse
 
 from diffexp.bench import options, report, timing, workload
-from diffexp.bench.memory import measure_peaks, peak_bytes, release, tensor_bytes
+from diffexp.bench.memory import peak_bytes, release, tensor_bytes
 from diffexp.bench.progress import ProgressReporter
 from diffexp.model.attention.registry import reference_variant
 
@@ -116,7 +116,7 @@ def run(args: argparse.Namespace) -> dict:
 
     device = torch.device(args.device)
     variants = args.variants
-    per_variant = timing.runs_per_variant(args, 0 if args.no_memory else 1)
+    per_variant = timing.runs_per_variant(args)
     results: dict[str, dict] = {}
     with ProgressReporter(total=len(args.seq_lens) * len(variants) * per_variant) as progress:
         for seq_len in args.seq_lens:
@@ -124,8 +124,7 @@ def run(args: argparse.Namespace) -> dict:
             tokens = workload.random_tokens(args, batch, seq_len + 1, seq_len, device)
             progress.log(f"seq {seq_len}, batch {batch}: building {len(variants)} models")
             runners = {v: StepRunner(args, v, tokens, device) for v in variants}
-            samples = timing.interleaved(runners, args, progress, f"seq {seq_len}", headline="times_s")
-            peaks = measure_peaks(runners, not args.no_memory, progress, f"seq {seq_len}")
+            samples, peaks = timing.measure(runners, args, progress, f"seq {seq_len}", headline="times_s")
             for v in variants:
                 results[f"{v}@{seq_len}"] = {
                     "variant": v, "seq_len": seq_len, "batch_size": batch, "tokens_per_step": batch * seq_len,
@@ -172,5 +171,5 @@ def table(data: dict) -> tuple[str, list[str], list[list[str]], str]:
     caption = (f"tokens/s vs base = {ref} median step time / variant median (>1 = faster than {ref}); "
                "spread = min-max of the same ratio per round; peak mem = live tensor bytes "
                "(state + step); TFLOP/s = model FLOPs (Decoder.flops_per_token, training) / step time; MFU = "
-               f"that / the peak ({'n/a' if not peak else f'{peak / 1e12:g}'} TFLOP/s).")
+               f"that / the peak ({report.tflops_text(peak)} TFLOP/s).")
     return title, HEADERS, rows, caption
