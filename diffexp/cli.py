@@ -2,7 +2,8 @@
 
 fit, validate and test are LightningCLI over DiffexpLM (diffexp.training.cli); `diffexp sweep` and
 `diffexp compare runs/<study>` run ablation grids and tabulate them (diffexp.sweep, diffexp.compare);
-`diffexp eval TASK CKPT` runs the papers' evaluations; `diffexp variants` lists the attention registry.
+`diffexp eval TASK CKPT` runs the papers' evaluations; `diffexp bench train|decode|kernel` measures each
+variant's cost against the reference (diffexp.bench); `diffexp variants` lists the attention registry.
 Every subcommand runs under `diffexp.errors.guarded`: a user error is one paragraph, no traceback.
 """
 
@@ -24,6 +25,7 @@ SUBCOMMANDS = {
     "compare": "tabulate and plot a sweep's runs, the papers' way (diffexp compare runs/<study>)",
     "eval": "the papers' evaluations on a checkpoint (needle, icl, mqar)",
     "variants": "the attention variants: name, paper and the model.arch flags each one reads",
+    "bench": "cost of each variant vs the reference, side by side: diffexp bench train|decode|kernel",
 }
 
 
@@ -111,6 +113,10 @@ def _main(args: list[str] | None = None) -> None:
         from diffexp.compare import main as compare_main
 
         sys.exit(compare_main(argv[1:]))
+    if argv and argv[0] == "bench":
+        from diffexp.bench.cli import main as bench_main
+
+        sys.exit(bench_main(argv[1:]))
     run_lightning_cli(args)
 
 

@@ -1,57 +1,155 @@
-"""bench/bench_variants.py runs on CPU: every variant against the baseline, a JSON a later run compares with."""
+"""`diffexp bench train|decode|kernel` run on CPU: every registered variant against the reference, a JSON a
+later run compares with, and bad flags refused before any work."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
 import pytest
+import torch
+
+from diffexp.bench.cli import main
+from diffexp.cli import main as diffexp_main
+from diffexp.model.attention import variant_names, variants
+from diffexp.model.attention.registry import reference_variant
 
 REPO = Path(__file__).resolve().parents[1]
 
+SHAPE = ["--d-model", "32", "--n-layers", "1", "--n-heads", "2", "--vocab-size", "64", "--seq-lens", "32",
+         "--batch-size", "2", "--steps", "1", "--warmup", "0", "--rounds", "2", "--threads", "1"]
+TINY = ["train", *SHAPE]
+TINY_DECODE = ["decode", *SHAPE, "--batch-size", "1", "--new-tokens", "2"]
+TINY_KERNEL = ["kernel", *SHAPE]
 
-def _bench():
-    spec = importlib.util.spec_from_file_location("bench_variants", REPO / "bench" / "bench_variants.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+
+@pytest.fixture(autouse=True)
+def _keep_threads():
+    threads = torch.get_num_threads()
+    yield
+    torch.set_num_threads(threads)
 
 
-TINY = ["--d-model", "32", "--n-layers", "1", "--n-heads", "2", "--vocab-size", "64", "--seq-lens", "32",
-        "--batch-size", "2", "--steps", "1", "--warmup", "0", "--rounds", "2", "--threads", "1"]
+def two_map_variant() -> str:
+    return next(v.name for v in variants() if v.maps_per_head == 2)
 
 
 def test_bench_writes_ratios_flops_and_mfu_and_compares(tmp_path, capsys):
-    bench = _bench()
     first = tmp_path / "first.json"
-    assert bench.main([*TINY, "--json", str(first), "--peak-tflops", "1.0"]) == 0
+    assert main([*TINY, "--json", str(first), "--peak-tflops", "1.0"]) == 0
     data = json.loads(first.read_text())
     caption = " ".join(capsys.readouterr().out.split())  # the table may wrap it
     assert f"the peak (1 TFLOP/s). Wall time {data['env']['wall_s']:.0f} s" in caption and "{" not in caption
     results = data["results"]
-    assert set(results) == {f"{v}@32" for v in ("baseline", "diff_v1", "diff_v2", "shared_diff", "dint")}
-    base = results["baseline@32"]
+    assert set(results) == {f"{v}@32" for v in variant_names()}
+    base = results[f"{reference_variant().name}@32"]
     assert base["speed_ratio"] == pytest.approx(1.0) and base["mem_ratio"] == pytest.approx(1.0)
     for entry in results.values():
         assert entry["speed_ratio"] > 0 and entry["peak_bytes"] > 0
         assert entry["mfu"] == pytest.approx(entry["tflops_per_s"] / 1.0)
     # the two-map variants do more attention work per token than the baseline
-    assert results["diff_v1@32"]["flops_per_step"] > base["flops_per_step"]
+    assert results[f"{two_map_variant()}@32"]["flops_per_step"] > base["flops_per_step"]
+    assert data["kind"] == "train" and data["env"]["threads"] == 1
 
+    # a result written before `diffexp bench` had kinds (no "kind" key) compares as a training-step run
+    first.write_text(json.dumps({key: value for key, value in data.items() if key != "kind"}))
     second = tmp_path / "second.json"
-    assert bench.main([*TINY, "--variants", "dint", "--no-memory", "--json", str(second),
-                       "--compare", str(first)]) == 0
+    with pytest.raises(SystemExit) as exit_info:  # through the diffexp CLI
+        diffexp_main(["bench", *TINY, "--variants", variant_names()[-1], "--no-memory", "--json", str(second),
+                      "--compare", str(first)])
+    assert exit_info.value.code == 0
     out = capsys.readouterr().out
     assert "MFU" in out and "old tok/s ratio" in out
 
 
+def test_bench_decode_runs_without_kv_cache(tmp_path, capsys):
+    path = tmp_path / "decode.json"
+    assert main([*TINY_DECODE, "--json", str(path)]) == 0
+    data = json.loads(path.read_text())
+    out = " ".join(capsys.readouterr().out.split())
+    assert "WITHOUT KV cache" in out and "No KV cache" in out
+    assert data["kind"] == "decode" and data["config"]["kv_cache"] is False
+    results = data["results"]
+    assert set(results) == {f"{v}@32" for v in variant_names()}
+    base = results[f"{reference_variant().name}@32"]
+    assert base["speed_ratio"] == pytest.approx(1.0) and base["prefill_speed_ratio"] == pytest.approx(1.0)
+    for entry in results.values():
+        assert entry["speed_ratio"] > 0 and entry["prefill_speed_ratio"] > 0 and entry["peak_bytes"] > 0
+        assert entry["kv_cache"] is False and entry["new_tokens"] == 2
+        # without a cache each token re-runs the whole sequence: more work per token than the prompt's mean
+        assert entry["decode_flops_per_token"] > entry["prefill_flops"] / 32
+    assert main([*TINY_DECODE, "--no-memory", "--json", str(tmp_path / "again.json"), "--compare", str(path)]) == 0
+    assert "old decode ratio" in capsys.readouterr().out
+
+
+def test_bench_kernel_times_each_backend(tmp_path):
+    path = tmp_path / "kernel.json"
+    assert main([*TINY_KERNEL, "--json", str(path)]) == 0
+    data = json.loads(path.read_text())
+    assert data["kind"] == "kernel" and data["config"]["backends"] == ["sdpa", "eager"]  # no flash_attn on CPU
+    results = data["results"]
+    assert set(results) == {f"{v}@32/{b}" for v in variant_names() for b in ("sdpa", "eager")}
+    for backend in ("sdpa", "eager"):
+        base = results[f"{reference_variant().name}@32/{backend}"]
+        assert base["speed_ratio"] == pytest.approx(1.0) and base["forward_speed_ratio"] == pytest.approx(1.0)
+        assert results[f"{two_map_variant()}@32/{backend}"]["flops_per_step"] > base["flops_per_step"]
+    for entry in results.values():
+        assert entry["speed_ratio"] > 0 and entry["forward_speed_ratio"] > 0 and entry["peak_bytes"] > 0
+
+
 @pytest.mark.parametrize("args, message", [
-    (["--variants", "diff_v9"], "unknown variant 'diff_v9'"),
-    (["--peak-tflops", "0"], "--peak-tflops: expected a positive number"),
-    (["--seq-lens", "0"], "--seq-lens: expected a positive integer, got 0"),
+    ([*TINY, "--variants", "diff_v9"], "unknown variant 'diff_v9'"),
+    ([*TINY, "--peak-tflops", "0"], "--peak-tflops: expected a positive number"),
+    ([*TINY, "--seq-lens", "0"], "--seq-lens: expected a positive integer, got 0"),
+    ([*TINY_DECODE, "--variants", "diff_v9"], "unknown variant 'diff_v9'"),
+    ([*TINY_DECODE, "--new-tokens", "0"], "--new-tokens: expected a positive integer, got 0"),
+    ([*TINY_KERNEL, "--variants", "diff_v9"], "unknown variant 'diff_v9'"),
+    ([*TINY_KERNEL, "--backends", "flash_attn"], "--backends flash_attn needs --device cuda"),
+    ([*TINY_KERNEL, "--backends", "fast"], "--backends: invalid choice: 'fast'"),
+    (["fastest", *SHAPE], "diffexp bench KIND: got 'fastest'; expected one of train, decode, kernel"),
 ])
-def test_bench_rejects_bad_flags_before_any_work(args, message, capsys):
-    with pytest.raises(SystemExit):
-        _bench().main([*TINY, *args])
-    assert message in capsys.readouterr().err
+def test_bench_rejects_bad_flags_before_any_work(args, message, tmp_path, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main([*args, "--json", str(tmp_path / "sub" / "out.json")])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
+    assert not (tmp_path / "sub").exists()  # nothing was created
+
+
+def test_bench_without_kind_runs_train_and_lists_kinds(tmp_path, capsys):
+    assert main(["--help"]) == 0
+    out = capsys.readouterr().out
+    assert all(kind in out for kind in ("train", "decode", "kernel"))
+    path = tmp_path / "default.json"
+    assert main([*SHAPE, "--variants", reference_variant().name, "--no-memory", "--json", str(path)]) == 0
+    assert json.loads(path.read_text())["kind"] == "train"
+
+
+def test_a_newly_registered_variant_is_benchmarked(tmp_path):
+    from dataclasses import replace
+
+    from diffexp.model.attention import variant_class
+    from diffexp.model.attention.registry import register, unregister
+
+    reference = variant_class(reference_variant().name)
+
+    @register
+    class ProbeAttention(reference):
+        variant = replace(reference.variant, name="bench_probe", reference_variant=False,
+                          bench_arch={"n_kv_heads": 1})
+
+    try:
+        path = tmp_path / "kernel.json"
+        assert main([*TINY_KERNEL, "--backends", "sdpa", "--no-memory", "--json", str(path)]) == 0
+        data = json.loads(path.read_text())
+        assert "bench_probe@32/sdpa" in data["results"]
+        assert data["config"]["variant_overrides"]["bench_probe"] == {"n_kv_heads": 1}
+    finally:
+        unregister("bench_probe")
+
+
+def test_bench_names_no_variant():
+    for path in (REPO / "diffexp" / "bench").glob("*.py"):  # variants come from the registry only
+        text = path.read_text().lower()
+        assert not [name for name in variant_names() if name in text], path

@@ -1,0 +1,92 @@
+"""`diffexp bench train|decode|kernel [options]`: the cost of each attention variant relative to the reference.
+
+Every kind measures all variants side by side in one run (diffexp.bench.timing), writes a results JSON
+(default bench/results/<kind>-<timestamp>.json under the current directory), prints a table, and with
+`--compare OLD.json` how the ratios changed since an earlier run of the same kind. `diffexp bench` with
+no kind (or with options first) runs `train`, the training-step benchmark that was once the whole bench.
+Every flag is checked before any model is built; a bad one prints one paragraph and exits 2.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import importlib
+import sys
+import time
+
+from diffexp.bench import options, report
+from diffexp.errors import UserError, guarded
+
+#: kind -> its module; each has NAME, ABOUT, LAYOUT, build_parser, validate, config, run and table
+KINDS = {"train": "diffexp.bench.train_step", "decode": "diffexp.bench.decode", "kernel": "diffexp.bench.kernel"}
+DEFAULT_KIND = "train"
+
+
+def kind_module(kind: str):
+    return importlib.import_module(KINDS[kind])
+
+
+def usage() -> str:
+    width = max(map(len, KINDS))
+    lines = ["usage: diffexp bench [KIND] [options]", "",
+             "Cost of each registered attention variant relative to the reference variant, measured side by side",
+             f"in one run. With no KIND (or options first) the kind is {DEFAULT_KIND}.", "", "kinds:"]
+    lines += [f"  {kind:<{width}}  {kind_module(kind).ABOUT}" for kind in KINDS]
+    lines += ["", "`diffexp bench KIND --help` lists the options of a kind."]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    """0 on success; a bad flag is one `error: ...` paragraph on stderr and SystemExit(2) (diffexp.errors)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] in (["-h"], ["--help"], ["help"]):
+        sys.stdout.write(usage())
+        return 0
+    return guarded(_run, argv)
+
+
+def _run(argv: list[str]) -> int:
+    if not argv or argv[0].startswith("-"):
+        return run_kind(kind_module(DEFAULT_KIND), argv)
+    if argv[0] not in KINDS:
+        raise UserError(f"diffexp bench KIND: got {argv[0]!r}; expected one of {', '.join(KINDS)} "
+                        "(`diffexp bench --help` describes them)")
+    return run_kind(kind_module(argv[0]), argv[1:])
+
+
+def run_kind(kind, argv: list[str]) -> int:
+    """Parse and check every flag, measure, write the JSON, print the table (and the comparison)."""
+    args = kind.build_parser().parse_args(argv)
+    options.validate(args)
+    kind.validate(args)
+    old = None if args.compare is None else report.load_results(args.compare, kind.NAME)
+    options.output_path(args, kind.NAME)
+
+    import torch
+
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    env = report.environment(args.device)
+    started = time.perf_counter()
+    results = kind.run(args)
+    env["loadavg_end"] = report.loadavg()
+    env["wall_s"] = round(time.perf_counter() - started, 1)
+    data = {
+        "kind": kind.NAME,
+        "created": _dt.datetime.now().isoformat(timespec="seconds"),
+        "command": " ".join(["diffexp", "bench", kind.NAME, *argv]),
+        "env": env,
+        "config": kind.config(args),
+        "results": results,
+    }
+    report.write_results(args.json, data)
+    title, headers, rows, caption = kind.table(data)
+    caption += f" Wall time {env['wall_s']:.0f} s. Results: {args.json}" + report.load_note(env)
+    report.print_table(title, headers, rows, caption, group_columns=tuple(range(1, len(kind.LAYOUT.labels))))
+    if old is not None:
+        report.compare(old, data, kind.LAYOUT, args.compare)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

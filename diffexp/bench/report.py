@@ -1,0 +1,219 @@
+"""What a bench run records and prints: the environment, the results JSON, the rich table and the
+comparison with an earlier run of the same kind."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import subprocess
+import sys
+import textwrap
+from dataclasses import dataclass
+from pathlib import Path
+
+from diffexp.errors import UserError
+
+PACKAGE_DIR = Path(__file__).resolve().parents[1]
+
+
+# --------------------------------------------------------------------------------------------------
+# environment
+# --------------------------------------------------------------------------------------------------
+def git_info() -> dict:
+    """Commit and dirty flag of the diffexp source being measured (None outside a git checkout)."""
+    def git(*cmd: str) -> str | None:
+        try:
+            out = subprocess.run(["git", *cmd], cwd=PACKAGE_DIR, capture_output=True, text=True, timeout=10)
+        except (OSError, subprocess.SubprocessError):
+            return None
+        return out.stdout.strip() if out.returncode == 0 else None
+
+    status = git("status", "--porcelain", "--untracked-files=no")
+    return {"commit": git("rev-parse", "HEAD"), "dirty": None if status is None else bool(status)}
+
+
+def loadavg() -> list[float] | None:
+    return list(os.getloadavg()) if hasattr(os, "getloadavg") else None
+
+
+def environment(device: str) -> dict:
+    import torch
+
+    env = {
+        "torch": torch.__version__, "python": platform.python_version(), "platform": platform.platform(),
+        "device": device, "threads": torch.get_num_threads(), "cpu_count": os.cpu_count(),
+        "git": git_info(), "loadavg_start": loadavg(),
+    }
+    if device == "cuda":
+        env["device_name"] = torch.cuda.get_device_name(0)
+        env["cuda"] = torch.version.cuda
+    else:
+        env["device_name"] = platform.processor() or platform.machine()
+    return env
+
+
+def peak_flops(device: str, dtype: str, peak_tflops: float | None) -> float | None:
+    """Peak FLOP/s for MFU: --peak-tflops, else Lightning's table for the GPU and dtype (None on CPU)."""
+    if peak_tflops is not None:
+        return peak_tflops * 1e12
+    if device != "cuda":
+        return None
+    import torch
+    from lightning.fabric.utilities.throughput import get_available_flops
+
+    return get_available_flops(torch.device("cuda"), torch.bfloat16 if dtype == "bf16" else torch.float32)
+
+
+def load_note(env: dict) -> str:
+    """A caption line when other processes competed for the CPUs during the run."""
+    start, end = env.get("loadavg_start"), env.get("loadavg_end")
+    if not start or not end or max(start[0], end[0]) <= (env.get("cpu_count") or 1):
+        return ""
+    return (f"\nNOTE: load average {start[0]:.1f} -> {end[0]:.1f} on {env['cpu_count']} CPUs: other processes "
+            "competed; trust ratios only within their spread.")
+
+
+# --------------------------------------------------------------------------------------------------
+# results JSON
+# --------------------------------------------------------------------------------------------------
+def write_results(path: Path, data: dict) -> None:
+    Path(path).write_text(json.dumps(data, indent=1))
+
+
+def load_results(path: Path, kind: str) -> dict:
+    """An earlier run of `diffexp bench KIND` (a JSON without "kind" is a training-step run); UserError if not."""
+    try:
+        data = json.loads(Path(path).read_text())
+        if not isinstance(data, dict) or "results" not in data or "config" not in data:
+            raise ValueError("not a diffexp bench result (no 'results'/'config')")
+    except (OSError, ValueError) as err:
+        raise UserError(f"--compare {path}: cannot read an earlier result: {err}") from None
+    found = data.get("kind", "train")
+    if found != kind:
+        raise UserError(f"--compare {path}: a `diffexp bench {found}` result; expected the JSON of a "
+                        f"`diffexp bench {kind}` run")
+    return data
+
+
+# --------------------------------------------------------------------------------------------------
+# tables
+# --------------------------------------------------------------------------------------------------
+def ratio_cell(x: float | None) -> str:
+    return "n/a" if x is None else f"{x:.2f}x"
+
+
+def spread_cell(entry: dict, ratio: str) -> str:
+    low, high = entry.get(f"{ratio}_min"), entry.get(f"{ratio}_max")
+    return "n/a" if low is None or high is None else f"{low:.2f}-{high:.2f}"
+
+
+def mib_cell(nbytes: int | None) -> str:
+    return "n/a" if nbytes is None else f"{nbytes / 2**20:.1f}"
+
+
+def tflops_text(flops_per_s: float | None) -> str:
+    return "n/a" if not flops_per_s else f"{flops_per_s / 1e12:g}"
+
+
+def print_table(title: str, headers: list[str], rows: list[list[str]], caption: str = "",
+                group_columns: tuple[int, ...] = (1,)) -> None:
+    """A rich table (plain text without rich), a new section whenever the group columns change."""
+    try:
+        from rich.console import Console
+        from rich.table import Table
+    except ImportError:
+        widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(headers)]
+        print(title)
+        print("  ".join(h.rjust(w) for h, w in zip(headers, widths, strict=True)))
+        print("  ".join("-" * w for w in widths))
+        for row in rows:
+            print("  ".join(c.rjust(w) for c, w in zip(row, widths, strict=True)))
+        if caption:
+            print(caption)
+        return
+    table = Table(title=title, caption=caption, caption_justify="left")
+    # cells are never cut: each column is as wide as its widest cell (or its header up to 16 characters,
+    # or the header's longest word); a longer header wraps to that width, and the console is as wide as the table needs
+    for i, h in enumerate(headers):
+        width = max([len(r[i]) for r in rows] + [len(word) for word in h.split()] + [min(len(h), 16)])
+        table.add_column("\n".join(textwrap.wrap(h, width)), justify="left" if i == 0 else "right", no_wrap=True,
+                         vertical="bottom")
+    previous = None
+    for row in rows:
+        group = [row[i] for i in group_columns]
+        if previous is not None and group != previous:
+            table.add_section()
+        previous = group
+        table.add_row(*row)
+    needed = Console(width=10_000).measure(table).maximum
+    Console(file=sys.stdout, width=max(140, Console().width, needed), highlight=False).print(table)
+
+
+# --------------------------------------------------------------------------------------------------
+# --compare
+# --------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Ratio:
+    """One ratio column group of the --compare table: old, new, change (and the old run's spread)."""
+
+    key: str
+    old: str
+    new: str
+    change: str
+    spread: str | None = None
+
+
+@dataclass(frozen=True)
+class Layout:
+    """How a kind's results are labelled and compared with an earlier run."""
+
+    labels: tuple[tuple[str, str], ...]  # (header, entry key) of the columns that name a row
+    ratios: tuple[Ratio, ...]
+    config_keys: tuple[str, ...]  # settings whose change makes the runs not comparable
+
+
+ENV_KEYS = ("device", "device_name", "threads", "torch")
+
+
+def _change(a: float | None, b: float | None) -> str:
+    return "n/a" if not a or b is None else f"{(b / a - 1) * 100:+.1f}%"
+
+
+def compare(old: dict, new: dict, layout: Layout, compare_path: Path) -> None:
+    """Ratio changes between an earlier run and this one, per result key present in both."""
+    diffs = [f"{k}: {old['env'].get(k)} -> {new['env'].get(k)}" for k in ENV_KEYS
+             if old["env"].get(k) != new["env"].get(k)]
+    for k in layout.config_keys:
+        a, b = old["config"].get(k), new["config"].get(k)
+        if isinstance(a, dict) and isinstance(b, dict):  # per variant: only the variants both runs measured
+            a, b = ({v: d[v] for v in a.keys() & b.keys()} for d in (a, b))
+        if a != b:
+            diffs.append(f"{k}: {a} -> {b}")
+    rows = []
+    for key, e in new["results"].items():
+        o = old["results"].get(key)
+        if o is None:
+            continue
+        if o.get("batch_size") != e["batch_size"]:
+            diffs.append(f"batch at seq {e['seq_len']}: {o.get('batch_size')} -> {e['batch_size']}")
+        row = [str(e[field]) for _, field in layout.labels]
+        for ratio in layout.ratios:
+            before, after = o.get(ratio.key), e.get(ratio.key)
+            row += [ratio_cell(before), ratio_cell(after), _change(before, after)]
+            if ratio.spread:
+                row.append(spread_cell(o, ratio.key))
+        rows.append(row)
+    if not rows:
+        print(f"\n--compare: no result in common with {compare_path}")
+        return
+    headers = [header for header, _ in layout.labels]
+    for ratio in layout.ratios:
+        headers += [ratio.old, ratio.new, ratio.change] + ([ratio.spread] if ratio.spread else [])
+    commit = (old["env"].get("git") or {}).get("commit") or "?"
+    caption = "A ratio change inside the old run's spread is noise, not a regression."
+    if diffs:
+        caption += "\nWARNING, the runs differ in: " + "; ".join(dict.fromkeys(diffs))
+    print()
+    print_table(f"Change vs {compare_path} (commit {commit[:10]}, {old.get('created')})", headers, rows, caption,
+                group_columns=tuple(range(1, len(layout.labels))))

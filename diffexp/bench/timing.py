@@ -1,0 +1,142 @@
+"""The side-by-side timing scheme every bench kind shares.
+
+All variants of one measurement share one run, one input and one machine state, so the ratios to
+the reference variant stay meaningful on a noisy machine:
+
+* First run: every runner runs once untimed (allocations, optimizer state, kernel selection).
+* Interleaving: inside a round the variants take turns run by run (reference, then the others in
+  registry order, then the reference again, ...), so a burst of load from another process hits
+  every variant about equally instead of one variant's whole block.
+* Rotation: round r starts the turn order at variant r, so no variant is always first (cold) or
+  last.
+* Warm-up: each round begins with ``--warmup`` untimed interleaved runs per variant.
+* Medians: a variant's time is the median of all its timed runs; its ratio is
+  ``reference median / variant median`` (>1 = faster than the reference). The spread is the
+  min..max of the same ratio computed per round (each round's median): a wide spread means the
+  machine was too noisy to trust the digits.
+
+A runner's `timed()` returns several named durations per run (e.g. a training step's wall and CPU
+seconds, or a generation's prefill and per-token decode time); each is collected per round.
+"""
+
+from __future__ import annotations
+
+import gc
+import statistics
+import time
+from collections.abc import Mapping
+from typing import Protocol
+
+from diffexp.bench.memory import measure_peaks
+from diffexp.bench.progress import ProgressReporter
+
+#: samples[runner][measure][round] = the seconds of each timed run
+Samples = dict[str, dict[str, list[list[float]]]]
+
+
+class Runner(Protocol):
+    def run(self) -> None:
+        """One untimed run, synchronised (first run and warm-up)."""
+
+    def timed(self) -> dict[str, float]:
+        """One timed run: seconds per named measure."""
+
+
+class Stopwatch:
+    """Wall and process CPU seconds between synchronised points (CUDA work is waited for)."""
+
+    def __init__(self, device) -> None:
+        self.device = device
+        self.wall = self.cpu = 0.0
+
+    def sync(self) -> None:
+        if self.device.type == "cuda":
+            import torch
+
+            torch.cuda.synchronize(self.device)
+
+    def start(self) -> None:
+        self.sync()
+        self.wall, self.cpu = time.perf_counter(), time.process_time()
+
+    def lap(self) -> tuple[float, float]:
+        """(wall, CPU) seconds since start or the previous lap."""
+        self.sync()
+        wall, cpu = time.perf_counter(), time.process_time()
+        elapsed = (wall - self.wall, cpu - self.cpu)
+        self.wall, self.cpu = wall, cpu
+        return elapsed
+
+
+def runs_per_variant(args) -> int:
+    """Runs `measure` makes per runner (for the progress total): interleaved, plus one for memory."""
+    return 1 + args.rounds * (args.warmup + args.steps) + (0 if args.no_memory else 1)
+
+
+def rotated(items: list[str], r: int) -> list[str]:
+    r %= len(items)
+    return items[r:] + items[:r]
+
+
+def interleaved(runners: Mapping[str, Runner], args, progress: ProgressReporter, label: str,
+                headline: str) -> Samples:
+    """First run, then args.rounds rounds of args.warmup untimed and args.steps timed runs per runner,
+    interleaved run by run and rotated per round. `headline` is the measure logged after each round."""
+    names = list(runners)
+    for name in names:
+        runners[name].run()
+        progress.advance(f"{label} first step {name}")
+    samples: Samples = {name: {} for name in names}
+    for r in range(args.rounds):
+        order = rotated(names, r)
+        gc.collect()
+        for _ in range(args.warmup):
+            for name in order:
+                runners[name].run()
+                progress.advance(f"{label} round {r + 1}/{args.rounds} warm-up {name}")
+        for s in range(args.steps):
+            for name in order:
+                for measure, seconds in runners[name].timed().items():
+                    samples[name].setdefault(measure, [[] for _ in range(args.rounds)])[r].append(seconds)
+                progress.advance(f"{label} round {r + 1}/{args.rounds} step {s + 1} {name}")
+        summary = ", ".join(f"{name} {statistics.median(samples[name][headline][r]) * 1e3:.0f}" for name in order)
+        progress.log(f"{label} round {r + 1}/{args.rounds} median ms: {summary}")
+    return samples
+
+
+def measure(runners: Mapping[str, Runner], args, progress: ProgressReporter, label: str,
+            headline: str) -> tuple[Samples, dict[str, int | None]]:
+    """`interleaved` timing, then each runner's peak memory (None without memory runs)."""
+    samples = interleaved(runners, args, progress, label, headline)
+    return samples, measure_peaks(runners, not args.no_memory, progress, label)
+
+
+def add_ratio(entry: dict, base: dict, times: str, median: str, ratio: str) -> None:
+    """Median of entry[times] (all rounds) and per round, and the reference's median over it, in place.
+
+    Sets entry[median], entry["round_" + median], entry[ratio], entry["round_" + ratio + "s"],
+    entry[ratio + "_min"] and entry[ratio + "_max"] (the spread of the per-round ratios).
+    """
+    base_all = statistics.median(t for rnd in base[times] for t in rnd)
+    base_rounds = [statistics.median(rnd) for rnd in base[times]]
+    med = statistics.median(t for rnd in entry[times] for t in rnd)
+    rounds = [statistics.median(rnd) for rnd in entry[times]]
+    round_ratios = [b / x for b, x in zip(base_rounds, rounds, strict=True)]
+    entry[median] = med
+    entry[f"round_{median}"] = rounds
+    entry[ratio] = base_all / med
+    entry[f"round_{ratio}s"] = round_ratios
+    entry[f"{ratio}_min"] = min(round_ratios)
+    entry[f"{ratio}_max"] = max(round_ratios)
+
+
+def add_mem_ratio(entry: dict, base: dict) -> None:
+    peak, base_peak = entry["peak_bytes"], base["peak_bytes"]
+    entry["mem_ratio"] = peak / base_peak if peak and base_peak else None
+
+
+def throughput(entry: dict, flops: str, seconds: str, peak_flops_per_s: float | None, prefix: str = "") -> None:
+    """entry[prefix + "tflops_per_s"] = entry[flops] / entry[seconds] and, with a peak, entry[prefix + "mfu"]."""
+    rate = entry[flops] / entry[seconds]
+    entry[f"{prefix}tflops_per_s"] = rate / 1e12
+    entry[f"{prefix}mfu"] = rate / peak_flops_per_s if peak_flops_per_s else None

@@ -1,0 +1,175 @@
+"""`diffexp bench train`: training-step cost of every attention variant relative to the reference, side by side.
+
+One *step* is what training does per batch: forward, cross-entropy on next tokens, backward, AdamW
+step (and zero_grad). For each sequence length every variant's model is built once, takes one
+untimed first step (AdamW allocates its state), then the step time is measured in ``--rounds``
+rounds with the interleaved, rotated, warmed-up scheme of `diffexp.bench.timing`; the step time is
+the median of all timed steps, its ratio ``reference median / variant median`` (= tokens/s relative
+to the reference, as both process the same tokens per step) with its per-round spread.
+
+Peak memory is the peak of live tensor bytes during one extra, untimed step, counting the model's
+persistent state (parameters, buffers, AdamW moments) plus everything the step allocates
+(activations, gradients, optimizer temporaries); see `diffexp.bench.memory` for how (CUDA
+allocator statistics, or CPU allocator events of torch.profiler).
+
+FLOPs per step come from `Decoder.flops_per_token` (training: 3 x forward); TFLOP/s = FLOPs / median
+step time, MFU = that / the device's peak (--peak-tflops, else Lightning's table for known GPUs).
+
+Default batch: on CPU the batch is capped at ``--tokens-per-batch`` (default 2048 = 8 x 256)
+tokens, so seq 256 runs at batch 8 and seq 1024 at batch 2; this keeps the default run (every
+registered variant, seq 256 and 1024) within about 10 minutes on 2 cores. On CUDA there is no cap
+unless given. Ratios compare variants at the same batch, so the cap does not bias them.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from diffexp.bench import options, report, timing, workload
+from diffexp.bench.memory import peak_bytes, release, tensor_bytes
+from diffexp.bench.progress import ProgressReporter
+from diffexp.model.attention.registry import reference_variant
+
+NAME = "train"
+ABOUT = "training step (forward, loss, backward, AdamW) per variant vs the reference: time, memory, MFU"
+LAYOUT = report.Layout(
+    labels=(("variant", "variant"), ("seq", "seq_len")),
+    ratios=(report.Ratio("speed_ratio", "old tok/s ratio", "new tok/s ratio", "change", "old spread"),
+            report.Ratio("mem_ratio", "old mem ratio", "new mem ratio", "mem change")),
+    config_keys=("dtype", "backend", "d_model", "n_layers", "n_heads", "vocab_size", "variant_overrides"),
+)
+HEADERS = ["variant", "seq", "batch", "params (non-emb)", "step ms (median)", "tokens/s vs base",
+           "ratio spread (rounds)", "peak mem MiB", "mem vs base", "TFLOP/s", "MFU"]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = options.build_parser(NAME, "Time and peak memory of one training step per attention variant, relative "
+                                   "to the reference variant measured in the same run.",
+                             batch_size=8, seq_lens=[256, 1024])
+    options.add_batch_cap(p)
+    options.add_backend(p)
+    options.add_peak_tflops(p)
+    return p
+
+
+def validate(args: argparse.Namespace) -> None:
+    workload.check_configs(args, max(args.seq_lens), [args.backend])
+    args.peak_flops = report.peak_flops(args.device, args.dtype, args.peak_tflops)
+
+
+def config(args: argparse.Namespace) -> dict:
+    return {**workload.common_config(args), "tokens_per_batch": args.tokens_per_batch, "backend": args.backend,
+            "peak_flops": args.peak_flops}
+
+
+class StepRunner:
+    """One variant's model, AdamW and batch; `run` is one training step."""
+
+    def __init__(self, args: argparse.Namespace, name: str, tokens, device) -> None:
+        import torch
+
+        from diffexp.model import Decoder
+
+        torch.manual_seed(workload.SEED)
+        self.torch = torch
+        self.device = device
+        self.model = Decoder(workload.model_config(args, name, max(args.seq_lens), args.backend)).to(device)
+        self.model.train()
+        self.params = self.model.parameter_report()
+        # model FLOPs of one training step (forward + backward, causal attention counted once)
+        self.flops_per_step = tokens.shape[0] * (tokens.shape[1] - 1) * self.model.flops_per_token(
+            tokens.shape[1] - 1, training=True)
+        self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-4, weight_decay=0.1)
+        self.inputs, self.targets = tokens[:, :-1], tokens[:, 1:]
+        self.autocast = lambda: workload.autocast(args, device)
+        self.clock = timing.Stopwatch(device)
+
+    def step(self) -> None:
+        with self.autocast():
+            logits = self.model(self.inputs)
+        loss = self.torch.nn.functional.cross_entropy(logits.float().reshape(-1, logits.shape[-1]),
+                                                      self.targets.reshape(-1))
+        loss.backward()
+        self.opt.step()
+        # at the end, so no gradient outlives the step (the CPU memory count starts from none)
+        self.opt.zero_grad(set_to_none=True)
+
+    def run(self) -> None:
+        self.step()
+        self.clock.sync()
+
+    def timed(self) -> dict[str, float]:
+        self.clock.start()
+        self.step()
+        wall, cpu = self.clock.lap()
+        return {"times_s": wall, "cpu_times_s": cpu}
+
+    def peak_bytes(self) -> int | None:
+        """Peak live tensor bytes during one (untimed) step: parameters, buffers, AdamW moments included."""
+        state = [t for s in self.opt.state.values() for t in s.values() if self.torch.is_tensor(t)]
+        return peak_bytes(self.step, self.device,
+                          tensor_bytes([*self.model.parameters(), *self.model.buffers(), *state]))
+
+
+def run(args: argparse.Namespace) -> dict:
+    import torch
+
+    device = torch.device(args.device)
+    variants = args.variants
+    per_variant = timing.runs_per_variant(args)
+    results: dict[str, dict] = {}
+    with ProgressReporter(total=len(args.seq_lens) * len(variants) * per_variant) as progress:
+        for seq_len in args.seq_lens:
+            batch = workload.batch_for(seq_len, args)
+            tokens = workload.random_tokens(args, batch, seq_len + 1, seq_len, device)
+            progress.log(f"seq {seq_len}, batch {batch}: building {len(variants)} models")
+            runners = {v: StepRunner(args, v, tokens, device) for v in variants}
+            samples, peaks = timing.measure(runners, args, progress, f"seq {seq_len}", headline="times_s")
+            for v in variants:
+                results[f"{v}@{seq_len}"] = {
+                    "variant": v, "seq_len": seq_len, "batch_size": batch, "tokens_per_step": batch * seq_len,
+                    "overrides": workload.overrides(args)[v], "params": runners[v].params,
+                    "flops_per_step": runners[v].flops_per_step, **samples[v], "peak_bytes": peaks[v],
+                }
+            del runners, tokens
+            release(device)
+    summarise(results, variants, args.seq_lens, args.peak_flops)
+    return results
+
+
+def summarise(results: dict, variants: list[str], seq_lens: list[int], peak_flops_per_s: float | None) -> None:
+    """Medians, ratios to the reference and their per-round spread, added to each entry in place."""
+    for seq_len in seq_lens:
+        base = results[f"{reference_variant().name}@{seq_len}"]
+        for v in variants:
+            entry = results[f"{v}@{seq_len}"]
+            timing.add_ratio(entry, base, "times_s", "median_step_s", "speed_ratio")
+            entry["tokens_per_s"] = entry["tokens_per_step"] / entry["median_step_s"]
+            timing.throughput(entry, "flops_per_step", "median_step_s", peak_flops_per_s)
+            timing.add_mem_ratio(entry, base)
+
+
+def table(data: dict) -> tuple[str, list[str], list[list[str]], str]:
+    """Title, headers, rows and caption of the results table."""
+    cfg, env = data["config"], data["env"]
+    rows = []
+    for seq_len in cfg["seq_lens"]:
+        for v in cfg["variants"]:
+            e = data["results"][f"{v}@{seq_len}"]
+            rows.append([
+                v, str(seq_len), str(e["batch_size"]), f"{e['params']['non_embedding']:,}",
+                f"{e['median_step_s'] * 1e3:.0f}", report.ratio_cell(e["speed_ratio"]),
+                report.spread_cell(e, "speed_ratio"), report.mib_cell(e["peak_bytes"]),
+                report.ratio_cell(e["mem_ratio"]), f"{e['tflops_per_s']:.3g}",
+                "n/a" if e.get("mfu") is None else f"{100 * e['mfu']:.1f}%",
+            ])
+    ref = cfg["variants"][0]  # the reference variant
+    title = (f"Training step vs {ref}: {env['device']} ({env['device_name']}), {cfg['dtype']}, "
+             f"backend {cfg['backend']}, {env['threads']} threads, d_model {cfg['d_model']}, {cfg['n_layers']} "
+             f"layers, {cfg['n_heads']} heads; {cfg['rounds']} rounds x {cfg['steps']} steps")
+    peak = cfg["peak_flops"]
+    caption = (f"tokens/s vs base = {ref} median step time / variant median (>1 = faster than {ref}); "
+               "spread = min-max of the same ratio per round; peak mem = live tensor bytes "
+               "(state + step); TFLOP/s = model FLOPs (Decoder.flops_per_token, training) / step time; MFU = "
+               f"that / the peak ({report.tflops_text(peak)} TFLOP/s).")
+    return title, HEADERS, rows, caption
