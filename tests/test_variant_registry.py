@@ -224,3 +224,21 @@ def test_built_in_variants_are_named_only_in_their_own_file_and_the_registry():
         named = [f"{p.relative_to(REPO)}:{i}" for p, text in sources.items() if p not in own
                  for i, line in enumerate(text.splitlines(), 1) if pattern.search(line)]
         assert named == [], f"{name} is named outside its own file: {named}"
+
+
+def test_appears_in_the_benchmark(toy, tmp_path):
+    threads = torch.get_num_threads()
+    path = tmp_path / "train.json"
+    try:
+        main(["bench", "train", "--d-model", "32", "--n-layers", "1", "--n-heads", "2", "--vocab-size", "64",
+              "--seq-lens", "32", "--batch-size", "2", "--steps", "1", "--warmup", "0", "--rounds", "1",
+              "--threads", "1", "--no-memory", "--json", str(path)])
+    except SystemExit as exit_:
+        assert exit_.code == 0
+    finally:
+        torch.set_num_threads(threads)
+    results = json.loads(path.read_text())["results"]
+    toy_result = results[f"{TOY}@32"]
+    model = Decoder(ModelConfig(attention=TOY, vocab_size=64, d_model=32, n_layers=1, n_heads=2))
+    assert toy_result["flops_per_step"] == 2 * 32 * model.flops_per_token(32)  # batch 2 x 32 predicted tokens
+    assert toy_result["speed_ratio"] > 0 and {name.split("@")[0] for name in results} == set(variant_names())
