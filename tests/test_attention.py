@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import itertools
 
 import pytest
 import torch
@@ -157,6 +158,41 @@ def _attn_params(cfg: ModelConfig) -> int:
     return sum(p.numel() for p in build_attention(cfg, 0).parameters())
 
 
+def _qk_params(cfg: ModelConfig) -> int:
+    attn = build_attention(cfg, 0)
+    return sum(p.numel() for proj in (attn.q_proj, attn.k_proj) for p in proj.parameters())
+
+
+def shared_diff_qk(d_model: int, h: int, h_kv: int, d: int, r: int, scope: str, sharing: str) -> int:
+    """Shared DIFF's Q plus K parameters per layer, written out for each of the four settings (variants.md)."""
+    formulas = {
+        # one full-width base W_Q (h heads of d side by side) and one update per map over h*d columns
+        ("layer", "maps"): d_model * h * d + 2 * (d_model * r + h * d * r)
+                           + d_model * h_kv * d + 2 * (d_model * r + h_kv * d * r),
+        # one d-wide base for every head, and one update per map over h*d columns
+        ("layer", "heads"): d_model * d + 2 * (d_model * r + h * d * r)
+                            + d_model * d + 2 * (d_model * r + h_kv * d * r),
+        # a base per head and an update per head and map over d columns
+        ("head", "maps"): d_model * h * d + 2 * h * (d_model * r + d * r)
+                          + d_model * h_kv * d + 2 * h_kv * (d_model * r + d * r),
+        ("head", "heads"): d_model * d + 2 * h * (d_model * r + d * r)
+                           + d_model * d + 2 * h_kv * (d_model * r + d * r),
+    }
+    return formulas[scope, sharing]
+
+
+@pytest.mark.parametrize("n_kv_heads", [None, 2])
+def test_shared_diff_layer_scope_has_fewer_qk_parameters_than_diff(n_kv_heads):
+    """The spec's reading for comparisons: at r < d_model / 6 (h d = d_model / 2), layer scope with a base per
+    head costs fewer Q/K parameters than DIFF V1; head scope at the same rank costs more at this width."""
+    base = dict(d_model=128, n_heads=4, n_kv_heads=n_kv_heads, rank=8)
+    diff = _qk_params(ModelConfig(attention="diff_v1", **{k: v for k, v in base.items() if k != "rank"}))
+    assert diff == 128 * 2 * 4 * 16 + 128 * 2 * (n_kv_heads or 4) * 16
+    assert _qk_params(ModelConfig(attention="shared_diff", lowrank_scope="layer", **base)) < diff
+    if n_kv_heads is None:
+        assert _qk_params(ModelConfig(attention="shared_diff", lowrank_scope="head", **base)) > diff
+
+
 @pytest.mark.parametrize("n_kv_heads", [None, 2])
 def test_parameter_counts_follow_the_spec(n_kv_heads):
     d_model, h = 128, 4
@@ -170,14 +206,14 @@ def test_parameter_counts_follow_the_spec(n_kv_heads):
     assert _attn_params(ModelConfig(attention="diff_v1", head_norm=False, **base)) == baseline_2h + 4 * d
     assert _attn_params(ModelConfig(attention="dint", **base)) == baseline_2h + 6 * d
 
-    # shared_diff: bases plus 2 maps x heads x (d_model r + d r) for Q and for K
+    # shared_diff: bases plus, for Q and for K, 2 maps x (A: d_model x r, B: width x r) per update
     r = 8
     v_and_o = d_model * h_kv * 2 * d + h * 2 * d * d_model
-    low_rank = 2 * h * (d_model * r + d * r) + 2 * h_kv * (d_model * r + d * r)
-    for sharing, base_q, base_k in [("maps", d_model * h * d, d_model * h_kv * d), ("heads", d_model * d,
-                                                                                       d_model * d)]:
-        cfg = ModelConfig(attention="shared_diff", rank=r, base_sharing=sharing, **base)
-        assert _attn_params(cfg) == base_q + base_k + low_rank + v_and_o + 4 * d + 2 * d, sharing
+    for scope, sharing in itertools.product(("layer", "head"), ("maps", "heads")):
+        cfg = ModelConfig(attention="shared_diff", rank=r, base_sharing=sharing, lowrank_scope=scope, **base)
+        expected_qk = shared_diff_qk(d_model, h, h_kv, d, r, scope, sharing)
+        assert _qk_params(cfg) == expected_qk, (scope, sharing)
+        assert _attn_params(cfg) == expected_qk + v_and_o + 4 * d + 2 * d, (scope, sharing)
 
     # diff_v2 == baseline (h heads of dim d2) + extra query width (d_model h d2) + lambda projection
     d2 = d_model // h
@@ -196,6 +232,14 @@ def test_flags_change_the_built_module():
     heads = build_attention(ModelConfig(**SMALL, attention="shared_diff", base_sharing="heads", rank=3), 0)
     assert heads.q_proj.base.weight.shape == (heads.head_dim, SMALL["d_model"])
     assert heads.q_proj.up.shape[2] == 3
+    h, d = SMALL["n_heads"], SMALL["d_model"] // (2 * SMALL["n_heads"])
+    assert ModelConfig(**SMALL, attention="shared_diff").lowrank_scope == "layer"
+    layer = build_attention(ModelConfig(**SMALL, attention="shared_diff", rank=3), 0)
+    assert layer.q_proj.up.shape == (2, 1, 3, h * d) and layer.q_proj.down.weight.shape == (2 * 3, SMALL["d_model"])
+    assert layer.k_proj.up.shape == (2, 1, 3, SMALL["n_kv_heads"] * d)
+    head = build_attention(ModelConfig(**SMALL, attention="shared_diff", rank=3, lowrank_scope="head"), 0)
+    assert head.q_proj.up.shape == (2, h, 3, d) and head.q_proj.down.weight.shape == (2 * h * 3, SMALL["d_model"])
+    assert layer.q_proj.up.std() > 0  # B starts non-zero: the two maps start apart
     tied = Decoder(ModelConfig(**SMALL, tie_embeddings=True))
     assert tied.lm_head.weight is tied.embed.weight
     assert tied.num_parameters() == Decoder(ModelConfig(**SMALL)).num_parameters() - 61 * 64
@@ -206,6 +250,8 @@ def test_flags_change_the_built_module():
     [
         (dict(attention="diff_v3"), "attention='diff_v3'"),
         (dict(attention="shared_diff", rank=0), "rank=0"),
+        (dict(attention="shared_diff", lowrank_scope="block"), "model.arch.lowrank_scope='block'"),
+        (dict(attention="diff_v1", lowrank_scope="heads"), "model.arch.lowrank_scope='heads'"),
         (dict(attention="diff_v1", lambda_init=1.0), "lambda_init=1.0"),
         (dict(attention="diff_v1", lambda_init=0.0), "lambda_init=0.0"),
         (dict(attention="diff_v1", lambda_init="linear"), "lambda_init='linear'"),
@@ -235,6 +281,14 @@ def test_flops_per_token_counts_maps_causal_half_and_v_width():
     assert v1.flops_per_token(t, training=False) - 2 * linear == v1_attention
     assert dint.flops_per_token(t, training=False) - v1.flops_per_token(t, training=False) == \
         layers * h * 2 * (t / 2) * 16
+    # Shared DIFF: DIFF V1's maps plus the up-projections (X A) B^T, 2 FLOPs per multiply-add; X A is a Linear
+    r, h_kv, d = 4, 2, 8
+    for scope in ("layer", "head"):
+        shared = Decoder(ModelConfig(**{**SMALL, "attention": "shared_diff", "rank": r, "lowrank_scope": scope}))
+        linear = sum(m.weight.numel() for m in shared.modules() if isinstance(m, torch.nn.Linear))
+        maps = layers * 2 * h * 2 * (t / 2) * (8 + 16)
+        up = 2 * r * (h * d + h_kv * d) if scope == "layer" else 2 * (h + h_kv) * r * d  # B's weights, Q and K
+        assert shared.flops_per_token(t, training=False) == 2 * linear + maps + layers * 2 * up, scope
 
 
 def test_unavailable_flash_backend_falls_back_or_fails_as_configured():

@@ -43,6 +43,10 @@ class ModelConfig:
         rank: Shared DIFF: low-rank size of the per-map updates.
         base_sharing: Shared DIFF: "maps" (a base per head, shared by its two maps) or "heads" (one base
             for all heads and maps).
+        lowrank_scope: Shared DIFF: "layer" (one low-rank update per map for the whole projection, A:
+            d_model x r, B: (h d) x r; the default of every comparison with DIFF) or "head" (an update per
+            head and per map, B: d x r; the only reading before this flag existed, and what a checkpoint
+            saved without the flag is read as).
         lowrank_init_std: Shared DIFF: std of the low-rank factors; non-zero so the two maps start apart.
         pairing: DIFF V2: "same" pairs query heads that share K/V, "cross" pairs heads from different
             GQA groups (the blog's unstable ablation).
@@ -70,6 +74,7 @@ class ModelConfig:
     head_norm: bool = True
     rank: int = 16
     base_sharing: Literal["maps", "heads"] = "maps"
+    lowrank_scope: Literal["layer", "head"] = "layer"
     lowrank_init_std: float = 0.02
     pairing: Literal["same", "cross"] = "same"
     lambda_mode: Literal["sigmoid", "none", "raw"] = "sigmoid"
