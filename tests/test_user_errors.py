@@ -102,6 +102,8 @@ CASES = [
     ("backend", ["fit", "--config", RECIPE, "--model.arch.backend", "triton2"], ["model.arch.backend", "triton2"]),
     ("base-sharing", ["fit", "--config", RECIPE, "--model.arch.base_sharing", "all"],
      ["model.arch.base_sharing", "all"]),
+    ("lowrank-scope", ["fit", "--config", RECIPE, "--model.arch.attention", "shared_diff",
+                       "--model.arch.lowrank_scope", "block"], ["model.arch.lowrank_scope", "block"]),
     ("odd-head-dim", ["fit", "--config", RECIPE, "--model.arch.head_dim", "7"], ["model.arch.head_dim", "7"]),
     ("d-model-zero", ["fit", "--config", RECIPE, "--model.arch.d_model", "0"], ["model.arch.d_model", "0"]),
     ("layers-zero", ["fit", "--config", RECIPE, "--model.arch.n_layers", "0"], ["model.arch.n_layers", "0"]),
@@ -124,6 +126,9 @@ CASES = [
     ("ar-hit-both", ["fit", "--config", RECIPE, "--model.ar_hit.min_count", "2", "--model.ar_hit.top_percent", "5"],
      ["model.ar_hit.min_count", "model.ar_hit.top_percent"]),
     ("ar-hit-count", ["fit", "--config", RECIPE, "--model.ar_hit.min_count", "0"], ["model.ar_hit.min_count", "0"]),
+    ("ar-hit-threshold-unused", ["fit", "--config", RECIPE, "--model.ar_hit.exclude_frequent", "false",
+                                 "--model.ar_hit.top_percent", "5"],
+     ["model.ar_hit.exclude_frequent", "model.ar_hit.top_percent=5"]),
     ("unknown-model-key", ["fit", "--config", RECIPE, "--model.rank", "4"], ["model.rank"]),
     # trainer and checkpoint
     ("max-steps-zero", ["fit", "--config", RECIPE, "--trainer.max_steps", "0"], ["trainer.max_steps", "0"]),
