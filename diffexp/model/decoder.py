@@ -71,8 +71,14 @@ class Decoder(nn.Module):
         return forward * (3 if training else 1)
 
     def parameter_report(self) -> dict[str, int]:
-        """Parameter counts per kind of module, for the logs and Shared DIFF's claims."""
+        """Parameter counts per kind of module, for the logs, the recipes' headers and Shared DIFF's claims.
+
+        qk_projections: what makes queries and keys (every variant's `q_proj` and `k_proj`: for Shared DIFF
+        the bases and the low-rank factors), the part of the attention in which Shared DIFF differs from DIFF.
+        """
         attn = sum(p.numel() for b in self.blocks for p in b.attn.parameters())
         ffn = sum(p.numel() for b in self.blocks for p in b.ffn.parameters())
+        qk = sum(p.numel() for b in self.blocks for name in ("q_proj", "k_proj")
+                 if isinstance(getattr(b.attn, name, None), nn.Module) for p in getattr(b.attn, name).parameters())
         return {"total": self.num_parameters(), "non_embedding": self.num_parameters(True),
-                "attention": attn, "ffn": ffn}
+                "attention": attn, "ffn": ffn, "qk_projections": qk}

@@ -111,7 +111,9 @@ class AttentionBase(nn.Module):
     """Holds sizes, RoPE and the attention call; subclasses define projections and how maps combine.
 
     `forward(x, need_weights=False)` returns (output, effective_map or None); the effective map is
-    (B, n_heads, T, T), the per-head matrix that multiplies V (see variants.md).
+    (B, n_heads, T, T), the per-head matrix that multiplies V (see variants.md). Name the modules that
+    make queries and keys `q_proj` and `k_proj`, and the output projection `o_proj`: the parameter report
+    counts the first two as `qk_projections`, and the decoder scales the init of the last.
     """
 
     def __init__(self, cfg, layer_idx: int) -> None:  # cfg: a validated diffexp.model.config.ModelConfig
