@@ -77,11 +77,12 @@ def test_recipe_parses_and_builds(path):
 def test_gpu_recipe_has_the_size_in_its_name(size, variant):
     """The papers' sizes (Table 3: 830M = d_model 1536, 1.4B = d_model 2048, both 24 layers and 8 heads)
     count every parameter, embeddings included: without them the 24 layers hold only about 0.68B / 1.21B
-    (18% / 13% under). So the count here includes the untied embedding and LM head, and must be within 10%
+    (18% / 13% under). So the count here includes the untied embedding and LM head, and must be within 12%
     of the name. The names leave about 150M / 190M beyond the layers; the recipes' 32,768-token vocabulary
     gives 101M / 134M (2 x 32,768 x d_model), so the parameter-matched variants (baseline, DIFF V1, DINT)
-    come out 6% / 4% under, DIFF V2 (fewer K/V heads, GQA) 9% / 7% under and Shared DIFF (its low-rank
-    updates) 2% / 4% over. A size file holding the other size's numbers is over 40% off."""
+    come out 6% / 4% under, DIFF V2 (fewer K/V heads, GQA) 9% / 7% under and Shared DIFF (one low-rank
+    update per map and layer: Q/K -31%, by design) 10% / 8% under, as the spec's 745M against DIFF's 780M.
+    A size file holding the other size's numbers is over 40% off."""
     config = parse_config(gpu_args(size, variant))
     arch = ModelConfig(**config.model.arch.as_dict())
     assert arch.attention == variant
@@ -89,7 +90,7 @@ def test_gpu_recipe_has_the_size_in_its_name(size, variant):
         model = Decoder(arch)
     promised = float(size[:-1]) * SCALE[size[-1]]
     count = model.num_parameters()
-    assert abs(count / promised - 1) < 0.10, (f"{variant}-{size}", f"{count:,}")
+    assert abs(count / promised - 1) < 0.12, (f"{variant}-{size}", f"{count:,}")
     logger = config.trainer.logger.init_args
     assert (Path(logger.save_dir).name, logger.name) == (size, variant)  # runs/gpu/<size>/<variant>
 
@@ -153,6 +154,8 @@ def test_documented_gpu_command_prints_the_merged_recipe():
 
 
 def test_tiny_recipes_have_matched_parameter_budgets():
+    """Within 5% of the baseline's non-embedding parameters; Shared DIFF, with fewer Q/K parameters by design
+    (tests/test_recipe_params.py), is 4.8% under."""
     counts = {p.stem: Decoder(arch_of(p)).num_parameters(exclude_embeddings=True) for p in TINY}
     for name, count in counts.items():
         assert abs(count / counts["baseline"] - 1) < 0.05, (name, count, counts["baseline"])
