@@ -314,7 +314,8 @@ def test_every_trial_records_every_key_the_study_varies(tmp_path):
 
     spec = load_spec(REPO / "sweeps/table6.yaml")
     assert set(spec.varied_keys()) == {"trainer.max_steps", "trainer.val_check_interval", "model.arch.attention",
-                                       "model.arch.head_norm", "model.arch.lambda_init", "model.arch.rank"}
+                                       "model.arch.head_norm", "model.arch.lambda_init", "model.arch.rank",
+                                       "model.arch.lowrank_scope", "model.arch.base_sharing"}
     spec.runs_dir = tmp_path
     runner = SweepRunner(spec)
     point = next(p for p in spec.points() if p.case == "DIFF")  # the row that overrides nothing
