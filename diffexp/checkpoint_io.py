@@ -42,7 +42,9 @@ EXPECTED = "expected a .ckpt written by diffexp (a dict with 'state_dict' and 'h
 #: checkpoint (one without the key) was trained with, computed from its saved section
 ADDED_LATER: dict[str, dict[str, Callable[[dict], Any]]] = {
     # Shared DIFF's low-rank updates were per head and per map before model.arch.lowrank_scope existed
-    "arch": {"lowrank_scope": lambda arch: "head"},
+    "arch": {"lowrank_scope": lambda arch: "head",
+             # DINT weighed its integral term by lambda before model.arch.gamma
+             "gamma": lambda arch: "lambda", "gamma_init": lambda arch: "lambda_init"},
     # every repeated bigram was an AR-Hit unless a threshold was given, before model.ar_hit.exclude_frequent
     "ar_hit": {"exclude_frequent": lambda ar_hit: ar_hit.get("min_count") is not None
                or ar_hit.get("top_percent") is not None},

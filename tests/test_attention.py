@@ -129,6 +129,28 @@ def test_dint_rows_sum_to_one(integral):
         torch.testing.assert_close(m.sum(-1), torch.ones_like(m.sum(-1)), rtol=0, atol=1e-5)
 
 
+@pytest.mark.parametrize("integral", ["softmax", "mean"])
+def test_dint_learned_gamma_changes_the_model_and_the_row_sums(integral):
+    """gamma: learned weighs the integral term by a scalar of its own, so rows sum to 1 - lambda + gamma;
+    with the same weights and gamma = lambda the output differs."""
+    unified = Decoder(ModelConfig(**SMALL, attention="dint", integral=integral))
+    learned = Decoder(ModelConfig(**SMALL, attention="dint", integral=integral, gamma="learned", gamma_init=0.9))
+    missing, unexpected = learned.load_state_dict(unified.state_dict(), strict=False)
+    assert sorted(missing) == [f"blocks.{i}.attn.gamma" for i in range(SMALL["n_layers"])] and not unexpected
+    assert not any("gamma" in name for name, _ in unified.named_parameters())
+    idx = torch.randint(0, 61, (2, 30))
+    _, maps = learned(idx, need_weights=True)
+    for block, m in zip(learned.blocks, maps):
+        assert block.attn.gamma.item() == pytest.approx(0.9)
+        expected = 1 - block.attn.lambda_().item() + 0.9
+        torch.testing.assert_close(m.sum(-1), torch.full_like(m.sum(-1), expected), rtol=0, atol=1e-5)
+    assert not torch.allclose(learned(idx), unified(idx), atol=1e-3)
+    F.cross_entropy(learned(idx).flatten(0, 1), idx.flatten()).backward()
+    assert all(b.attn.gamma.grad is not None and b.attn.gamma.grad != 0 for b in learned.blocks)
+    starts = Decoder(ModelConfig(**SMALL, attention="dint", gamma="learned"))  # gamma_init: lambda_init
+    assert [b.attn.gamma.item() for b in starts.blocks] == pytest.approx([b.attn.lambda_init for b in starts.blocks])
+
+
 def test_diff_v1_rows_sum_to_one_minus_lambda():
     model = Decoder(ModelConfig(**SMALL, attention="diff_v1"))
     _, maps = model(torch.randint(0, 61, (1, 16)), need_weights=True)
@@ -205,6 +227,7 @@ def test_parameter_counts_follow_the_spec(n_kv_heads):
     assert _attn_params(ModelConfig(attention="diff_v1", **base)) == baseline_2h + 4 * d + 2 * d
     assert _attn_params(ModelConfig(attention="diff_v1", head_norm=False, **base)) == baseline_2h + 4 * d
     assert _attn_params(ModelConfig(attention="dint", **base)) == baseline_2h + 6 * d
+    assert _attn_params(ModelConfig(attention="dint", gamma="learned", **base)) == baseline_2h + 6 * d + 1
 
     # shared_diff: bases plus, for Q and for K, 2 maps x (A: d_model x r, B: width x r) per update
     r = 8
@@ -259,6 +282,9 @@ def test_flags_change_the_built_module():
         (dict(n_heads=4, n_kv_heads=3), "n_kv_heads=3"),
         (dict(attention="diff_v2", n_kv_heads=1, pairing="cross"), "pairing='cross'"),
         (dict(backend="triton"), "backend='triton'"),
+        (dict(attention="dint", gamma="both"), "model.arch.gamma='both'"),
+        (dict(attention="dint", gamma_init=0.5), "model.arch.gamma_init=0.5"),
+        (dict(attention="dint", gamma="learned", gamma_init=float("nan")), "model.arch.gamma_init=nan"),
     ],
 )
 def test_bad_config_names_the_value(overrides, needle):

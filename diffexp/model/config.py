@@ -16,6 +16,7 @@ SHARED_FIELDS = ("attention", "vocab_size", "d_model", "n_layers", "n_heads", "n
                  "backend_fallback", "init_std")
 
 LambdaInit = Union[Literal["depth"], float]
+GammaInit = Union[Literal["lambda_init"], float]
 
 
 @dataclass
@@ -52,6 +53,10 @@ class ModelConfig:
             GQA groups (the blog's unstable ablation).
         lambda_mode: DIFF V2: "sigmoid" (default), "none" (attn1 - attn2) or "raw" (no sigmoid).
         integral: DINT: "softmax" (the paper) or "mean" (use the cumulative mean G itself).
+        gamma: DINT: the weight of the integral term, "lambda" (gamma = lambda, the paper: every row of the
+            map sums to 1) or "learned" (a learnable scalar per layer: rows sum to 1 - lambda + gamma).
+        gamma_init: DINT with gamma "learned": its initial value, "lambda_init" (the layer's lambda_init, so
+            the layer starts as with gamma = lambda) or a number.
         backend: attention call for the fast path: sdpa, flash_attn (CUDA + flash-attn) or eager.
         backend_fallback: when flash_attn cannot run (package missing, CPU tensors), fall back to sdpa with
             a logged warning (true) or stop with an error (false).
@@ -79,6 +84,8 @@ class ModelConfig:
     pairing: Literal["same", "cross"] = "same"
     lambda_mode: Literal["sigmoid", "none", "raw"] = "sigmoid"
     integral: Literal["softmax", "mean"] = "softmax"
+    gamma: Literal["lambda", "learned"] = "lambda"
+    gamma_init: GammaInit = "lambda_init"
     backend: Literal["sdpa", "flash_attn", "eager"] = "sdpa"
     backend_fallback: bool = True
     init_std: float = 0.02

@@ -226,6 +226,8 @@ class DiffexpLM(L.LightningModule):
             for i, block in enumerate(self.model.blocks):
                 if hasattr(block.attn, "lambda_"):
                     self.log(f"lambda/layer_{i:02d}", block.attn.lambda_().detach())
+                if isinstance(getattr(block.attn, "gamma", None), torch.nn.Parameter):  # DINT's learned gamma
+                    self.log(f"gamma/layer_{i:02d}", block.attn.gamma.detach())
 
     def validation_step(self, batch: torch.Tensor, batch_idx: int) -> None:
         losses, mask = self._token_losses(batch)
