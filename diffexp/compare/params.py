@@ -74,7 +74,7 @@ def expand(target: Path, root: Path) -> list[Recipe]:
     """The models a RECIPE argument stands for (see the module's docstring)."""
     if not target.exists():
         raise UserError(f"RECIPE {str(target)!r}: no such file or directory; expected a recipe such as "
-                        "recipes/tiny/shared_diff.yaml, a GPU size or variant file, or a directory of recipes")
+                        "recipes/tiny/<variant>.yaml, a GPU size or variant file, or a directory of recipes")
     if target.is_dir():
         if is_gpu_dir(target):
             return gpu_recipes(target)
