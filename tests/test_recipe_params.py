@@ -53,7 +53,10 @@ def built(configs: list[Path], attention: str | None = None) -> dict[str, int]:
 
 
 def gpu_configs(size: str, variant: str) -> list[Path]:
-    return [GPU / "base.yaml", GPU / "size" / f"{size}.yaml", GPU / "variant" / f"{variant}.yaml"]
+    """base, size, variant, and the variant's size part (variant/<variant>/<size>.yaml) when it has one."""
+    files = [GPU / "base.yaml", GPU / "size" / f"{size}.yaml", GPU / "variant" / f"{variant}.yaml"]
+    size_part = GPU / "variant" / variant / f"{size}.yaml"
+    return files + [size_part] if size_part.is_file() else files
 
 
 @pytest.mark.parametrize("path", SINGLE, ids=lambda p: str(p.relative_to(RECIPES)))
@@ -116,12 +119,30 @@ def test_linked_vocab_size_is_what_the_data_module_links():
     assert linked_vocab_size(gpu) == gpu.data.init_args.bpe_vocab_size == 32768
 
 
+def test_a_variants_size_parts_are_given_last(tmp_path):
+    """variant/<variant>/<size>.yaml (size-dependent values of a variant) follows the variant file."""
+    gpu = tmp_path / "gpu"
+    for path in ("base.yaml", "size/830m.yaml", "size/1.4b.yaml", "variant/wide.yaml", "variant/wide/830m.yaml",
+                 "variant/plain.yaml"):
+        (gpu / path).parent.mkdir(parents=True, exist_ok=True)
+        (gpu / path).write_text("{}\n")
+    part = expand(gpu / "variant/wide/830m.yaml", tmp_path)
+    assert [r.configs[-1] for r in part] == [gpu / "variant/wide/830m.yaml"] and part[0].size == "830m"
+    assert part[0].header_file == gpu / "variant/wide.yaml"
+    wide = expand(gpu / "variant/wide", tmp_path)
+    assert [len(r.configs) for r in wide] == [3, 4]  # 1.4b has no size part, 830m has one
+    assert len(expand(gpu, tmp_path)) == 4 and len(expand(gpu / "variant/plain.yaml", tmp_path)) == 2
+
+
 def test_recipe_arguments_expand_as_documented():
     names = lambda target: [r.name for r in expand(target, RECIPES)]  # noqa: E731
     assert names(RECIPES / "tiny/dint.yaml") == ["tiny/dint.yaml"]
     assert names(GPU / "variant/dint.yaml") == [f"gpu/{s} + dint" for s in GPU_SIZES]
     assert names(GPU / "size/830m.yaml") == [f"gpu/830m + {v}" for v in GPU_VARIANTS]
     assert len(names(GPU)) == len(GPU_SIZES) * len(GPU_VARIANTS)
+    for recipe in expand(GPU, RECIPES):  # the files README's GPU command gives, size parts included
+        size, variant = recipe.name.split("/", 1)[1].split(" + ")
+        assert list(recipe.configs) == gpu_configs(size, variant) and recipe.header_file.stem == variant
     everything = all_recipes(RECIPES)
     assert len(everything) == len(SINGLE) + len(GPU_SIZES) * len(GPU_VARIANTS)
     assert model_config(Recipe("x", (RECIPES / "tiny/shared_diff.yaml",))).vocab_size == 257

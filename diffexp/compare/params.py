@@ -1,9 +1,11 @@
 """`diffexp params [RECIPE ...]`: the parameter counts of recipes, as a table.
 
 A RECIPE is a recipe file, or a directory of them. The GPU recipes are combinations (base.yaml +
-size/<size>.yaml + variant/<variant>.yaml): a size file stands for that size with every variant, a
-variant file for that variant at every size, and the gpu directory (or its base.yaml) for every
-combination. With no RECIPE: every recipe under recipes/ and every GPU combination.
+size/<size>.yaml + variant/<variant>.yaml, plus variant/<variant>/<size>.yaml where a variant has
+size-dependent values): a size file stands for that size with every variant, a variant file (or its
+folder of size parts) for that variant at every size, a size part for its one combination, and the gpu
+directory (or its base.yaml) for every combination. With no RECIPE: every recipe under recipes/ and every
+GPU combination.
 
 Models are built on the meta device (no memory, any size), with the vocabulary the data module links
 into the model at fit time (`linked_vocab_size`), so the counts are those of the trained model. Each
@@ -43,6 +45,11 @@ class Recipe:
     def args(self) -> list[str]:
         return [arg for path in self.configs for arg in ("--config", str(path))]
 
+    @property
+    def header_file(self) -> Path:
+        """The file whose header states the counts: the recipe, or a GPU combination's variant file."""
+        return self.configs[2] if self.size is not None else self.configs[0]
+
 
 def recipes_root() -> Path:
     """recipes/ under the current directory if there is one, else the checkout's."""
@@ -55,11 +62,18 @@ def is_gpu_dir(path: Path) -> bool:
     return (path / "base.yaml").is_file() and (path / "size").is_dir() and (path / "variant").is_dir()
 
 
+def gpu_files(gpu: Path, size: str, variant: str) -> tuple[Path, ...]:
+    """The --config files of a GPU combination, in order: base, size, variant, and the variant's size part
+    (variant/<variant>/<size>.yaml) when it has one."""
+    files = (gpu / "base.yaml", gpu / "size" / f"{size}.yaml", gpu / "variant" / f"{variant}.yaml")
+    size_part = gpu / "variant" / variant / f"{size}.yaml"
+    return files + (size_part,) if size_part.is_file() else files
+
+
 def gpu_recipes(gpu: Path, sizes: Sequence[str] | None = None, variants: Sequence[str] | None = None) -> list[Recipe]:
     sizes = sizes or sorted(p.stem for p in (gpu / "size").glob("*.yaml"))
     variants = variants or sorted(p.stem for p in (gpu / "variant").glob("*.yaml"))
-    return [Recipe(f"{gpu.name}/{size} + {variant}", (gpu / "base.yaml", gpu / "size" / f"{size}.yaml",
-                                                        gpu / "variant" / f"{variant}.yaml"), size)
+    return [Recipe(f"{gpu.name}/{size} + {variant}", gpu_files(gpu, size, variant), size)
             for size, variant in itertools.product(sizes, variants)]
 
 
@@ -80,6 +94,8 @@ def expand(target: Path, root: Path) -> list[Recipe]:
             return gpu_recipes(target)
         if target.name in ("size", "variant") and is_gpu_dir(target.parent):
             return gpu_recipes(target.parent)
+        if target.parent.name == "variant" and is_gpu_dir(target.parent.parent):  # a variant's size parts
+            return gpu_recipes(target.parent.parent, variants=[target.name])
         found = []
         for path in sorted(target.iterdir()):
             if path.is_dir() or path.suffix in (".yaml", ".yml"):
@@ -94,6 +110,8 @@ def expand(target: Path, root: Path) -> list[Recipe]:
         return gpu_recipes(parent.parent, variants=[target.stem])
     if target.name == "base.yaml" and is_gpu_dir(parent):
         return gpu_recipes(parent)
+    if parent.parent.name == "variant" and is_gpu_dir(parent.parent.parent):  # variant/<variant>/<size>.yaml
+        return gpu_recipes(parent.parent.parent, sizes=[target.stem], variants=[parent.name])
     return [Recipe(_name(target, root), (target,))]
 
 
@@ -202,7 +220,7 @@ def params(targets: Sequence[str], headers: bool = False, console=None) -> list[
     console.print(table)
     if headers:
         for recipe, counts in rows:
-            console.print(f"{recipe.configs[-1]}: {header_line(counts, recipe.size)}", soft_wrap=True,
+            console.print(f"{recipe.header_file}: {header_line(counts, recipe.size)}", soft_wrap=True,
                           markup=False, highlight=False)
     return rows
 
