@@ -8,7 +8,6 @@ import re
 from pathlib import Path
 
 import pytest
-import torch
 import yaml
 
 from diffexp import Decoder, ModelConfig
