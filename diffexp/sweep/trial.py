@@ -179,4 +179,5 @@ def _scalar_results(trainer: L.Trainer) -> dict[str, float]:
 
 
 def _hparam_value(value: Any) -> Any:
-    return value if isinstance(value, (int, float, str, bool)) else json.dumps(value)
+    # default=str: an override jsonargparse built into an object (a callback class_path) is shown by its repr
+    return value if isinstance(value, (int, float, str, bool)) else json.dumps(value, default=str)
