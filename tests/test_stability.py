@@ -23,7 +23,7 @@ def tiny_spec(tmp_path: Path, raw: dict, **changes) -> Path:
     raw["overrides"] = {**raw.get("overrides", {}), **TINY_OVERRIDES, "data.cache_dir": str(tmp_path / "cache"),
                         "diagnostics.every_n_steps": 2}
     path = tmp_path / f"{raw['study']}.yaml"
-    path.write_text(yaml.safe_dump(raw))
+    path.write_text(yaml.safe_dump(raw, sort_keys=False))  # cases keep their order
     return path
 
 
