@@ -47,6 +47,11 @@ class ModelConfig:
         pairing: DIFF V2: "same" pairs query heads that share K/V, "cross" pairs heads from different
             GQA groups (the blog's unstable ablation).
         lambda_mode: DIFF V2: "sigmoid" (default), "none" (attn1 - attn2) or "raw" (no sigmoid).
+        pair_norm: DIFF V2: put DIFF V1's per-head RMSNorm back after the subtraction (the blog removed it
+            as destabilising; default false).
+        lambda_proj_init: DIFF V2: init of the lambda projection W_lam: "default" (PyTorch's nn.Linear
+            init, kaiming-uniform U(-1/sqrt(d_model), 1/sqrt(d_model)), the spec) or "normal"
+            (N(0, init_std^2) like the other linears).
         integral: DINT: "softmax" (the paper) or "mean" (use the cumulative mean G itself).
         backend: attention call for the fast path: sdpa, flash_attn (CUDA + flash-attn) or eager.
         backend_fallback: when flash_attn cannot run (package missing, CPU tensors), fall back to sdpa with
@@ -73,6 +78,8 @@ class ModelConfig:
     lowrank_init_std: float = 0.02
     pairing: Literal["same", "cross"] = "same"
     lambda_mode: Literal["sigmoid", "none", "raw"] = "sigmoid"
+    pair_norm: bool = False
+    lambda_proj_init: Literal["default", "normal"] = "default"
     integral: Literal["softmax", "mean"] = "softmax"
     backend: Literal["sdpa", "flash_attn", "eager"] = "sdpa"
     backend_fallback: bool = True

@@ -89,6 +89,7 @@ class SweepRunner:
             "seeds": spec.seeds, "n_trials": spec.n_trials,
             "objective": {"metric": spec.objective_metric, "direction": spec.direction},
             "storage": mask_url(self.url),
+            **({"paper": spec.paper} if spec.paper else {}),
         })
 
     def _trials_by_point(self, study: optuna.Study) -> dict[str, list[optuna.trial.FrozenTrial]]:

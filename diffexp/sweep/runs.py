@@ -15,6 +15,7 @@ from typing import Any
 from diffexp.errors import UserError
 from diffexp.sweep import layout
 from diffexp.sweep.layout import SWEEP_FILE, TRIAL_FILE
+from diffexp.sweep.paper import parse_paper
 
 CONFIG_FILE = "config.yaml"  # written into the trial directory by LightningCLI's SaveConfigCallback
 ATTENTION_KEY = "model.arch.attention"  # the dotted key naming a trial's attention variant
@@ -100,6 +101,7 @@ class StudyRuns:
     trials: dict[tuple[str, int, int], TrialRun]  # (case slug, seed, draw) -> run, for every trial of the grid
     unexpected: list[Path] = field(default_factory=list)  # trial dirs outside the grid of sweep.json
     draws: int = 1  # search draws per case and seed (sweep.json's n_trials)
+    paper: dict[str, Any] | None = None  # the published numbers of the reproduced table (sweep/paper.py)
 
     def trials_of(self, case: Case) -> list[TrialRun]:
         return [self.trials[(case.slug, seed, draw)] for seed in self.seeds for draw in range(self.draws)]
@@ -203,6 +205,7 @@ class SweepTable:
     objective: str
     direction: str
     draws: int
+    paper: dict[str, Any] | None = None
 
 
 def parse_sweep(path: Path) -> SweepTable:
@@ -238,9 +241,15 @@ def parse_sweep(path: Path) -> SweepTable:
     draws = data.get("n_trials", 1)
     if not isinstance(draws, int) or isinstance(draws, bool) or draws < 1:
         raise LayoutError(f"{where}: 'n_trials'={draws!r} must be a positive integer (search draws per seed)")
+    paper = None
+    if data.get("paper") is not None:
+        try:
+            paper = parse_paper(data["paper"], [c.name for c in cases], lambda metric: True)
+        except ValueError as err:
+            raise LayoutError(f"{where}: {err}") from None
     return SweepTable(study=str(data.get("study") or path.parent.name), spec=data.get("spec"), cases=cases,
                       seeds=list(dict.fromkeys(seeds)), objective=str(objective["metric"]), direction=direction,
-                      draws=draws)
+                      draws=draws, paper=paper)
 
 
 def _read_trial(case: Case, seed: int, draw: int, path: Path) -> TrialRun:
@@ -289,4 +298,4 @@ def load_study_runs(study_dir: str | Path, *, curves: bool = True) -> StudyRuns:
     expected = {trial.path.resolve() for trial in trials.values()}
     unexpected = [p for p in layout.trial_dirs(study_dir) if p.resolve() not in expected]
     return StudyRuns(study_dir, table.study, table.spec, table.cases, table.seeds, table.objective,
-                     table.direction, trials, unexpected, table.draws)
+                     table.direction, trials, unexpected, table.draws, table.paper)
