@@ -20,6 +20,7 @@ from diffexp.sweep.paper import parse_paper
 CONFIG_FILE = "config.yaml"  # written into the trial directory by LightningCLI's SaveConfigCallback
 ATTENTION_KEY = "model.arch.attention"  # the dotted key naming a trial's attention variant
 METRIC_GROUPS = ("val", "test", "train")  # metric name prefixes, in column order
+DIVERGED_STEP = "diag/diverged_step"  # a diverged trial's metric; its record's `diverged_step` as well
 
 
 class LayoutError(UserError):
@@ -52,7 +53,8 @@ class TrialRun:
 
     @property
     def state(self) -> str:
-        """complete | pruned | <other state from trial.json> | unreadable | running-or-crashed | not-started."""
+        """complete | pruned | diverged | <other state from trial.json> | unreadable | running-or-crashed |
+        not-started."""
         if self.error is not None:
             return "unreadable"
         if self.record is not None:
@@ -105,9 +107,11 @@ class StudyRuns:
         return [self.trials[(case.slug, seed, draw)] for seed in self.seeds for draw in range(self.draws)]
 
     def metric_names(self) -> list[str]:
-        """Every numeric metric recorded by a complete trial: the objective first, then sorted."""
-        names = {name for trial in self.trials.values() if trial.state == "complete" for name in trial.metrics}
-        return [self.objective, *sorted(names - {self.objective}, key=_metric_order)]
+        """Every numeric metric recorded by a complete or diverged trial: the objective first, then sorted.
+        The step a run diverged at is its record's `diverged_step`, not a column."""
+        names = {name for trial in self.trials.values() if trial.state in ("complete", "diverged")
+                 for name in trial.metrics}
+        return [self.objective, *sorted(names - {self.objective, DIVERGED_STEP}, key=_metric_order)]
 
 
 def load_curves(trial_dir: str | Path) -> dict[str, list[tuple[int, float]]]:

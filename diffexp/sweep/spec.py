@@ -34,7 +34,8 @@ from diffexp.sweep.paper import parse_paper
 
 #: metrics a trial records at the end of fit (the objective must be one of them)
 KNOWN_METRICS = ("val/loss", "val/ppl", "val/ar_hit_loss", "val/others_loss", "val/ar_hit_share", "train/loss",
-                 "diag/grad_spikes", "diag/act_max_abs", "diag/attn_logit_max")
+                 "diag/grad_spikes", "diag/act_max_abs", "diag/attn_logit_max", "diag/loss_spikes",
+                 "diag/grad_norm_max", "diag/context_rms", "diag/attn_sink")
 #: evaluation callbacks record these (e.g. needle/rank/N4R2, attention/noise, mqar/accuracy, icl/random/n16)
 EVAL_PREFIXES = ("needle/", "attention/", "mqar/", "icl/", "val/mqar")
 SPEC_KEYS = {"study", "base", "overrides", "cases", "grid", "seeds", "search", "n_trials", "objective", "pruner",
