@@ -246,6 +246,72 @@ def test_parameter_counts_follow_the_spec(n_kv_heads):
     assert _attn_params(v2) == baseline_h + d_model * h * d2 + d_model * h
     assert _attn_params(ModelConfig(attention="diff_v2", lambda_mode="none", **base)) == \
         baseline_h + d_model * h * d2
+    # pair_norm: one d-wide RMSNorm weight shared by the heads
+    assert _attn_params(ModelConfig(attention="diff_v2", pair_norm=True, **base)) == _attn_params(v2) + d2
+
+
+def test_diff_v2_pair_norm_puts_a_per_head_norm_back():
+    cfg = ModelConfig(**SMALL, attention="diff_v2")
+    plain = build_attention(cfg, 0)
+    assert isinstance(plain.pair_norm, torch.nn.Identity)  # the blog's V2: no norm unless asked for
+    normed = build_attention(ModelConfig(**SMALL, attention="diff_v2", pair_norm=True), 0)
+    normed.load_state_dict(plain.state_dict(), strict=False)  # same projections, plus the norm's weight
+    assert [n for n, _ in normed.named_parameters() if "pair_norm" in n] == ["pair_norm.weight"]
+    assert normed.pair_norm.weight.shape == (plain.head_dim,)
+    x = torch.randn(2, 9, cfg.d_model)
+    with torch.no_grad():
+        out_plain, out_normed = plain(x)[0], normed(x)[0]
+        heads = normed.o_proj.weight.shape[1] // normed.head_dim
+        # before W_O, every head of the normed module has RMS 1 (weight 1 at init)
+        captured = {}
+        normed.o_proj.register_forward_hook(lambda m, args, out: captured.update(x=args[0]))
+        normed(x)
+    rms = captured["x"].view(2, 9, heads, -1).pow(2).mean(-1).sqrt()
+    torch.testing.assert_close(rms, torch.ones_like(rms), rtol=0, atol=5e-3)  # 1 up to the norm's eps
+    assert not torch.allclose(out_plain, out_normed)
+
+
+@pytest.mark.parametrize("scheme", ["default", "normal"])
+def test_diff_v2_lambda_projection_init(scheme):
+    """The spec: W_lam has PyTorch's default nn.Linear init (kaiming-uniform, U(-1/sqrt(d_model), 1/sqrt(d_model)));
+    `lambda_proj_init: normal` gives it the decoder's N(0, init_std^2) like every other linear."""
+    cfg = ModelConfig(vocab_size=61, d_model=256, n_layers=2, n_heads=8, n_kv_heads=2, attention="diff_v2",
+                      lambda_proj_init=scheme)
+    model = Decoder(cfg)
+    bound = 1 / cfg.d_model ** 0.5  # 0.0625, against init_std 0.02
+    for block in model.blocks:
+        w = block.attn.lambda_proj.weight.detach()
+        if scheme == "default":
+            assert w.abs().max() <= bound and w.abs().max() > 0.95 * bound
+            assert w.std().item() == pytest.approx(bound / 3 ** 0.5, rel=0.1)  # the std of U(-b, b)
+        else:
+            assert w.std().item() == pytest.approx(cfg.init_std, rel=0.1)  # U(-b, b) would give 0.036
+        # the other projections keep the decoder's normal init either way
+        assert block.attn.q_proj.weight.std().item() == pytest.approx(cfg.init_std, rel=0.1)
+
+
+def earlier_init(model: Decoder) -> None:
+    """Decoder.reset_parameters as it was before W_lam kept its own init: every linear N(0, init_std^2)."""
+    std = model.cfg.init_std
+    for module in model.modules():
+        if isinstance(module, (torch.nn.Linear, torch.nn.Embedding)):
+            torch.nn.init.normal_(module.weight, 0.0, std)
+    for block in model.blocks:
+        for residual_out in (block.attn.o_proj, block.ffn.down_proj):
+            torch.nn.init.normal_(residual_out.weight, 0.0, std / (2 * model.cfg.n_layers) ** 0.5)
+
+
+@pytest.mark.parametrize("scheme, same", [("normal", True), ("default", False)])
+def test_normal_lambda_projection_init_reproduces_the_earlier_init(scheme, same):
+    """`lambda_proj_init: normal` draws every weight exactly as before; the default ("default") does not."""
+    model = Decoder(ModelConfig(**{**SMALL, "attention": "diff_v2", "lambda_proj_init": scheme}))
+    earlier = copy.deepcopy(model)
+    torch.manual_seed(3)
+    model.reset_parameters()
+    torch.manual_seed(3)
+    earlier_init(earlier)
+    equal = [torch.equal(p, q) for p, q in zip(model.state_dict().values(), earlier.state_dict().values())]
+    assert all(equal) if same else not all(equal)
 
 
 def test_flags_change_the_built_module():
@@ -281,6 +347,8 @@ def test_flags_change_the_built_module():
         (dict(d_model=100, n_heads=3), "n_heads=3"),
         (dict(n_heads=4, n_kv_heads=3), "n_kv_heads=3"),
         (dict(attention="diff_v2", n_kv_heads=1, pairing="cross"), "pairing='cross'"),
+        (dict(attention="diff_v2", lambda_proj_init="kaiming"), "lambda_proj_init='kaiming'"),
+        (dict(attention="diff_v2", pair_norm="yes"), "pair_norm='yes'"),
         (dict(backend="triton"), "backend='triton'"),
         (dict(attention="dint", gamma="both"), "model.arch.gamma='both'"),
         (dict(attention="dint", gamma_init=0.5), "model.arch.gamma_init=0.5"),

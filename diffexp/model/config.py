@@ -52,6 +52,11 @@ class ModelConfig:
         pairing: DIFF V2: "same" pairs query heads that share K/V, "cross" pairs heads from different
             GQA groups (the blog's unstable ablation).
         lambda_mode: DIFF V2: "sigmoid" (default), "none" (attn1 - attn2) or "raw" (no sigmoid).
+        pair_norm: DIFF V2: put DIFF V1's per-head RMSNorm back after the subtraction (the blog removed it
+            as destabilising; default false).
+        lambda_proj_init: DIFF V2: init of the lambda projection W_lam: "default" (PyTorch's nn.Linear
+            init, kaiming-uniform U(-1/sqrt(d_model), 1/sqrt(d_model)), the spec) or "normal"
+            (N(0, init_std^2) like the other linears).
         integral: DINT: "softmax" (the paper) or "mean" (use the cumulative mean G itself).
         gamma: DINT: the weight of the integral term, "lambda" (gamma = lambda, the paper: every row of the
             map sums to 1) or "learned" (a learnable scalar per layer: rows sum to 1 - lambda + gamma).
@@ -83,6 +88,8 @@ class ModelConfig:
     lowrank_init_std: float = 0.02
     pairing: Literal["same", "cross"] = "same"
     lambda_mode: Literal["sigmoid", "none", "raw"] = "sigmoid"
+    pair_norm: bool = False
+    lambda_proj_init: Literal["default", "normal"] = "default"
     integral: Literal["softmax", "mean"] = "softmax"
     gamma: Literal["lambda", "learned"] = "lambda"
     gamma_init: GammaInit = "lambda_init"

@@ -32,10 +32,16 @@ class Decoder(nn.Module):
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
-        """N(0, init_std) for embeddings and linears; residual outputs scaled by 1/sqrt(2 n_layers)."""
+        """N(0, init_std) for embeddings and linears; residual outputs scaled by 1/sqrt(2 n_layers).
+
+        A linear marked `keep_default_init` by its variant (`AttentionBase.linear(..., default_init=True)`)
+        gets PyTorch's nn.Linear init instead (kaiming-uniform, bound 1/sqrt(fan_in)), drawn in its turn.
+        """
         std = self.cfg.init_std
         for module in self.modules():
-            if isinstance(module, (nn.Linear, nn.Embedding)):
+            if isinstance(module, nn.Linear) and getattr(module, "keep_default_init", False):
+                module.reset_parameters()
+            elif isinstance(module, (nn.Linear, nn.Embedding)):
                 nn.init.normal_(module.weight, 0.0, std)
         for block in self.blocks:
             for residual_out in (block.attn.o_proj, block.ffn.down_proj):

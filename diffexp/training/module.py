@@ -173,6 +173,7 @@ class DiffexpLM(L.LightningModule):
         self.model = Decoder(arch)
         self.compile_blocks = compile
         self.last_grad_norm: float | None = None
+        self.last_train_loss: torch.Tensor | None = None  # read by the Diagnostics (loss spikes, divergence)
         self.validated_step: int | None = None  # the global step of the last validation, kept in checkpoints
         self._last_step_time: float | None = None
         self._frequent_bigrams: torch.Tensor | None = None
@@ -209,6 +210,7 @@ class DiffexpLM(L.LightningModule):
         loss = self._loss(batch)
         if any_rank(self.trainer, not bool(torch.isfinite(loss))):  # before backward: nothing has moved yet
             stop_with_last_finite(self.trainer, self, "train/loss", loss.item(), self.optim.lr)
+        self.last_train_loss = loss.detach()
         self.log("train/loss", loss, prog_bar=True)
         self.log("lr", self.trainer.optimizers[0].param_groups[0]["lr"])
         self._log_step_extras(batch)

@@ -128,8 +128,12 @@ class AttentionBase(nn.Module):
         self.rope = RotaryEmbedding(self.head_dim, cfg.max_seq_len, cfg.rope_theta)
         self.stats: dict[str, float] = {}
 
-    def linear(self, in_features: int, out_features: int) -> nn.Linear:
-        return nn.Linear(in_features, out_features, bias=False)
+    def linear(self, in_features: int, out_features: int, default_init: bool = False) -> nn.Linear:
+        """A bias-free projection. The decoder re-initialises it from N(0, init_std^2), unless
+        `default_init`: then it keeps PyTorch's own nn.Linear init (kaiming-uniform, bound 1/sqrt(fan_in))."""
+        layer = nn.Linear(in_features, out_features, bias=False)
+        layer.keep_default_init = default_init
+        return layer
 
     #: set by the diagnostics: record the largest attention logit (over the first `stats_rows` rows of the
     #: batch) and variant statistics on the next forward
