@@ -34,6 +34,7 @@ def repo_on_path(monkeypatch):
 
 
 @pytest.mark.slow
+@pytest.mark.heavy  # python -m pytest -m heavy
 def test_stability_sweep_runs_and_compare_shows_the_stability_columns(tmp_path, repo_on_path, capsys):
     raw = yaml.safe_load((REPO / "sweeps/stability.yaml").read_text())
     assert raw["pruner"] == {"type": "none"} and raw["seeds"] == [0, 1]

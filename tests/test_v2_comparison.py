@@ -70,6 +70,7 @@ def test_rows_differ_from_diff_v2_in_what_the_comment_says():
 
 
 @pytest.mark.slow
+@pytest.mark.heavy  # python -m pytest -m heavy
 def test_sweep_runs_and_compares_one_row_per_case_with_parameter_counts(tmp_path):
     spec = yaml.safe_load(SPEC.read_text())
     spec.update(base=str(REPO / spec["base"]), runs_dir=str(tmp_path / "runs"), seeds=[0])
