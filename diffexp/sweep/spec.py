@@ -12,7 +12,7 @@ variants can then start each row from that variant's own recipe and override onl
     cases:
       DIFF: {}
       DIFF -GroupNorm: {model.arch.head_norm: false}
-      DINT: {base: recipes/tiny/dint.yaml}
+      Other variant: {base: recipes/tiny/<other variant>.yaml}
     grid: {model.arch.lambda_init: [depth, 0.8]}
     seeds: [0, 1]
     search: {model.optim.lr: {type: float, low: 1.0e-4, high: 1.0e-2, log: true}}
