@@ -96,7 +96,7 @@ def test_scaling_report_ratio_and_its_spread_over_seeds(tmp_path):
     stat = other.ratio_stat
     assert stat.n == 3 and stat.mean == pytest.approx(EFFICIENCY, rel=0.1)
     assert 0 < stat.std < 0.1 and stat.ci95 > stat.std  # noise per seed: a spread, and t(2) widens it
-    assert not other.extrapolated  # 0.62 N_ref lies inside the sizes it ran
+    assert not other.extrapolated and not ref.extrapolated  # 0.62 N_ref lies inside the sizes it ran
 
 
 def test_compare_writes_the_scaling_section_only_for_a_scaling_study(tmp_path):

