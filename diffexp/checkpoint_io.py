@@ -11,6 +11,10 @@ the file.
 A sharded checkpoint is the directory Lightning's FSDP strategy writes (``.metadata`` and
 ``*.distcp`` shards from torch.distributed.checkpoint, plus ``meta.pt`` with everything but the
 tensors); it is read into one full checkpoint on the CPU.
+
+Hyperparameters added after checkpoints were first written (``ADDED_LATER``) are filled in on reading
+with the behaviour the checkpoint was trained with, so an older checkpoint keeps meaning what it meant;
+``FILLED`` lists them (as ``model.<section>.<key>``), for the resume check and its advice.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ import os
 import pickle
 import re
 import zipfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +36,36 @@ LIGHTNING_META = "meta.pt"  # Lightning's FSDP checkpoints: everything but the s
 ZIP_MAGIC = b"PK\x03\x04"  # torch.save's default format is a zip archive
 PICKLE_PROTO = 0x80  # torch.save's legacy format starts with a pickle protocol opcode
 EXPECTED = "expected a .ckpt written by diffexp (a dict with 'state_dict' and 'hyper_parameters' with 'arch')"
+
+
+#: hyperparameter sections and keys added after checkpoints were first written, with the value an older
+#: checkpoint (one without the key) was trained with, computed from its saved section
+ADDED_LATER: dict[str, dict[str, Callable[[dict], Any]]] = {
+    # Shared DIFF's low-rank updates were per head and per map before model.arch.lowrank_scope existed
+    "arch": {"lowrank_scope": lambda arch: "head",
+             # DINT weighed its integral term by lambda before model.arch.gamma
+             "gamma": lambda arch: "lambda", "gamma_init": lambda arch: "lambda_init"},
+    # every repeated bigram was an AR-Hit unless a threshold was given, before model.ar_hit.exclude_frequent
+    "ar_hit": {"exclude_frequent": lambda ar_hit: ar_hit.get("min_count") is not None
+               or ar_hit.get("top_percent") is not None},
+}
+#: where read_checkpoint records what it filled in: {"model.arch.lowrank_scope": "head", ...}
+FILLED = "diffexp_filled_hparams"
+
+
+def fill_added_later(checkpoint: dict) -> dict:
+    """Give a checkpoint's hyperparameters the keys added since it was written (ADDED_LATER), in place."""
+    hparams = checkpoint["hyper_parameters"]
+    filled = {}
+    for section, keys in ADDED_LATER.items():
+        values = hparams.get(section)
+        values = dict(values) if isinstance(values, dict) else {}
+        for key, then in keys.items():
+            if key not in values:
+                values[key] = filled[f"model.{section}.{key}"] = then(values)
+        hparams[section] = values
+    checkpoint[FILLED] = filled
+    return checkpoint
 
 
 def _error(key: str, path: os.PathLike | str, problem: str) -> UserError:
@@ -95,7 +130,7 @@ def _check_diffexp(checkpoint: Any, path: Path, key: str, need_weights: bool = T
         keys = ", ".join(map(repr, list(checkpoint)[:8])) or "none"
         raise _error(key, path, f"the file is not a diffexp checkpoint: it lacks {' and '.join(missing)} "
                                 f"(its keys: {keys}); {EXPECTED}")
-    return checkpoint
+    return fill_added_later(checkpoint)
 
 
 def _read_sharded(path: Path, key: str, weights: bool) -> dict:

@@ -3,7 +3,8 @@
 fit, validate and test are LightningCLI over DiffexpLM (diffexp.training.cli); `diffexp sweep` and
 `diffexp compare runs/<study>` run ablation grids and tabulate them (diffexp.sweep, diffexp.compare);
 `diffexp eval TASK CKPT` runs the papers' evaluations; `diffexp bench train|decode|kernel` measures each
-variant's cost against the reference (diffexp.bench); `diffexp variants` lists the attention registry.
+variant's cost against the reference (diffexp.bench); `diffexp variants` lists the attention registry;
+`diffexp params [RECIPE ...]` tabulates the recipes' parameter counts (diffexp.compare.params).
 Every subcommand runs under `diffexp.errors.guarded`: a user error is one paragraph, no traceback.
 """
 
@@ -26,6 +27,7 @@ SUBCOMMANDS = {
     "eval": "the papers' evaluations on a checkpoint (needle, icl, mqar)",
     "variants": "the attention variants: name, paper and the model.arch flags each one reads",
     "bench": "cost of each variant vs the reference, side by side: diffexp bench train|decode|kernel",
+    "params": "parameter counts of recipes (total, non-embedding, attention, Q/K): diffexp params [RECIPE ...]",
 }
 
 
@@ -117,6 +119,10 @@ def _main(args: list[str] | None = None) -> None:
         from diffexp.bench.cli import main as bench_main
 
         sys.exit(bench_main(argv[1:]))
+    if argv and argv[0] == "params":
+        from diffexp.compare.params import main as params_main
+
+        sys.exit(params_main(argv[1:]))
     run_lightning_cli(args)
 
 

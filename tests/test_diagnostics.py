@@ -1,13 +1,16 @@
-"""Training diagnostics: known answers for kurtosis, spikes and the attention-logit maximum."""
+"""Training diagnostics: known answers for kurtosis, spikes, the attention-logit maximum, context RMS, the
+attention-sink score, loss spikes and divergence."""
 
 from __future__ import annotations
 
 import math
 from types import SimpleNamespace
 
+import pytest
 import torch
 
 from diffexp import Decoder, ModelConfig
+from diffexp.model.attention.registry import variant_names
 from diffexp.training.diagnostics import Diagnostics, kurtosis
 
 
@@ -25,6 +28,7 @@ def test_gradient_spikes_are_counted_after_warmup():
         module.last_grad_norm = norm
         diag._count_spike(module)
     assert diag.spikes == 1  # the 20 comes before the warmup ends; 2.5 is under 3x the mean
+    assert diag.grad_norm_max == 20.0
     restored = Diagnostics()
     restored.load_state_dict(diag.state_dict())
     assert restored.spikes == 1
@@ -93,3 +97,132 @@ def test_sharded_gradient_norm_counts_each_shard_once():
                 mock.patch.object(strategy, "num_nodes", nodes):
             assert _shard_replicas(strategy) == copies, kwargs
     assert _shard_replicas(DDPStrategy()) == 0  # DDP grads are already all-reduced: every rank has all of it
+
+
+# -- the DIFF V2 blog's stability quantities (diffexp.training.stability) ---------------------------------
+SMALL = dict(vocab_size=61, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=64)
+
+
+def test_context_rms_of_a_known_input():
+    from diffexp.training.stability import context_rms
+
+    # 2 tokens, 2 heads of 4 features: head 0 tokens RMS 1 and 2, head 1 tokens RMS 0 and 1
+    x = torch.tensor([[[1.0, 1, 1, 1, 0, 0, 0, 0],
+                       [2.0, -2, 2, -2, 1, -1, 1, -1]]])
+    assert context_rms(x, n_heads=2).tolist() == [1.5, 0.5]
+    # the blog's example: a unit-RMS value vector kept whole (RMS 1) or averaged over n orthogonal ones
+    n = 16
+    values = torch.eye(n) * math.sqrt(n)  # each row has RMS 1
+    assert context_rms(values[:1], 1).item() == pytest.approx(1.0)
+    assert context_rms(values.mean(0, keepdim=True), 1).item() == pytest.approx(1 / math.sqrt(n))
+
+
+@pytest.mark.parametrize("name", variant_names())
+def test_context_rms_reads_each_variants_o_proj_input_by_head(name):
+    """The hook's numbers against the o_proj input captured separately and reduced with plain loops."""
+    from diffexp.training.diagnostics import LayerStats
+
+    torch.manual_seed(0)
+    model = Decoder(ModelConfig(attention=name, **SMALL))
+    idx = torch.randint(0, 61, (3, 10))
+    seen = []
+    handle = model.blocks[1].attn.o_proj.register_forward_pre_hook(lambda m, inputs: seen.append(inputs[0].detach()))
+    recorder = LayerStats(model, rows=2).start()
+    model(idx)
+    stats = recorder.stop()
+    handle.remove()
+    x = seen[0][:2]  # the recorded rows
+    heads = model.blocks[1].attn.n_heads
+    width = x.shape[-1] // heads
+    expected = []
+    for h in range(heads):
+        per_token = [math.sqrt(sum(float(v) ** 2 for v in x[b, t, h * width:(h + 1) * width]) / width)
+                     for b in range(2) for t in range(10)]
+        expected.append(sum(per_token) / len(per_token))
+    for h, value in enumerate(expected):
+        assert stats[f"diag/layer_01/context_rms/head_{h:02d}"] == pytest.approx(value, rel=1e-5)
+    assert stats["diag/layer_01/context_rms"] == pytest.approx(sum(expected) / heads, rel=1e-5)
+    layers = [stats[f"diag/layer_{i:02d}/context_rms"] for i in range(2)]
+    assert stats["diag/context_rms"] == pytest.approx(sum(layers) / 2)
+    assert not any(m._forward_pre_hooks for m in model.modules())
+
+
+def test_sink_score_of_a_hand_built_map():
+    from diffexp.training.stability import sink_score
+
+    weights = torch.tensor([[[[1.0, 0.0, 0.0], [0.5, 0.5, 0.0], [0.2, 0.3, 0.5]],
+                             [[1.0, 0.0, 0.0], [0.9, 0.1, 0.0], [-0.1, 0.6, 0.5]]]])  # (1, 2, 3, 3)
+    # row 0 (which can only attend to token 0) left out: mean of 0.5, 0.2, 0.9, -0.1
+    assert sink_score(weights) == pytest.approx(0.375)
+    uniform = torch.ones(8, 8).tril() / torch.arange(1, 9).unsqueeze(1)
+    assert sink_score(uniform.view(1, 1, 8, 8)) == pytest.approx(sum(1 / i for i in range(2, 9)) / 7)
+
+
+@pytest.mark.parametrize("name", variant_names())
+def test_attention_sinks_score_each_variants_effective_map(name):
+    from diffexp.training.stability import attention_sinks, sink_score
+
+    torch.manual_seed(0)
+    model = Decoder(ModelConfig(attention=name, **SMALL)).train()
+    idx = torch.randint(0, 61, (2, 12))
+    scores = attention_sinks(model, idx)
+    with torch.no_grad():
+        _, maps = model(idx, need_weights=True)
+    for i, effective in enumerate(maps):
+        assert scores[f"diag/layer_{i:02d}/attn_sink"] == pytest.approx(sink_score(effective), abs=1e-6)
+    assert scores["diag/attn_sink"] == pytest.approx(sum(sink_score(m) for m in maps) / len(maps), abs=1e-6)
+    assert model.training and not any(m._forward_hooks for m in model.modules())
+
+
+def test_loss_spikes_against_hand_computed_running_medians():
+    from diffexp.training.stability import LossSpikes
+
+    spikes = LossSpikes(factor=1.5, window=3, warmup=2)
+    series = [2.0, 2.0, 4.0, 2.0, 1.0, 1.0, 1.0, 1.6, 2.0, float("nan"), 3.1]
+    # previous <= 3 finite losses and their median; a spike is a loss above 1.5 x that median
+    # step 0, 1: warmup | 2: median(2, 2) = 2 -> 4.0 > 3 spike | 3: median(2, 2, 4) = 2 -> 2.0 no
+    # 4: median(2, 4, 2) = 2 | 5: median(4, 2, 1) = 2 | 6: median(2, 1, 1) = 1 -> 1.0 no
+    # 7: median(1, 1, 1) = 1 -> 1.6 > 1.5 spike | 8: median(1, 1, 1.6) = 1 -> 2.0 spike | nan skipped
+    # 10: median(1, 1.6, 2) = 1.6 -> 3.1 > 2.4 spike
+    flags = [spikes.update(loss) for loss in series]
+    assert [i for i, flag in enumerate(flags) if flag] == [2, 7, 8, 10]
+    assert spikes.count == 4
+    restored = LossSpikes(factor=1.5, window=3, warmup=2)
+    restored.load_state_dict(spikes.state_dict())
+    assert restored.update(4.0) and restored.count == 5  # median(1.6, 2, 3.1) = 2 -> 4.0 > 3
+
+
+def test_loss_spikes_and_divergence_per_optimizer_step():
+    """Micro-batches of an accumulated step count as one loss (their mean); a loss above divergence_factor x
+    ln(vocab_size) records the divergence at that step and stops the run."""
+    from diffexp.training.diagnostics import diverged_at
+
+    diag = Diagnostics(every_n_steps=0, spike_warmup=1, loss_spike_factor=1.5, loss_spike_window=4)
+    logged = {}
+    module = SimpleNamespace(arch=SimpleNamespace(vocab_size=257), last_grad_norm=1.0, last_train_loss=None,
+                             log=lambda name, value: logged.__setitem__(name, value))
+    trainer = SimpleNamespace(global_step=0, should_stop=False, callbacks=[diag])
+    diag.on_train_start(trainer, module)
+
+    def micro_batch(loss: float, steps: bool) -> None:
+        module.last_train_loss = torch.tensor(loss)
+        trainer.global_step += steps
+        diag.on_train_batch_end(trainer, module, None, None, 0)
+
+    for first, second in [(2.0, 2.0), (1.0, 6.0), (2.0, 2.0)]:  # step means 2, 3.5, 2
+        micro_batch(first, steps=False)
+        micro_batch(second, steps=True)
+    assert diag.loss_spikes.count == 1 and logged["diag/loss_spikes"] == 1.0  # 3.5 > 1.5 x median(2)
+    assert diag.grad_norm_max == 1.0 and logged["diag/grad_norm_max"] == 1.0
+    assert diverged_at(trainer) is None and not trainer.should_stop
+
+    threshold = 1.5 * math.log(257)
+    micro_batch(threshold - 0.01, steps=False)
+    micro_batch(threshold - 0.01, steps=True)
+    assert diverged_at(trainer) is None
+    micro_batch(threshold + 0.02, steps=False)
+    with pytest.warns(UserWarning, match="diverged at step 4"):
+        micro_batch(threshold, steps=True)  # step 4's mean is above the threshold
+    assert trainer.should_stop and logged["diag/diverged_step"] == 4.0
+    assert diverged_at(trainer) == {"step": 4, "reason": f"train/loss {threshold + 0.01:.4g} > {threshold:.4g} "
+                                                          "(1.5 x ln 257)"}

@@ -2,7 +2,9 @@
 
 The GPU recipes are a base plus deltas, applied in this order by repeated --config flags:
 recipes/gpu/base.yaml (every training number), recipes/gpu/size/<size>.yaml (the model's size),
-recipes/gpu/variant/<variant>.yaml (the attention variant and its flags)."""
+recipes/gpu/variant/<variant>.yaml (the attention variant and its flags), and for a variant delta with
+size-dependent values (head_dim, ffn_hidden) recipes/gpu/variant/<variant>/<size>.yaml last. A variant
+delta is named after its attention variant, or `<variant>-<what>` for a comparison (baseline-kv4.yaml)."""
 
 from __future__ import annotations
 
@@ -31,23 +33,31 @@ GPU_VARIANTS = sorted(p.stem for p in (GPU / "variant").glob("*.yaml"))
 GPU_COMBOS = list(itertools.product(GPU_SIZES, GPU_VARIANTS))
 #: a size's name as a parameter count: 830m -> 830e6, 1.4b -> 1.4e9
 SCALE = {"m": 1e6, "b": 1e9}
-#: combinations whose count misses the name by 10% or more with the papers' published shapes (not refitted
-#: to the name): why, for the test's report. The count is checked against the name first: a combination
-#: listed here that meets the tolerance (another Shared DIFF scope, say) passes like any other.
+#: combinations whose count misses the name beyond the tolerance with the papers' published shapes (the shape
+#: is not refitted to the name), and why. The count is checked against the name first: one listed here that
+#: meets the tolerance passes like any other.
 BEYOND_TOLERANCE = {
-    **{("3b", v): "the DIFF paper's 3B shape (d_model 3072, 28 layers) with the recipes' 32,768-token "
-                  "vocabulary: 3.37B, 12% over its name (3.17B without embeddings)" for v in ("baseline", "diff_v1",
-                                                                                             "dint")},
-    **{(size, "shared_diff"): "Shared DIFF's per-head low-rank updates at its paper's ranks (256 to 448) add "
-                              "20-48%; updates per projection would keep it within the tolerance"
-       for size in ("2.8b", "3b", "6.8b", "13.1b")},
+    ("3b", v): "the DIFF paper's 3B shape (d_model 3072, 28 layers) with the recipes' 32,768-token vocabulary: "
+               "3.37B, 12.4% over its name (3.17B without embeddings)" for v in ("baseline", "diff_v1", "dint")
 }
 
 
+def gpu_files(size: str, variant: str) -> list[Path]:
+    """The --config files of a GPU run, in the order README.md gives them: base, size, variant, and the
+    variant's size part when it has one (variant/<variant>/<size>.yaml)."""
+    files = [GPU / "base.yaml", GPU / "size" / f"{size}.yaml", GPU / "variant" / f"{variant}.yaml"]
+    size_part = GPU / "variant" / variant / f"{size}.yaml"
+    return files + [size_part] if size_part.is_file() else files
+
+
 def gpu_args(size: str, variant: str) -> list[str]:
-    """The --config flags of a GPU run, in the order README.md gives them."""
-    return ["--config", str(GPU / "base.yaml"), "--config", str(GPU / "size" / f"{size}.yaml"),
-            "--config", str(GPU / "variant" / f"{variant}.yaml")]
+    """The --config flags of a GPU run (gpu_files)."""
+    return [arg for path in gpu_files(size, variant) for arg in ("--config", str(path))]
+
+
+def attention_of(variant_file: str) -> str:
+    """The attention variant a delta's name promises: its name up to the first '-' (diff_v2-ffn: diff_v2)."""
+    return variant_file.split("-")[0]
 
 
 def arch_of(args: list[str] | Path) -> ModelConfig:
@@ -69,7 +79,8 @@ def dotted_keys(path: Path) -> set[str]:
 def test_recipes_exist_for_every_variant():
     names = {p.stem for p in TINY}
     assert names == {"baseline", "diff_v1", "diff_v2", "shared_diff", "dint"}
-    assert set(GPU_VARIANTS) == names  # every variant has a tiny recipe and a GPU delta
+    assert names <= set(GPU_VARIANTS)  # every variant has a tiny recipe and a GPU delta of its name
+    assert {attention_of(v) for v in GPU_VARIANTS} == names  # the others are comparisons: <variant>-<what>
     assert GPU_SIZES == ["1.4b", "13.1b", "2.8b", "3b", "6.8b", "830m"]  # the papers' Table 3 and DIFF's 3B
     assert sorted(p.name for p in GPU.glob("*.yaml")) == ["base.yaml"]  # no per-combination copies
 
@@ -88,25 +99,28 @@ def test_recipe_parses_and_builds(path):
 def test_gpu_recipe_has_the_size_in_its_name(size, variant):
     """The papers' sizes (Table 3: 830M = d_model 1536, 1.4B = d_model 2048, both 24 layers and 8 heads)
     count every parameter, embeddings included: without them the 24 layers hold only about 0.68B / 1.21B
-    (18% / 13% under). So the count here includes the untied embedding and LM head, and must be within 10%
+    (18% / 13% under). So the count here includes the untied embedding and LM head, and must be within 12%
     of the name. The names leave about 150M / 190M beyond the layers; the recipes' 32,768-token vocabulary
     gives 101M / 134M (2 x 32,768 x d_model), so the parameter-matched variants (baseline, DIFF V1, DINT)
-    come out 6% / 4% under, DIFF V2 (fewer K/V heads, GQA) 9% / 7% under and Shared DIFF (its low-rank
-    updates) 2% / 4% over. A size file holding the other size's numbers is over 40% off.
+    come out 6% / 4% under, DIFF V2 (fewer K/V heads, GQA) 9% / 7% under and Shared DIFF (one low-rank
+    update per map and layer: Q/K -31%, by design) 10% / 8% under, as the spec's 745M against DIFF's 780M.
+    A size file holding the other size's numbers is over 40% off. The comparison deltas (`<variant>-<what>`)
+    change the budget on purpose and get 20%: baseline-kv4 (a quarter of the K/V heads) is 16% / 14% under.
 
-    The larger sizes (DIFF V1's Table 3: 2.8B, 6.8B, 13.1B; its Table 1: 3B) follow the same count: the
-    parameter-matched variants come out 4%, 1%, 1% under (3B: 12% over, see BEYOND_TOLERANCE)."""
+    The larger sizes (DIFF V1's Table 3: 2.8B, 6.8B, 13.1B; its Table 1: 3B) are counted the same way; the
+    combinations their published shapes put beyond the tolerance are in BEYOND_TOLERANCE, with why."""
     config = parse_config(gpu_args(size, variant))
     arch = ModelConfig(**config.model.arch.as_dict())
-    assert arch.attention == variant
+    assert arch.attention == attention_of(variant)  # the file name's variant prefix is its attention
     with torch.device("meta"):  # 1.4B parameters cost no memory here
         model = Decoder(arch)
     promised = float(size[:-1]) * SCALE[size[-1]]
     count = model.num_parameters()
     off = count / promised - 1
-    if abs(off) >= 0.10 and (size, variant) in BEYOND_TOLERANCE:
+    tolerance = 0.12 if variant == arch.attention else 0.20
+    if abs(off) >= tolerance and (size, variant) in BEYOND_TOLERANCE:
         pytest.xfail(f"{variant}-{size}: {count:,} parameters, {off:+.1%}: {BEYOND_TOLERANCE[size, variant]}")
-    assert abs(off) < 0.10, (f"{variant}-{size}", f"{count:,}")
+    assert abs(off) < tolerance, (f"{variant}-{size}", f"{count:,}")
     logger = config.trainer.logger.init_args
     assert (Path(logger.save_dir).name, logger.name) == (size, variant)  # runs/gpu/<size>/<variant>
 
@@ -119,6 +133,41 @@ def test_gpu_baseline_matches_diff_v1_parameters(size):
         counts = {v: Decoder(arch_of(gpu_args(size, v))).num_parameters() for v in ("baseline", "diff_v1", "dint")}
     for variant, count in counts.items():
         assert abs(count / counts["diff_v1"] - 1) < 1e-3, (variant, count, counts["diff_v1"])
+
+
+#: the GPU deltas that take DIFF V2's differences from the baseline apart (README, "Comparison recipes")
+V2_COMPARISONS = ("baseline-kv4", "baseline-2x-heads", "baseline-1.5x-heads", "diff_v2-ffn")
+
+
+@pytest.mark.parametrize("size", GPU_SIZES)
+def test_gpu_v2_comparisons_hold_what_their_headers_say(size):
+    from diffexp.model.attention import variant
+
+    archs = {v: arch_of(gpu_args(size, v)) for v in ("baseline", "diff_v2", *V2_COMPARISONS)}
+    with torch.device("meta"):
+        report = {v: Decoder(arch).parameter_report() for v, arch in archs.items()}
+    base, v2 = archs["baseline"], archs["diff_v2"]
+    d, layers, lam = v2.resolved_head_dim, v2.n_layers, v2.n_layers * v2.d_model * v2.n_heads  # lam: W_lam
+    for name in V2_COMPARISONS:  # each keeps V2's KV heads and the head dim of the baseline and V2
+        assert (archs[name].kv_heads, archs[name].resolved_head_dim) == (v2.kv_heads, d), name
+    assert base.resolved_head_dim == d and v2.kv_heads < base.kv_heads  # what the comparisons take apart
+    # same KV heads as V2, the baseline's query heads
+    assert archs["baseline-kv4"].n_heads == base.n_heads
+    # V2's query heads: the same attention FLOPs; V2 has half its W_O and adds W_lam
+    wide = archs["baseline-2x-heads"]
+    assert wide.n_heads == 2 * v2.n_heads
+    assert variant(wide.attention).attention_flops(wide, 1024) == variant(v2.attention).attention_flops(v2, 1024)
+    assert report["baseline-2x-heads"]["attention"] - report["diff_v2"]["attention"] == \
+        layers * v2.n_heads * d * v2.d_model - lam
+    # 1.5x heads: V2's parameters but W_lam
+    assert 2 * archs["baseline-1.5x-heads"].n_heads == 3 * base.n_heads
+    assert report["diff_v2"]["total"] - report["baseline-1.5x-heads"]["total"] == lam
+    # V2 + FFN: V2's attention; total = baseline-2x-heads' to the nearest multiple of 64 hidden units
+    ffn = archs["diff_v2-ffn"]
+    assert report["diff_v2-ffn"]["attention"] == report["diff_v2"]["attention"]
+    assert ffn.ffn_hidden % 64 == 0 and ffn.ffn_hidden > v2.resolved_ffn_hidden
+    step = 3 * ffn.d_model * 64 * layers
+    assert abs(report["diff_v2-ffn"]["total"] - report["baseline-2x-heads"]["total"]) <= step / 2
 
 
 def test_gpu_numbers_live_in_one_file():
@@ -136,11 +185,19 @@ def test_gpu_numbers_live_in_one_file():
         assert not extra, (path.name, extra)
         # heads are the size's, except the variants whose convention is 2h heads
         assert not keys & (size_keys - {"model.arch.n_heads"}), path.name
+    # a variant's size parts: one per size, only the model.arch values that depend on the size
+    for folder in (p for p in (GPU / "variant").iterdir() if p.is_dir()):
+        assert folder.name in GPU_VARIANTS, folder.name
+        assert sorted(p.stem for p in folder.glob("*.yaml")) == GPU_SIZES, folder.name
+        for path in folder.glob("*.yaml"):
+            keys = dotted_keys(path)
+            assert keys and all(k.startswith("model.arch.") for k in keys), (path, keys)
+            assert not keys & (size_keys | dotted_keys(GPU / "variant" / f"{folder.name}.yaml")), path
     for key in ("model.optim.lr", "model.optim.warmup_steps", "model.optim.weight_decay", "trainer.max_steps",
                 "trainer.accumulate_grad_batches", "trainer.precision", "data.seq_len", "data.batch_size"):
         assert key in base, key
     run_dir = {"trainer.logger.init_args.save_dir", "trainer.logger.init_args.name"}  # base's placeholders
-    for path in [*(GPU / "size").glob("*.yaml"), *(GPU / "variant").glob("*.yaml")]:
+    for path in [*(GPU / "size").glob("*.yaml"), *(GPU / "variant").rglob("*.yaml")]:
         assert not dotted_keys(path) & (base - run_dir), path.name
 
 
@@ -170,6 +227,8 @@ def test_documented_gpu_command_prints_the_merged_recipe():
 
 
 def test_tiny_recipes_have_matched_parameter_budgets():
+    """Within 5% of the baseline's non-embedding parameters; Shared DIFF, with fewer Q/K parameters by design
+    (tests/test_recipe_params.py), is 4.8% under."""
     counts = {p.stem: Decoder(arch_of(p)).num_parameters(exclude_embeddings=True) for p in TINY}
     for name, count in counts.items():
         assert abs(count / counts["baseline"] - 1) < 0.05, (name, count, counts["baseline"])

@@ -82,3 +82,65 @@ def test_lr_override_on_resume_is_honoured_and_recorded(tmp_path, monkeypatch, c
     resumed = next(p for p in run.iterdir() if p.name.startswith("config.resumed-"))
     assert yaml.safe_load(resumed.read_text())["model"]["optim"]["lr"] == 1e-3
     assert yaml.safe_load((run / "hparams.yaml").read_text())["optim"]["lr"] == 1e-3
+
+
+def _as_if_written_before(run: Path, arch_keys=("lowrank_scope",), ar_hit_keys=("exclude_frequent",)) -> Path:
+    """Strip the keys added since from a run's last.ckpt and config.yaml, as the older diffexp wrote them."""
+    import yaml
+
+    path = run / "checkpoints/last.ckpt"
+    ckpt = torch.load(path, weights_only=True)
+    for section, keys in (("arch", arch_keys), ("ar_hit", ar_hit_keys)):
+        for key in keys:
+            del ckpt["hyper_parameters"][section][key]
+    torch.save(ckpt, path)
+    config = yaml.safe_load((run / "config.yaml").read_text())
+    for section, keys in (("arch", arch_keys), ("ar_hit", ar_hit_keys)):
+        for key in keys:
+            del config["model"][section][key]
+    (run / "config.yaml").write_text(yaml.safe_dump(config))
+    return path
+
+
+def test_checkpoint_from_before_lowrank_scope_and_exclude_frequent_keeps_its_meaning(tmp_path, monkeypatch, capsys):
+    """A Shared DIFF checkpoint written before model.arch.lowrank_scope and model.ar_hit.exclude_frequent
+    existed had per-head updates and counted every repeated bigram as an AR-Hit. Read today, it still does:
+    evaluation rebuilds the per-head model, and a resume under today's defaults (layer scope, frequent
+    bigrams excluded) is refused with the command that resumes it as it was, which then runs."""
+    from diffexp.checkpoint_io import read_checkpoint
+    from diffexp.evals.common import load_model
+
+    monkeypatch.chdir(tmp_path)
+    recipe = write_recipe(tmp_path, attention="shared_diff", max_steps=4)
+    main(["fit", "--config", str(recipe), "--model.arch.lowrank_scope", "head",
+          "--model.ar_hit.exclude_frequent", "false"])
+    run = tmp_path / "runs/run/version_0"
+    ckpt_path = _as_if_written_before(run)
+
+    checkpoint = read_checkpoint(ckpt_path)
+    assert checkpoint["hyper_parameters"]["arch"]["lowrank_scope"] == "head"
+    assert checkpoint["hyper_parameters"]["ar_hit"]["exclude_frequent"] is False
+    model = load_model(checkpoint, str(ckpt_path), "cpu")  # the per-head weights fit
+    assert model.arch.lowrank_scope == "head" and model.ar_hit.threshold() is None
+
+    capsys.readouterr()
+    with pytest.raises(SystemExit):
+        main(["fit", "--config", str(run / "config.yaml"), "--ckpt_path", str(ckpt_path)])
+    err = capsys.readouterr().err
+    assert "model.arch.lowrank_scope: checkpoint 'head', this config 'layer'" in err
+    assert "model.ar_hit.exclude_frequent: checkpoint False, this config True" in err
+    fix = f"--config {run / 'config.yaml'} --model.arch.lowrank_scope head --model.ar_hit.exclude_frequent false"
+    assert fix in " ".join(err.split())
+    main(["fit", "--config", str(run / "config.yaml"), "--model.arch.lowrank_scope", "head",
+          "--model.ar_hit.exclude_frequent", "false", "--trainer.max_steps", "4", "--ckpt_path", str(ckpt_path)])
+
+
+def test_old_checkpoint_of_a_variant_without_lowrank_scope_resumes_under_todays_defaults(tmp_path, monkeypatch):
+    """lowrank_scope meant nothing to a DIFF V1 run, so it pins nothing; an old run that excluded frequent
+    bigrams (a threshold given) keeps doing so under today's exclude_frequent default."""
+    monkeypatch.chdir(tmp_path)
+    recipe = write_recipe(tmp_path, attention="diff_v1", max_steps=4)
+    main(["fit", "--config", str(recipe), "--model.ar_hit.min_count", "3"])
+    run = tmp_path / "runs/run/version_0"
+    ckpt_path = _as_if_written_before(run)
+    main(["fit", "--config", str(run / "config.yaml"), "--ckpt_path", str(ckpt_path)])

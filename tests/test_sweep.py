@@ -66,7 +66,9 @@ def trials_by_state(url: str, study: str) -> dict[str, Counter]:
 @pytest.mark.parametrize("kind", ["sqlite", "journal"])
 def test_two_workers_finish_each_point_exactly_once(tmp_path, kind):
     url = f"sqlite:///{tmp_path}/study.db" if kind == "sqlite" else f"journal:{tmp_path}/study.log"
-    spec = write_spec(tmp_path, f"two-{kind}", storage=url)
+    paper = {"source": "a paper, Table 1", "values": {"head_norm=true": {"val/loss": 3.0},
+                                                       "head_norm=false": {"val/loss": 3.1}}}
+    spec = write_spec(tmp_path, f"two-{kind}", storage=url, paper=paper)
     workers = [start_worker(spec, tmp_path) for _ in range(2)]
     outputs = [w.communicate(timeout=400)[0] for w in workers]
     assert [w.returncode for w in workers] == [0, 0], outputs
@@ -84,6 +86,9 @@ def test_two_workers_finish_each_point_exactly_once(tmp_path, kind):
         assert [r["n_complete"] for r in rows] == ["2", "2"]
         assert all(float(r["val/loss_mean"]) > 0 for r in rows)
         assert (out / "val_loss_curves.png").stat().st_size > 10_000
+        # the spec's paper numbers travel through sweep.json to compare
+        assert json.loads((tmp_path / f"runs/two-{kind}/sweep.json").read_text())["paper"] == paper
+        assert "## Paper: a paper, Table 1" in (out / "compare.md").read_text()
 
 
 def test_killed_worker_is_resumed_without_duplicates(tmp_path):
@@ -316,7 +321,8 @@ def test_every_trial_records_every_key_the_study_varies(tmp_path):
 
     spec = load_spec(REPO / "sweeps/table6.yaml")
     assert set(spec.varied_keys()) == {"trainer.max_steps", "trainer.val_check_interval", "model.arch.attention",
-                                       "model.arch.head_norm", "model.arch.lambda_init", "model.arch.rank"}
+                                       "model.arch.head_norm", "model.arch.lambda_init", "model.arch.rank",
+                                       "model.arch.lowrank_scope", "model.arch.base_sharing"}
     spec.runs_dir = tmp_path
     runner = SweepRunner(spec)
     point = next(p for p in spec.points() if p.case == "DIFF")  # the row that overrides nothing

@@ -7,6 +7,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from diffexp.compare.errors import CompareError
+from diffexp.compare.paper import paper_checks, paper_markdown, paper_metrics, print_paper
 from diffexp.compare.plots import CURVE_TAG, plot_objective_bars, plot_val_curves
 from diffexp.compare.render import print_report, render_markdown, write_csv
 from diffexp.compare.scaling_plot import plot_scaling
@@ -32,16 +33,19 @@ def compare(study_dir: str | Path, out: str | Path | None = None, metrics: Seque
     console = console or Console()
     runs = load_study_runs(study_dir, curves=plots)
     columns = check_metrics(runs, metrics)
-    rows = summarize(runs, columns)
+    recorded = runs.metric_names()
+    rows = summarize(runs, columns + [m for m in paper_metrics(runs) if m not in columns and m in recorded])
     out = Path(out) if out is not None else runs.study_dir / DEFAULT_OUT
     try:
         out.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
         raise CompareError(f"--out {str(out)!r}: cannot create the directory ({exc.strerror or exc})") from exc
     print_report(console, runs, rows, columns)
+    checks = paper_checks(runs, rows)
+    print_paper(console, runs, checks)
     scaling = scaling_report(runs)
     written = [out / "compare.md", out / "compare.csv"]
-    markdown = render_markdown(runs, rows, columns)
+    markdown = render_markdown(runs, rows, columns) + paper_markdown(runs, checks)
     if scaling is not None:
         print_scaling(console, scaling)
         markdown += "\n" + render_scaling_markdown(scaling)

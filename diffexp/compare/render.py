@@ -1,7 +1,10 @@
 """The comparison as text: the terminal report (rich tables), compare.md and compare.csv.
 
 Metric columns: the objective first, then val/*, test/*, train/*, the rest (StudyRuns.metric_names).
-A "Variant" column (the attention variant each case ran) appears when the runs record one.
+A "Variant" column (the attention variant each case ran) appears when the runs record one, and a
+"Diverged" column (diverged/total trials) when they record whether they diverged (trial.json's
+`diverged_step`). Training diagnostics (diag/*) get readable labels: "Loss spikes", "Max grad norm",
+"Context RMS", "Attn sink", ...
 """
 
 from __future__ import annotations
@@ -14,15 +17,20 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from diffexp.compare.stats import EMPTY, CaseSummary, best_case, issues
+from diffexp.compare.stats import DIAGNOSTIC_PREFIX, EMPTY, CaseSummary, best_case, issues
 from diffexp.sweep import layout
 from diffexp.sweep.runs import StudyRuns
 
 _PREFIX_LABELS = {"val": "Valid", "test": "Test", "train": "Train"}
+#: training diagnostics (diffexp.training.diagnostics) as a table shows them
+_DIAGNOSTIC_LABELS = {"loss_spikes": "Loss spikes", "grad_spikes": "Grad spikes", "grad_norm_max": "Max grad norm",
+                      "context_rms": "Context RMS", "attn_sink": "Attn sink", "act_max_abs": "Max |act|",
+                      "attn_logit_max": "Max attn logit"}
 
 SECTION_TITLES = {
     "missing": "Missing trials (no trial.json)",
     "no completed seed": "Cases with no completed seed (shown as —)",
+    "diverged": "Diverged trials (counted in Diverged, excluded from the loss and result means)",
     "pruned": "Pruned trials (counted in Seeds, excluded from the means)",
     "failed": "Failed trials (excluded from the means)",
     "unexpected": "Unexpected run directories",
@@ -30,6 +38,14 @@ SECTION_TITLES = {
 
 NOTE = ("mean ± sample std (ddof=1) over the complete seeds; std is n/a with a single complete seed; "
         "pruned trials are counted in Seeds but excluded from the means")
+DIVERGED_NOTE = ("a diverged trial (non-finite loss or gradient norm, or a loss over the divergence threshold) "
+                 "counts in Diverged (diverged/total) and is excluded from the loss and result means; the "
+                 "training diagnostics (Loss spikes, Max grad norm, Context RMS, Attn sink, ...) average over "
+                 "the complete and diverged trials; Context RMS and Attn sink are the last measured values")
+
+
+def note(rows: Sequence[CaseSummary]) -> str:
+    return NOTE + ("; " + DIVERGED_NOTE if shows_divergence(rows) else "")
 
 
 def format_params(n: int | None) -> str:
@@ -52,6 +68,8 @@ def metric_label(name: str) -> str:
     head, sep, tail = name.partition("/")
     if sep and head in _PREFIX_LABELS:
         return f"{_PREFIX_LABELS[head]} {tail}"
+    if name.startswith(DIAGNOSTIC_PREFIX) and tail in _DIAGNOSTIC_LABELS:
+        return _DIAGNOSTIC_LABELS[tail]
     return name
 
 
@@ -64,6 +82,11 @@ def shows_variant(rows: Sequence[CaseSummary]) -> bool:
     return any(row.variant is not None for row in rows)
 
 
+def shows_divergence(rows: Sequence[CaseSummary]) -> bool:
+    """A Diverged column when the runs record whether they diverged (older runs do not), or some did."""
+    return any(row.tracks_divergence or row.diverged for row in rows)
+
+
 # -- compare.md -----------------------------------------------------------------------------------------
 def _md_cell(text: str) -> str:
     return text.replace("|", "\\|")
@@ -71,11 +94,11 @@ def _md_cell(text: str) -> str:
 
 def render_markdown(runs: StudyRuns, rows: Sequence[CaseSummary], metrics: Sequence[str]) -> str:
     best = best_case(runs, rows)
-    variant = shows_variant(rows)
+    variant, divergence = shows_variant(rows), shows_divergence(rows)
     header = ["Model", "Params", "Non-emb. params"]
     header += [f"{metric_label(m)} {arrow(runs.direction)}" if m == runs.objective else metric_label(m)
                for m in metrics]
-    header += ["Seeds", "Tokens/s"] + (["Variant"] if variant else [])
+    header += ["Seeds"] + (["Diverged"] if divergence else []) + ["Tokens/s"] + (["Variant"] if variant else [])
     lines = [f"# {runs.study}: comparison", ""]
     meta = f"Objective: `{runs.objective}` ({runs.direction})"
     if runs.spec:
@@ -88,11 +111,12 @@ def render_markdown(runs: StudyRuns, rows: Sequence[CaseSummary], metrics: Seque
         for m in metrics:
             text = row.stats[m].format()
             cells.append(f"**{text}**" if m == runs.objective and row is best else text)
-        cells += [row.seeds_text, format_tokens_per_s(row.tokens_per_s)]
+        cells += [row.seeds_text] + ([row.diverged_text] if divergence else [])
+        cells += [format_tokens_per_s(row.tokens_per_s)]
         if variant:
             cells.append(_md_cell(row.variant or EMPTY))
         lines.append("| " + " | ".join(cells) + " |")
-    lines += ["", f"Values: {NOTE}. Best objective in bold. Params: total and non-embedding counts.", ""]
+    lines += ["", f"Values: {note(rows)}. Best objective in bold. Params: total and non-embedding counts.", ""]
     for key, items in issues(runs, rows).items():
         lines += [f"## {SECTION_TITLES[key]}", ""] + [f"- {_md_cell(item)}" for item in items] + [""]
     return "\n".join(lines)
@@ -106,10 +130,11 @@ def _run_ids(trials) -> str:
 
 def write_csv(path: str | Path, runs: StudyRuns, rows: Sequence[CaseSummary], metrics: Sequence[str]) -> None:
     """One row per case; for each metric `<metric>_mean`, `<metric>_std` and `<metric>_ci95` (95% CI
-    half-width; both empty with < 2 seeds), `<metric>_n`."""
-    fields = ["case", "slug", "variant", "overrides", "n_expected", "n_complete", "n_pruned", "n_failed",
-              "n_missing", "seeds_complete", "seeds_pruned", "params_total", "params_non_embedding",
-              "tokens_per_s_mean", "wall_s_mean"]
+    half-width; both empty with < 2 seeds), `<metric>_n`. Diverged trials: `n_diverged`, `seeds_diverged`
+    and `diverged_steps` (in the same order, `;`-separated)."""
+    fields = ["case", "slug", "variant", "overrides", "n_expected", "n_complete", "n_pruned", "n_diverged",
+              "n_failed", "n_missing", "seeds_complete", "seeds_pruned", "seeds_diverged", "diverged_steps",
+              "params_total", "params_non_embedding", "tokens_per_s_mean", "wall_s_mean"]
     for m in metrics:
         fields += [f"{m}_mean", f"{m}_std", f"{m}_ci95", f"{m}_n"]
     with open(path, "w", newline="") as f:
@@ -120,8 +145,10 @@ def write_csv(path: str | Path, runs: StudyRuns, rows: Sequence[CaseSummary], me
                 "case": row.case.name, "slug": row.case.slug, "variant": row.variant,
                 "overrides": json.dumps(row.case.overrides),
                 "n_expected": row.n_expected, "n_complete": len(row.complete), "n_pruned": len(row.pruned),
-                "n_failed": len(row.failed), "n_missing": len(row.missing),
+                "n_diverged": len(row.diverged), "n_failed": len(row.failed), "n_missing": len(row.missing),
                 "seeds_complete": _run_ids(row.complete), "seeds_pruned": _run_ids(row.pruned),
+                "seeds_diverged": _run_ids(row.diverged),
+                "diverged_steps": ";".join(str((t.record or {}).get("diverged_step")) for t in row.diverged),
                 "params_total": row.params_total, "params_non_embedding": row.params_non_embedding,
                 "tokens_per_s_mean": row.tokens_per_s, "wall_s_mean": row.wall_s,
             }
@@ -161,8 +188,10 @@ def _columns(runs: StudyRuns, rows: Sequence[CaseSummary], metrics: Sequence[str
         text("Non-emb.", [format_params(r.params_non_embedding) for r in rows]),
         text("Seeds", [r.seeds_text for r in rows],
              ["" if len(r.complete) == r.n_expected else "yellow" for r in rows]),
-        text("Tokens/s", [format_tokens_per_s(r.tokens_per_s) for r in rows]),
     ]
+    if shows_divergence(rows):
+        head.append(text("Diverged", [r.diverged_text for r in rows], ["red" if r.diverged else "" for r in rows]))
+    head += [text("Tokens/s", [format_tokens_per_s(r.tokens_per_s) for r in rows])]
     if shows_variant(rows):
         head.append(text("Variant", [r.variant or EMPTY for r in rows]))
     return head + [metric(m) for m in metrics if m != runs.objective]
@@ -217,9 +246,9 @@ def print_report(console, runs: StudyRuns, rows: Sequence[CaseSummary], metrics:
             title += f" [{n + 1}/{len(groups)}]"
         console.print(_table(title, rows, columns))
     # plain lines hold paths and case names: never wrapped inside them, whatever the console width
-    console.print(Text(NOTE), soft_wrap=True)
+    console.print(Text(note(rows)), soft_wrap=True)
     for key, items in issues(runs, rows).items():
-        console.print(Text(SECTION_TITLES[key] + ":", style="bold yellow" if key != "pruned" else "bold"),
+        console.print(Text(SECTION_TITLES[key] + ":", style="bold" if key in ("pruned", "diverged") else "bold yellow"),
                       soft_wrap=True)
         for item in items:
             console.print(Text("  - " + item), soft_wrap=True)

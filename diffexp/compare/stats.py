@@ -6,9 +6,14 @@ Rules:
 * means and sample standard deviations (ddof=1) are over the *complete* trials of the case; with a
   single complete seed the std (and CI) is None, shown as ``n/a``, never as 0;
 * pruned trials are excluded from every mean but counted (Seeds column, "pruned" section);
+* diverged trials (trial.json state "diverged": a non-finite loss or one over the divergence threshold) are
+  counted in Diverged (diverged/total) and listed with their step; they are excluded from the loss and every
+  other result mean, but the training diagnostics (`diag/*`: loss and gradient spikes, the largest gradient
+  norm, context RMS, attention sink, ...) average over the complete *and* diverged trials, since how a run
+  went unstable is what those columns are for;
 * a search sweep's draws (sweep.json's n_trials) are trials of their case like its seeds;
 * a (case, seed[, draw]) with no trial.json is missing: "running or crashed" when its run directory exists,
-  "not started" otherwise; trial.json states other than complete/pruned are listed as failed;
+  "not started" otherwise; trial.json states other than complete/pruned/diverged are listed as failed;
 * if a complete trial lacks the objective in trial.json, the last value of that tag in its events is used.
 """
 
@@ -29,6 +34,14 @@ from diffexp.sweep.runs import ATTENTION_KEY, Case, StudyRuns, TrialRun
 
 NA = "n/a"  # the std of a single seed
 EMPTY = "—"  # a case with no complete seed
+#: metrics of how training went (spikes, gradient norms, context RMS, ...): over complete and diverged trials
+DIAGNOSTIC_PREFIX = "diag/"
+
+
+def over_diverged_too(name: str) -> bool:
+    """True for the metrics averaged over diverged trials as well as complete ones."""
+    return name.startswith(DIAGNOSTIC_PREFIX)
+
 
 def t975(df: int) -> float:
     """The 97.5% quantile of Student's t with `df` degrees of freedom (df >= 1)."""
@@ -78,6 +91,7 @@ class CaseSummary:
     n_expected: int
     complete: list[TrialRun]
     pruned: list[TrialRun]
+    diverged: list[TrialRun]
     failed: list[TrialRun]  # trial.json with another state, or unreadable
     missing: list[TrialRun]  # no trial.json
     stats: dict[str, Stat]
@@ -86,12 +100,19 @@ class CaseSummary:
     tokens_per_s: float | None
     wall_s: float | None
     variant: str | None = None  # attention variant(s) the case's runs used, as they record it
+    tracks_divergence: bool = False  # some trial.json of the case records whether its run diverged
 
     @property
     def seeds_text(self) -> str:
         notes = [f"{len(group)} {word}" for group, word in
-                 ((self.pruned, "pruned"), (self.failed, "failed"), (self.missing, "missing")) if group]
+                 ((self.pruned, "pruned"), (self.diverged, "diverged"), (self.failed, "failed"),
+                  (self.missing, "missing")) if group]
         return f"{len(self.complete)}/{self.n_expected}" + (f" ({', '.join(notes)})" if notes else "")
+
+    @property
+    def diverged_text(self) -> str:
+        """diverged/total, e.g. "1/2"."""
+        return f"{len(self.diverged)}/{self.n_expected}"
 
 
 def _mean(values: Iterable[float | None]) -> float | None:
@@ -152,17 +173,22 @@ def summarize(runs: StudyRuns, metrics: Sequence[str] | None = None) -> list[Cas
         trials = runs.trials_of(case)
         complete = [t for t in trials if t.state == "complete"]
         pruned = [t for t in trials if t.state == "pruned"]
+        diverged = [t for t in trials if t.state == "diverged"]
         missing = [t for t in trials if t.record is None and t.error is None]
-        failed = [t for t in trials if (t.record is not None and t.state not in ("complete", "pruned")) or t.error]
-        ran = complete + pruned + failed
+        failed = [t for t in trials if (t.record is not None and t.state not in ("complete", "pruned", "diverged"))
+                  or t.error]
+        ran = complete + pruned + diverged + failed
         rows.append(CaseSummary(
-            case=case, n_expected=len(trials), complete=complete, pruned=pruned, failed=failed, missing=missing,
-            stats={name: Stat(_values(runs, complete, name)) for name in columns},
+            case=case, n_expected=len(trials), complete=complete, pruned=pruned, diverged=diverged, failed=failed,
+            missing=missing,
+            stats={name: Stat(_values(runs, complete + diverged if over_diverged_too(name) else complete, name))
+                   for name in columns},
             params_total=_param(ran, "total"),
             params_non_embedding=_param(ran, "non_embedding"),
             tokens_per_s=_mean(_number((t.record or {}).get("tokens_per_s")) for t in complete),
             wall_s=_mean(_number((t.record or {}).get("wall_s")) for t in complete),
             variant=case_variant(case, trials),
+            tracks_divergence=any("diverged_step" in (t.record or {}) for t in trials),
         ))
     return rows
 
@@ -200,8 +226,8 @@ def _missing_detail(trial: TrialRun, now: float) -> str:
 def issues(runs: StudyRuns, rows: Sequence[CaseSummary], now: float | None = None) -> dict[str, list[str]]:
     """Plain-text lines of the sections below the table: missing, no completed seed, pruned, failed, unexpected."""
     now = time.time() if now is None else now
-    out: dict[str, list[str]] = {"missing": [], "no completed seed": [], "pruned": [], "failed": [],
-                                 "unexpected": []}
+    out: dict[str, list[str]] = {"missing": [], "no completed seed": [], "diverged": [], "pruned": [],
+                                 "failed": [], "unexpected": []}
     for row in rows:
         for trial in row.missing:
             out["missing"].append(f"{row.case.name}, {trial.label}: {_missing_detail(trial, now)}")
@@ -213,6 +239,11 @@ def issues(runs: StudyRuns, rows: Sequence[CaseSummary], now: float | None = Non
             where = f" at step {step}" if step is not None else ""
             last = f" ({runs.objective} {format_number(value)})" if value is not None else ""
             out["pruned"].append(f"{row.case.name}, {trial.label}: pruned{where}{last}")
+        for trial in row.diverged:
+            record = trial.record or {}
+            step = record.get("diverged_step")
+            why = f" ({record['divergence']})" if record.get("divergence") else ""
+            out["diverged"].append(f"{row.case.name}, {trial.label}: diverged at step {step}{why}")
         for trial in row.failed:
             why = trial.error or f"state {trial.state!r}"
             out["failed"].append(f"{row.case.name}, {trial.label}: {why}")

@@ -16,6 +16,7 @@ SHARED_FIELDS = ("attention", "vocab_size", "d_model", "n_layers", "n_heads", "n
                  "backend_fallback", "init_std")
 
 LambdaInit = Union[Literal["depth"], float]
+GammaInit = Union[Literal["lambda_init"], float]
 
 
 @dataclass
@@ -43,11 +44,24 @@ class ModelConfig:
         rank: Shared DIFF: low-rank size of the per-map updates.
         base_sharing: Shared DIFF: "maps" (a base per head, shared by its two maps) or "heads" (one base
             for all heads and maps).
+        lowrank_scope: Shared DIFF: "layer" (one low-rank update per map for the whole projection, A:
+            d_model x r, B: (h d) x r; the default of every comparison with DIFF) or "head" (an update per
+            head and per map, B: d x r; the only reading before this flag existed, and what a checkpoint
+            saved without the flag is read as).
         lowrank_init_std: Shared DIFF: std of the low-rank factors; non-zero so the two maps start apart.
         pairing: DIFF V2: "same" pairs query heads that share K/V, "cross" pairs heads from different
             GQA groups (the blog's unstable ablation).
         lambda_mode: DIFF V2: "sigmoid" (default), "none" (attn1 - attn2) or "raw" (no sigmoid).
+        pair_norm: DIFF V2: put DIFF V1's per-head RMSNorm back after the subtraction (the blog removed it
+            as destabilising; default false).
+        lambda_proj_init: DIFF V2: init of the lambda projection W_lam: "default" (PyTorch's nn.Linear
+            init, kaiming-uniform U(-1/sqrt(d_model), 1/sqrt(d_model)), the spec) or "normal"
+            (N(0, init_std^2) like the other linears).
         integral: DINT: "softmax" (the paper) or "mean" (use the cumulative mean G itself).
+        gamma: DINT: the weight of the integral term, "lambda" (gamma = lambda, the paper: every row of the
+            map sums to 1) or "learned" (a learnable scalar per layer: rows sum to 1 - lambda + gamma).
+        gamma_init: DINT with gamma "learned": its initial value, "lambda_init" (the layer's lambda_init, so
+            the layer starts as with gamma = lambda) or a number.
         backend: attention call for the fast path: sdpa, flash_attn (CUDA + flash-attn) or eager.
         backend_fallback: when flash_attn cannot run (package missing, CPU tensors), fall back to sdpa with
             a logged warning (true) or stop with an error (false).
@@ -70,10 +84,15 @@ class ModelConfig:
     head_norm: bool = True
     rank: int = 16
     base_sharing: Literal["maps", "heads"] = "maps"
+    lowrank_scope: Literal["layer", "head"] = "layer"
     lowrank_init_std: float = 0.02
     pairing: Literal["same", "cross"] = "same"
     lambda_mode: Literal["sigmoid", "none", "raw"] = "sigmoid"
+    pair_norm: bool = False
+    lambda_proj_init: Literal["default", "normal"] = "default"
     integral: Literal["softmax", "mean"] = "softmax"
+    gamma: Literal["lambda", "learned"] = "lambda"
+    gamma_init: GammaInit = "lambda_init"
     backend: Literal["sdpa", "flash_attn", "eager"] = "sdpa"
     backend_fallback: bool = True
     init_std: float = 0.02

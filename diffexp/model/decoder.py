@@ -32,10 +32,16 @@ class Decoder(nn.Module):
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
-        """N(0, init_std) for embeddings and linears; residual outputs scaled by 1/sqrt(2 n_layers)."""
+        """N(0, init_std) for embeddings and linears; residual outputs scaled by 1/sqrt(2 n_layers).
+
+        A linear marked `keep_default_init` by its variant (`AttentionBase.linear(..., default_init=True)`)
+        gets PyTorch's nn.Linear init instead (kaiming-uniform, bound 1/sqrt(fan_in)), drawn in its turn.
+        """
         std = self.cfg.init_std
         for module in self.modules():
-            if isinstance(module, (nn.Linear, nn.Embedding)):
+            if isinstance(module, nn.Linear) and getattr(module, "keep_default_init", False):
+                module.reset_parameters()
+            elif isinstance(module, (nn.Linear, nn.Embedding)):
                 nn.init.normal_(module.weight, 0.0, std)
         for block in self.blocks:
             for residual_out in (block.attn.o_proj, block.ffn.down_proj):
@@ -71,8 +77,14 @@ class Decoder(nn.Module):
         return forward * (3 if training else 1)
 
     def parameter_report(self) -> dict[str, int]:
-        """Parameter counts per kind of module, for the logs and Shared DIFF's claims."""
+        """Parameter counts per kind of module, for the logs, the recipes' headers and Shared DIFF's claims.
+
+        qk_projections: what makes queries and keys (every variant's `q_proj` and `k_proj`: for Shared DIFF
+        the bases and the low-rank factors), the part of the attention in which Shared DIFF differs from DIFF.
+        """
         attn = sum(p.numel() for b in self.blocks for p in b.attn.parameters())
         ffn = sum(p.numel() for b in self.blocks for p in b.ffn.parameters())
+        qk = sum(p.numel() for b in self.blocks for name in ("q_proj", "k_proj")
+                 if isinstance(getattr(b.attn, name, None), nn.Module) for p in getattr(b.attn, name).parameters())
         return {"total": self.num_parameters(), "non_embedding": self.num_parameters(True),
-                "attention": attn, "ffn": ffn}
+                "attention": attn, "ffn": ffn, "qk_projections": qk}

@@ -90,6 +90,7 @@ class SweepRunner:
             "seeds": spec.seeds, "n_trials": spec.n_trials,
             "objective": {"metric": spec.objective_metric, "direction": spec.direction},
             "storage": mask_url(self.url),
+            **({"paper": spec.paper} if spec.paper else {}),
         })
 
     def _trials_by_point(self, study: optuna.Study) -> dict[str, list[optuna.trial.FrozenTrial]]:
@@ -197,17 +198,27 @@ class SweepRunner:
                     self.storage.set_trial_system_attr(trial._trial_id, HEARTBEAT, time.time())
                     last_beat = time.time()
                 _show_trial_progress(progress, bar, run_dir)
-        record_path = run_dir / layout.TRIAL_FILE
-        if proc.returncode != 0 or not record_path.is_file():
+        record = _read_record(run_dir / layout.TRIAL_FILE)
+        # a diverged run is a result (its trial.json says so, written by this attempt), even when it stopped
+        # with an error (a non-finite loss): recorded, never retried
+        diverged = (record is not None and record.get("state") == "diverged"
+                    and record.get("trial_id") == trial._trial_id)
+        if (proc.returncode != 0 and not diverged) or record is None:
             tail = log_path.read_text()[-1500:]
             self.storage.set_trial_user_attr(trial._trial_id, "failure", f"exit code {proc.returncode}")
             self.study.tell(trial, state=TrialState.FAIL)
             say(f"trial {point.key} failed (exit {proc.returncode}); log: {log_path}", style="red")
             say(tail)
             return "failed"
-        record = json.loads(record_path.read_text())
         for key, value in record.get("metrics", {}).items():
             trial.set_user_attr(f"metric:{key}", value)
+        if diverged:  # finished (Optuna's PRUNED: no objective value), so the point is not enqueued again
+            trial.set_user_attr("outcome", "diverged")
+            trial.set_user_attr("diverged_step", record.get("diverged_step"))
+            self.study.tell(trial, state=TrialState.PRUNED)
+            say(f"trial {point.key} diverged at step {record.get('diverged_step')} ({record.get('divergence')}); "
+                "recorded as diverged, not retried", style="yellow")
+            return "diverged"
         if record["state"] == "pruned":
             self.study.tell(trial, state=TrialState.PRUNED)
             return "pruned"
@@ -252,9 +263,20 @@ class SweepRunner:
                 say(f"{outcome}: {point.case}, seed {point.seed} {shown} "
                                        f"({time.time() - started:.0f} s)")
         finished, failed, _, total = self._counts()
-        say(f"sweep {spec.study}: {finished}/{total} trials finished, {failed} failed for good. "
-                      f"Compare with: diffexp compare {spec.study_dir}")
+        diverged = sum(t.user_attrs.get("outcome") == "diverged" for t in self.study.get_trials(deepcopy=False))
+        say(f"sweep {spec.study}: {finished}/{total} trials finished"
+            + (f" ({diverged} diverged, recorded as such)" if diverged else "")
+            + f", {failed} failed for good. Compare with: diffexp compare {spec.study_dir}")
         return 0 if failed == 0 else 1
+
+
+def _read_record(path: Path) -> dict[str, Any] | None:
+    """trial.json, or None when the run wrote none (or an unreadable one)."""
+    try:
+        record = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return record if isinstance(record, dict) else None
 
 
 def _attempts_failed(trials: list[optuna.trial.FrozenTrial]) -> int:
@@ -289,8 +311,9 @@ def _die_with_parent() -> None:
 def main(argv: list[str] | None = None) -> int:
     """`diffexp sweep --config SPEC [--storage URL] [--runs-dir DIR]`.
 
-    Returns 0 when every trial finished, 1 when some failed for good, 2 on a user error (a bad spec or
-    storage), printed as one `error: ...` paragraph (diffexp.errors.guarded) before anything is created.
+    Returns 0 when every trial finished (a diverged trial is finished: its divergence is its result), 1 when
+    some failed for good, 2 on a user error (a bad spec or storage), printed as one `error: ...` paragraph
+    (diffexp.errors.guarded) before anything is created.
     """
     try:
         return guarded(_main, argv)

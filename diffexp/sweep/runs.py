@@ -15,10 +15,12 @@ from typing import Any
 from diffexp.errors import UserError
 from diffexp.sweep import layout
 from diffexp.sweep.layout import SWEEP_FILE, TRIAL_FILE
+from diffexp.sweep.paper import parse_paper
 
 CONFIG_FILE = "config.yaml"  # written into the trial directory by LightningCLI's SaveConfigCallback
 ATTENTION_KEY = "model.arch.attention"  # the dotted key naming a trial's attention variant
 METRIC_GROUPS = ("val", "test", "train")  # metric name prefixes, in column order
+DIVERGED_STEP = "diag/diverged_step"  # a diverged trial's metric; its record's `diverged_step` as well
 
 
 class LayoutError(UserError):
@@ -51,7 +53,8 @@ class TrialRun:
 
     @property
     def state(self) -> str:
-        """complete | pruned | <other state from trial.json> | unreadable | running-or-crashed | not-started."""
+        """complete | pruned | diverged | <other state from trial.json> | unreadable | running-or-crashed |
+        not-started."""
         if self.error is not None:
             return "unreadable"
         if self.record is not None:
@@ -98,14 +101,17 @@ class StudyRuns:
     trials: dict[tuple[str, int, int], TrialRun]  # (case slug, seed, draw) -> run, for every trial of the grid
     unexpected: list[Path] = field(default_factory=list)  # trial dirs outside the grid of sweep.json
     draws: int = 1  # search draws per case and seed (sweep.json's n_trials)
+    paper: dict[str, Any] | None = None  # the published numbers of the reproduced table (sweep/paper.py)
 
     def trials_of(self, case: Case) -> list[TrialRun]:
         return [self.trials[(case.slug, seed, draw)] for seed in self.seeds for draw in range(self.draws)]
 
     def metric_names(self) -> list[str]:
-        """Every numeric metric recorded by a complete trial: the objective first, then sorted."""
-        names = {name for trial in self.trials.values() if trial.state == "complete" for name in trial.metrics}
-        return [self.objective, *sorted(names - {self.objective}, key=_metric_order)]
+        """Every numeric metric recorded by a complete or diverged trial: the objective first, then sorted.
+        The step a run diverged at is its record's `diverged_step`, not a column."""
+        names = {name for trial in self.trials.values() if trial.state in ("complete", "diverged")
+                 for name in trial.metrics}
+        return [self.objective, *sorted(names - {self.objective, DIVERGED_STEP}, key=_metric_order)]
 
 
 def load_curves(trial_dir: str | Path) -> dict[str, list[tuple[int, float]]]:
@@ -199,6 +205,7 @@ class SweepTable:
     objective: str
     direction: str
     draws: int
+    paper: dict[str, Any] | None = None
 
 
 def parse_sweep(path: Path) -> SweepTable:
@@ -234,9 +241,15 @@ def parse_sweep(path: Path) -> SweepTable:
     draws = data.get("n_trials", 1)
     if not isinstance(draws, int) or isinstance(draws, bool) or draws < 1:
         raise LayoutError(f"{where}: 'n_trials'={draws!r} must be a positive integer (search draws per seed)")
+    paper = None
+    if data.get("paper") is not None:
+        try:
+            paper = parse_paper(data["paper"], [c.name for c in cases], lambda metric: True)
+        except ValueError as err:
+            raise LayoutError(f"{where}: {err}") from None
     return SweepTable(study=str(data.get("study") or path.parent.name), spec=data.get("spec"), cases=cases,
                       seeds=list(dict.fromkeys(seeds)), objective=str(objective["metric"]), direction=direction,
-                      draws=draws)
+                      draws=draws, paper=paper)
 
 
 def _read_trial(case: Case, seed: int, draw: int, path: Path) -> TrialRun:
@@ -285,4 +298,4 @@ def load_study_runs(study_dir: str | Path, *, curves: bool = True) -> StudyRuns:
     expected = {trial.path.resolve() for trial in trials.values()}
     unexpected = [p for p in layout.trial_dirs(study_dir) if p.resolve() not in expected]
     return StudyRuns(study_dir, table.study, table.spec, table.cases, table.seeds, table.objective,
-                     table.direction, trials, unexpected, table.draws)
+                     table.direction, trials, unexpected, table.draws, table.paper)

@@ -33,14 +33,16 @@ import yaml
 
 from diffexp.errors import UserError
 from diffexp.sweep import layout
+from diffexp.sweep.paper import parse_paper
 
 #: metrics a trial records at the end of fit (the objective must be one of them)
 KNOWN_METRICS = ("val/loss", "val/ppl", "val/ar_hit_loss", "val/others_loss", "val/ar_hit_share", "train/loss",
-                 "diag/grad_spikes", "diag/act_max_abs", "diag/attn_logit_max")
+                 "diag/grad_spikes", "diag/act_max_abs", "diag/attn_logit_max", "diag/loss_spikes",
+                 "diag/grad_norm_max", "diag/context_rms", "diag/attn_sink")
 #: evaluation callbacks record these (e.g. needle/rank/N4R2, attention/noise, mqar/accuracy, icl/random/n16)
 EVAL_PREFIXES = ("needle/", "attention/", "mqar/", "icl/", "val/mqar")
 SPEC_KEYS = {"study", "base", "overrides", "cases", "grid", "seeds", "search", "n_trials", "objective", "pruner",
-             "storage", "runs_dir", "stale_after_s", "max_attempts", "description"}
+             "storage", "runs_dir", "stale_after_s", "max_attempts", "description", "paper"}
 SEARCH_TYPES = {"float", "int", "categorical"}
 PRUNERS = {"none", "median", "percentile", "hyperband"}
 #: top-level sections of a `diffexp fit` config that overrides, grid and search keys may name
@@ -91,6 +93,7 @@ class SweepSpec:
     stale_after_s: float = 120.0
     max_attempts: int = 2
     source: Path | None = None
+    paper: dict[str, Any] | None = None  # the reproduced table's published numbers (sweep/paper.py)
     case_bases: dict[str, Path] = field(default_factory=dict)  # case -> its own recipe (CASE_BASE)
 
     def base_of(self, case: str) -> Path:
@@ -295,7 +298,7 @@ def parse_spec(raw: dict[str, Any], source: Path | None = None, repo_root: Path 
 
     objective = typed("objective", dict, default={"metric": "val/loss", "direction": "minimize"})
     metric = objective.get("metric", "val/loss")
-    if metric not in KNOWN_METRICS and not metric.startswith(EVAL_PREFIXES):
+    if not metric_known(metric):
         raise fail(f"objective.metric={metric!r} is not a metric trials record; known: {', '.join(KNOWN_METRICS)}, "
                    f"or an evaluation's {', '.join(p + '...' for p in EVAL_PREFIXES)}")
     direction = objective.get("direction", "minimize")
@@ -318,7 +321,17 @@ def parse_spec(raw: dict[str, Any], source: Path | None = None, repo_root: Path 
     slugs = [slugify(label) for label, _ in spec.rows()]
     if len(set(slugs)) != len(slugs):
         raise fail(f"two table rows map to the same directory name: {sorted(slugs)}")
+    if raw.get("paper") is not None:
+        try:
+            spec.paper = parse_paper(raw["paper"], [label for label, _ in spec.rows()], metric_known)
+        except ValueError as err:
+            raise fail(str(err)) from None
     return spec
+
+
+def metric_known(name: str) -> bool:
+    """A metric trials record at the end of fit, or one an evaluation callback records."""
+    return name in KNOWN_METRICS or name.startswith(EVAL_PREFIXES)
 
 
 def _as_tuple(types: type | tuple[type, ...]) -> tuple[type, ...]:

@@ -1,5 +1,9 @@
 """The callback a sweep adds to each trial's `fit`: progress, pruning reports, HParams, trial.json.
 
+A run that diverges (diffexp.training.diagnostics: a non-finite loss or gradient norm, which stops it with
+an error, or a loss over the divergence threshold, which stops it early) is recorded with the state
+"diverged" and its `diverged_step`: a result of the study, which the runner does not retry.
+
 It runs inside the trial process. The storage URL comes through the environment, never through the
 command line or the saved config, so a password in it is not written anywhere.
 """
@@ -18,6 +22,7 @@ import optuna
 
 from diffexp.sweep.layout import TRIAL_FILE
 from diffexp.sweep.runs import CONFIG_FILE, effective_values
+from diffexp.training.diagnostics import diverged_at
 
 STORAGE_ENV = "DIFFEXP_SWEEP_STORAGE"
 #: last values that say nothing about a run's result (tokens/s is recorded as a median instead)
@@ -71,6 +76,8 @@ class SweepTrialCallback(L.Callback):
         # but before writing trial.json resumes at max_steps, validates nothing and still needs them
         self._validated: dict[str, float] = {}
         self._validated_step: int | None = None
+        # the training metrics at the end of fit: the CLI's final validation starts a new metric collection
+        self._trained: dict[str, float] = {}
 
     def state_dict(self) -> dict[str, Any]:
         return {"validated": self._validated, "validated_step": self._validated_step}
@@ -123,23 +130,38 @@ class SweepTrialCallback(L.Callback):
             self.pruned = True
             trainer.should_stop = True
 
+    def on_train_end(self, trainer, pl_module) -> None:
+        self._trained = _scalar_results(trainer)
+
+    def on_exception(self, trainer, pl_module, exception: BaseException) -> None:
+        divergence = diverged_at(trainer, exception)
+        if divergence is not None:  # a result, not a crash: recorded so, and the runner does not retry it
+            self._trained = _scalar_results(trainer)
+            self._write_record(trainer, pl_module, exception)
+
     def on_fit_end(self, trainer, pl_module) -> None:
         needs_validation = getattr(pl_module, "needs_final_validation", None)
         if needs_validation is not None and needs_validation():
             return  # the CLI validates the final weights next; the record is written then
         self._write_record(trainer, pl_module)
 
-    def _write_record(self, trainer, pl_module) -> None:
+    def _write_record(self, trainer, pl_module, exception: BaseException | None = None) -> None:
         if not trainer.is_global_zero:
             return
-        metrics = {**self._validated, **_scalar_results(trainer)}
+        metrics = {**self._trained, **self._validated, **_scalar_results(trainer)}
+        divergence = diverged_at(trainer, exception)
+        state = "diverged" if divergence is not None else "pruned" if self.pruned else "complete"
+        if divergence is not None:
+            metrics["diag/diverged_step"] = float(divergence["step"])
         params = pl_module.model.parameter_report() if hasattr(pl_module, "model") else {}
         tokens_per_s = statistics.median(self._tokens_per_s) if self._tokens_per_s else None
         record = {"study": self.study_name, "case": self.case, "seed": self.seed, "overrides": self.overrides,
                   "params": params, "metrics": metrics, "tokens_per_s": tokens_per_s,
-                  "state": "pruned" if self.pruned else "complete", "global_step": trainer.global_step,
+                  "state": state, "global_step": trainer.global_step,
                   "wall_s": time.time() - self._start, "trial_id": self.trial_id,
-                  "validated_step": self._validated_step}
+                  "validated_step": self._validated_step,
+                  "diverged_step": None if divergence is None else divergence["step"],
+                  "divergence": None if divergence is None else divergence["reason"]}
         run_dir = self._run_dir(trainer)
         record["case_slug"] = run_dir.parent.name
         if trainer.logger is not None:  # the HParams dashboard: one row per trial
@@ -157,4 +179,5 @@ def _scalar_results(trainer: L.Trainer) -> dict[str, float]:
 
 
 def _hparam_value(value: Any) -> Any:
-    return value if isinstance(value, (int, float, str, bool)) else json.dumps(value)
+    # default=str: an override jsonargparse built into an object (a callback class_path) is shown by its repr
+    return value if isinstance(value, (int, float, str, bool)) else json.dumps(value, default=str)

@@ -3,20 +3,30 @@
 Every `every_n_steps`, the training step's own forward is observed (hooks, no extra forward, so it works
 unchanged under FSDP and activation checkpointing) on the first `sample_rows` rows of the batch, per layer:
 the largest |activation| and the kurtosis of the hidden states (outliers, DIFF V1 section 3.8), the
-largest attention logit, and statistics a variant records (DIFF V2: its token-wise lambda). Every step,
-gradient-norm spikes (norm above `spike_factor` x the running mean of the previous norms, the DIFF V2
-blog's instability signal) are counted. Lambda traces are logged by the LightningModule.
+largest attention logit, the context RMS (the o_proj input, diffexp.training.stability) and statistics a
+variant records (DIFF V2: its token-wise lambda). At the same steps the attention-sink score takes one
+extra forward without gradients on those rows (effective maps, eager attention; skipped under sharded
+strategies). Every optimizer step, gradient-norm spikes (norm above `spike_factor` x the running mean of the
+previous norms), loss spikes (loss above `loss_spike_factor` x the median of the previous
+`loss_spike_window` losses), the largest gradient norm so far, and divergence (a loss above
+`divergence_factor` x ln(vocab_size): the run stops, recorded as diverged) are tracked. Lambda traces are
+logged by the LightningModule.
 """
 
 from __future__ import annotations
 
+import math
+
 import lightning as L
 import torch
+from lightning.pytorch.utilities import rank_zero_warn
 from torch import nn
 
 from diffexp.errors import UserError
 from diffexp.model.attention.base import AttentionBase
 from diffexp.model.blocks import DecoderBlock
+from diffexp.training.nonfinite import NonFiniteError
+from diffexp.training.stability import ContextRMS, LossSpikes, attention_sinks, divergence_threshold
 
 
 def kurtosis(x: torch.Tensor) -> float:
@@ -32,46 +42,111 @@ class Diagnostics(L.Callback):
     every_n_steps: interval of the activation/attention diagnostics (0 turns them off).
     sample_rows: rows of the batch the diagnostics forward uses.
     spike_factor: a step's gradient norm above this multiple of the running mean is a spike.
-    spike_warmup: steps before spikes are counted (the first steps' norms move fast).
+    spike_warmup: steps before gradient and loss spikes are counted (the first steps move fast).
+    loss_spike_factor: k: a step's train loss above k x the running median is a loss spike.
+    loss_spike_window: N: the running median is over the previous N steps' train losses.
+    divergence_factor: a train loss above this multiple of ln(vocab_size) (a uniform guess's loss) stops
+        the run as diverged, as a non-finite loss or gradient norm does; 0 keeps only the non-finite test.
+    attention_sink: at the diagnostics steps, also measure the attention-sink score (one extra forward
+        without gradients on sample_rows rows, with the eager attention maps).
     """
 
     def __init__(self, every_n_steps: int = 50, sample_rows: int = 1, spike_factor: float = 3.0,
-                 spike_warmup: int = 20) -> None:
+                 spike_warmup: int = 20, loss_spike_factor: float = 1.5, loss_spike_window: int = 50,
+                 divergence_factor: float = 1.5, attention_sink: bool = True) -> None:
         if every_n_steps < 0 or sample_rows < 1 or spike_factor <= 1:
             raise UserError(f"diagnostics: every_n_steps={every_n_steps} (>= 0), sample_rows={sample_rows} (>= 1), "
                              f"spike_factor={spike_factor} (> 1) expected")
+        if loss_spike_factor <= 1 or loss_spike_window < 1 or spike_warmup < 0:
+            raise UserError(f"diagnostics: loss_spike_factor={loss_spike_factor} (> 1), loss_spike_window="
+                            f"{loss_spike_window} (>= 1), spike_warmup={spike_warmup} (>= 0) expected")
+        if divergence_factor < 0:
+            raise UserError(f"diagnostics: divergence_factor={divergence_factor} (>= 0, 0 turns the loss "
+                            "threshold off) expected")
         self.every_n_steps, self.sample_rows = every_n_steps, sample_rows
         self.spike_factor, self.spike_warmup = spike_factor, spike_warmup
+        self.divergence_factor, self.attention_sink = divergence_factor, attention_sink
         self.spikes = 0
+        self.loss_spikes = LossSpikes(loss_spike_factor, loss_spike_window, spike_warmup)
+        self.grad_norm_max: float | None = None
+        #: {"step": int, "reason": str} once the run diverged (see diverged_at)
+        self.divergence: dict | None = None
         self._observed_step: int | None = None
         self._recorder: LayerStats | None = None
+        self._sinks: dict[str, float] = {}
         self._norm_mean: float | None = None
         self._norms_seen = 0
+        self._step_seen: int | None = None
+        self._losses: list[float] = []  # the micro-batch losses of the step under way
 
     def state_dict(self) -> dict:
-        return {"spikes": self.spikes, "norm_mean": self._norm_mean, "norms_seen": self._norms_seen}
+        return {"spikes": self.spikes, "norm_mean": self._norm_mean, "norms_seen": self._norms_seen,
+                "loss_spikes": self.loss_spikes.state_dict(), "grad_norm_max": self.grad_norm_max}
 
     def load_state_dict(self, state: dict) -> None:
         self.spikes, self._norm_mean, self._norms_seen = state["spikes"], state["norm_mean"], state["norms_seen"]
+        if "loss_spikes" in state:  # checkpoints from before loss spikes were counted start afresh
+            self.loss_spikes.load_state_dict(state["loss_spikes"])
+        self.grad_norm_max = state.get("grad_norm_max")
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        self._step_seen = trainer.global_step
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         step = trainer.global_step  # the same for every micro-batch of an accumulated step: observe the first
         if self.every_n_steps and step % self.every_n_steps == 0 and step != self._observed_step:
             self._observed_step = step
+            if self.attention_sink and _whole_model_on_each_rank(trainer.strategy):
+                tokens = batch["tokens"] if isinstance(batch, dict) else batch
+                model = getattr(pl_module, "model", pl_module)
+                with trainer.precision_plugin.forward_context():
+                    self._sinks = attention_sinks(model, tokens[: self.sample_rows, :-1])
             self._recorder = LayerStats(pl_module, self.sample_rows).start()
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        self._count_spike(pl_module)
-        pl_module.log("diag/grad_spikes", float(self.spikes))
+        loss = getattr(pl_module, "last_train_loss", None)
+        if loss is not None:
+            self._losses.append(float(loss))
         if self._recorder is not None:
             recorder, self._recorder = self._recorder, None
-            for name, value in recorder.stop().items():
+            for name, value in {**recorder.stop(), **self._sinks}.items():
                 pl_module.log(name, value)
+            self._sinks = {}
+        if trainer.global_step == self._step_seen:  # accumulating gradients: the step is not over yet
+            return
+        self._step_seen = trainer.global_step
+        self._count_spike(pl_module)
+        pl_module.log("diag/grad_spikes", float(self.spikes))
+        if self.grad_norm_max is not None:
+            pl_module.log("diag/grad_norm_max", self.grad_norm_max)
+        if self._losses:
+            step_loss, self._losses = sum(self._losses) / len(self._losses), []
+            self.loss_spikes.update(step_loss)
+            pl_module.log("diag/loss_spikes", float(self.loss_spikes.count))
+            self._check_divergence(trainer, pl_module, step_loss)
+
+    def _check_divergence(self, trainer, pl_module, loss: float) -> None:
+        vocab_size = getattr(getattr(pl_module, "arch", None), "vocab_size", None)
+        threshold = divergence_threshold(self.divergence_factor, vocab_size)
+        if threshold is None or self.divergence is not None or not loss > threshold:
+            return
+        step = trainer.global_step - 1  # the step whose loss this is (the optimizer step is done)
+        self.divergence = {"step": step, "reason": f"train/loss {loss:.4g} > {threshold:.4g} "
+                                                   f"({self.divergence_factor:g} x ln {vocab_size})"}
+        pl_module.log("diag/diverged_step", float(step))
+        trainer.should_stop = True
+        rank_zero_warn(f"diverged at step {step}: {self.divergence['reason']} "
+                       "(diagnostics.divergence_factor); training stops here, recorded as diverged")
+
+    def on_exception(self, trainer, pl_module, exception: BaseException) -> None:
+        if isinstance(exception, NonFiniteError) and self.divergence is None:
+            self.divergence = exception.divergence
 
     def _count_spike(self, pl_module) -> None:
         norm = getattr(pl_module, "last_grad_norm", None)
-        if norm is None or not torch.isfinite(torch.tensor(norm)):
+        if norm is None or not math.isfinite(norm):
             return
+        self.grad_norm_max = norm if self.grad_norm_max is None else max(self.grad_norm_max, norm)
         if self._norm_mean is not None and self._norms_seen >= self.spike_warmup \
                 and norm > self.spike_factor * self._norm_mean:
             self.spikes += 1
@@ -94,8 +169,26 @@ class Diagnostics(L.Callback):
         return stats
 
 
+def diverged_at(trainer: L.Trainer, exception: BaseException | None = None) -> dict | None:
+    """{"step", "reason"} when this run diverged: a NonFiniteError, or what the Diagnostics callback saw."""
+    if isinstance(exception, NonFiniteError):
+        return exception.divergence
+    for callback in trainer.callbacks:
+        if isinstance(callback, Diagnostics) and callback.divergence is not None:
+            return callback.divergence
+    return None
+
+
+def _whole_model_on_each_rank(strategy) -> bool:
+    """The sink forward calls the model outside the strategy's wrapper: only where no rank holds a shard."""
+    from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy, SingleDeviceStrategy
+
+    return isinstance(strategy, (SingleDeviceStrategy, DDPStrategy)) and not isinstance(strategy, DeepSpeedStrategy)
+
+
 class LayerStats:
-    """Observe the next forward of every decoder block: activation outliers, attention logits, lambda.
+    """Observe the next forward of every decoder block: activation outliers, attention logits, context RMS,
+    lambda.
 
     Blocks and attention layers are found with `modules()`, which reaches inside FSDP units; a block
     run again (activation checkpointing recomputes it in backward) is recorded once.
@@ -107,8 +200,10 @@ class LayerStats:
         self.rows = rows
         self.hidden: dict[int, torch.Tensor] = {}
         self.hooks: list = []
+        self.context = ContextRMS(model, rows)
 
     def start(self) -> LayerStats:
+        self.context.start()
         for i, block in enumerate(self.blocks):
             self.hooks.append(block.register_forward_hook(self._keep(i)))
         for attn in self.attention:
@@ -126,7 +221,7 @@ class LayerStats:
             hook.remove()
         for attn in self.attention:
             attn.record_stats, attn.stats_rows = False, None
-        out: dict[str, float] = {}
+        out: dict[str, float] = self.context.stop()
         for i, h in sorted(self.hidden.items()):
             out[f"diag/layer_{i:02d}/act_max_abs"] = float(h.abs().max())
             out[f"diag/layer_{i:02d}/act_kurtosis"] = kurtosis(h)

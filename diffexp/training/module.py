@@ -17,7 +17,7 @@ from lightning.pytorch.utilities.model_helpers import is_overridden
 from diffexp.errors import UserError, invalid
 from diffexp.model import Decoder
 from diffexp.model.config import ModelConfig
-from diffexp.training.loss_slices import ar_hit_mask, frequent_bigrams
+from diffexp.training.loss_slices import DEFAULT_TOP_PERCENT, ar_hit_mask, frequent_bigrams
 from diffexp.training.nonfinite import any_rank, stop_with_last_finite
 
 
@@ -66,15 +66,24 @@ class OptimConfig:
 
 @dataclass
 class ARHitConfig:
-    """AR-Hit / Others split of the validation loss (evaluations.md).
+    """AR-Hit / Others split of the validation loss (docs/evaluations.md).
+
+    A target is an AR-Hit when its bigram already occurred earlier in the sequence and is not frequent in the
+    training split; every other target counts as Others (the papers' Table 6, after zoology).
 
     Args:
         enabled: log val/ar_hit_loss, val/others_loss and val/ar_hit_share on text batches.
-        min_count: leave out of the hits the bigrams seen at least this often in the training split.
-        top_percent: or leave out the top_percent % most frequent training bigrams.
+        exclude_frequent: leave bigrams frequent in the training split out of the hits (the default, as in
+            the papers). Frequent means, unless min_count or top_percent says otherwise, the top 1 % of the
+            distinct bigrams of the training split by count (counted over at most 2^25 tokens of evenly
+            spaced training rows). false: every repeated bigram is a hit (min_count and top_percent must be
+            null); what diffexp did before this option, and what a checkpoint saved without it did.
+        min_count: instead of the top 1 %: a bigram seen at least this often in the training split is frequent.
+        top_percent: instead of the top 1 %: the top_percent % most frequent distinct training bigrams.
     """
 
     enabled: bool = True
+    exclude_frequent: bool = True
     min_count: int | None = None
     top_percent: float | None = None
 
@@ -82,10 +91,23 @@ class ARHitConfig:
         if self.min_count is not None and self.top_percent is not None:
             raise UserError(f"model.ar_hit.min_count={self.min_count!r} and model.ar_hit.top_percent="
                             f"{self.top_percent!r}: give one of them, not both")
+        if not self.exclude_frequent and (self.min_count is not None or self.top_percent is not None):
+            given = "min_count" if self.min_count is not None else "top_percent"
+            raise UserError(f"model.ar_hit.exclude_frequent=False and model.ar_hit.{given}="
+                            f"{getattr(self, given)!r}: a threshold for frequent bigrams needs "
+                            "exclude_frequent true; with false every repeated bigram is a hit")
         if self.min_count is not None and self.min_count < 1:
             raise invalid("model.ar_hit.min_count", self.min_count, "expected an integer >= 1")
         if self.top_percent is not None and not 0 < self.top_percent < 100:
             raise invalid("model.ar_hit.top_percent", self.top_percent, "expected a number in (0, 100)")
+
+    def threshold(self) -> dict[str, float] | None:
+        """The frequent_bigrams arguments ({"min_count": n} or {"top_percent": p}), None for no exclusion."""
+        if not self.exclude_frequent:
+            return None
+        if self.min_count is not None:
+            return {"min_count": self.min_count}
+        return {"top_percent": DEFAULT_TOP_PERCENT if self.top_percent is None else self.top_percent}
 
 
 def _shard_replicas(strategy) -> int:
@@ -151,6 +173,7 @@ class DiffexpLM(L.LightningModule):
         self.model = Decoder(arch)
         self.compile_blocks = compile
         self.last_grad_norm: float | None = None
+        self.last_train_loss: torch.Tensor | None = None  # read by the Diagnostics (loss spikes, divergence)
         self.validated_step: int | None = None  # the global step of the last validation, kept in checkpoints
         self._last_step_time: float | None = None
         self._frequent_bigrams: torch.Tensor | None = None
@@ -187,6 +210,7 @@ class DiffexpLM(L.LightningModule):
         loss = self._loss(batch)
         if any_rank(self.trainer, not bool(torch.isfinite(loss))):  # before backward: nothing has moved yet
             stop_with_last_finite(self.trainer, self, "train/loss", loss.item(), self.optim.lr)
+        self.last_train_loss = loss.detach()
         self.log("train/loss", loss, prog_bar=True)
         self.log("lr", self.trainer.optimizers[0].param_groups[0]["lr"])
         self._log_step_extras(batch)
@@ -204,6 +228,8 @@ class DiffexpLM(L.LightningModule):
             for i, block in enumerate(self.model.blocks):
                 if hasattr(block.attn, "lambda_"):
                     self.log(f"lambda/layer_{i:02d}", block.attn.lambda_().detach())
+                if isinstance(getattr(block.attn, "gamma", None), torch.nn.Parameter):  # DINT's learned gamma
+                    self.log(f"gamma/layer_{i:02d}", block.attn.gamma.detach())
 
     def validation_step(self, batch: torch.Tensor, batch_idx: int) -> None:
         losses, mask = self._token_losses(batch)
@@ -217,12 +243,15 @@ class DiffexpLM(L.LightningModule):
         self.log("val/loss", loss, prog_bar=True, sync_dist=True, batch_size=_batch_size(batch))
 
     def _accumulate_ar_hit(self, tokens: torch.Tensor, losses: torch.Tensor) -> None:
-        if self._frequent_bigrams is None and (self.ar_hit.min_count or self.ar_hit.top_percent):
+        threshold = self.ar_hit.threshold()
+        if self._frequent_bigrams is None and threshold is not None:
             rows = getattr(getattr(self.trainer, "datamodule", None), "train_rows", None)
             if rows is None:
-                raise ValueError("model.ar_hit.min_count/top_percent need a data module with train_rows")
-            self._frequent_bigrams = frequent_bigrams(rows, self.arch.vocab_size, self.ar_hit.min_count,
-                                                      self.ar_hit.top_percent)
+                raise UserError("model.ar_hit: leaving frequent bigrams out of the AR-Hits needs the training "
+                                "split's bigram counts, and this data module has no train_rows; set "
+                                "model.ar_hit.exclude_frequent false (every repeated bigram is a hit) or "
+                                "model.ar_hit.enabled false")
+            self._frequent_bigrams = frequent_bigrams(rows, self.arch.vocab_size, **threshold)
         hits = ar_hit_mask(tokens, self.arch.vocab_size, self._frequent_bigrams)
         losses = losses.double().cpu()
         hits = hits.cpu()

@@ -5,6 +5,9 @@ At that moment the weights and the optimizer state are still the finite ones the
 they are saved as checkpoints/last-finite-step<N>.ckpt, and the run stops with NonFiniteError, whose
 message says what to change and how to resume. The data position saved with them is after the failing
 step's batch: the same weights on the same batch would give the same value again.
+
+The stop is a divergence: `diag/diverged_step` is logged at that step, and the error carries
+{"step", "reason"} (`NonFiniteError.divergence`), which a sweep trial records as the state "diverged".
 """
 
 from __future__ import annotations
@@ -21,6 +24,10 @@ from diffexp.training.checkpointing import flush_loggers
 
 class NonFiniteError(UserError):
     """train/loss or train/grad_norm became NaN/inf; the last finite state was saved."""
+
+    def __init__(self, message: str, step: int | None = None, quantity: str = "", value: float = float("nan")):
+        super().__init__(message)
+        self.divergence = {"step": step, "reason": f"{quantity} is {value}"}
 
 
 def any_rank(trainer: L.Trainer, flag: bool) -> bool:
@@ -56,8 +63,10 @@ def stop_with_last_finite(trainer: L.Trainer, module: L.LightningModule, quantit
     weights_finite = bool(trainer.strategy.reduce_boolean_decision(weights_finite, all=True))
     previous = getattr(trainer.checkpoint_callback, "last_model_path", "") or ""
     path = _checkpoint_dir(trainer) / f"last-finite-step{step:06d}.ckpt"
+    for logger in trainer.loggers:  # the run diverged here (a sweep records it so)
+        logger.log_metrics({"diag/diverged_step": float(step)}, step=step)
+    flush_loggers(trainer)  # the logs up to this step are on disk (with the checkpoint)
     if weights_finite:
-        flush_loggers(trainer)  # the logs up to this step are on disk with the checkpoint
         # saved as a batch that ended without an optimizer step (the position of any checkpoint taken at a
         # batch end), so Lightning resumes at the next batch with consistent counters
         trainer.fit_loop.epoch_loop.batch_progress.increment_processed()
@@ -80,5 +89,6 @@ def stop_with_last_finite(trainer: L.Trainer, module: L.LightningModule, quantit
         f"{quantity} is {value} at step {step}; training stopped before the optimizer step, so no weights "
         f"were updated with it. {saved} To continue, lower model.optim.lr (now {lr:g}) and {clip_advice}, then "
         f"resume: diffexp fit --config {_config_file(trainer)} --ckpt_path {resume_from} "
-        f"--model.optim.lr {lr / 2:g} --trainer.gradient_clip_val {new_clip:g}.{retrace}"
+        f"--model.optim.lr {lr / 2:g} --trainer.gradient_clip_val {new_clip:g}.{retrace}",
+        step=step, quantity=quantity, value=value,
     )

@@ -15,6 +15,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+from diffexp.checkpoint_io import FILLED
 from diffexp.errors import UserError, invalid
 from diffexp.model.config import ModelConfig
 
@@ -25,6 +26,8 @@ HONOURED_ON_RESUME = ("  model.optim.lr:", "  model.optim.betas:", "  model.opti
                       "  model.optim.warmup_steps:", "  model.optim.min_lr_ratio:", "  trainer.gradient_clip_val:")
 # trainer settings that shape the optimization (a checkpoint records them in "diffexp_run")
 RESUME_TRAINER_KEYS = ("max_steps", "accumulate_grad_batches", "gradient_clip_val")
+# model.ar_hit settings that decide which tokens are AR-Hits (a resume must log the same metric)
+AR_HIT_RESUME_KEYS = ("exclude_frequent", "min_count", "top_percent")
 
 
 def plain(value: Any) -> Any:
@@ -158,17 +161,33 @@ def _same(a: Any, b: Any) -> bool:
     return plain(a) == plain(b)
 
 
+def _filled_unread(checkpoint: dict[str, Any]) -> set[str]:
+    """Keys read_checkpoint filled in (added after the checkpoint was written) that its variant does not read:
+    they meant nothing to that run, so they pin nothing."""
+    from diffexp.model.attention import variant, variant_names
+    from diffexp.model.config import SHARED_FIELDS
+
+    attention = ((checkpoint.get("hyper_parameters") or {}).get("arch") or {}).get("attention")
+    if attention not in variant_names():
+        return set()
+    read = {f"model.arch.{name}" for name in (*SHARED_FIELDS, *variant(attention).fields)}
+    return {key for key in checkpoint.get(FILLED, {}) if key.startswith("model.arch.") and key not in read}
+
+
 def saved_run_values(checkpoint: dict[str, Any], model_only: bool) -> dict[str, Any]:
     """The dotted keys a checkpoint pins, as the user writes them."""
     hparams = checkpoint.get("hyper_parameters") or {}
     arch = {k: v for k, v in (hparams.get("arch") or {}).items() if k != "vocab_size"}
-    values = _flat("model.arch", arch)
+    values = {k: v for k, v in _flat("model.arch", arch).items() if k not in _filled_unread(checkpoint)}
     data_hparams = checkpoint.get("datamodule_hyper_parameters") or {}
     if model_only:  # evaluating: the same network, and the tokenizer its embeddings were trained with
         return {**values, **_flat("data", {k: v for k, v in data_hparams.items() if k in TOKENIZER_KEYS})}
     optim = dict(hparams.get("optim") or {})
     optim.pop("schedule_steps", None)  # compared below, resolved against max_steps
     values.update(_flat("model.optim", optim))
+    # what counts as an AR-Hit: a resume must log the same metric (turning it on or off changes no value)
+    ar_hit = {k: v for k, v in (hparams.get("ar_hit") or {}).items() if k in AR_HIT_RESUME_KEYS}
+    values.update(_flat("model.ar_hit", ar_hit))
     data_class = (checkpoint.get("diffexp_run") or {}).get("data_class") or data_hparams.get("_class_path")
     if data_class:
         values["data.class_path"] = data_class
@@ -184,10 +203,13 @@ def saved_run_values(checkpoint: dict[str, Any], model_only: bool) -> dict[str, 
 
 def requested_run_values(config, keys: set[str]) -> dict[str, Any]:
     """The same dotted keys, from the parsed config (data keys looked up under init_args)."""
+    from diffexp.training.module import ARHitConfig
+
     model = plain(config.get("model") or {})
     arch = asdict(ModelConfig(**(model.get("arch") or {})))
     optim_section = dict(model.get("optim") or {})
-    values = {**_flat("model.arch", arch), **_flat("model.optim", optim_section)}
+    ar_hit = asdict(ARHitConfig(**(model.get("ar_hit") or {})))
+    values = {**_flat("model.arch", arch), **_flat("model.optim", optim_section), **_flat("model.ar_hit", ar_hit)}
     data_class, data_args = data_init_args(config)
     values["data.class_path"] = data_class
     values.update(_flat("data", data_args))
@@ -211,6 +233,13 @@ def _schedule_difference(checkpoint: dict[str, Any], config) -> str | None:
     return (f"  learning-rate schedule: the saved run's cosine spans {saved_total} steps, this config's spans {total}"
             f" (model.optim.schedule_steps, else trainer.max_steps). To train past step {saved_total} with the lr "
             f"schedule as it was (the lr stays at its final value), add --model.optim.schedule_steps {saved_total}")
+
+
+def _flag_value(value: Any) -> str:
+    """A value as a command-line flag writes it (true, null, 8)."""
+    if value is None:
+        return "null"
+    return str(value).lower() if isinstance(value, bool) else str(value)
 
 
 def check_resume(config, checkpoint: dict[str, Any], ckpt_path: Path, subcommand: str) -> None:
@@ -238,9 +267,12 @@ def check_resume(config, checkpoint: dict[str, Any], ckpt_path: Path, subcommand
                   + "\n".join(honoured), file=sys.stderr)
         return
     run_config = ckpt_path.parent.parent / "config.yaml"
+    # keys the checkpoint predates: its run config lacks them too, so the command spells out their values
+    older = "".join(f" --{key} {_flag_value(value)}" for key, value in checkpoint.get(FILLED, {}).items()
+                    if key in saved)
     if ckpt_path.parent.name == "checkpoints" and run_config.is_file():
         how = f"To {'resume' if subcommand == 'fit' else subcommand} the saved run as it was: diffexp {subcommand} " \
-              f"--config {run_config} --ckpt_path {ckpt_path}"
+              f"--config {run_config}{older} --ckpt_path {ckpt_path}"
     else:
         how = "Pass the checkpoint's values above as flags (or in the config) to use this checkpoint."
     what = "resume" if subcommand == "fit" else subcommand

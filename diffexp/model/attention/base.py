@@ -111,7 +111,9 @@ class AttentionBase(nn.Module):
     """Holds sizes, RoPE and the attention call; subclasses define projections and how maps combine.
 
     `forward(x, need_weights=False)` returns (output, effective_map or None); the effective map is
-    (B, n_heads, T, T), the per-head matrix that multiplies V (see variants.md).
+    (B, n_heads, T, T), the per-head matrix that multiplies V (see variants.md). Name the modules that
+    make queries and keys `q_proj` and `k_proj`, and the output projection `o_proj`: the parameter report
+    counts the first two as `qk_projections`, and the decoder scales the init of the last.
     """
 
     def __init__(self, cfg, layer_idx: int) -> None:  # cfg: a validated diffexp.model.config.ModelConfig
@@ -126,8 +128,12 @@ class AttentionBase(nn.Module):
         self.rope = RotaryEmbedding(self.head_dim, cfg.max_seq_len, cfg.rope_theta)
         self.stats: dict[str, float] = {}
 
-    def linear(self, in_features: int, out_features: int) -> nn.Linear:
-        return nn.Linear(in_features, out_features, bias=False)
+    def linear(self, in_features: int, out_features: int, default_init: bool = False) -> nn.Linear:
+        """A bias-free projection. The decoder re-initialises it from N(0, init_std^2), unless
+        `default_init`: then it keeps PyTorch's own nn.Linear init (kaiming-uniform, bound 1/sqrt(fan_in))."""
+        layer = nn.Linear(in_features, out_features, bias=False)
+        layer.keep_default_init = default_init
+        return layer
 
     #: set by the diagnostics: record the largest attention logit (over the first `stats_rows` rows of the
     #: batch) and variant statistics on the next forward

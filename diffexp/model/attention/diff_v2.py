@@ -7,20 +7,25 @@ then pairs of heads are subtracted with a token-wise, head-wise lambda:
     out_p = attn[p]  - sigmoid(x W_lam)_p * attn[p + h]         pairing="cross" (blog's ablation)
 
 No per-head norm, no lambda_init. lambda_mode "none" drops W_lam (attn1 - attn2); "raw" drops the
-sigmoid.
+sigmoid. pair_norm puts DIFF V1's per-head RMSNorm back on out_p (the blog removed it as destabilising).
+W_lam keeps PyTorch's nn.Linear init (lambda_proj_init "default", the spec) or takes the decoder's
+N(0, init_std^2) ("normal").
 """
 
 from __future__ import annotations
 
 import torch
+from torch import nn
 
 from diffexp.errors import invalid
 from diffexp.model.attention import naive
 from diffexp.model.attention.base import AttentionBase, merge_heads, split_heads
 from diffexp.model.attention.registry import Variant, register
+from diffexp.model.blocks import RMSNorm
 
 PAIRINGS = ("same", "cross")
 LAMBDA_MODES = ("sigmoid", "none", "raw")
+LAMBDA_PROJ_INITS = ("default", "normal")
 
 
 def check(cfg) -> None:
@@ -28,6 +33,10 @@ def check(cfg) -> None:
         raise invalid("model.arch.pairing", cfg.pairing, "expected 'same' or 'cross'")
     if cfg.lambda_mode not in LAMBDA_MODES:
         raise invalid("model.arch.lambda_mode", cfg.lambda_mode, "expected 'sigmoid', 'none' or 'raw'")
+    if not isinstance(cfg.pair_norm, bool):
+        raise invalid("model.arch.pair_norm", cfg.pair_norm, "expected true or false")
+    if cfg.lambda_proj_init not in LAMBDA_PROJ_INITS:
+        raise invalid("model.arch.lambda_proj_init", cfg.lambda_proj_init, "expected 'default' or 'normal'")
     if cfg.pairing == "cross" and cfg.kv_heads < 2:  # heads p and p + h must sit in different kv groups
         raise invalid("model.arch.pairing", cfg.pairing,
                       f"with n_heads={cfg.n_heads}, n_kv_heads={cfg.kv_heads} heads p and p+h share one K/V "
@@ -62,7 +71,8 @@ def reference(m, x: torch.Tensor):
             a2 = naive.causal_softmax_rows(q[bi, i2], k[bi, g2])
             lam_col = lam[bi, :, p].unsqueeze(-1)
             maps[bi, p] = a1 - lam_col * a2
-            out[bi, p] = a1 @ v[bi, g1] - lam_col * (a2 @ v[bi, g2])
+            o = a1 @ v[bi, g1] - lam_col * (a2 @ v[bi, g2])
+            out[bi, p] = naive.rmsnorm(o, m.pair_norm.weight) if cfg.pair_norm else o
     return naive.output(out, m.o_proj), maps
 
 
@@ -72,12 +82,14 @@ class DiffV2Attention(AttentionBase):
         name="diff_v2",
         summary="2h query heads paired inside a GQA group, token-wise sigmoid lambda, no norm",
         paper="DIFF Transformer V2 (blog, 2026)",
-        fields=("pairing", "lambda_mode"),
+        fields=("pairing", "lambda_mode", "pair_norm", "lambda_proj_init"),
         check=check,
         attention_flops=attention_flops,
         reference=reference,
         cases={"": {}, "mha": {"n_kv_heads": None}, "cross": {"pairing": "cross"}, "none": {"lambda_mode": "none"},
-               "raw": {"lambda_mode": "raw"}, "cross-raw": {"pairing": "cross", "lambda_mode": "raw"}},
+               "raw": {"lambda_mode": "raw"}, "cross-raw": {"pairing": "cross", "lambda_mode": "raw"},
+               "pair-norm": {"pair_norm": True}, "pair-norm-cross": {"pair_norm": True, "pairing": "cross"},
+               "normal-init": {"lambda_proj_init": "normal"}},
         bench_arch={"n_kv_heads": 2},  # GQA groups, where the blog's pairing applies
     )
 
@@ -89,7 +101,10 @@ class DiffV2Attention(AttentionBase):
         self.v_proj = self.linear(self.d_model, h_kv * d)
         self.o_proj = self.linear(h * d, self.d_model)
         self.lambda_mode = cfg.lambda_mode
-        self.lambda_proj = self.linear(self.d_model, h) if cfg.lambda_mode != "none" else None
+        self.lambda_proj = (self.linear(self.d_model, h, default_init=cfg.lambda_proj_init == "default")
+                            if cfg.lambda_mode != "none" else None)
+        # DIFF V1's per-head norm, one weight shared by all heads; off by default, as in the blog
+        self.pair_norm = RMSNorm(d, eps=1e-5) if cfg.pair_norm else nn.Identity()
         if cfg.pairing == "same":
             self.first, self.second = slice(0, 2 * h, 2), slice(1, 2 * h, 2)
         else:
@@ -111,7 +126,7 @@ class DiffV2Attention(AttentionBase):
         if self.record_stats and torch.is_tensor(lam):  # the token-wise lambda's mean and spread
             observed = lam[: self.stats_rows].detach().float()
             self.stats.update(lambda_mean=observed.mean().item(), lambda_std=observed.std().item())
-        out = out[:, self.first] - lam * out[:, self.second]
+        out = self.pair_norm(out[:, self.first] - lam * out[:, self.second])
         effective = None
         if weights is not None:
             lam_f = lam.float() if torch.is_tensor(lam) else lam
@@ -119,4 +134,5 @@ class DiffV2Attention(AttentionBase):
         return self.o_proj(merge_heads(out)), effective
 
     def extra_repr(self) -> str:
-        return super().extra_repr() + f", pairing={self.cfg.pairing}, lambda_mode={self.lambda_mode}"
+        return (super().extra_repr() + f", pairing={self.cfg.pairing}, lambda_mode={self.lambda_mode}, "
+                f"pair_norm={self.cfg.pair_norm}, lambda_proj_init={self.cfg.lambda_proj_init}")

@@ -126,8 +126,10 @@ def naive_plain_qk(m, x: torch.Tensor):
     return q[:, 0::2], q[:, 1::2], k[:, 0::2], k[:, 1::2]
 
 
-def naive_two_map(m, x: torch.Tensor, qk, extra_map=None, scale_by_lambda_init: bool = True):
-    """Final = A1 - lambda A2 (+ lambda * extra_map(A1)); head = Norm(Final V) (* (1 - lambda_init))."""
+def naive_two_map(m, x: torch.Tensor, qk, extra_map=None, scale_by_lambda_init: bool = True,
+                  extra_weight: torch.Tensor | None = None):
+    """Final = A1 - lambda A2 (+ w * extra_map(A1), w = extra_weight, or lambda when None);
+    head = Norm(Final V) (* (1 - lambda_init))."""
     cfg = m.cfg
     h, h_kv = cfg.n_heads, cfg.kv_heads
     depth = 0.8 - 0.6 * math.exp(-0.3 * m.layer_idx)  # written out again: the reference shares no code
@@ -146,7 +148,7 @@ def naive_two_map(m, x: torch.Tensor, qk, extra_map=None, scale_by_lambda_init: 
             a1 = naive.causal_softmax_rows(q1[bi, p], k1[bi, g])
             final = a1 - lam * naive.causal_softmax_rows(q2[bi, p], k2[bi, g])
             if extra_map is not None:
-                final = final + lam * extra_map(a1)
+                final = final + (lam if extra_weight is None else extra_weight) * extra_map(a1)
             maps[bi, p] = final
             o = final @ v[bi, g]
             if cfg.head_norm:

@@ -3,7 +3,9 @@
     G[n, :] = (1/n) sum_{m<=n} A1[m, :]          cumulative mean of A1's rows (n is 1-based)
     A3      = softmax over j <= n of G[n, j]     (integral="softmax", the paper)
             = G                                  (integral="mean")
-    Final   = A1 - lambda A2 + lambda A3         (gamma = lambda, so every row sums to 1)
+    Final   = A1 - lambda A2 + gamma A3          gamma="lambda" (the paper): gamma = lambda, every row sums
+                                                 to 1; gamma="learned": a scalar per layer of its own, rows
+                                                 sum to 1 - lambda + gamma
     head    = GroupNorm(Final V)                 no (1 - lambda_init) factor
 
 The fast path never builds a T x T map: "mean" is cumsum(A1 V) / n, and "softmax" streams over
@@ -12,7 +14,10 @@ query blocks with running column sums of A1, forward and backward (dint_integral
 
 from __future__ import annotations
 
+import math
+
 import torch
+from torch import nn
 
 from diffexp.errors import invalid
 from diffexp.model.attention.base import expand_kv
@@ -33,6 +38,16 @@ def check(cfg) -> None:
     check_two_map(cfg)
     if cfg.integral not in ("softmax", "mean"):
         raise invalid("model.arch.integral", cfg.integral, "expected 'softmax' or 'mean'")
+    if cfg.gamma not in ("lambda", "learned"):
+        raise invalid("model.arch.gamma", cfg.gamma, "expected 'lambda' (gamma = lambda, the paper) or 'learned' "
+                      "(a scalar per layer of its own)")
+    init = cfg.gamma_init
+    if init != "lambda_init" and (isinstance(init, bool) or not isinstance(init, (int, float))
+                                  or not math.isfinite(init)):
+        raise invalid("model.arch.gamma_init", init, "expected 'lambda_init' (the layer's lambda_init) or a number")
+    if cfg.gamma == "lambda" and init != "lambda_init":
+        raise invalid("model.arch.gamma_init", init, "expected 'lambda_init' unless model.arch.gamma is 'learned' "
+                      "(with gamma = lambda there is no gamma of its own to initialise)")
 
 
 def attention_flops(cfg, keys: float) -> float:
@@ -51,8 +66,9 @@ def naive_integral(a1: torch.Tensor, integral: str) -> torch.Tensor:
 
 
 def reference(m, x: torch.Tensor):
+    gamma = m.gamma.double() if m.cfg.gamma == "learned" else None  # None: the integral weighs lambda
     return naive_two_map(m, x, naive_plain_qk(m, x), extra_map=lambda a1: naive_integral(a1, m.cfg.integral),
-                         scale_by_lambda_init=False)
+                         scale_by_lambda_init=False, extra_weight=gamma)
 
 
 def row_positions(t: int, like: torch.Tensor, start: int = 0) -> torch.Tensor:
@@ -77,29 +93,45 @@ class DintAttention(TwoMapDifferentialAttention):
         summary="DIFF V1 plus an integral term from cumulative attention; rows sum to 1",
         paper="Cang et al. 2025, DINT Transformer",
         maps_per_head=2,
-        fields=(*TWO_MAP_FIELDS, "integral"),
+        fields=(*TWO_MAP_FIELDS, "integral", "gamma", "gamma_init"),
         check=check,
         attention_flops=attention_flops,
         reference=reference,
         cases={**TWO_MAP_CASES, "mean": {"integral": "mean"},
-               "mean-nonorm-lam0.5": {"integral": "mean", "head_norm": False, "lambda_init": 0.5}},
+               "mean-nonorm-lam0.5": {"integral": "mean", "head_norm": False, "lambda_init": 0.5},
+               "learned": {"gamma": "learned"},
+               "learned-init0.9": {"gamma": "learned", "gamma_init": 0.9},
+               "learned-mean-init0.9": {"gamma": "learned", "gamma_init": 0.9, "integral": "mean"}},
     )
     scale_by_lambda_init = False
     #: query rows per step of the streaming integral; memory is O(block_size * T) per head
     integral_block_size = 128
 
+    def __init__(self, cfg, layer_idx: int) -> None:
+        super().__init__(cfg, layer_idx)
+        if cfg.gamma == "learned":  # one scalar per layer, fp32 like lambda; 0-d, so no weight decay
+            init = self.lambda_init if cfg.gamma_init == "lambda_init" else float(cfg.gamma_init)
+            self.gamma = nn.Parameter(torch.tensor(init, dtype=torch.float32))
+
+    def integral_weight(self, lam: torch.Tensor) -> torch.Tensor:
+        """gamma: lambda itself, or the layer's own learned scalar."""
+        if self.cfg.gamma == "learned":
+            return self.gamma.to(torch.promote_types(self.gamma.dtype, torch.float32))
+        return lam
+
     def add_terms(self, out, effective, lam, q1, k1, v, out1, weights1):
+        gamma = self.integral_weight(lam)
         if weights1 is not None:  # eager: the full map
             a3 = integral_map(weights1, self.cfg.integral)
             integral_out = a3.to(v.dtype) @ expand_kv(v, a3.shape[1])
-            effective = effective + lam * a3
+            effective = effective + gamma * a3
         elif self.cfg.integral == "mean":  # G V = cumsum(A1 V) / n exactly
             n = row_positions(out1.shape[-2], out1)
             integral_out = out1.cumsum(dim=-2) / n
         else:
             h = q1.shape[1]
             integral_out = streaming_integral(q1, expand_kv(k1, h), expand_kv(v, h), self.integral_block_size)
-        return out + lam.to(out.dtype) * integral_out, effective
+        return out + gamma.to(out.dtype) * integral_out, effective
 
     def extra_repr(self) -> str:
-        return super().extra_repr() + f", integral={self.cfg.integral}"
+        return super().extra_repr() + f", integral={self.cfg.integral}, gamma={self.cfg.gamma}"

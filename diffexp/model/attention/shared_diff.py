@@ -1,15 +1,18 @@
 """Shared DIFF (Cang et al., ICML 2025), equations (3)-(4).
 
-    W_Q1 = W_Q + A_q1 B_q1^T,   W_Q2 = W_Q + A_q2 B_q2^T   (same for K)
-    A: d_model x r,  B: d x r, one pair per head and map.
+    W_Q1 = W_Q + A_q1 B_q1^T,   W_Q2 = W_Q + A_q2 B_q2^T   (same for K, with h_kv heads)
 
-Computed as X W_Q once plus (X A) B^T, never forming d_model x d matrices. The rest (lambda,
-GroupNorm, (1 - lambda_init), 2d-wide V) is DIFF V1's.
+lowrank_scope="layer": one update per map for the whole projection, A: d_model x r, B: (h*d) x r,
+    added to the full-width base (the reading in which Shared DIFF has fewer Q/K parameters than DIFF).
+lowrank_scope="head": one update per head and per map, A: d_model x r, B: d x r.
+base_sharing="maps": each head has its own d-wide W_Q, shared by its two maps; side by side one
+    full-width W_Q, as in DIFF.
+base_sharing="heads": one d-wide W_Q for all heads and both maps (section 2.4); under "layer" the
+    full-width base is that W_Q repeated for every head, plus the full-width update.
 
-base_sharing="maps": each head has its own W_Q, shared by its two maps (default).
-base_sharing="heads": one W_Q for all heads and both maps (the paper's section 2.4 wording).
-B starts at N(0, lowrank_init_std^2), not zero: with B = 0 both maps would start identical and
-A1 - lambda A2 would be (1 - lambda) A1.
+Computed as X W_Q once plus (X A) B^T, never forming d_model x (h d) matrices. The rest (lambda,
+GroupNorm, (1 - lambda_init), 2d-wide V) is DIFF V1's. B starts at N(0, lowrank_init_std^2), not
+zero: with B = 0 both maps would start identical and A1 - lambda A2 would be (1 - lambda) A1.
 """
 
 from __future__ import annotations
@@ -28,35 +31,63 @@ from diffexp.model.attention.differential import (
 )
 from diffexp.model.attention.registry import Variant, register
 
+SCOPES = ("layer", "head")
+
 
 def check(cfg) -> None:
     check_two_map(cfg)
-    if cfg.rank <= 0:
+    if isinstance(cfg.rank, bool) or not isinstance(cfg.rank, int) or cfg.rank <= 0:
         raise invalid("model.arch.rank", cfg.rank, "expected a positive integer")
     if cfg.base_sharing not in ("maps", "heads"):
         raise invalid("model.arch.base_sharing", cfg.base_sharing, "expected 'maps' or 'heads'")
+    if cfg.lowrank_scope not in SCOPES:
+        raise invalid("model.arch.lowrank_scope", cfg.lowrank_scope,
+                      "expected 'layer' (one update per map for the whole projection) or 'head' (one per head)")
     if not cfg.lowrank_init_std >= 0:
         raise invalid("model.arch.lowrank_init_std", cfg.lowrank_init_std, "expected a standard deviation >= 0")
 
 
+def up_widths(cfg, n_heads: int) -> tuple[int, int]:
+    """(updates per map, width of each update's B) for a projection of n_heads heads of dim d."""
+    d = cfg.resolved_head_dim
+    return (1, n_heads * d) if cfg.lowrank_scope == "layer" else (n_heads, d)
+
+
 def attention_flops(cfg, keys: float) -> float:
-    """DIFF V1's maps plus the low-rank up-projections (X A) B^T, which are not nn.Linear layers."""
-    up_weights = 2 * (cfg.n_heads + cfg.kv_heads) * cfg.rank * cfg.resolved_head_dim  # 2 maps, Q and K
+    """DIFF V1's maps plus the up-projections (X A) B^T, which are not nn.Linear layers (X A is one):
+    2 maps x r x (h d + h_kv d) multiply-adds per token under either scope ("layer": one B of h d
+    columns per map; "head": h of d columns)."""
+    up_weights = 0
+    for heads in (cfg.n_heads, cfg.kv_heads):
+        groups, width = up_widths(cfg, heads)
+        up_weights += 2 * groups * cfg.rank * width
     return two_map_flops(cfg, keys) + 2 * up_weights
 
 
 def naive_projection(proj, x: torch.Tensor, n_heads: int, cfg):
-    """W_{map, head} = W_base(head) + A_{map, head} B_{map, head}^T, formed as full matrices."""
+    """Q1, Q2 (or K1, K2) from the full d_model x (heads * d) matrices W_map = W_base + updates, built with
+    loops over heads: W_base holds each head's base (or the one shared base) in its columns; "layer" adds
+    one A B^T over all columns, "head" adds A_i B_i^T to head i's columns."""
     r, d = cfg.rank, cfg.resolved_head_dim
+    weight = proj.base.weight.double()
     maps = []
     for map_idx in range(2):
-        per_head = []
+        full = torch.zeros(x.shape[-1], n_heads * d, dtype=torch.float64)
         for i in range(n_heads):
-            base_rows = slice(0, d) if cfg.base_sharing == "heads" else slice(i * d, (i + 1) * d)
-            w_base = proj.base.weight[base_rows].T  # (d_model, d)
-            a = proj.down.weight[(map_idx * n_heads + i) * r:(map_idx * n_heads + i + 1) * r].T
-            per_head.append(x @ (w_base + a @ proj.up[map_idx, i]))
-        maps.append(torch.stack(per_head, dim=1))  # (B, heads, T, d)
+            rows = slice(0, d) if cfg.base_sharing == "heads" else slice(i * d, (i + 1) * d)
+            full[:, i * d:(i + 1) * d] = weight[rows].T
+        if cfg.lowrank_scope == "layer":
+            a = proj.down.weight[map_idx * r:(map_idx + 1) * r].double().T  # (d_model, r)
+            b = proj.up[map_idx, 0].double().T                             # (h d, r)
+            full = full + a @ b.T
+        else:
+            for i in range(n_heads):
+                first = (map_idx * n_heads + i) * r
+                a = proj.down.weight[first:first + r].double().T  # (d_model, r)
+                b = proj.up[map_idx, i].double().T                # (d, r)
+                full[:, i * d:(i + 1) * d] += a @ b.T
+        b_, t, _ = x.shape
+        maps.append((x.double() @ full).view(b_, t, n_heads, d).transpose(1, 2))  # (B, heads, T, d)
     return maps
 
 
@@ -67,22 +98,26 @@ def reference(m, x: torch.Tensor):
 
 
 class LowRankSharedProjection(nn.Module):
-    """Two maps of `n_heads` heads: shared base X W plus per-map, per-head low-rank updates (X A) B^T."""
+    """Two maps of `n_heads` heads: the base X W (broadcast over maps, and over heads when shared) plus one
+    low-rank update (X A) B^T per map and per group: `groups` = n_heads (scope "head") or 1 (scope "layer",
+    B spanning all n_heads * head_dim columns)."""
 
     def __init__(self, d_model: int, n_heads: int, head_dim: int, rank: int, share_across_heads: bool,
-                 up_init_std: float) -> None:
+                 up_init_std: float, per_head: bool = True) -> None:
         super().__init__()
         self.n_heads, self.head_dim, self.rank = n_heads, head_dim, rank
+        self.groups = n_heads if per_head else 1
+        width = head_dim if per_head else n_heads * head_dim
         self.base = nn.Linear(d_model, (1 if share_across_heads else n_heads) * head_dim, bias=False)
-        self.down = nn.Linear(d_model, 2 * n_heads * rank, bias=False)  # A for (map, head)
-        self.up = nn.Parameter(torch.empty(2, n_heads, rank, head_dim).normal_(0, up_init_std))  # B^T
+        self.down = nn.Linear(d_model, 2 * self.groups * rank, bias=False)  # A for (map, group)
+        self.up = nn.Parameter(torch.empty(2, self.groups, rank, width).normal_(0, up_init_std))  # B^T
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         b, t, _ = x.shape
         shared = self.base(x).view(b, t, 1, -1, self.head_dim)  # broadcasts over maps (and heads)
-        low = self.down(x).view(b, t, 2, self.n_heads, self.rank)
-        update = torch.einsum("btmhr,mhrd->btmhd", low, self.up.to(low.dtype))
-        both = shared + update  # (B, T, map, head, d)
+        low = self.down(x).view(b, t, 2, self.groups, self.rank)
+        update = torch.einsum("btmgr,mgrw->btmgw", low, self.up.to(low.dtype))
+        both = shared + update.reshape(b, t, 2, self.n_heads, self.head_dim)  # (B, T, map, head, d)
         return both[:, :, 0].transpose(1, 2), both[:, :, 1].transpose(1, 2)
 
 
@@ -93,22 +128,26 @@ class SharedDiffAttention(TwoMapDifferentialAttention):
         summary="DIFF V1 whose two maps share a base projection plus low-rank updates per map",
         paper="Cang et al., ICML 2025, Shared DIFF Transformer",
         maps_per_head=2,
-        fields=(*TWO_MAP_FIELDS, "rank", "base_sharing", "lowrank_init_std"),
+        fields=(*TWO_MAP_FIELDS, "rank", "base_sharing", "lowrank_scope", "lowrank_init_std"),
         check=check,
         attention_flops=attention_flops,
         reference=reference,
         cases={**TWO_MAP_CASES, "heads": {"base_sharing": "heads"}, "rank4": {"rank": 4},
-               "heads-rank2-lam0.5": {"base_sharing": "heads", "rank": 2, "lambda_init": 0.5}},
+               "head": {"lowrank_scope": "head"}, "head-mha": {"lowrank_scope": "head", "n_kv_heads": None},
+               "layer-heads-rank2-lam0.5": {"lowrank_scope": "layer", "base_sharing": "heads", "rank": 2,
+                                            "lambda_init": 0.5},
+               "head-heads-rank2-lam0.5": {"lowrank_scope": "head", "base_sharing": "heads", "rank": 2,
+                                           "lambda_init": 0.5}},
         bench_arch={"rank": 8},
     )
 
     def build_qk_projections(self) -> None:
         cfg = self.cfg
-        across_heads = cfg.base_sharing == "heads"
+        across_heads, per_head = cfg.base_sharing == "heads", cfg.lowrank_scope == "head"
         self.q_proj = LowRankSharedProjection(self.d_model, self.n_heads, self.head_dim, cfg.rank,
-                                              across_heads, cfg.lowrank_init_std)
+                                              across_heads, cfg.lowrank_init_std, per_head)
         self.k_proj = LowRankSharedProjection(self.d_model, self.n_kv_heads, self.head_dim, cfg.rank,
-                                              across_heads, cfg.lowrank_init_std)
+                                              across_heads, cfg.lowrank_init_std, per_head)
 
     def project_qk(self, x: torch.Tensor):
         q1, q2 = self.q_proj(x)
@@ -116,4 +155,6 @@ class SharedDiffAttention(TwoMapDifferentialAttention):
         return q1, q2, k1, k2
 
     def extra_repr(self) -> str:
-        return super().extra_repr() + f", rank={self.cfg.rank}, base_sharing={self.cfg.base_sharing}"
+        cfg = self.cfg
+        return (super().extra_repr() + f", rank={cfg.rank}, base_sharing={cfg.base_sharing}, "
+                f"lowrank_scope={cfg.lowrank_scope}")

@@ -1,0 +1,232 @@
+"""`diffexp params [RECIPE ...]`: the parameter counts of recipes, as a table.
+
+A RECIPE is a recipe file, or a directory of them. The GPU recipes are combinations (base.yaml +
+size/<size>.yaml + variant/<variant>.yaml, plus variant/<variant>/<size>.yaml where a variant has
+size-dependent values): a size file stands for that size with every variant, a variant file (or its
+folder of size parts) for that variant at every size, a size part for its one combination, and the gpu
+directory (or its base.yaml) for every combination. With no RECIPE: every recipe under recipes/ and every
+GPU combination.
+
+Models are built on the meta device (no memory, any size), with the vocabulary the data module links
+into the model at fit time (`linked_vocab_size`), so the counts are those of the trained model. Each
+recipe states the same counts in its header (`header_line`), checked by tests/test_recipe_params.py.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import itertools
+import logging
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+from diffexp.errors import UserError, guarded
+
+#: the recipes of a source checkout (diffexp/compare/params.py -> the repository's recipes/)
+PACKAGE_RECIPES = Path(__file__).resolve().parents[2] / "recipes"
+#: the counts each recipe states in its header, in this order
+HEADER_KEYS = ("total", "non_embedding", "attention")
+COLUMNS = {"total": "total", "non_embedding": "non-embedding", "attention": "attention",
+           "qk_projections": "Q/K projections"}
+PIPED_WIDTH = 160
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """One model a recipe trains: its name in the table and its --config flags."""
+
+    name: str
+    configs: tuple[Path, ...]
+    size: str | None = None  # GPU combinations: the size file's stem ("830m")
+
+    def args(self) -> list[str]:
+        return [arg for path in self.configs for arg in ("--config", str(path))]
+
+    @property
+    def header_file(self) -> Path:
+        """The file whose header states the counts: the recipe, or a GPU combination's variant file."""
+        return self.configs[2] if self.size is not None else self.configs[0]
+
+
+def recipes_root() -> Path:
+    """recipes/ under the current directory if there is one, else the checkout's."""
+    here = Path("recipes")
+    return here if here.is_dir() else PACKAGE_RECIPES
+
+
+def is_gpu_dir(path: Path) -> bool:
+    """A base + size + variant recipe directory."""
+    return (path / "base.yaml").is_file() and (path / "size").is_dir() and (path / "variant").is_dir()
+
+
+def gpu_files(gpu: Path, size: str, variant: str) -> tuple[Path, ...]:
+    """The --config files of a GPU combination, in order: base, size, variant, and the variant's size part
+    (variant/<variant>/<size>.yaml) when it has one."""
+    files = (gpu / "base.yaml", gpu / "size" / f"{size}.yaml", gpu / "variant" / f"{variant}.yaml")
+    size_part = gpu / "variant" / variant / f"{size}.yaml"
+    return files + (size_part,) if size_part.is_file() else files
+
+
+def gpu_recipes(gpu: Path, sizes: Sequence[str] | None = None, variants: Sequence[str] | None = None) -> list[Recipe]:
+    sizes = sizes or sorted(p.stem for p in (gpu / "size").glob("*.yaml"))
+    variants = variants or sorted(p.stem for p in (gpu / "variant").glob("*.yaml"))
+    return [Recipe(f"{gpu.name}/{size} + {variant}", gpu_files(gpu, size, variant), size)
+            for size, variant in itertools.product(sizes, variants)]
+
+
+def _name(path: Path, root: Path) -> str:
+    try:
+        return str(path.resolve().relative_to(root.resolve()))
+    except ValueError:
+        return str(path)
+
+
+def expand(target: Path, root: Path) -> list[Recipe]:
+    """The models a RECIPE argument stands for (see the module's docstring)."""
+    if not target.exists():
+        raise UserError(f"RECIPE {str(target)!r}: no such file or directory; expected a recipe such as "
+                        "recipes/tiny/<variant>.yaml, a GPU size or variant file, or a directory of recipes")
+    if target.is_dir():
+        if is_gpu_dir(target):
+            return gpu_recipes(target)
+        if target.name in ("size", "variant") and is_gpu_dir(target.parent):
+            return gpu_recipes(target.parent)
+        if target.parent.name == "variant" and is_gpu_dir(target.parent.parent):  # a variant's size parts
+            return gpu_recipes(target.parent.parent, variants=[target.name])
+        found = []
+        for path in sorted(target.iterdir()):
+            if path.is_dir() or path.suffix in (".yaml", ".yml"):
+                found += expand(path, root)
+        return found
+    if target.suffix not in (".yaml", ".yml"):
+        raise UserError(f"RECIPE {str(target)!r}: not a YAML file; expected a recipe (.yaml) or a directory")
+    parent = target.parent
+    if parent.name == "size" and is_gpu_dir(parent.parent):
+        return gpu_recipes(parent.parent, sizes=[target.stem])
+    if parent.name == "variant" and is_gpu_dir(parent.parent):
+        return gpu_recipes(parent.parent, variants=[target.stem])
+    if target.name == "base.yaml" and is_gpu_dir(parent):
+        return gpu_recipes(parent)
+    if parent.parent.name == "variant" and is_gpu_dir(parent.parent.parent):  # variant/<variant>/<size>.yaml
+        return gpu_recipes(parent.parent.parent, sizes=[target.stem], variants=[parent.name])
+    return [Recipe(_name(target, root), (target,))]
+
+
+def all_recipes(root: Path | None = None) -> list[Recipe]:
+    """Every single-file recipe under root (recipes/), then every GPU combination."""
+    return expand(root or recipes_root(), root or recipes_root())
+
+
+def linked_vocab_size(config) -> int:
+    """The vocabulary size the data module links into model.arch.vocab_size at fit time, without reading
+    data: an explicit data.vocab_size (MQAR); for text, 257 with the byte tokenizer, data.bpe_vocab_size with
+    a BPE trained by diffexp, the file's size for a tokenizer file; otherwise the data module's own
+    vocab_size (the synthetic tasks' byte vocabulary)."""
+    import importlib
+
+    from diffexp.data import TextDataModule
+    from diffexp.data.tokenizer import ByteTokenizer, load_tokenizer_file
+    from diffexp.training.preflight import data_init_args
+
+    class_path, args = data_init_args(config)
+    if args.get("vocab_size") is not None:
+        return int(args["vocab_size"])
+    module, _, name = (class_path or "diffexp.data.TextDataModule").rpartition(".")
+    data_class = getattr(importlib.import_module(module), name)
+    if issubclass(data_class, TextDataModule):
+        tokenizer = args.get("tokenizer", "byte")
+        if tokenizer == "byte":
+            return ByteTokenizer.vocab_size
+        if tokenizer == "bpe":
+            return int(args.get("bpe_vocab_size") or 4096)
+        return load_tokenizer_file(Path(tokenizer), tokenizer).vocab_size
+    return int(data_class(**args).vocab_size)
+
+
+@contextlib.contextmanager
+def _quiet_parse():
+    """parse_config runs LightningCLI: keep its seed message and its note about sys.argv off the table."""
+    argv, seed_log = sys.argv, logging.getLogger("lightning.fabric.utilities.seed")
+    level = seed_log.level
+    sys.argv = argv[:1]
+    seed_log.setLevel(logging.WARNING)
+    try:
+        yield
+    finally:
+        sys.argv = argv
+        seed_log.setLevel(level)
+
+
+def model_config(recipe: Recipe):
+    """The recipe's ModelConfig, with the vocabulary its data module links."""
+    from diffexp.model.config import ModelConfig
+    from diffexp.training.cli import parse_config
+
+    with _quiet_parse():
+        config = parse_config(recipe.args())
+    arch = config.model.arch.as_dict()
+    return ModelConfig(**{**arch, "vocab_size": linked_vocab_size(config)})
+
+
+def report(recipe: Recipe) -> dict[str, int]:
+    """Decoder.parameter_report() of the model a recipe trains, built on the meta device."""
+    import torch
+
+    from diffexp.model import Decoder
+
+    arch = replace(model_config(recipe), backend="sdpa")  # the backend changes no count (and warns off-GPU)
+    with torch.device("meta"):
+        return {"attention_variant": arch.attention, **Decoder(arch).parameter_report()}
+
+
+def header_line(counts: dict[str, int], size: str | None = None) -> str:
+    """`# parameters: total=N non_embedding=N attention=N` (GPU variant files: `# parameters[830m]: ...`)."""
+    label = "parameters" if size is None else f"parameters[{size}]"
+    return f"# {label}: " + " ".join(f"{key}={counts[key]}" for key in HEADER_KEYS)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="diffexp params", description=__doc__.split("\n\n")[0].split(": ", 1)[1],
+        epilog="With no RECIPE: every recipe under recipes/ and every GPU size x variant combination.")
+    parser.add_argument("recipes", nargs="*", metavar="RECIPE",
+                        help="a recipe file, a GPU size or variant file, or a directory of recipes")
+    parser.add_argument("--headers", action="store_true",
+                        help="also print each recipe's header line (# parameters: total=N ...), for its comment")
+    return parser
+
+
+def params(targets: Sequence[str], headers: bool = False, console=None) -> list[tuple[Recipe, dict[str, int]]]:
+    """Count, print the table (and the header lines), return the rows."""
+    from rich.console import Console
+    from rich.table import Table
+
+    root = recipes_root()
+    recipes = [r for target in targets for r in expand(Path(target), root)] if targets else all_recipes(root)
+    if not recipes:
+        raise UserError(f"RECIPE {' '.join(targets)}: no recipe (.yaml) found there")
+    rows = [(recipe, report(recipe)) for recipe in recipes]
+    console = console or Console(width=None if sys.stdout.isatty() else PIPED_WIDTH)
+    table = Table(title="parameters of the model each recipe trains (vocabulary as linked from its data)")
+    table.add_column("recipe")
+    table.add_column("variant")
+    for label in COLUMNS.values():
+        table.add_column(label, justify="right")
+    for recipe, counts in rows:
+        table.add_row(recipe.name, str(counts["attention_variant"]), *(f"{counts[key]:,}" for key in COLUMNS))
+    console.print(table)
+    if headers:
+        for recipe, counts in rows:
+            console.print(f"{recipe.header_file}: {header_line(counts, recipe.size)}", soft_wrap=True,
+                          markup=False, highlight=False)
+    return rows
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """0 on success; a bad RECIPE is one `error: ...` paragraph on stderr and SystemExit(2)."""
+    args = build_parser().parse_args(list(sys.argv[1:] if argv is None else argv))
+    guarded(params, args.recipes, args.headers)
+    return 0

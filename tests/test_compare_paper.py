@@ -1,0 +1,116 @@
+"""A sweep's `paper:` block: checked when the spec is read, printed by compare beside the measured numbers,
+with the direction of every difference between rows checked against the paper's."""
+
+from __future__ import annotations
+
+import io
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+from rich.console import Console
+
+from diffexp.compare import compare
+from diffexp.compare.paper import PaperCheck, paper_checks
+from diffexp.sweep.layout import SWEEP_FILE
+from diffexp.sweep.runs import load_study_runs
+from diffexp.sweep.spec import SpecError, parse_spec
+from tests.fixtures_compare import make_study
+
+REPO = Path(__file__).resolve().parents[1]
+PAPER = {"source": "A paper, Table 9",
+         "values": {"Transformer": {"val/loss": 3.10}, "DIFF": {"val/loss": 3.06},
+                    "DIFF -GroupNorm": {"val/loss": 3.12}, "DIFF lambda 0.8": {"val/loss": 3.065}}}
+
+
+def _study_with_paper(tmp_path: Path, paper=PAPER) -> Path:
+    """make_study's measured means: Transformer 1.92, DIFF 1.86, DIFF -GroupNorm 1.88, DIFF lambda 0.8 none."""
+    study = make_study(tmp_path)
+    sweep = json.loads((study / SWEEP_FILE).read_text())
+    (study / SWEEP_FILE).write_text(json.dumps({**sweep, "paper": paper}))
+    return study
+
+
+def test_each_pair_of_rows_is_checked_against_the_papers_direction(tmp_path):
+    runs = load_study_runs(_study_with_paper(tmp_path), curves=False)
+    from diffexp.compare.stats import summarize
+
+    (check,) = paper_checks(runs, summarize(runs, ["val/loss"]))
+    assert [(c, round(m, 3), p) for c, m, p in check.rows] == [
+        ("Transformer", 1.92, 3.10), ("DIFF", 1.86, 3.06), ("DIFF -GroupNorm", 1.88, 3.12)]
+    assert check.missing == ["DIFF lambda 0.8"]
+    # T-D: paper +, measured + (agrees); T-DG: paper -, measured + (differs); D-DG: both - (agrees)
+    assert [(p.first, p.second, p.agrees) for p in check.pairs] == [
+        ("Transformer", "DIFF", True), ("Transformer", "DIFF -GroupNorm", False), ("DIFF", "DIFF -GroupNorm", True)]
+    assert check.agreeing == 2
+    assert check.rank_correlation == pytest.approx(1 / 3)  # 2 concordant, 1 discordant pair
+
+
+def test_compare_prints_and_writes_the_paper_columns(tmp_path):
+    study = _study_with_paper(tmp_path)
+    buffer = io.StringIO()
+    compare(study, out=tmp_path / "out", plots=False, console=Console(file=buffer, width=160, color_system=None))
+    printed = buffer.getvalue()
+    assert "Paper: A paper, Table 9" in printed
+    paper_table = printed[printed.index("Paper: A paper, Table 9"):]
+    row = next(line for line in paper_table.splitlines() if line.startswith("│ DIFF -GroupNorm"))
+    assert [cell.strip() for cell in row.split("│")[2:4]] == ["1.880", "3.120"]
+    assert "val/loss: the measured difference has the paper's direction in 2 of 3 pairs of rows" in printed
+    assert "differs: Transformer < DIFF -GroupNorm in the paper, > measured" in printed
+    assert "not measured yet: DIFF lambda 0.8" in printed
+    md = (tmp_path / "out" / "compare.md").read_text()
+    assert "## Paper: A paper, Table 9" in md and "| DIFF | 1.860 | 3.060 |" in md
+
+
+def test_a_study_without_a_paper_block_prints_no_paper_section(tmp_path):
+    buffer = io.StringIO()
+    compare(make_study(tmp_path), out=tmp_path / "out", plots=False,
+            console=Console(file=buffer, width=160, color_system=None))
+    assert "Paper:" not in buffer.getvalue()
+
+
+def test_equal_values_have_no_direction():
+    check = PaperCheck("val/loss", [("a", 1.0, 3.0), ("b", 1.0, 3.1), ("c", 1.2, 3.1)], [], [])
+    assert check.rank_correlation is not None  # three rows with both values
+    runs_like = type("Runs", (), {"paper": {"source": "s", "values": {
+        "a": {"val/loss": 3.0}, "b": {"val/loss": 3.0}}}})()
+    rows = [type("Row", (), {"case": type("Case", (), {"name": n})(), "stats": {
+        "val/loss": type("Stat", (), {"mean": m})()}})() for n, m in (("a", 1.0), ("b", 2.0))]
+    (only,) = paper_checks(runs_like, rows)
+    assert only.pairs == []  # the paper shows no difference between a and b
+
+
+BASE_SPEC = {"study": "s", "base": str(REPO / "recipes/tiny/diff_v1.yaml"),
+             "cases": {"DIFF": {}, "DIFF -GroupNorm": {"model.arch.head_norm": False}}}
+
+
+@pytest.mark.parametrize("paper, message", [
+    ({"values": {"DIFF": {"val/loss": 3.0}}}, "paper.source=None"),
+    ({"source": "T6", "values": {"DINT": {"val/loss": 3.0}}}, "paper.values['DINT']: not a row of this sweep"),
+    ({"source": "T6", "values": {"DIFF": {"val/lost": 3.0}}}, "'val/lost' is not a metric trials record"),
+    ({"source": "T6", "values": {"DIFF": {"val/loss": "low"}}}, "expected a finite number"),
+    ({"source": "T6", "values": {"DIFF": {"val/loss": 3.0}}, "table": 6}, "unknown key(s) 'table'"),
+    ("Table 6", "expected a mapping with `source`"),
+])
+def test_a_bad_paper_block_is_refused_naming_the_key(paper, message):
+    with pytest.raises(SpecError) as err:
+        parse_spec({**BASE_SPEC, "paper": paper})
+    assert message in str(err.value)
+
+
+def test_the_paper_block_does_not_change_the_study(tmp_path):
+    plain = parse_spec(dict(BASE_SPEC))
+    with_paper = parse_spec({**BASE_SPEC, "paper": {"source": "T6", "values": {"DIFF": {"val/loss": 3.062}}}})
+    assert with_paper.paper == {"source": "T6", "values": {"DIFF": {"val/loss": 3.062}}}
+    assert with_paper.fingerprint() == plain.fingerprint()
+
+
+@pytest.mark.parametrize("name", ["table6", "needle"])
+def test_shipped_paper_blocks_parse(name):
+    from diffexp.sweep.spec import load_spec
+
+    spec = load_spec(REPO / "sweeps" / f"{name}.yaml", repo_root=REPO)
+    raw = yaml.safe_load((REPO / "sweeps" / f"{name}.yaml").read_text())
+    assert spec.paper["values"] == {row: {m: float(v) for m, v in vals.items()}
+                                    for row, vals in raw["paper"]["values"].items()}
