@@ -139,6 +139,8 @@ def test_killed_worker_is_resumed_without_duplicates(tmp_path):
         ({"seeds": [0, 1, 0]}, "seeds=[0, 1, 0]: seed(s) 0 listed more than once"),
         ({"seeds": [-1]}, "seeds=[-1]: -1 out of range"),
         ({"grid": {"seed_everything": [1, 2]}}, "'seed_everything' is set per trial from `seeds`"),
+        ({"cases": {"X": {"base": "recipes/nope.yaml"}}}, "cases['X'].base='recipes/nope.yaml': recipe not found"),
+        ({"cases": {"X": {"base": 3}}}, "cases['X'].base=3 has the wrong type"),
     ],
 )
 def test_bad_spec_fails_before_any_trial(tmp_path, change, message, capsys):
@@ -328,3 +330,35 @@ def test_every_trial_records_every_key_the_study_varies(tmp_path):
     callback = json.loads(next(a for a in command if a.startswith("--trainer.callbacks+=")).split("=", 1)[1])
     assert set(callback["init_args"]["hparam_keys"]) == set(spec.varied_keys())
     assert callback["init_args"]["overrides"] == spec.overrides
+
+
+def test_a_case_may_start_from_its_own_recipe(tmp_path):
+    """`base` inside a case: that row's trials start from its recipe; the others from the spec's base."""
+    from diffexp.sweep.check import check_trials
+    from diffexp.sweep.command import fit_args
+    from diffexp.sweep.runner import SweepRunner
+
+    plain = load_spec(write_spec(tmp_path, "own", grid={}, cases={"DIFF": {}, "DINT": {}}))
+    spec = load_spec(write_spec(tmp_path, "own", grid={}, cases={
+        "DIFF": {}, "DINT": {"base": "recipes/tiny/dint.yaml", "model.arch.integral": "mean"}}), repo_root=REPO)
+    assert spec.case_bases == {"DINT": REPO / "recipes/tiny/dint.yaml"}
+    assert spec.cases["DINT"] == {"model.arch.integral": "mean"}  # `base` is not an override
+    assert "base" not in spec.varied_keys()
+    bases = {p.case: fit_args(spec, p, p.overrides)[1] for p in spec.points()}
+    assert bases == {"DIFF": str(REPO / "recipes/tiny/diff_v1.yaml"), "DINT": str(REPO / "recipes/tiny/dint.yaml")}
+    assert spec.fingerprint() != plain.fingerprint()
+    check_trials(spec)  # model.arch.integral is valid on DINT's recipe
+    SweepRunner(spec)  # writes sweep.json: each case with its recipe
+    cases = json.loads((tmp_path / "runs/own/sweep.json").read_text())["cases"]
+    assert [c.get("base") for c in cases] == [None, str(REPO / "recipes/tiny/dint.yaml")]
+
+
+def test_a_spec_without_case_recipes_keeps_its_fingerprint(tmp_path):
+    """Studies made before cases could name a recipe resume: their fingerprint is computed as it was."""
+    import hashlib
+
+    spec = load_spec(write_spec(tmp_path, "old"))
+    payload = {"base": str(spec.base), "rows": spec.rows(), "seeds": spec.seeds, "overrides": spec.overrides,
+               "search": spec.search, "n_trials": spec.n_trials, "objective": spec.objective_metric}
+    assert spec.fingerprint() == hashlib.sha256(json.dumps(payload, sort_keys=True, default=str)
+                                                .encode()).hexdigest()[:16]

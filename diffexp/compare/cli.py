@@ -10,6 +10,9 @@ from diffexp.compare.errors import CompareError
 from diffexp.compare.paper import paper_checks, paper_markdown, paper_metrics, print_paper
 from diffexp.compare.plots import CURVE_TAG, plot_objective_bars, plot_val_curves
 from diffexp.compare.render import print_report, render_markdown, write_csv
+from diffexp.compare.scaling_plot import plot_scaling
+from diffexp.compare.scaling_render import print_scaling, render_scaling_markdown, write_scaling_csv
+from diffexp.compare.scaling_study import scaling_report
 from diffexp.compare.stats import CaseSummary, check_metrics, summarize
 from diffexp.compare.study import runs_dir_from_optuna
 from diffexp.errors import guarded
@@ -21,7 +24,10 @@ PIPED_WIDTH = 200  # piped or captured output is read in an editor, not a termin
 
 def compare(study_dir: str | Path, out: str | Path | None = None, metrics: Sequence[str] | None = None,
             plots: bool = True, console=None) -> list[CaseSummary]:
-    """Load, summarize, print, and write compare.md, compare.csv (and the PNGs) into `out`."""
+    """Load, summarize, print, and write compare.md, compare.csv (and the PNGs) into `out`.
+
+    A study with several sizes per variant (diffexp.compare.scaling_study) also gets the scaling section:
+    printed, appended to compare.md, scaling.csv and scaling.png."""
     from rich.console import Console
 
     console = console or Console()
@@ -37,8 +43,15 @@ def compare(study_dir: str | Path, out: str | Path | None = None, metrics: Seque
     print_report(console, runs, rows, columns)
     checks = paper_checks(runs, rows)
     print_paper(console, runs, checks)
+    scaling = scaling_report(runs)
     written = [out / "compare.md", out / "compare.csv"]
-    (out / "compare.md").write_text(render_markdown(runs, rows, columns) + paper_markdown(runs, checks))
+    markdown = render_markdown(runs, rows, columns) + paper_markdown(runs, checks)
+    if scaling is not None:
+        print_scaling(console, scaling)
+        markdown += "\n" + render_scaling_markdown(scaling)
+        write_scaling_csv(out / "scaling.csv", scaling)
+        written.append(out / "scaling.csv")
+    (out / "compare.md").write_text(markdown)
     write_csv(out / "compare.csv", runs, rows, columns)
     if plots:
         if plot_val_curves(runs, rows, out / "val_loss_curves.png"):
@@ -48,6 +61,9 @@ def compare(study_dir: str | Path, out: str | Path | None = None, metrics: Seque
                           soft_wrap=True, markup=False, highlight=False)
         plot_objective_bars(runs, rows, out / "objective_bars.png")
         written.append(out / "objective_bars.png")
+        if scaling is not None:
+            plot_scaling(scaling, runs.study, out / "scaling.png")
+            written.append(out / "scaling.png")
     console.print("wrote " + ", ".join(str(p) for p in written), soft_wrap=True, markup=False, highlight=False)
     return rows
 

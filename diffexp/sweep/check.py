@@ -69,7 +69,7 @@ def trial_configs(spec: SweepSpec) -> list[TrialConfig]:
     """Each row of the table, once per corner of the search spaces (every bound and choice appears)."""
     configs = []
     for label, case, assignment, row_overrides in spec.table():
-        point = Point(label, slugify(label), spec.seeds[0], 0, row_overrides)
+        point = Point(label, slugify(label), spec.seeds[0], 0, row_overrides, spec.case_bases.get(case))
         for sampled, described in _search_corners(spec.search):
             parts = [f"case {case!r}"] if case else []
             parts += [f"grid {key}={cli_value(value)}" for key, value in assignment.items()]
@@ -103,15 +103,18 @@ def check_trials(spec: SweepSpec) -> None:
     """Raise one SpecError naming every trial configuration of `spec` that `diffexp fit` would refuse."""
     configs = trial_configs(spec)
     verdicts: dict[str, str | None] = {}
+    def key_of(config: TrialConfig) -> str:  # what is checked: the recipe and the overrides
+        return json.dumps([str(config.point.base or spec.base), config.overrides], sort_keys=True, default=str)
+
     for config in configs:
-        key = json.dumps(config.overrides, sort_keys=True, default=str)
+        key = key_of(config)
         if key not in verdicts:
             try:
                 validate_fit_args(fit_args(spec, config.point, config.overrides))
                 verdicts[key] = None
             except UserError as err:
                 verdicts[key] = " ".join(str(err).split())
-    bad = [(config.where, verdicts[json.dumps(config.overrides, sort_keys=True, default=str)]) for config in configs]
+    bad = [(config.where, verdicts[key_of(config)]) for config in configs]
     bad = [(where, message) for where, message in bad if message is not None]
     if not bad:
         return

@@ -84,8 +84,9 @@ class SweepRunner:
         spec.study_dir.mkdir(parents=True, exist_ok=True)
         write_json_atomic(spec.study_dir / layout.SWEEP_FILE, {
             "study": spec.study, "spec": str(spec.source) if spec.source else None,
-            "cases": [{"name": label, "slug": slugify(label), "overrides": overrides}
-                      for label, overrides in spec.rows()],
+            "cases": [{"name": label, "slug": slugify(label), "overrides": overrides,
+                       **({"base": str(spec.case_bases[case])} if case in spec.case_bases else {})}
+                      for label, case, _, overrides in spec.table()],
             "seeds": spec.seeds, "n_trials": spec.n_trials,
             "objective": {"metric": spec.objective_metric, "direction": spec.direction},
             "storage": mask_url(self.url),

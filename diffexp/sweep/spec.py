@@ -3,6 +3,8 @@
 A spec names a base recipe, the rows of a table (`cases`, each a set of dotted overrides) and/or a
 `grid` (the product of values of dotted keys), `seeds`, optional TPE `search` spaces, the objective
 and shared `overrides`. Every (case x grid point x seed x search draw) is one trial: one `fit` run.
+A case may name its own recipe with a `base` key (the spec's `base` is the default): a table of
+variants can then start each row from that variant's own recipe and override only what it varies.
 
     study: table6
     base: recipes/tiny/<variant>.yaml
@@ -10,6 +12,7 @@ and shared `overrides`. Every (case x grid point x seed x search draw) is one tr
     cases:
       DIFF: {}
       DIFF -GroupNorm: {model.arch.head_norm: false}
+      Other variant: {base: recipes/tiny/<other variant>.yaml}
     grid: {model.arch.lambda_init: [depth, 0.8]}
     seeds: [0, 1]
     search: {model.optim.lr: {type: float, low: 1.0e-4, high: 1.0e-2, log: true}}
@@ -45,6 +48,7 @@ PRUNERS = {"none", "median", "percentile", "hyperband"}
 #: top-level sections of a `diffexp fit` config that overrides, grid and search keys may name
 CONFIG_SECTIONS = ("model", "data", "trainer", "checkpoint", "diagnostics", "throughput")
 MAX_SEED = 2**32 - 1  # Lightning's seed_everything accepts 0 .. 2**32 - 1
+CASE_BASE = "base"  # the one key of a case that is not a dotted override: the case's own recipe
 
 
 class SpecError(UserError):
@@ -60,6 +64,7 @@ class Point:
     seed: int
     draw: int
     overrides: dict[str, Any]
+    base: Path | None = None  # the case's own recipe; None: the spec's base
 
     @property
     def key(self) -> str:
@@ -89,6 +94,11 @@ class SweepSpec:
     max_attempts: int = 2
     source: Path | None = None
     paper: dict[str, Any] | None = None  # the reproduced table's published numbers (sweep/paper.py)
+    case_bases: dict[str, Path] = field(default_factory=dict)  # case -> its own recipe (CASE_BASE)
+
+    def base_of(self, case: str) -> Path:
+        """The recipe a case's trials start from: its own `base`, else the spec's."""
+        return self.case_bases.get(case, self.base)
 
     @property
     def study_dir(self) -> Path:
@@ -117,10 +127,10 @@ class SweepSpec:
 
     def points(self) -> list[Point]:
         points = []
-        for label, overrides in self.rows():
+        for label, case, _, overrides in self.table():
             for seed in self.seeds:
                 for draw in range(self.n_trials):
-                    points.append(Point(label, slugify(label), seed, draw, overrides))
+                    points.append(Point(label, slugify(label), seed, draw, overrides, self.case_bases.get(case)))
         return points
 
     def varied_keys(self) -> list[str]:
@@ -135,6 +145,8 @@ class SweepSpec:
         """Identity of what the study runs; a study name reused with another spec is refused."""
         payload = {"base": str(self.base), "rows": self.rows(), "seeds": self.seeds, "overrides": self.overrides,
                    "search": self.search, "n_trials": self.n_trials, "objective": self.objective_metric}
+        if self.case_bases:  # only then: a spec without per-case recipes keeps its fingerprint
+            payload["bases"] = {case: str(path) for case, path in self.case_bases.items()}
         return hashlib.sha256(json.dumps(payload, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
@@ -221,13 +233,17 @@ def parse_spec(raw: dict[str, Any], source: Path | None = None, repo_root: Path 
     study = typed("study", str, required=True)
     if not re.fullmatch(r"[A-Za-z0-9_.\-]+", study):
         raise fail(f"study={study!r}: use letters, digits, '.', '_' and '-' only (it names a directory)")
-    base = Path(typed("base", str, required=True))
-    if not base.is_absolute():
-        candidates = [Path.cwd() / base] + ([repo_root / base] if repo_root else []) + \
-            ([source.parent / base] if source else [])
-        base = next((c for c in candidates if c.is_file()), candidates[0])
-    if not base.is_file():
-        raise fail(f"base={str(raw['base'])!r}: recipe not found")
+    def recipe(value: str, where: str) -> Path:
+        path = Path(value)
+        if not path.is_absolute():
+            candidates = [Path.cwd() / path] + ([repo_root / path] if repo_root else []) + \
+                ([source.parent / path] if source else [])
+            path = next((c for c in candidates if c.is_file()), candidates[0])
+        if not path.is_file():
+            raise fail(f"{where}={value!r}: recipe not found")
+        return path.resolve()
+
+    base = recipe(typed("base", str, required=True), "base")
 
     cases = typed("cases", dict, default=None)
     grid = typed("grid", dict, default={})
@@ -235,13 +251,21 @@ def parse_spec(raw: dict[str, Any], source: Path | None = None, repo_root: Path 
         given = "`cases` is empty and there is no `grid`" if cases is not None else "neither `cases` nor `grid`"
         raise fail(f"no trials: {given}; give `cases` (named rows of overrides, `NAME: {{}}` for a row that "
                    "changes nothing) and/or a non-empty `grid`")
-    cases = cases if cases else {"": {}}
+    cases = dict(cases) if cases else {"": {}}
+    case_bases = {}
     for name, overrides in cases.items():
         if overrides is None:
-            cases[name] = {}
+            overrides = {}
         elif not isinstance(overrides, dict):
             raise fail(f"cases[{name!r}]={overrides!r} has the wrong type: expected a mapping of dotted overrides")
-        _check_dotted(cases[name], f"cases[{name!r}]", fail)
+        overrides = dict(overrides)
+        if CASE_BASE in overrides:
+            own = overrides.pop(CASE_BASE)
+            if not isinstance(own, str):
+                raise fail(f"cases[{name!r}].{CASE_BASE}={own!r} has the wrong type: expected a recipe path")
+            case_bases[name] = recipe(own, f"cases[{name!r}].{CASE_BASE}")
+        cases[name] = overrides
+        _check_dotted(overrides, f"cases[{name!r}]", fail)
     for key, values in grid.items():
         if not isinstance(values, list):
             raise fail(f"grid[{key!r}]={values!r} has the wrong type: expected a list of values")
@@ -290,10 +314,10 @@ def parse_spec(raw: dict[str, Any], source: Path | None = None, repo_root: Path 
     max_attempts = typed("max_attempts", int, default=2)
     if max_attempts < 1:
         raise fail(f"max_attempts={max_attempts!r}: expected at least 1")
-    spec = SweepSpec(study=study, base=base.resolve(), cases=cases, grid=grid, seeds=seeds, overrides=overrides,
+    spec = SweepSpec(study=study, base=base, cases=cases, grid=grid, seeds=seeds, overrides=overrides,
                      search=search, n_trials=n_trials, objective_metric=metric, direction=direction, pruner=pruner,
                      storage=typed("storage", str), runs_dir=Path(typed("runs_dir", str, default="runs")),
-                     stale_after_s=float(stale), max_attempts=max_attempts, source=source)
+                     stale_after_s=float(stale), max_attempts=max_attempts, source=source, case_bases=case_bases)
     slugs = [slugify(label) for label, _ in spec.rows()]
     if len(set(slugs)) != len(slugs):
         raise fail(f"two table rows map to the same directory name: {sorted(slugs)}")
