@@ -3,6 +3,8 @@ then `diffexp compare` with its scaling section (table, scaling.csv, scaling.png
 
 from __future__ import annotations
 
+import pytest
+
 import csv
 
 import yaml
@@ -18,6 +20,7 @@ FAST = {"trainer.max_steps": 4, "trainer.val_check_interval": 4, "trainer.limit_
 KEEP = {"Transformer": ("d64", "d96", "d128"), "DIFF": ("d64", "d128")}
 
 
+@pytest.mark.heavy  # python -m pytest -m heavy
 def test_scaling_sweep_then_compare_reports_the_fit(tmp_path):
     raw = yaml.safe_load((REPO / "sweeps/scaling.yaml").read_text())
     raw["cases"] = {name: case for name, case in raw["cases"].items()
