@@ -3,10 +3,9 @@ then `diffexp compare` with its scaling section (table, scaling.csv, scaling.png
 
 from __future__ import annotations
 
-import pytest
-
 import csv
 
+import pytest
 import yaml
 
 from diffexp.compare import main as compare_main
