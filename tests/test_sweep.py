@@ -63,7 +63,8 @@ def trials_by_state(url: str, study: str) -> dict[str, Counter]:
     return states
 
 
-@pytest.mark.parametrize("kind", ["sqlite", "journal"])
+# the journal storage runs the same protocol as sqlite: it is kept for `python -m pytest -m heavy`
+@pytest.mark.parametrize("kind", ["sqlite", pytest.param("journal", marks=pytest.mark.heavy)])
 def test_two_workers_finish_each_point_exactly_once(tmp_path, kind):
     url = f"sqlite:///{tmp_path}/study.db" if kind == "sqlite" else f"journal:{tmp_path}/study.log"
     paper = {"source": "a paper, Table 1", "values": {"head_norm=true": {"val/loss": 3.0},
