@@ -139,3 +139,28 @@ def test_user_errors_reach_the_terminal_whole_and_without_traceback(tmp_path):
     compare_run = diffexp("compare", "--study", "table6")
     assert f"{STORAGE_URL_ENV}={mask_url(URL_FORMS[':pw@'])!r}: cannot open the storage" in compare_run.stderr
     assert not (tmp_path / "runs").exists()
+
+
+def test_a_trial_finished_by_another_worker_between_read_and_claim_is_skipped(tmp_path, monkeypatch):
+    """The race a shared server storage allows: our list says WAITING, another worker has already run (or
+    dropped as a duplicate) that trial. The claim moves on instead of crashing the worker."""
+    import optuna
+    from optuna.trial import TrialState
+
+    from diffexp.sweep.runner import SweepRunner
+    from diffexp.sweep.spec import load_spec
+
+    runner = SweepRunner(load_spec(small_spec(tmp_path, seeds=[0, 1])))
+    study_id = runner.study._study_id
+    stale = runner.storage.get_all_trials(study_id, deepcopy=False, states=(TrialState.WAITING,))
+    assert len(stale) >= 2
+    gone = stale[0]._trial_id
+    runner.storage.set_trial_state_values(gone, state=TrialState.RUNNING)  # the other worker's claim ...
+    runner.storage.set_trial_state_values(gone, state=TrialState.FAIL)  # ... and its end
+    real = runner.storage.get_all_trials
+    monkeypatch.setattr(runner.storage, "get_all_trials",
+                        lambda *a, **k: stale if k.get("states") == (TrialState.WAITING,) else real(*a, **k))
+    with pytest.raises(optuna.exceptions.UpdateFinishedTrialError):  # what the claim used to run into
+        runner.storage.set_trial_state_values(gone, state=TrialState.RUNNING)
+    claimed = runner._claim()
+    assert claimed is not None and claimed._trial_id != gone

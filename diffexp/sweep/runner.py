@@ -130,8 +130,11 @@ class SweepRunner:
     def _claim(self) -> optuna.Trial | None:
         study_id = self.study._study_id
         for frozen in self.storage.get_all_trials(study_id, deepcopy=False, states=(TrialState.WAITING,)):
-            if not self.storage.set_trial_state_values(frozen._trial_id, state=TrialState.RUNNING):
-                continue  # claimed by another worker between our read and our write
+            try:
+                if not self.storage.set_trial_state_values(frozen._trial_id, state=TrialState.RUNNING):
+                    continue  # claimed by another worker between our read and our write
+            except optuna.exceptions.UpdateFinishedTrialError:
+                continue  # claimed and already finished (e.g. dropped as a duplicate) by another worker
             self.storage.set_trial_system_attr(frozen._trial_id, HEARTBEAT, time.time())
             self.storage.set_trial_user_attr(frozen._trial_id, "worker", self.worker)
             trial = optuna.Trial(self.study, frozen._trial_id)
