@@ -3,8 +3,8 @@
 The GPU recipes are a base plus deltas, applied in this order by repeated --config flags:
 recipes/gpu/base.yaml (every training number), recipes/gpu/size/<size>.yaml (the model's size),
 recipes/gpu/variant/<variant>.yaml (the attention variant and its flags), and for a variant delta with
-size-dependent values (head_dim, ffn_hidden) recipes/gpu/variant/<variant>/<size>.yaml last. A variant
-delta is named after its attention variant, or `<variant>-<what>` for a comparison (baseline-kv4.yaml)."""
+size-dependent values (heads, head_dim, ffn_hidden) recipes/gpu/variant/<variant>/<size>.yaml last. A variant
+delta is named after its attention variant, or `<variant>-<what>` for a comparison (baseline-v2kv.yaml)."""
 
 from __future__ import annotations
 
@@ -105,7 +105,7 @@ def test_gpu_recipe_has_the_size_in_its_name(size, variant):
     come out 6% / 4% under, DIFF V2 (fewer K/V heads, GQA) 9% / 7% under and Shared DIFF (one low-rank
     update per map and layer: Q/K -31%, by design) 10% / 8% under, as the spec's 745M against DIFF's 780M.
     A size file holding the other size's numbers is over 40% off. The comparison deltas (`<variant>-<what>`)
-    change the budget on purpose and get 20%: baseline-kv4 (a quarter of the K/V heads) is 16% / 14% under.
+    change the budget on purpose and get 20%: baseline-v2kv (a quarter of the K/V heads) is 16% / 14% under.
 
     The larger sizes (DIFF V1's Table 3: 2.8B, 6.8B, 13.1B; its Table 1: 3B) are counted the same way; the
     combinations their published shapes put beyond the tolerance are in BEYOND_TOLERANCE, with why."""
@@ -135,8 +135,26 @@ def test_gpu_baseline_matches_diff_v1_parameters(size):
         assert abs(count / counts["diff_v1"] - 1) < 1e-3, (variant, count, counts["diff_v1"])
 
 
+@pytest.mark.parametrize("size", GPU_SIZES)
+def test_gpu_heads_follow_the_papers_at_every_size(size):
+    """The papers' head dimension d = d_model / 2h at every size (h: the size's n_heads; d = 96 at 830M, 128
+    above): DIFF V1, Shared DIFF and DINT have h two-map heads of dim d, the baseline 2h heads of dim d and
+    DIFF V2 2h output heads (4h query heads) of dim d over n_heads / 4 KV heads. A variant file that fixed
+    its head count would give the wrong head dim at every size but the one it was written for."""
+    h = arch_of(["--config", str(GPU / "base.yaml"), "--config", str(GPU / "size" / f"{size}.yaml")]).n_heads
+    for variant in GPU_VARIANTS:
+        arch = arch_of(gpu_args(size, variant))
+        assert arch.resolved_head_dim == arch.d_model // (2 * h), (variant, arch.n_heads, arch.resolved_head_dim)
+        heads = {"baseline-2x-heads": 4 * h, "baseline-1.5x-heads": 3 * h}.get(variant)
+        expected = heads or (h if arch.attention in ("diff_v1", "shared_diff", "dint") else 2 * h)
+        assert arch.n_heads == expected, (variant, arch.n_heads)
+        if variant != "baseline":  # every V2 comparison keeps V2's KV heads
+            assert arch.kv_heads == (arch.n_heads if arch.attention != "diff_v2" and "-" not in variant
+                                     else 2 * h // 4), (variant, arch.kv_heads)
+
+
 #: the GPU deltas that take DIFF V2's differences from the baseline apart (README, "Comparison recipes")
-V2_COMPARISONS = ("baseline-kv4", "baseline-2x-heads", "baseline-1.5x-heads", "diff_v2-ffn")
+V2_COMPARISONS = ("baseline-v2kv", "baseline-2x-heads", "baseline-1.5x-heads", "diff_v2-ffn")
 
 
 @pytest.mark.parametrize("size", GPU_SIZES)
@@ -152,7 +170,7 @@ def test_gpu_v2_comparisons_hold_what_their_headers_say(size):
         assert (archs[name].kv_heads, archs[name].resolved_head_dim) == (v2.kv_heads, d), name
     assert base.resolved_head_dim == d and v2.kv_heads < base.kv_heads  # what the comparisons take apart
     # same KV heads as V2, the baseline's query heads
-    assert archs["baseline-kv4"].n_heads == base.n_heads
+    assert archs["baseline-v2kv"].n_heads == base.n_heads
     # V2's query heads: the same attention FLOPs; V2 has half its W_O and adds W_lam
     wide = archs["baseline-2x-heads"]
     assert wide.n_heads == 2 * v2.n_heads
@@ -183,8 +201,7 @@ def test_gpu_numbers_live_in_one_file():
         assert "model.arch.attention" in keys and "trainer.logger.init_args.name" in keys, path.name
         extra = {k for k in keys - {"trainer.logger.init_args.name"} if not k.startswith("model.arch.")}
         assert not extra, (path.name, extra)
-        # heads are the size's, except the variants whose convention is 2h heads
-        assert not keys & (size_keys - {"model.arch.n_heads"}), path.name
+        assert not keys & size_keys, path.name  # heads too: a variant with 2h heads sets them in its size parts
     # a variant's size parts: one per size, only the model.arch values that depend on the size
     for folder in (p for p in (GPU / "variant").iterdir() if p.is_dir()):
         assert folder.name in GPU_VARIANTS, folder.name
@@ -192,7 +209,9 @@ def test_gpu_numbers_live_in_one_file():
         for path in folder.glob("*.yaml"):
             keys = dotted_keys(path)
             assert keys and all(k.startswith("model.arch.") for k in keys), (path, keys)
-            assert not keys & (size_keys | dotted_keys(GPU / "variant" / f"{folder.name}.yaml")), path
+            # a part may replace the size's h by the variant's head count (2h, 3h, 4h), nothing else of the size
+            assert not keys & (size_keys - {"model.arch.n_heads"}), path
+            assert not keys & dotted_keys(GPU / "variant" / f"{folder.name}.yaml"), path
     for key in ("model.optim.lr", "model.optim.warmup_steps", "model.optim.weight_decay", "trainer.max_steps",
                 "trainer.accumulate_grad_batches", "trainer.precision", "data.seq_len", "data.batch_size"):
         assert key in base, key
