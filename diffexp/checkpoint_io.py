@@ -10,7 +10,8 @@ the file.
 
 A sharded checkpoint is the directory Lightning's FSDP strategy writes (``.metadata`` and
 ``*.distcp`` shards from torch.distributed.checkpoint, plus ``meta.pt`` with everything but the
-tensors); it is read into one full checkpoint on the CPU.
+tensors); it is read into one full checkpoint on the CPU. A directory `diffexp export` wrote
+(``config.json``, the weights, the tokenizer) reads as the checkpoint it was exported from.
 
 Hyperparameters added after checkpoints were first written (``ADDED_LATER``) are filled in on reading
 with the behaviour the checkpoint was trained with, so an older checkpoint keeps meaning what it meant;
@@ -32,6 +33,8 @@ import torch
 from diffexp.errors import UserError
 
 DCP_INDEX = ".metadata"  # torch.distributed.checkpoint's index of the shards
+EXPORT_CONFIG = "config.json"  # `diffexp export`'s directory: this file, the weights and the tokenizer
+EXPORT_FORMAT = "diffexp-export/1"
 LIGHTNING_META = "meta.pt"  # Lightning's FSDP checkpoints: everything but the sharded tensors
 ZIP_MAGIC = b"PK\x03\x04"  # torch.save's default format is a zip archive
 PICKLE_PROTO = 0x80  # torch.save's legacy format starts with a pickle protocol opcode
@@ -133,6 +136,49 @@ def _check_diffexp(checkpoint: Any, path: Path, key: str, need_weights: bool = T
     return fill_added_later(checkpoint)
 
 
+def is_exported_model(path: os.PathLike | str) -> bool:
+    """A directory written by `diffexp export`."""
+    return Path(path).is_dir() and (Path(path) / EXPORT_CONFIG).is_file()
+
+
+def _read_exported(path: Path, key: str, weights: bool) -> dict:
+    """The checkpoint an exported directory holds, in read_checkpoint's form."""
+    import json
+
+    try:
+        config = json.loads((path / EXPORT_CONFIG).read_text(encoding="utf-8"))
+    except (ValueError, UnicodeDecodeError) as err:
+        raise _error(key, path, f"its {EXPORT_CONFIG} is not valid JSON ({err})") from None
+    if not isinstance(config, dict) or config.get("format") != EXPORT_FORMAT:
+        raise _error(key, path, f"its {EXPORT_CONFIG} is not a `diffexp export` config (format "
+                                f"{config.get('format') if isinstance(config, dict) else None!r}, expected "
+                                f"{EXPORT_FORMAT!r})")
+    checkpoint = {"hyper_parameters": config.get("hyper_parameters"),
+                  "datamodule_hyper_parameters": config.get("datamodule_hyper_parameters") or {},
+                  "global_step": config.get("global_step", 0)}
+    tokenizer = config.get("tokenizer")
+    if tokenizer and tokenizer.get("kind") == "tokenizers":
+        checkpoint["diffexp_tokenizer"] = {"kind": "tokenizers", "identity": tokenizer.get("identity", "exported"),
+                                           "json": (path / tokenizer["file"]).read_text(encoding="utf-8")}
+    elif tokenizer:
+        checkpoint["diffexp_tokenizer"] = dict(tokenizer)
+    if weights:
+        file = path / str(config.get("weights"))
+        if not file.is_file():
+            raise _error(key, path, f"the weights file {config.get('weights')!r} its {EXPORT_CONFIG} names is missing")
+        if file.suffix == ".safetensors":
+            from safetensors import SafetensorError
+            from safetensors.torch import load_file
+
+            try:
+                checkpoint["state_dict"] = load_file(str(file), device="cpu")
+            except (SafetensorError, OSError) as err:
+                raise _error(key, path, f"{file.name} cannot be read (truncated or damaged?): {err}") from None
+        else:
+            checkpoint["state_dict"] = _torch_load(file, key)
+    return _check_diffexp(checkpoint, path, key, need_weights=weights)
+
+
 def _read_sharded(path: Path, key: str, weights: bool) -> dict:
     meta = path / LIGHTNING_META
     if not meta.is_file():
@@ -172,10 +218,12 @@ def read_checkpoint(path: os.PathLike | str, key: str = "--ckpt_path", *, weight
     if path.is_dir():
         if is_sharded_checkpoint(path):
             return _read_sharded(path, key, weights)
+        if is_exported_model(path):
+            return _read_exported(path, key, weights)
         inside = sorted(p.name for p in path.glob("*.ckpt"))
         hint = f"; it holds {', '.join(inside[:5])}: did you mean {str(path / inside[0])!r}?" if inside else ""
-        raise _error(key, path, f"a directory, not a checkpoint file, and not a sharded checkpoint (no {DCP_INDEX} "
-                                f"file){hint}")
+        raise _error(key, path, f"a directory, not a checkpoint file, a sharded checkpoint (no {DCP_INDEX} "
+                                f"file) or an exported model (no {EXPORT_CONFIG}){hint}")
     return _check_diffexp(_torch_load(path, key, mmap=not weights), path, key)
 
 

@@ -2,8 +2,10 @@
 
 fit, validate and test are LightningCLI over DiffexpLM (diffexp.training.cli); `diffexp sweep` and
 `diffexp compare runs/<study>` run ablation grids and tabulate them (diffexp.sweep, diffexp.compare);
-`diffexp eval TASK CKPT` runs the papers' evaluations; `diffexp bench train|decode|kernel` measures each
-variant's cost against the reference (diffexp.bench); `diffexp variants` lists the attention registry;
+`diffexp eval TASK CKPT` runs the papers' evaluations; `diffexp generate CKPT` continues a prompt
+(diffexp.generate) and `diffexp export CKPT OUT` writes a model directory (diffexp.export);
+`diffexp bench train|decode|kernel` measures each variant's cost against the reference (diffexp.bench);
+`diffexp variants` lists the attention registry;
 `diffexp params [RECIPE ...]` tabulates the recipes' parameter counts (diffexp.compare.params).
 Every subcommand runs under `diffexp.errors.guarded`: a user error is one paragraph, no traceback.
 """
@@ -25,6 +27,8 @@ SUBCOMMANDS = {
     "sweep": "run an ablation table of fits through an Optuna study (--config sweeps/<name>.yaml)",
     "compare": "tabulate and plot a sweep's runs, the papers' way (diffexp compare runs/<study>)",
     "eval": "the papers' evaluations on a checkpoint (needle, icl, mqar)",
+    "generate": "continue a prompt with a trained checkpoint, with the KV cache: diffexp generate CKPT --prompt TEXT",
+    "export": "one self-contained model directory (safetensors, config, tokenizer) from any checkpoint",
     "variants": "the attention variants: name, paper and the model.arch flags each one reads",
     "bench": "cost of each variant vs the reference, side by side: diffexp bench train|decode|kernel",
     "params": "parameter counts of recipes (total, non-embedding, attention, Q/K): diffexp params [RECIPE ...]",
@@ -111,6 +115,14 @@ def _main(args: list[str] | None = None) -> None:
         from diffexp.evals.cli import main as eval_main
 
         sys.exit(eval_main(argv[1:]))
+    if argv and argv[0] == "generate":
+        from diffexp.generate.cli import main as generate_main
+
+        sys.exit(generate_main(argv[1:]))
+    if argv and argv[0] == "export":
+        from diffexp.export import main as export_main
+
+        sys.exit(export_main(argv[1:]))
     if argv and argv[0] == "compare":
         from diffexp.compare import main as compare_main
 

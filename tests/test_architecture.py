@@ -16,6 +16,7 @@ FLOORS = [
     ("data", ["diffexp.data"]),
     ("model", ["diffexp.model"]),
     ("training", ["diffexp.training"]),
+    ("inference", ["diffexp.generate", "diffexp.export"]),
     ("evals", ["diffexp.evals"]),
     ("sweep", ["diffexp.sweep"]),
     ("reports", ["diffexp.compare", "diffexp.bench"]),

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from diffexp import Decoder, ModelConfig
 from diffexp.bench.cli import main
 from diffexp.cli import main as diffexp_main
 from diffexp.model.attention import variant_names, variants
@@ -62,24 +63,37 @@ def test_bench_writes_ratios_flops_and_mfu_and_compares(tmp_path, capsys):
     assert "MFU" in out and "old tok/s ratio" in out
 
 
-def test_bench_decode_runs_without_kv_cache(tmp_path, capsys):
+def test_bench_decode_uses_the_kv_cache(tmp_path, capsys):
     path = tmp_path / "decode.json"
-    assert main([*TINY_DECODE, "--json", str(path)]) == 0
+    assert main([*TINY_DECODE, "--batch-size", "1", "2", "--json", str(path)]) == 0
     data = json.loads(path.read_text())
     out = " ".join(capsys.readouterr().out.split())
-    assert "WITHOUT KV cache" in out and "No KV cache" in out
-    assert data["kind"] == "decode" and data["config"]["kv_cache"] is False
+    assert "Decoding with the KV cache" in out and "rewinds the cache" in out
+    assert data["kind"] == "decode" and data["config"]["kv_cache"] is True
     results = data["results"]
-    assert set(results) == {f"{v}@32" for v in variant_names()}
-    base = results[f"{reference_variant().name}@32"]
-    assert base["speed_ratio"] == pytest.approx(1.0) and base["prefill_speed_ratio"] == pytest.approx(1.0)
+    assert set(results) == {f"{v}@32x{b}" for v in variant_names() for b in (1, 2)}
+    for batch in (1, 2):
+        base = results[f"{reference_variant().name}@32x{batch}"]
+        assert base["speed_ratio"] == pytest.approx(1.0) and base["cache_ratio"] == pytest.approx(1.0)
     for entry in results.values():
-        assert entry["speed_ratio"] > 0 and entry["prefill_speed_ratio"] > 0 and entry["peak_bytes"] > 0
-        assert entry["kv_cache"] is False and entry["new_tokens"] == 2
-        # without a cache each token re-runs the whole sequence: more work per token than the prompt's mean
-        assert entry["decode_flops_per_token"] > entry["prefill_flops"] / 32
+        assert entry["speed_ratio"] > 0 and entry["peak_bytes"] > 0 and entry["new_tokens"] == 2
+        assert entry["tokens_per_s"] == pytest.approx(entry["batch_size"] / entry["median_decode_token_s"])
+        # with a cache a token costs one position's forward: the weights once plus its attention over the context
+        model = Decoder(ModelConfig(attention=entry["variant"], vocab_size=64, d_model=32, n_layers=1, n_heads=2,
+                                    max_seq_len=34, **entry["overrides"]))
+        assert entry["decode_flops_per_token"] == entry["batch_size"] * model.decode_flops_per_token(32)
+        assert entry["cache_bytes_per_token"] > 0
     assert main([*TINY_DECODE, "--no-memory", "--json", str(tmp_path / "again.json"), "--compare", str(path)]) == 0
-    assert "old decode ratio" in capsys.readouterr().out
+    assert "old tok/s ratio" in capsys.readouterr().out
+
+
+def test_bench_decode_kv_heads_puts_v2_on_the_baselines_cache(tmp_path):
+    """The V2 blog's claim in numbers: at the same KV heads V2's cache is the baseline's, byte for byte."""
+    path = tmp_path / "decode.json"
+    assert main([*TINY_DECODE, "--variants", "diff_v2", "--kv-heads", "1", "--no-memory", "--json", str(path)]) == 0
+    results = json.loads(path.read_text())["results"]
+    assert results["diff_v2@32x1"]["cache_ratio"] == 1.0
+    assert results["diff_v2@32x1"]["overrides"]["n_kv_heads"] == 1
 
 
 def test_bench_kernel_times_each_backend(tmp_path):
@@ -103,6 +117,8 @@ def test_bench_kernel_times_each_backend(tmp_path):
     ([*TINY, "--seq-lens", "0"], "--seq-lens: expected a positive integer, got 0"),
     ([*TINY_DECODE, "--variants", "diff_v9"], "unknown variant 'diff_v9'"),
     ([*TINY_DECODE, "--new-tokens", "0"], "--new-tokens: expected a positive integer, got 0"),
+    ([*TINY_DECODE, "--kv-heads", "0"], "--kv-heads: expected a positive integer, got 0"),
+    ([*TINY_DECODE, "--kv-heads", "3"], "n_kv_heads"),
     ([*TINY_KERNEL, "--variants", "diff_v9"], "unknown variant 'diff_v9'"),
     ([*TINY_KERNEL, "--backends", "flash_attn"], "--backends flash_attn needs --device cuda"),
     ([*TINY_KERNEL, "--backends", "fast"], "--backends: invalid choice: 'fast'"),

@@ -53,7 +53,7 @@ def broken(tmp_path, real_ckpt, kind: str):
 PROBLEMS = {
     "truncated": "truncated", "random": "not a PyTorch checkpoint", "empty": "empty", "text": "not a PyTorch",
     "plain_dict": "not a diffexp checkpoint", "state_dict": "bare state dict", "unsafe": "NotAllowed",
-    "directory": "not a sharded checkpoint", "missing": "no such file",
+    "directory": "not a checkpoint file, a sharded checkpoint", "missing": "no such file",
 }
 
 

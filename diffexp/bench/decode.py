@@ -1,20 +1,17 @@
-"""`diffexp bench decode`: generation cost of every attention variant relative to the reference, side by side.
+"""`diffexp bench decode`: decoding with the KV cache, every attention variant against the reference.
 
-WITHOUT A KV CACHE: the decoder has none yet, so this measures generation as it can run today.
+For each context length (``--seq-lens``) and batch size (``--batch-size``, several allowed) every variant
+prefills the same random prompt once (untimed) into its cache; a timed run then decodes ``--new-tokens``
+tokens greedily, one forward of one token per step, and rewinds the cache to the prompt (so every run
+decodes at the same context). The per-token time is the run's wall time / ``--new-tokens``; tokens/s
+counts every sequence of the batch.
 
-* Prefill: one forward over the prompt (``--seq-lens`` prompt lengths); its last logits give the
-  first new token.
-* Decode: ``--new-tokens`` more tokens, greedily, each by a full forward over the whole sequence so
-  far (prompt + tokens generated): token i costs a forward over P + i tokens, so the per-token time
-  grows with the position and every layer recomputes every earlier key and value. The reported time
-  per token is the mean over the ``--new-tokens`` forwards of one generation.
-
-Variants are interleaved, rotated and warmed up exactly as in the training bench
-(diffexp.bench.timing); one timed run is one whole generation, timed in its two parts. Ratios are
-``reference median / variant median`` (>1 = faster). FLOPs are `Decoder.flops_per_token` (forward) of
-every position each forward recomputes, so TFLOP/s counts the recomputation a KV cache would save.
-Peak memory is the live tensor bytes of one untimed generation (parameters and buffers included).
-A later KV-cache decoder can be compared against these numbers (`--compare` with this kind's JSON).
+Variants are interleaved, rotated and warmed up exactly as in the training bench (diffexp.bench.timing).
+Ratios are ``reference median / variant median`` (>1 = faster). KV cache bytes per token are measured on
+the filled cache (per sequence, every layer; a variant's extra state included). FLOPs per token are
+`Decoder.decode_flops_per_token` at the context. Peak memory is the live tensor bytes of one untimed run,
+the weights and the filled cache included. ``--kv-heads N`` gives every variant N KV heads: a decoding
+claim such as the DIFF V2 blog's compares variants at the same KV heads.
 """
 
 from __future__ import annotations
@@ -28,27 +25,30 @@ from diffexp.errors import UserError
 from diffexp.model.attention.registry import reference_variant
 
 NAME = "decode"
-ABOUT = "generation without a KV cache: prefill and per-token decoding (full forward per token) vs the reference"
-KV_CACHE = False
+ABOUT = "decoding with the KV cache: tokens/s and cache bytes per token after a prefill, vs the reference"
+KV_CACHE = True
 LAYOUT = report.Layout(
-    labels=(("variant", "variant"), ("prompt", "seq_len")),
-    ratios=(report.Ratio("speed_ratio", "old decode ratio", "new decode ratio", "change", "old spread"),
-            report.Ratio("prefill_speed_ratio", "old prefill ratio", "new prefill ratio", "prefill change"),
+    labels=(("variant", "variant"), ("context", "seq_len"), ("batch", "batch_size")),
+    ratios=(report.Ratio("speed_ratio", "old tok/s ratio", "new tok/s ratio", "change", "old spread"),
+            report.Ratio("cache_ratio", "old cache ratio", "new cache ratio", "cache change"),
             report.Ratio("mem_ratio", "old mem ratio", "new mem ratio", "mem change")),
     config_keys=("dtype", "backend", "d_model", "n_layers", "n_heads", "vocab_size", "variant_overrides",
                  "new_tokens", "kv_cache"),
 )
-HEADERS = ["variant", "prompt", "batch", "params (non-emb)", "prefill ms", "prefill vs base", "decode ms/token",
-           "decode tok/s vs base", "ratio spread (rounds)", "peak mem MiB", "mem vs base", "TFLOP/s (decode)"]
+HEADERS = ["variant", "context", "batch", "params (non-emb)", "KV cache KiB/token", "cache vs base",
+           "ms/token", "tok/s", "tok/s vs base", "ratio spread (rounds)", "peak mem MiB", "mem vs base",
+           "TFLOP/s"]
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = options.build_parser(NAME, "Prefill and per-token decoding time of each attention variant, relative to the "
-                                   "reference variant measured in the same run. There is no KV cache: every new "
-                                   "token is a full forward over the sequence so far.",
-                             batch_size=1, seq_lens=[256, 1024], seq_lens_help="prompt lengths")
-    p.add_argument("--new-tokens", type=int, default=16,
-                   help="tokens generated after the prompt's forward, each by a full forward over the sequence")
+    p = options.build_parser(NAME, "Per-token decoding time with the KV cache and cache bytes per token of each "
+                                   "attention variant, after a prefill of the context, relative to the reference "
+                                   "variant measured in the same run.",
+                             batch_size=[1, 8], seq_lens=[1024, 2048, 4096, 8192],
+                             seq_lens_help="context lengths (the prompt prefilled before decoding)")
+    p.add_argument("--new-tokens", type=int, default=16, help="tokens decoded per timed run, one forward each")
+    p.add_argument("--kv-heads", type=int, default=None, metavar="N",
+                   help="KV heads of every variant (default: each variant's benchmark setting, `diffexp variants`)")
     options.add_backend(p)
     return p
 
@@ -56,6 +56,9 @@ def build_parser() -> argparse.ArgumentParser:
 def validate(args: argparse.Namespace) -> None:
     if args.new_tokens <= 0:
         raise UserError(f"--new-tokens: expected a positive integer, got {args.new_tokens}")
+    if args.kv_heads is not None and args.kv_heads <= 0:
+        raise UserError(f"--kv-heads: expected a positive integer, got {args.kv_heads}")
+    args.batch_size = sorted(dict.fromkeys(args.batch_size))
     workload.check_configs(args, max_seq_len(args), [args.backend])
 
 
@@ -65,11 +68,11 @@ def max_seq_len(args: argparse.Namespace) -> int:
 
 def config(args: argparse.Namespace) -> dict:
     return {**workload.common_config(args), "backend": args.backend, "new_tokens": args.new_tokens,
-            "kv_cache": KV_CACHE}
+            "kv_heads": args.kv_heads, "kv_cache": KV_CACHE}
 
 
-class GenerationRunner:
-    """One variant's model in eval mode and the shared prompt; `run` is one greedy generation."""
+class DecodeRunner:
+    """One variant's model and its cache filled with the prompt; `run` decodes --new-tokens tokens."""
 
     def __init__(self, args: argparse.Namespace, name: str, prompt, device) -> None:
         import torch
@@ -77,46 +80,40 @@ class GenerationRunner:
         from diffexp.model import Decoder
 
         torch.manual_seed(workload.SEED)
-        self.torch = torch
-        self.device = device
+        self.torch, self.device = torch, device
         self.model = Decoder(workload.model_config(args, name, max_seq_len(args), args.backend)).to(device).eval()
         self.params = self.model.parameter_report()
-        self.prompt, self.new_tokens = prompt, args.new_tokens
-        batch, p = prompt.shape
-        self.prefill_flops = batch * p * self.model.flops_per_token(p, training=False)
-        # forward FLOPs of every position each decoding forward recomputes, per generated token
-        self.decode_flops_per_token = sum(batch * t * self.model.flops_per_token(t, training=False)
-                                          for t in range(p + 1, p + self.new_tokens + 1)) / self.new_tokens
+        self.new_tokens = args.new_tokens
         self.autocast = lambda: workload.autocast(args, device)
+        self.cache = self.model.new_cache()
+        with torch.inference_mode(), self.autocast():
+            self.first = self.model(prompt, cache=self.cache)[:, -1:].argmax(-1)
+        batch, context = prompt.shape
+        self.cache_bytes_per_token = self.cache.bytes() / (batch * context)  # per sequence
+        self.prompt_mark = self.cache.mark()
+        self.flops_per_token = batch * self.model.decode_flops_per_token(context)
         self.clock = timing.Stopwatch(device)
 
-    def next_token(self, tokens):
+    def decode(self) -> None:
+        self.cache.rewind(self.prompt_mark)
+        token = self.first
         with self.torch.inference_mode(), self.autocast():
-            logits = self.model(tokens)[:, -1]
-        return self.torch.cat([tokens, logits.argmax(-1, keepdim=True)], dim=1)
-
-    def decode(self, tokens) -> None:
-        for _ in range(self.new_tokens):
-            tokens = self.next_token(tokens)
-
-    def generate(self) -> None:
-        self.decode(self.next_token(self.prompt))
+            for _ in range(self.new_tokens):
+                token = self.model(token, cache=self.cache)[:, -1:].argmax(-1)
 
     def run(self) -> None:
-        self.generate()
+        self.decode()
         self.clock.sync()
 
     def timed(self) -> dict[str, float]:
         self.clock.start()
-        tokens = self.next_token(self.prompt)
-        prefill, prefill_cpu = self.clock.lap()
-        self.decode(tokens)
-        decode, decode_cpu = self.clock.lap()
-        return {"prefill_times_s": prefill, "decode_token_times_s": decode / self.new_tokens,
-                "cpu_times_s": prefill_cpu + decode_cpu}
+        self.decode()
+        wall, cpu = self.clock.lap()
+        return {"decode_token_times_s": wall / self.new_tokens, "cpu_times_s": cpu}
 
     def peak_bytes(self) -> int | None:
-        return peak_bytes(self.generate, self.device, tensor_bytes([*self.model.parameters(), *self.model.buffers()]))
+        held = tensor_bytes([*self.model.parameters(), *self.model.buffers()]) + self.cache.bytes()
+        return peak_bytes(self.decode, self.device, held)
 
 
 def run(args: argparse.Namespace) -> dict:
@@ -126,37 +123,41 @@ def run(args: argparse.Namespace) -> dict:
     variants = args.variants
     per_variant = timing.runs_per_variant(args)
     results: dict[str, dict] = {}
-    with ProgressReporter(total=len(args.seq_lens) * len(variants) * per_variant) as progress:
-        for prompt_len in args.seq_lens:
-            label = f"prompt {prompt_len}"
-            prompt = workload.random_tokens(args, args.batch_size, prompt_len, prompt_len, device)
-            progress.log(f"{label}, batch {args.batch_size}, {args.new_tokens} new tokens without KV cache: "
-                         f"building {len(variants)} models")
-            runners = {v: GenerationRunner(args, v, prompt, device) for v in variants}
+    shapes = [(context, batch) for context in args.seq_lens for batch in args.batch_size]
+    with ProgressReporter(total=len(shapes) * len(variants) * per_variant) as progress:
+        for context, batch in shapes:
+            label = f"context {context} batch {batch}"
+            prompt = workload.random_tokens(args, batch, context, context, device)
+            progress.log(f"{label}: prefilling {len(variants)} models, then {args.new_tokens} tokens per run")
+            runners = {v: DecodeRunner(args, v, prompt, device) for v in variants}
             samples, peaks = timing.measure(runners, args, progress, label, headline="decode_token_times_s")
             for v in variants:
                 r = runners[v]
-                results[f"{v}@{prompt_len}"] = {
-                    "variant": v, "seq_len": prompt_len, "new_tokens": args.new_tokens, "kv_cache": KV_CACHE,
-                    "batch_size": args.batch_size, "overrides": workload.overrides(args)[v], "params": r.params,
-                    "prefill_flops": r.prefill_flops, "decode_flops_per_token": r.decode_flops_per_token,
+                results[key(v, context, batch)] = {
+                    "variant": v, "seq_len": context, "batch_size": batch, "new_tokens": args.new_tokens,
+                    "kv_cache": KV_CACHE, "overrides": workload.overrides(args)[v], "params": r.params,
+                    "cache_bytes_per_token": r.cache_bytes_per_token, "decode_flops_per_token": r.flops_per_token,
                     **samples[v], "peak_bytes": peaks[v],
                 }
             del runners, prompt
             release(device)
-    summarise(results, variants, args.seq_lens)
+    summarise(results, variants, shapes)
     return results
 
 
-def summarise(results: dict, variants: list[str], seq_lens: list[int]) -> None:
-    """Prefill and per-token decode medians and their ratios to the reference, added in place."""
-    for prompt_len in seq_lens:
-        base = results[f"{reference_variant().name}@{prompt_len}"]
+def key(variant: str, context: int, batch: int) -> str:
+    return f"{variant}@{context}x{batch}"
+
+
+def summarise(results: dict, variants: list[str], shapes: list[tuple[int, int]]) -> None:
+    """Per-token medians, tokens/s and the ratios to the reference, added in place."""
+    for context, batch in shapes:
+        base = results[key(reference_variant().name, context, batch)]
         for v in variants:
-            entry = results[f"{v}@{prompt_len}"]
-            timing.add_ratio(entry, base, "prefill_times_s", "median_prefill_s", "prefill_speed_ratio")
+            entry = results[key(v, context, batch)]
             timing.add_ratio(entry, base, "decode_token_times_s", "median_decode_token_s", "speed_ratio")
-            entry["tokens_per_s"] = entry["batch_size"] / entry["median_decode_token_s"]
+            entry["tokens_per_s"] = batch / entry["median_decode_token_s"]
+            entry["cache_ratio"] = entry["cache_bytes_per_token"] / base["cache_bytes_per_token"]
             timing.throughput(entry, "decode_flops_per_token", "median_decode_token_s", None)
             timing.add_mem_ratio(entry, base)
 
@@ -166,24 +167,23 @@ def table(data: dict) -> tuple[str, list[str], list[list[str]], str]:
     cfg, env = data["config"], data["env"]
     ref = cfg["variants"][0]  # the reference variant
     rows = []
-    for prompt_len in cfg["seq_lens"]:
-        for v in cfg["variants"]:
-            e = data["results"][f"{v}@{prompt_len}"]
-            rows.append([
-                v, str(prompt_len), str(e["batch_size"]), f"{e['params']['non_embedding']:,}",
-                f"{e['median_prefill_s'] * 1e3:.1f}", report.ratio_cell(e["prefill_speed_ratio"]),
-                f"{e['median_decode_token_s'] * 1e3:.1f}", report.ratio_cell(e["speed_ratio"]),
-                report.spread_cell(e, "speed_ratio"), report.mib_cell(e["peak_bytes"]),
-                report.ratio_cell(e["mem_ratio"]), f"{e['tflops_per_s']:.3g}",
-            ])
-    title = (f"Decoding WITHOUT KV cache vs {ref}: {env['device']} ({env['device_name']}), {cfg['dtype']}, "
+    for e in data["results"].values():
+        rows.append([
+            e["variant"], str(e["seq_len"]), str(e["batch_size"]), f"{e['params']['non_embedding']:,}",
+            f"{e['cache_bytes_per_token'] / 1024:.2f}", report.ratio_cell(e["cache_ratio"]),
+            f"{e['median_decode_token_s'] * 1e3:.2f}", f"{e['tokens_per_s']:.0f}", report.ratio_cell(e["speed_ratio"]),
+            report.spread_cell(e, "speed_ratio"), report.mib_cell(e["peak_bytes"]),
+            report.ratio_cell(e["mem_ratio"]), f"{e['tflops_per_s']:.3g}",
+        ])
+    kv = f"{cfg['kv_heads']} KV heads for every variant" if cfg.get("kv_heads") else "each variant's own KV heads"
+    title = (f"Decoding with the KV cache vs {ref}: {env['device']} ({env['device_name']}), {cfg['dtype']}, "
              f"backend {cfg['backend']}, {env['threads']} threads, d_model {cfg['d_model']}, {cfg['n_layers']} "
-             f"layers, {cfg['n_heads']} heads; {cfg['new_tokens']} new tokens; {cfg['rounds']} rounds x "
-             f"{cfg['steps']} generations")
-    caption = ("No KV cache: every new token is a full forward over prompt + tokens so far, so decode ms/token "
-               f"is the mean over {cfg['new_tokens']} such forwards and grows with the prompt. prefill = one "
-               f"forward over the prompt. vs base = {ref} median / variant median (>1 = faster than {ref}); "
-               "spread = min-max of the decode ratio per round; peak mem = live tensor bytes of one generation "
-               "(weights included); TFLOP/s = forward FLOPs (Decoder.flops_per_token) of every recomputed "
-               "position per token / decode time per token.")
+             f"layers, {cfg['n_heads']} heads, {kv}; {cfg['new_tokens']} tokens per run; {cfg['rounds']} rounds x "
+             f"{cfg['steps']} runs")
+    caption = (f"After one prefill of the context, each run decodes {cfg['new_tokens']} tokens (one forward of one "
+               "token each) and rewinds the cache. ms/token = run time / tokens; tok/s counts the whole batch; vs "
+               f"base = {ref} median / variant median (>1 = faster than {ref}); spread = min-max of that ratio per "
+               "round. KV cache = bytes the filled cache holds per token of one sequence, all layers (a "
+               "variant's extra state included). peak mem = live tensor bytes of one run, weights and cache included; "
+               "TFLOP/s = Decoder.decode_flops_per_token x batch / time per token.")
     return title, HEADERS, rows, caption

@@ -37,7 +37,7 @@ class BenchArgumentParser(argparse.ArgumentParser):
         raise UserError(f"{message.removeprefix('argument ')} (`{self.prog} --help` lists the options)")
 
 
-def build_parser(kind: str, description: str, *, batch_size: int, seq_lens: list[int],
+def build_parser(kind: str, description: str, *, batch_size: int | list[int], seq_lens: list[int],
                  seq_lens_help: str | None = None) -> BenchArgumentParser:
     """The shared flags: variants, model shape, sizes, timing scheme, device, output and --compare."""
     p = BenchArgumentParser(prog=f"diffexp bench {kind}", description=description,
@@ -47,7 +47,11 @@ def build_parser(kind: str, description: str, *, batch_size: int, seq_lens: list
                         f"the reference variant ({reference_variant().name}) is always added")
     p.add_argument("--seq-lens", nargs="+", type=int, default=seq_lens, metavar="T",
                    help=seq_lens_help or "sequence lengths")
-    p.add_argument("--batch-size", type=int, default=batch_size, help="sequences per batch")
+    if isinstance(batch_size, list):  # a kind measured at several batch sizes (decode)
+        p.add_argument("--batch-size", nargs="+", type=int, default=batch_size, metavar="B",
+                       help="sequences per batch; each size is measured")
+    else:
+        p.add_argument("--batch-size", type=int, default=batch_size, help="sequences per batch")
     p.add_argument("--d-model", type=int, default=DEFAULT_SHAPE["d_model"], help="residual width")
     p.add_argument("--n-layers", type=int, default=DEFAULT_SHAPE["n_layers"], help="decoder blocks")
     p.add_argument("--n-heads", type=int, default=DEFAULT_SHAPE["n_heads"], help="attention heads")

@@ -20,6 +20,8 @@ def model_config(args: argparse.Namespace, name: str, max_seq_len: int, backend:
     fields = {"d_model": args.d_model, "n_layers": args.n_layers, "n_heads": args.n_heads,
               "vocab_size": args.vocab_size, "max_seq_len": max_seq_len, "backend": backend}
     fields.update(variant(name).bench_arch)
+    if getattr(args, "kv_heads", None) is not None:  # one KV-head count for every variant (decode)
+        fields["n_kv_heads"] = args.kv_heads
     return ModelConfig(attention=name, **fields)
 
 
@@ -35,8 +37,9 @@ def check_configs(args: argparse.Namespace, max_seq_len: int, backends: list[str
 
 
 def overrides(args: argparse.Namespace) -> dict[str, dict]:
-    """Each measured variant's bench_arch, as recorded in the results JSON."""
-    return {name: dict(variant(name).bench_arch) for name in args.variants}
+    """Each measured variant's bench_arch (and --kv-heads), as recorded in the results JSON."""
+    kv = {} if getattr(args, "kv_heads", None) is None else {"n_kv_heads": args.kv_heads}
+    return {name: {**variant(name).bench_arch, **kv} for name in args.variants}
 
 
 def batch_for(seq_len: int, args: argparse.Namespace) -> int:

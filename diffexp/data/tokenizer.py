@@ -125,3 +125,22 @@ def load_or_train_bpe(
     tokenizer.save(str(tmp))
     os.replace(tmp, path)  # atomic: concurrent runs never see a half-written file
     return HFTokenizer(tokenizer, identity), True
+
+
+def tokenizer_state(tokenizer: object) -> dict | None:
+    """What a checkpoint keeps to turn its model's ids back into text without the data cache: the byte
+    tokenizer by name, a `tokenizers` one as its whole tokenizer.json (a BPE of 32K tokens is about 2 MB)."""
+    if isinstance(tokenizer, ByteTokenizer):
+        return {"kind": "byte"}
+    if isinstance(tokenizer, HFTokenizer):
+        return {"kind": "tokenizers", "json": tokenizer.tokenizer.to_str(), "identity": tokenizer.identity}
+    return None
+
+
+def tokenizer_from_state(state: dict) -> TextTokenizer:
+    """The tokenizer tokenizer_state saved."""
+    if state.get("kind") == "byte":
+        return ByteTokenizer()
+    if state.get("kind") == "tokenizers":
+        return HFTokenizer(Tokenizer.from_str(state["json"]), state["identity"])
+    raise ValueError(f"unknown tokenizer kind {state.get('kind')!r}; expected 'byte' or 'tokenizers'")

@@ -7,23 +7,26 @@ output directory or TensorBoard writer exists, so a bad command changes no file 
 
 from __future__ import annotations
 
-import inspect
 import re
 from collections.abc import Iterable
 from pathlib import Path
 
-import torch
-
-from diffexp.checkpoint_io import model_hparams, read_checkpoint
 from diffexp.errors import UserError
+from diffexp.training.loading import CKPT_KEY, check_device, load_checkpoint, load_model
 
-CKPT_KEY = "CKPT"  # how the usage line names the checkpoint argument
-
-
-def load_checkpoint(path: str) -> tuple[dict, dict]:
-    """(the checkpoint, its model_hparams); a UserError names CKPT and the problem."""
-    checkpoint = read_checkpoint(path, CKPT_KEY)
-    return checkpoint, model_hparams(checkpoint)
+# loading lives in diffexp.training.loading (generate uses it too); the tasks import it from here
+__all__ = [
+    "CKPT_KEY",
+    "check_device",
+    "load_checkpoint",
+    "load_model",
+    "positive",
+    "at_most_max_seq_len",
+    "byte_vocab",
+    "check_out",
+    "as_flags",
+    "eval_output",
+]
 
 
 def positive(flag: str, values: int | Iterable[int]) -> None:
@@ -48,16 +51,6 @@ def byte_vocab(task: str, arch: dict, needed: int) -> None:
                         f"data.tokenizer=byte (vocab_size >= {needed})")
 
 
-def check_device(device: str) -> str:
-    try:
-        parsed = torch.device(device)
-    except RuntimeError:
-        raise UserError(f"--device={device!r} is invalid: expected cpu, cuda or cuda:<index>") from None
-    if parsed.type == "cuda" and not torch.cuda.is_available():
-        raise UserError(f"--device={device!r} is invalid: no CUDA GPU is available here; use --device cpu")
-    return device
-
-
 def check_out(out: str | None) -> None:
     if out and Path(out).exists() and not Path(out).is_dir():
         raise UserError(f"--out={out!r} is invalid: it is a file; expected a directory (created if missing)")
@@ -69,28 +62,6 @@ def as_flags(message: str, names: dict[str, str]) -> str:
     for name, flag in names.items():
         message = re.sub(rf"(?<![\w-])(?:data\.)?{re.escape(name)}\b", flag, message)
     return message
-
-
-def load_model(checkpoint: dict, path: str, device: str):
-    """The DiffexpLM of a checkpoint, in eval mode on `device` (what `load_from_checkpoint` does, from the
-    dict read_checkpoint already holds: the file is read once)."""
-    from diffexp.training.module import DiffexpLM
-
-    accepted = inspect.signature(DiffexpLM.__init__).parameters
-    hparams = {k: v for k, v in checkpoint["hyper_parameters"].items() if k in accepted}
-    try:
-        model = DiffexpLM(**hparams)
-    except (TypeError, ValueError) as err:
-        raise UserError(f"{CKPT_KEY}={path!r}: its hyper_parameters do not describe a model this version of "
-                        f"diffexp can build ({err})") from None
-    model.on_load_checkpoint(checkpoint)
-    try:
-        model.load_state_dict(checkpoint["state_dict"])
-    except RuntimeError as err:
-        reason = str(err).strip().splitlines()[0]
-        raise UserError(f"{CKPT_KEY}={path!r}: its weights do not fit the model its hyper_parameters describe "
-                        f"({reason})") from None
-    return model.to(device).eval()
 
 
 def eval_output(checkpoint: str, out: str | None, step: int):

@@ -45,8 +45,9 @@ class DecoderBlock(nn.Module):
         self.ffn_norm = RMSNorm(d_model, norm_eps)
         self.ffn = SwiGLU(d_model, ffn_hidden)
 
-    def forward(self, x: torch.Tensor, need_weights: bool = False):
-        attn_out, weights = self.attn(self.attn_norm(x), need_weights)
+    def forward(self, x: torch.Tensor, need_weights: bool = False, cache=None):
+        normed = self.attn_norm(x)  # a variant without decoding support takes no cache argument
+        attn_out, weights = self.attn(normed, need_weights) if cache is None else self.attn(normed, need_weights, cache)
         x = x + attn_out
         x = x + self.ffn(self.ffn_norm(x))
         return x, weights

@@ -6,6 +6,7 @@
 
 from __future__ import annotations
 
+import inspect
 import math
 
 import torch
@@ -13,6 +14,7 @@ from torch import nn
 
 from diffexp.model.attention import build_attention, variant
 from diffexp.model.blocks import DecoderBlock, RMSNorm
+from diffexp.model.cache import DecoderCache
 from diffexp.model.config import ModelConfig
 
 
@@ -47,15 +49,30 @@ class Decoder(nn.Module):
             for residual_out in (block.attn.o_proj, block.ffn.down_proj):
                 nn.init.normal_(residual_out.weight, 0.0, std / math.sqrt(2 * self.cfg.n_layers))
 
-    def forward(self, idx: torch.Tensor, need_weights: bool = False):
-        """Logits (B, T, vocab); with need_weights also each layer's effective map (B, h, T, T)."""
+    def forward(self, idx: torch.Tensor, need_weights: bool = False, cache: DecoderCache | None = None):
+        """Logits (B, T, vocab); with need_weights also each layer's effective map (B, h, T, T).
+
+        With a cache (`new_cache()`), idx holds the tokens after the cached ones (a prompt, one token or a
+        chunk) and the cache grows by them: prefill + decode gives the logits of one full forward."""
+        if cache is not None:
+            if need_weights:
+                raise ValueError("need_weights reads whole maps: run a full forward, without a cache")
+            cache.check_room(idx.shape[1])
         x = self.embed(idx)
         maps = []
-        for block in self.blocks:
-            x, weights = block(x, need_weights)
+        for i, block in enumerate(self.blocks):
+            x, weights = block(x, need_weights, None if cache is None else cache.layers[i])
             maps.append(weights)
         logits = self.lm_head(self.final_norm(x))
         return (logits, maps) if need_weights else logits
+
+    def new_cache(self) -> DecoderCache:
+        """An empty decoding cache for this model (any batch size; it takes the batch of the first call)."""
+        attention = type(self.blocks[0].attn)
+        if "cache" not in inspect.signature(attention.forward).parameters:
+            raise ValueError(f"attention {self.cfg.attention!r} ({attention.__name__}) has no decoding with a cache: "
+                             "its forward takes no `cache` argument")
+        return DecoderCache(self.cfg.n_layers, self.cfg.max_seq_len)
 
     def num_parameters(self, exclude_embeddings: bool = False) -> int:
         params = {id(p): p for p in self.parameters()}
@@ -71,10 +88,16 @@ class Decoder(nn.Module):
         not an nn.Linear (scores, attention times V, ...), causal: T/2 keys per query on average. The logical
         count: FlashAttention's recomputation and V splitting are not counted. Training = 3 x forward.
         """
-        linear = sum(m.weight.numel() for m in self.modules() if isinstance(m, nn.Linear))
-        attention = variant(self.cfg.attention).attention_flops(self.cfg, seq_len / 2)
-        forward = 2 * linear + self.cfg.n_layers * attention
+        forward = self._forward_flops(keys=seq_len / 2)
         return forward * (3 if training else 1)
+
+    def decode_flops_per_token(self, context: int) -> float:
+        """Forward FLOPs of one token decoded with a cache of `context` positions (it reads context + 1 keys)."""
+        return self._forward_flops(keys=context + 1)
+
+    def _forward_flops(self, keys: float) -> float:
+        linear = sum(m.weight.numel() for m in self.modules() if isinstance(m, nn.Linear))
+        return 2 * linear + self.cfg.n_layers * variant(self.cfg.attention).attention_flops(self.cfg, keys)
 
     def parameter_report(self) -> dict[str, int]:
         """Parameter counts per kind of module, for the logs, the recipes' headers and Shared DIFF's claims.

@@ -244,9 +244,20 @@ class _ParseOnlyCLI(DiffexpCLI):
         pass
 
 
+#: the parser LightningCLI builds, kept per process: building it costs 3x a parse, and a sweep check or the
+#: recipe tests parse hundreds of configs
+_PARSER: list[LightningArgumentParser] = []
+
+
 def parse_config(args: list[str], subcommand: str = "fit") -> Namespace:
     """Parse and type-check a full config (recipe + overrides) of a subcommand without building anything."""
+    args = [str(arg) for arg in args]
+    reads_checkpoint = any(arg.startswith("--ckpt_path") for arg in args)  # LightningCLI re-parses with its hparams
+    if _PARSER and not reads_checkpoint:
+        return _PARSER[0].parse_args([subcommand, *args])[subcommand]
     cli = _ParseOnlyCLI(DiffexpLM, L.LightningDataModule, parser_class=DiffexpArgumentParser,
                         parser_kwargs={"prog": "diffexp"}, subclass_mode_data=True, seed_everything_default=1234,
                         trainer_defaults=TRAINER_DEFAULTS, auto_configure_optimizers=False, args=[subcommand, *args])
+    if not _PARSER:
+        _PARSER.append(cli.parser)
     return cli.config[subcommand]

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from lightning.pytorch.utilities import rank_zero_info
 from lightning.pytorch.utilities.model_helpers import is_overridden
 
+from diffexp.data.tokenizer import tokenizer_state
 from diffexp.errors import UserError, invalid
 from diffexp.model import Decoder
 from diffexp.model.config import ModelConfig
@@ -305,6 +306,10 @@ class DiffexpLM(L.LightningModule):
         if trainer is None:  # saved outside a Trainer: no run to continue
             return
         datamodule = getattr(trainer, "datamodule", None)
+        # the tokenizer travels with the weights: `diffexp generate` decodes without the data cache
+        tokenizer = tokenizer_state(getattr(datamodule, "tokenizer", None))
+        if tokenizer is not None:
+            checkpoint["diffexp_tokenizer"] = tokenizer
         checkpoint["diffexp_run"] = {
             "max_steps": trainer.max_steps, "schedule_steps": self.schedule_steps(),
             "accumulate_grad_batches": trainer.accumulate_grad_batches,

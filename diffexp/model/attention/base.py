@@ -3,6 +3,8 @@
 `attend` runs one causal (GQA-capable) attention: query head i reads kv head i // (Hq / Hk).
 The fast path is PyTorch SDPA, or FlashAttention-2 when installed and the tensors are on CUDA;
 the eager path materialises the softmax map so variants can return their effective attention.
+With fewer queries than keys (decoding with a cache) the queries are the last positions: query i
+sees keys 0 .. T_k - T_q + i.
 """
 
 from __future__ import annotations
@@ -39,14 +41,17 @@ def expand_kv(kv: torch.Tensor, n_query_heads: int) -> torch.Tensor:
     return kv.repeat_interleave(n_query_heads // kv.shape[1], dim=1)
 
 
+def future_mask(t_q: int, t_k: int, device) -> torch.Tensor:
+    """True where key j lies after query i, the queries being the last t_q of t_k positions: (t_q, t_k)."""
+    return torch.ones(t_q, t_k, dtype=torch.bool, device=device).triu(t_k - t_q + 1)
+
+
 def causal_logits(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
-    """q k^T / sqrt(d) per query head, in fp32 at least, future entries -inf: (B, Hq, T, T)."""
-    t = q.shape[-2]
+    """q k^T / sqrt(d) per query head, in fp32 at least, future entries -inf: (B, Hq, T_q, T_k)."""
     dtype = torch.promote_types(q.dtype, torch.float32)
     k = expand_kv(k, q.shape[1])
     logits = (q.to(dtype) @ k.to(dtype).transpose(-1, -2)) / math.sqrt(q.shape[-1])
-    mask = torch.ones(t, t, dtype=torch.bool, device=q.device).triu(1)
-    return logits.masked_fill(mask, float("-inf"))
+    return logits.masked_fill(future_mask(q.shape[-2], k.shape[-2], q.device), float("-inf"))
 
 
 def causal_softmax(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
@@ -62,9 +67,10 @@ def attend(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, backend: str = "sdpa", need_weights: bool = False,
     backend_fallback: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Causal attention. q: (B, Hq, T, d); k: (B, Hk, T, d); v: (B, Hk, T, dv) with dv a multiple of d.
+    """Causal attention. q: (B, Hq, T_q, d); k: (B, Hk, T_k, d); v: (B, Hk, T_k, dv) with dv a multiple of d,
+    T_q <= T_k (the queries are the last T_q positions).
 
-    Returns the output (B, Hq, T, dv) and, when need_weights (always on the eager backend), the map.
+    Returns the output (B, Hq, T_q, dv) and, when need_weights (always on the eager backend), the map.
     The scale is 1/sqrt(d), the query/key dim, also when V is wider.
     """
     if need_weights or backend == "eager":
@@ -80,16 +86,20 @@ def attend(
             raise RuntimeError("model.backend='flash_attn' needs the flash-attn package and CUDA tensors; "
                                "use backend 'sdpa' or set model.backend_fallback=true")
     gqa = q.shape[1] != k.shape[1]
+    t_q, t_k = q.shape[-2], k.shape[-2]
+    # SDPA's is_causal aligns the mask top-left; decoding (fewer queries than keys) needs it bottom-right
+    mask = {"is_causal": True} if t_q == t_k else {} if t_q == 1 else {"attn_mask": ~future_mask(t_q, t_k, q.device)}
     # SDPA's fused kernels want equal q/v head dims; a 2d-wide V would fall back to the math kernel
     # (T x T maps kept for backward), so attend to d-wide slices of V instead: same softmax, exact.
-    parts = [F.scaled_dot_product_attention(q, k, v_part, is_causal=True, enable_gqa=gqa)
+    parts = [F.scaled_dot_product_attention(q, k, v_part, enable_gqa=gqa, **mask)
              for v_part in v.split(q.shape[-1], dim=-1)]
     return (parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)), None
 
 
 def _flash(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     # FlashAttention-2 wants (B, T, H, d) and equal q/v head dims: split a wider V into d-wide
-    # slices; each call recomputes the same softmax, so the concatenation is exact.
+    # slices; each call recomputes the same softmax, so the concatenation is exact. Its causal mask
+    # is aligned bottom-right (flash-attn >= 2.1), as decoding with a cache needs.
     q, k, v = (t.transpose(1, 2) for t in (q, k, v))
     d = q.shape[-1]
     parts = [flash_attn_func(q, k, v_part, causal=True) for v_part in v.split(d, dim=-1)]
@@ -110,8 +120,10 @@ def resolve_backend(backend: str, fallback: bool = True) -> str:
 class AttentionBase(nn.Module):
     """Holds sizes, RoPE and the attention call; subclasses define projections and how maps combine.
 
-    `forward(x, need_weights=False)` returns (output, effective_map or None); the effective map is
-    (B, n_heads, T, T), the per-head matrix that multiplies V (see variants.md). Name the modules that
+    `forward(x, need_weights=False, cache=None)` returns (output, effective_map or None); the effective map
+    is (B, n_heads, T, T), the per-head matrix that multiplies V (see variants.md). With a LayerCache
+    (diffexp.model.cache) x holds the tokens after the cached ones: rotate them at `start_of(cache)` and pass
+    what later tokens need through `cached(cache, ...)`. Name the modules that
     make queries and keys `q_proj` and `k_proj`, and the output projection `o_proj`: the parameter report
     counts the first two as `qk_projections`, and the decoder scales the init of the last.
     """
@@ -139,6 +151,16 @@ class AttentionBase(nn.Module):
     #: batch) and variant statistics on the next forward
     record_stats = False
     stats_rows: int | None = None
+
+    @staticmethod
+    def start_of(cache) -> int:
+        """The position of x's first token: 0, or the number of cached positions."""
+        return 0 if cache is None else cache.length
+
+    @staticmethod
+    def cached(cache, **new: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """The new tensors as they are (no cache), or appended to the cache's and returned in full."""
+        return tuple(new.values()) if cache is None else cache.append(**new)
 
     def attend(self, q, k, v, need_weights: bool = False):
         """The causal attention call on this layer's backend (RoPE already applied)."""

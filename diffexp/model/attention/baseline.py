@@ -58,10 +58,10 @@ class BaselineAttention(AttentionBase):
         self.v_proj = self.linear(self.d_model, h_kv * d)
         self.o_proj = self.linear(h * d, self.d_model)
 
-    def forward(self, x: torch.Tensor, need_weights: bool = False):
-        q = split_heads(self.q_proj(x), self.n_heads)
-        k = split_heads(self.k_proj(x), self.n_kv_heads)
-        v = split_heads(self.v_proj(x), self.n_kv_heads)
-        q, k = self.rope.rotate(q), self.rope.rotate(k)
+    def forward(self, x: torch.Tensor, need_weights: bool = False, cache=None):
+        start = self.start_of(cache)
+        q = self.rope.rotate(split_heads(self.q_proj(x), self.n_heads), start)
+        k = self.rope.rotate(split_heads(self.k_proj(x), self.n_kv_heads), start)
+        k, v = self.cached(cache, k=k, v=split_heads(self.v_proj(x), self.n_kv_heads))
         out, weights = self.attend(q, k, v, need_weights)
         return self.o_proj(merge_heads(out)), weights

@@ -117,12 +117,13 @@ class DiffV2Attention(AttentionBase):
         lam = self.lambda_proj(x).transpose(1, 2).unsqueeze(-1)
         return torch.sigmoid(lam) if self.lambda_mode == "sigmoid" else lam
 
-    def forward(self, x: torch.Tensor, need_weights: bool = False):
-        q = self.rope.rotate(split_heads(self.q_proj(x), 2 * self.n_heads))
-        k = self.rope.rotate(split_heads(self.k_proj(x), self.n_kv_heads))
-        v = split_heads(self.v_proj(x), self.n_kv_heads)
+    def forward(self, x: torch.Tensor, need_weights: bool = False, cache=None):
+        start = self.start_of(cache)
+        q = self.rope.rotate(split_heads(self.q_proj(x), 2 * self.n_heads), start)
+        k = self.rope.rotate(split_heads(self.k_proj(x), self.n_kv_heads), start)
+        k, v = self.cached(cache, k=k, v=split_heads(self.v_proj(x), self.n_kv_heads))  # h_kv heads, as GQA
         out, weights = self.attend(q, k, v, need_weights)
-        lam = self.token_lambda(x)
+        lam = self.token_lambda(x)  # from the new tokens only: lambda is token-wise
         if self.record_stats and torch.is_tensor(lam):  # the token-wise lambda's mean and spread
             observed = lam[: self.stats_rows].detach().float()
             self.stats.update(lambda_mean=observed.mean().item(), lambda_std=observed.std().item())

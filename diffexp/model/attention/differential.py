@@ -96,21 +96,22 @@ class TwoMapDifferentialAttention(AttentionBase):
         return q[:, 0::2], q[:, 1::2], k[:, 0::2], k[:, 1::2]
 
     # -- extra terms: DINT adds its integral ----------------------------------------------------
-    def add_terms(self, out, effective, lam, q1, k1, v, out1, weights1):
-        """Hook after (A1 - lambda A2) V; returns (out, effective map or None). Plain DIFF adds nothing."""
+    def add_terms(self, out, effective, lam, q1, k1, v, out1, weights1, cache=None):
+        """Hook after (A1 - lambda A2) V; returns (out, effective map or None). Plain DIFF adds nothing.
+        k1 and v hold every position (cached ones too); q1, out1 and weights1 only the new queries."""
         return out, effective
 
-    def forward(self, x: torch.Tensor, need_weights: bool = False):
-        q1, q2, k1, k2 = self.project_qk(x)
-        q1, q2 = self.rope.rotate(q1), self.rope.rotate(q2)
-        k1, k2 = self.rope.rotate(k1), self.rope.rotate(k2)
-        v = split_heads(self.v_proj(x), self.n_kv_heads)  # (B, h_kv, T, 2d): differential head p reads
-        lam = self.lambda_()                                # kv group p // (h / h_kv)
+    def forward(self, x: torch.Tensor, need_weights: bool = False, cache=None):
+        start = self.start_of(cache)
+        q1, q2, k1, k2 = (self.rope.rotate(t, start) for t in self.project_qk(x))
+        # V: (B, h_kv, T, 2d), cached once for both maps; differential head p reads kv group p // (h / h_kv)
+        k1, k2, v = self.cached(cache, k1=k1, k2=k2, v=split_heads(self.v_proj(x), self.n_kv_heads))
+        lam = self.lambda_()
         out1, weights1 = self.attend(q1, k1, v, need_weights)
         out2, weights2 = self.attend(q2, k2, v, need_weights)
         out = out1 - lam.to(out1.dtype) * out2
         effective = weights1 - lam * weights2 if weights1 is not None else None
-        out, effective = self.add_terms(out, effective, lam, q1, k1, v, out1, weights1)
+        out, effective = self.add_terms(out, effective, lam, q1, k1, v, out1, weights1, cache)
         out = self.head_norm(out) * self.output_scale
         return self.o_proj(merge_heads(out)), effective
 

@@ -9,7 +9,8 @@
     head    = GroupNorm(Final V)                 no (1 - lambda_init) factor
 
 The fast path never builds a T x T map: "mean" is cumsum(A1 V) / n, and "softmax" streams over
-query blocks with running column sums of A1, forward and backward (dint_integral.py).
+query blocks with running column sums of A1, forward and backward (dint_integral.py). Decoding with a
+cache keeps those column sums (one number per head and position) and extends them row by row.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from diffexp.model.attention.differential import (
     naive_two_map,
     two_map_flops,
 )
-from diffexp.model.attention.dint_integral import streaming_integral
+from diffexp.model.attention.dint_integral import integral_rows, streaming_integral
 from diffexp.model.attention.registry import Variant, register
 
 
@@ -119,9 +120,15 @@ class DintAttention(TwoMapDifferentialAttention):
             return self.gamma.to(torch.promote_types(self.gamma.dtype, torch.float32))
         return lam
 
-    def add_terms(self, out, effective, lam, q1, k1, v, out1, weights1):
+    def add_terms(self, out, effective, lam, q1, k1, v, out1, weights1, cache=None):
         gamma = self.integral_weight(lam)
-        if weights1 is not None:  # eager: the full map
+        if cache is not None:  # the new rows from the column sums of A1's earlier rows, O(T) state per head
+            h = q1.shape[1]
+            integral_out, _, cache.state["col_sums"] = integral_rows(
+                q1, expand_kv(k1, h), expand_kv(v, h), self.integral_block_size, cache.state.get("col_sums"),
+                self.cfg.integral)
+            integral_out = integral_out.to(v.dtype)
+        elif weights1 is not None:  # eager: the full map
             a3 = integral_map(weights1, self.cfg.integral)
             integral_out = a3.to(v.dtype) @ expand_kv(v, a3.shape[1])
             effective = effective + gamma * a3

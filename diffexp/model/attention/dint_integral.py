@@ -3,7 +3,8 @@
     A1 = softmax(Q K^T / sqrt(d))  (causal)      G[n, :] = (1/n) sum_{m<=n} A1[m, :]
     A3[n, j] = exp(G[n, j]) / Z_n  for j <= n    out = A3 V
 
-Forward walks query blocks in order, carrying the column sums of the A1 rows above the block.
+Forward walks query blocks in order, carrying the column sums of the A1 rows above the block; the
+same walk, started from a cache's column sums, gives the new rows when decoding (integral_rows).
 G lies in [0, 1], so exp(G) needs no max subtraction. Only Q, K, V, the output, A1's row
 log-sum-exp and A1's total column sums are saved.
 
@@ -33,30 +34,49 @@ def _block_a3(g, future):
     return numer / numer.sum(dim=-1, keepdim=True)
 
 
+def integral_rows(q, k, v, block_size: int = 128, col_sums=None, integral: str = "softmax"):
+    """A3 V for the last T_q of T_k positions (T_q = T_k: a whole sequence; fewer: new tokens after a cache).
+
+    q: (B, h, T_q, d); k: (B, h, T_k, d), v: (B, h, T_k, dv), kv heads already expanded; col_sums: the column
+    sums of the A1 rows before the queries, (B, h, T_k - T_q), or None for none. integral "mean" takes G
+    itself for A3. Returns (A3 V, A1's row log-sum-exp, the column sums of every A1 row so far: (B, h, T_k)),
+    in fp32 at least.
+    """
+    dtype = torch.promote_types(q.dtype, torch.float32)
+    qf, kf, vf = q.to(dtype), k.to(dtype), v.to(dtype)
+    b, h, t_q, d = q.shape
+    t_k = k.shape[-2]
+    first = t_k - t_q  # the position of the first query
+    scale = 1.0 / math.sqrt(d)
+    sums = qf.new_zeros(b, h, t_k)
+    if col_sums is not None:
+        sums[..., :first] = col_sums
+    lse = qf.new_empty(b, h, t_q)
+    out = qf.new_empty(b, h, t_q, v.shape[-1])
+    for row in range(0, t_q, block_size):
+        rows = slice(row, min(row + block_size, t_q))
+        start, end = first + rows.start, first + rows.stop  # positions of the block's queries
+        logits = (qf[..., rows, :] @ kf[..., :end, :].transpose(-1, -2)) * scale
+        future = torch.arange(end, device=q.device) > torch.arange(start, end, device=q.device).unsqueeze(-1)
+        logits = logits.masked_fill(future, float("-inf"))
+        lse[..., rows] = torch.logsumexp(logits, dim=-1)
+        a1 = torch.exp(logits - lse[..., rows].unsqueeze(-1))
+        n = torch.arange(start + 1, end + 1, device=q.device, dtype=dtype).unsqueeze(-1)
+        g = (sums[..., :end].unsqueeze(-2) + a1.cumsum(dim=-2)) / n
+        a3 = _block_a3(g, future) if integral == "softmax" else g.masked_fill(future, 0.0)
+        out[..., rows, :] = a3 @ vf[..., :end, :]
+        sums[..., :end] += a1.sum(dim=-2)
+    return out, lse, sums
+
+
 class StreamingIntegral(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, block_size: int):
         """q, k: (B, h, T, d), v: (B, h, T, dv) with kv heads already expanded; returns A3 V."""
-        dtype = torch.promote_types(q.dtype, torch.float32)
-        qf, kf, vf = q.to(dtype), k.to(dtype), v.to(dtype)
-        b, h, t, d = q.shape
-        scale = 1.0 / math.sqrt(d)
-        col_sums = qf.new_zeros(b, h, t)
-        lse = qf.new_empty(b, h, t)
-        out = qf.new_empty(b, h, t, v.shape[-1])
-        for start in range(0, t, block_size):
-            end = min(start + block_size, t)
-            logits = (qf[..., start:end, :] @ kf[..., :end, :].transpose(-1, -2)) * scale
-            future = torch.arange(end, device=q.device) > torch.arange(start, end, device=q.device).unsqueeze(-1)
-            logits = logits.masked_fill(future, float("-inf"))
-            lse[..., start:end] = torch.logsumexp(logits, dim=-1)
-            a1 = torch.exp(logits - lse[..., start:end].unsqueeze(-1))
-            n = torch.arange(start + 1, end + 1, device=q.device, dtype=dtype).unsqueeze(-1)
-            g = (col_sums[..., :end].unsqueeze(-2) + a1.cumsum(dim=-2)) / n
-            out[..., start:end, :] = _block_a3(g, future) @ vf[..., :end, :]
-            col_sums[..., :end] += a1.sum(dim=-2)
-        ctx.save_for_backward(qf, kf, vf, out, lse, col_sums)
-        ctx.block_size, ctx.scale, ctx.in_dtypes = block_size, scale, (q.dtype, k.dtype, v.dtype)
+        out, lse, col_sums = integral_rows(q, k, v, block_size)
+        dtype = out.dtype
+        ctx.save_for_backward(q.to(dtype), k.to(dtype), v.to(dtype), out, lse, col_sums)
+        ctx.block_size, ctx.scale, ctx.in_dtypes = block_size, 1.0 / math.sqrt(q.shape[-1]), (q.dtype, k.dtype, v.dtype)
         return out.to(v.dtype)
 
     @staticmethod

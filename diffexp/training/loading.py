@@ -1,0 +1,54 @@
+"""A trained checkpoint back as a model: what `diffexp eval` and `diffexp generate` share.
+
+A checkpoint is a .ckpt file or a sharded (FSDP) checkpoint directory (diffexp.checkpoint_io reads both).
+Every problem is a UserError naming CKPT, raised before any output exists.
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import torch
+
+from diffexp.checkpoint_io import model_hparams, read_checkpoint
+from diffexp.errors import UserError
+
+CKPT_KEY = "CKPT"  # how the usage lines name the checkpoint argument
+
+
+def load_checkpoint(path: str) -> tuple[dict, dict]:
+    """(the checkpoint, its model_hparams); a UserError names CKPT and the problem."""
+    checkpoint = read_checkpoint(path, CKPT_KEY)
+    return checkpoint, model_hparams(checkpoint)
+
+
+def check_device(device: str) -> str:
+    try:
+        parsed = torch.device(device)
+    except RuntimeError:
+        raise UserError(f"--device={device!r} is invalid: expected cpu, cuda or cuda:<index>") from None
+    if parsed.type == "cuda" and not torch.cuda.is_available():
+        raise UserError(f"--device={device!r} is invalid: no CUDA GPU is available here; use --device cpu")
+    return device
+
+
+def load_model(checkpoint: dict, path: str, device: str):
+    """The DiffexpLM of a checkpoint, in eval mode on `device` (what `load_from_checkpoint` does, from the
+    dict read_checkpoint already holds: the file is read once)."""
+    from diffexp.training.module import DiffexpLM
+
+    accepted = inspect.signature(DiffexpLM.__init__).parameters
+    hparams = {k: v for k, v in checkpoint["hyper_parameters"].items() if k in accepted}
+    try:
+        model = DiffexpLM(**hparams)
+    except (TypeError, ValueError) as err:
+        raise UserError(f"{CKPT_KEY}={path!r}: its hyper_parameters do not describe a model this version of "
+                        f"diffexp can build ({err})") from None
+    model.on_load_checkpoint(checkpoint)
+    try:
+        model.load_state_dict(checkpoint["state_dict"])
+    except RuntimeError as err:
+        reason = str(err).strip().splitlines()[0]
+        raise UserError(f"{CKPT_KEY}={path!r}: its weights do not fit the model its hyper_parameters describe "
+                        f"({reason})") from None
+    return model.to(device).eval()
