@@ -87,6 +87,9 @@ def export(checkpoint_path: str, out: str, weights_format: str = "safetensors") 
             from safetensors.torch import save_file
 
             save_file(weights, str(staging / FORMATS["safetensors"]), metadata={"format": "pt"})
+            umask = os.umask(0)  # safetensors writes the file owner-only; give it the user's usual mode
+            os.umask(umask)
+            os.chmod(staging / FORMATS["safetensors"], 0o666 & ~umask)
         else:
             torch.save(weights, staging / FORMATS["torch"])
         if tokenizer is not None and tokenizer["kind"] == "tokenizers":

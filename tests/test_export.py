@@ -55,6 +55,8 @@ def test_export_round_trips_weights_and_hyperparameters(ckpt, tmp_path, capsys, 
     assert all(torch.equal(exported["state_dict"][k], v) for k, v in original["state_dict"].items())
     assert exported["hyper_parameters"]["arch"] == original["hyper_parameters"]["arch"]
     assert not list(tmp_path.glob(".model.*"))  # no staging directory left behind
+    modes = {path.name: path.stat().st_mode & 0o777 for path in out.iterdir()}
+    assert len(set(modes.values())) == 1, modes  # the weights as readable as the config beside them
 
 
 def test_generate_reads_the_checkpoint_the_export_and_the_shards_alike(ckpt, tmp_path, capsys):
