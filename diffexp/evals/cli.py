@@ -49,7 +49,8 @@ def usage() -> str:
 
 def _parser(task: str, description: str) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog=f"diffexp eval {task}", description=description)
-    parser.add_argument("checkpoint", metavar=CKPT_KEY, help="a .ckpt file or a sharded checkpoint directory")
+    parser.add_argument("checkpoint", metavar=CKPT_KEY,
+                        help="a .ckpt file, a sharded checkpoint directory or a `diffexp export` directory")
     return parser
 
 

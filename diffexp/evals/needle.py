@@ -337,7 +337,8 @@ def needle_main(argv: list[str]) -> int:
     from diffexp.evals import common
 
     parser = argparse.ArgumentParser(prog="diffexp eval needle", description=needle_main.__doc__)
-    parser.add_argument("checkpoint", metavar=common.CKPT_KEY, help="a .ckpt file or a sharded checkpoint directory")
+    parser.add_argument("checkpoint", metavar=common.CKPT_KEY,
+                        help="a .ckpt file, a sharded checkpoint directory or a `diffexp export` directory")
     parser.add_argument("--context-lens", type=int, nargs="+", default=[512])
     parser.add_argument("--depths", type=float, nargs="+", default=list(DEFAULT_DEPTHS))
     parser.add_argument("--nr", nargs="+", default=[f"{n},{r}" for n, r in DEFAULT_NR], help="N,R pairs")

@@ -23,18 +23,20 @@ from diffexp.training.loading import CKPT_KEY, check_device, load_checkpoint, lo
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="diffexp generate", description=__doc__.split("\n\n")[0].split(": ", 1)[1])
-    parser.add_argument("checkpoint", metavar=CKPT_KEY, help="a .ckpt file or a sharded checkpoint directory")
+    parser.add_argument("checkpoint", metavar=CKPT_KEY,
+                        help="a .ckpt file, a sharded checkpoint directory or a `diffexp export` directory")
     source = parser.add_mutually_exclusive_group()
     source.add_argument("--prompt", help="the prompt text (default: --prompt-file, else standard input)")
     source.add_argument("--prompt-file", help="a UTF-8 text file holding the prompt")
-    parser.add_argument("--max-new-tokens", type=int, default=200)
+    parser.add_argument("--max-new-tokens", type=int, default=200, help="tokens to add at most (default 200)")
     parser.add_argument("--temperature", type=float, default=0.8, help="0: greedy (default 0.8)")
     parser.add_argument("--top-k", type=int, default=None, help="sample among the k most likely tokens")
     parser.add_argument("--top-p", type=float, default=None, help="sample within this probability mass (nucleus)")
     parser.add_argument("--seed", type=int, default=0, help="the sampling seed: same seed, same text")
     parser.add_argument("--tokenizer", default=None,
                         help="'byte' or a tokenizer.json, for checkpoints saved without their tokenizer")
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
+                        help="cpu, cuda or cuda:<index> (default: cuda when available)")
     return parser
 
 
