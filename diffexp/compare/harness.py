@@ -1,5 +1,5 @@
 """The LM-Eval table of a study (the papers' Table 2): per case, each task's accuracy as mean ± std over
-seeds, and their average, from the harness.json that `diffexp eval harness` writes into a trial's eval/.
+seeds (sample std), and their average, from the harness.json that `diffexp eval harness` writes into a trial's eval/.
 
 Accuracy is LM-Eval's ``acc`` of every task (``acc_norm`` where --harness-metric asks for it). The
 average covers the tasks every case has; a case missing a task shows "—" there.
@@ -32,7 +32,7 @@ class HarnessTable:
         found = self.values[case].get(task)
         if not found:
             return None
-        return statistics.fmean(found), statistics.pstdev(found) if len(found) > 1 else 0.0, len(found)
+        return statistics.fmean(found), statistics.stdev(found) if len(found) > 1 else 0.0, len(found)
 
     def average(self, case: str) -> float | None:
         """Mean over the tasks every case has (the papers' Avg column)."""
