@@ -27,7 +27,8 @@ class Request:  # what the adapter reads of an lm_eval Instance
 
 def naive_logprob(model, ids: list[int], start: int) -> float:
     """log p(ids[start:] | ids[:start]) from one full forward, no batching or padding."""
-    logits = model(torch.tensor([ids[:-1]]))[0].double().log_softmax(-1)
+    with torch.no_grad():
+        logits = model(torch.tensor([ids[:-1]]))[0].double().log_softmax(-1)
     return float(sum(logits[t - 1, ids[t]] for t in range(start, len(ids))))
 
 
@@ -55,7 +56,8 @@ def test_loglikelihood_is_the_continuations_log_probability(which, memorised, bp
     results = lm.loglikelihood([Request(pair) for pair in pairs])
     encode = lm.tokenizer.encode
     for (context, continuation), (score, _) in zip(pairs, results):
-        context = context.rstrip()  # its trailing space belongs to the continuation, as in the harness
+        stripped = context.rstrip()  # its trailing space belongs to the continuation, as in the harness
+        context, continuation = stripped, context[len(stripped):] + continuation
         context_ids = encode(context) if context else [lm.eot_token_id]
         whole = encode(context + continuation) if context else context_ids + encode(continuation)
         assert whole[: len(context_ids)] == context_ids
