@@ -92,3 +92,13 @@ def save_untrained_checkpoint(arch, path) -> None:
     trainer = L.Trainer(max_steps=0, logger=False, enable_checkpointing=False, enable_progress_bar=False)
     trainer.strategy.connect(module)
     trainer.save_checkpoint(path)
+
+
+class SaveWeightsAtStart(L.Callback):
+    """Save the model's weights as training starts (after setup, before the first step) to `path`."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        torch.save({k: v.detach().cpu().clone() for k, v in pl_module.state_dict().items()}, self.path)

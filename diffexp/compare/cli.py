@@ -7,6 +7,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from diffexp.compare.errors import CompareError
+from diffexp.compare.harness import DEFAULT_METRIC, harness_markdown, harness_table, print_harness, write_harness_csv
 from diffexp.compare.paper import paper_checks, paper_markdown, paper_metrics, print_paper
 from diffexp.compare.plots import CURVE_TAG, plot_objective_bars, plot_val_curves
 from diffexp.compare.render import print_report, render_markdown, write_csv
@@ -23,11 +24,12 @@ PIPED_WIDTH = 200  # piped or captured output is read in an editor, not a termin
 
 
 def compare(study_dir: str | Path, out: str | Path | None = None, metrics: Sequence[str] | None = None,
-            plots: bool = True, console=None) -> list[CaseSummary]:
+            plots: bool = True, console=None, harness_metric: str = DEFAULT_METRIC) -> list[CaseSummary]:
     """Load, summarize, print, and write compare.md, compare.csv (and the PNGs) into `out`.
 
     A study with several sizes per variant (diffexp.compare.scaling_study) also gets the scaling section:
-    printed, appended to compare.md, scaling.csv and scaling.png."""
+    printed, appended to compare.md, scaling.csv and scaling.png. Trials evaluated with `diffexp eval harness`
+    add the LM-Eval table (diffexp.compare.harness): printed, appended to compare.md, harness.csv."""
     from rich.console import Console
 
     console = console or Console()
@@ -51,6 +53,12 @@ def compare(study_dir: str | Path, out: str | Path | None = None, metrics: Seque
         markdown += "\n" + render_scaling_markdown(scaling)
         write_scaling_csv(out / "scaling.csv", scaling)
         written.append(out / "scaling.csv")
+    harness = harness_table(runs, harness_metric)
+    if harness is not None:
+        print_harness(console, harness)
+        markdown += "\n" + harness_markdown(harness)
+        write_harness_csv(out / "harness.csv", harness)
+        written.append(out / "harness.csv")
     (out / "compare.md").write_text(markdown)
     write_csv(out / "compare.csv", runs, rows, columns)
     if plots:
@@ -82,6 +90,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--metric", nargs="+", action="extend", metavar="NAME",
                         help="metric columns to show besides the objective (default: all recorded)")
     parser.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
+    parser.add_argument("--harness-metric", default=DEFAULT_METRIC,
+                        help="the LM-Eval metric of the harness table (default acc; e.g. acc_norm)")
     return parser
 
 
@@ -124,6 +134,7 @@ def _main(argv: list[str] | None) -> int:
     console = Console()
     if not console.is_terminal:  # piped or captured: do not squeeze the table into 80 columns
         console = Console(width=max(console.width, PIPED_WIDTH))
-    compare(_study_dir(args), out=args.out, metrics=args.metric, plots=not args.no_plots, console=console)
+    compare(_study_dir(args), out=args.out, metrics=args.metric, plots=not args.no_plots, console=console,
+            harness_metric=args.harness_metric)
     return 0
 

@@ -30,6 +30,7 @@ TASKS = {
     "needle": "multi-needle retrieval (context length x depth x N,R) and attention to the answer vs noise",
     "icl": "many-shot in-context classification: accuracy vs demonstrations, spread over orderings",
     "mqar": "multi-query associative recall accuracy on held-out MQAR sequences",
+    "harness": "EleutherAI LM-Eval harness tasks (e.g. --tasks table2: the papers' zero-shot table)",
 }
 ICL_FLAGS = {"k_classes": "--k-classes", "group_size": "--group-size", "words_per_input": "--words-per-input",
              "n_tests": "--n-tests", "n_demos": "--n-demos"}
@@ -176,6 +177,10 @@ def _run(argv: list[str]) -> int:
         from diffexp.evals.needle import needle_main
 
         return needle_main(argv[1:])
+    if argv[0] == "harness":
+        from diffexp.evals.harness import harness_main
+
+        return harness_main(argv[1:])
     return {"icl": icl_main, "mqar": mqar_main}[argv[0]](argv[1:])
 
 

@@ -12,7 +12,8 @@ Conventions
 
 Likelihood
     ``span_logprobs`` (from logits already computed), ``continuation_logprobs`` (prompt/continuation pairs,
-    batched through a model), ``candidate_logprobs`` (every candidate after every prompt).
+    batched through a model; ``continuation_scores`` adds whether each is the greedy continuation),
+    ``candidate_logprobs`` (every candidate after every prompt).
 Choice and exact match
     ``best_candidates`` (argmax of candidate scores), ``argmax_matches`` (next-token argmax against targets),
     ``greedy_continuations`` (greedy decoding, for exact match of generated text).
@@ -131,6 +132,17 @@ def continuation_logprobs(logits_fn: LogitsFn, prompts: Sequence[Sequence[int]],
     Rows are batched by length (less padding). A row longer than ``max_len`` model inputs (the model's
     context limit) drops its first tokens; without ``max_len`` every row must fit the model.
     """
+    return continuation_scores(logits_fn, prompts, continuations, device, batch_size, max_len, pad_id)[0]
+
+
+@torch.no_grad()
+def continuation_scores(logits_fn: LogitsFn, prompts: Sequence[Sequence[int]],
+                        continuations: Sequence[Sequence[int]], device: str | torch.device = "cpu",
+                        batch_size: int = 16, max_len: int | None = None, pad_id: int = 0,
+                        progress: str | None = None) -> tuple[torch.Tensor, list[bool]]:
+    """``continuation_logprobs`` and, per row, whether greedy decoding would produce the continuation (every
+    continuation token is its position's argmax): what LM-Eval's ``loglikelihood`` returns.
+    ``progress``: a progress-bar description (None: no bar)."""
     if len(prompts) != len(continuations):
         raise ValueError(f"{len(prompts)} prompts but {len(continuations)} continuations: expected pairs")
     rows, starts = [], []
@@ -140,13 +152,23 @@ def continuation_logprobs(logits_fn: LogitsFn, prompts: Sequence[Sequence[int]],
         rows.append(row[cut:])
         starts.append(len(prompt) - cut)
     scores = torch.empty(len(rows), dtype=torch.float64)
+    greedy = [True] * len(rows)
     order = sorted(range(len(rows)), key=lambda i: len(rows[i]))
-    for first in range(0, len(order), batch_size):
+    batches = range(0, len(order), batch_size)
+    if progress is not None:
+        from tqdm.auto import tqdm
+
+        batches = tqdm(batches, desc=progress, unit="batch")
+    for first in batches:
         chunk = order[first : first + batch_size]
         batch = pad_rows([rows[i] for i in chunk], pad_id).to(device)
         logits = logits_fn(batch[:, :-1])
-        scores[chunk] = span_logprobs(logits, batch, [(starts[i], len(rows[i])) for i in chunk])
-    return scores
+        spans = [(starts[i], len(rows[i])) for i in chunk]
+        scores[chunk] = span_logprobs(logits, batch, spans)
+        best = logits.argmax(dim=-1)
+        for b, (i, (start, end)) in enumerate(zip(chunk, spans)):
+            greedy[i] = bool((best[b, start - 1 : end - 1] == batch[b, start:end]).all())
+    return scores, greedy
 
 
 def candidate_logprobs(logits_fn: LogitsFn, prompts: Sequence[Sequence[int]],

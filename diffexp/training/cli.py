@@ -11,6 +11,7 @@ import logging
 import re
 import sys
 import time
+from dataclasses import asdict
 from pathlib import Path
 
 import lightning as L
@@ -23,11 +24,12 @@ from diffexp.errors import UserError, debug_enabled
 from diffexp.training.checkpointing import RunCheckpoint
 from diffexp.training.diagnostics import Diagnostics
 from diffexp.training.module import DiffexpLM
-from diffexp.training.preflight import check_resume, validate_fit_config
+from diffexp.training.preflight import check_resume, data_init_args, plain, validate_fit_config
 from diffexp.training.progress import use_step_progress_bar
 from diffexp.training.report import RunReport, print_summary
 from diffexp.training.runs import AtomicCheckpointIO, resolve_resume, run_logger
 from diffexp.training.throughput import Throughput
+from diffexp.training.warm_start import check_init_from
 
 TRAINER_DEFAULTS = {
     "max_steps": 300,
@@ -151,8 +153,11 @@ class DiffexpCLI(LightningCLI):
         if subcommand is None:
             return
         config = self.config[subcommand]
-        validate_fit_config(config, subcommand)
+        arch = validate_fit_config(config, subcommand)
         ckpt_path = config.get("ckpt_path")
+        init_from = (plain(config.get("model") or {})).get("init_from")
+        if subcommand == "fit" and init_from and not ckpt_path:  # a resume takes its weights from ckpt_path
+            check_init_from(init_from, asdict(arch), data_init_args(config)[1])
         if not ckpt_path:
             return
         logger = config.trainer.get("logger")

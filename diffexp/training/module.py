@@ -154,10 +154,14 @@ class DiffexpLM(L.LightningModule):
         vocab_size: linked from the data module; overrides arch.vocab_size.
         ar_hit: the AR-Hit / Others split of the validation loss.
         compile: torch.compile each decoder block (before FSDP wraps them), as torchtitan does.
+        init_from: start a new run from this checkpoint's weights (a checkpoint, or a run or experiment
+            directory: its newest last.ckpt), with a fresh optimizer and lr schedule; max_seq_len and
+            rope_theta may differ from the checkpoint's (long-context extension, diffexp.training.warm_start).
     """
 
     def __init__(self, arch: ModelConfig = ModelConfig(), optim: OptimConfig = OptimConfig(),
-                 vocab_size: int | None = None, ar_hit: ARHitConfig = ARHitConfig(), compile: bool = False) -> None:
+                 vocab_size: int | None = None, ar_hit: ARHitConfig = ARHitConfig(), compile: bool = False,
+                 init_from: str | None = None) -> None:
         super().__init__()
         ar_hit = ARHitConfig(**ar_hit) if isinstance(ar_hit, dict) else ar_hit
         # checkpoints store plain dicts (see save_hyperparameters below)
@@ -170,8 +174,9 @@ class DiffexpLM(L.LightningModule):
         # hparams.yaml loads with yaml.safe_load
         optim_hparams = {**asdict(optim), "betas": list(optim.betas)}
         self.save_hyperparameters({"arch": asdict(arch), "optim": optim_hparams, "vocab_size": arch.vocab_size,
-                                   "ar_hit": asdict(ar_hit)})
+                                   "ar_hit": asdict(ar_hit), "init_from": init_from})
         self.model = Decoder(arch)
+        self.init_from = init_from
         self.compile_blocks = compile
         self.last_grad_norm: float | None = None
         self.last_train_loss: torch.Tensor | None = None  # read by the Diagnostics (loss spikes, divergence)
@@ -179,6 +184,15 @@ class DiffexpLM(L.LightningModule):
         self._last_step_time: float | None = None
         self._frequent_bigrams: torch.Tensor | None = None
         self._split_sums = torch.zeros(4, dtype=torch.float64)  # ar-hit loss, count, others loss, count
+
+    def setup(self, stage: str) -> None:
+        # before FSDP wraps the model and before a resume restores its own weights (which then win)
+        if stage == "fit" and self.init_from and self.trainer.ckpt_path is None:
+            from diffexp.training.warm_start import load_initial_weights
+
+            datamodule = getattr(self.trainer, "datamodule", None)
+            tokenizer = tokenizer_state(getattr(datamodule, "tokenizer", None))
+            rank_zero_info(load_initial_weights(self, self.init_from, tokenizer))
 
     def configure_model(self) -> None:
         if self.compile_blocks and not getattr(self, "_compiled", False):
