@@ -120,10 +120,11 @@ def save_checkpoint(module, path, datamodule=None):
 
 def bpe_text_checkpoint(directory, max_seq_len: int = 256):
     """(checkpoint path, data module): a small model trained one step on a 300-token BPE of 100K characters of
-    the stdlib corpus, saved as <directory>/run/checkpoints/last.ckpt with its tokenizer and data settings."""
+    the stdlib corpus (a fifth of its documents held out for validation), saved as
+    <directory>/run/checkpoints/last.ckpt with its tokenizer and data settings."""
     from diffexp.data import TextDataModule
 
     data = TextDataModule(tokenizer="bpe", bpe_vocab_size=300, seq_len=32, batch_size=4, max_chars=100_000,
-                          cache_dir=str(directory / "cache"))
+                          val_fraction=0.2, cache_dir=str(directory / "cache"))  # a few validation documents
     model = small_model(vocab_size=data.tokenizer.vocab_size, max_seq_len=max_seq_len)
     return save_checkpoint(model, directory / "run" / "checkpoints" / "last.ckpt", data), data

@@ -106,7 +106,7 @@ class ClassificationTask(ClassPools):
         if not 1 <= n_tests <= most_tests:
             raise ValueError(f"n_tests={n_tests} is invalid: class {self.labels[smallest]!r} has "
                              f"{self.class_sizes[smallest]} rows and each class keeps at least one for "
-                             f"demonstrations; expected 1..{most_tests} for {self.k_classes} classes")
+                             f"demonstrations; expected at most {most_tests} for {self.k_classes} classes")
         self.held_out = math.ceil(n_tests / self.k_classes)
         rng = np.random.default_rng(seed)
         self.demo_pool, self.test_pool = [], []
