@@ -38,6 +38,17 @@ def write_jsonl(path, rows):
     return path
 
 
+def write_table(path, rows):
+    """rows as .jsonl or .csv (a header, then one line per row; texts with newlines quoted)."""
+    if path.suffix == ".jsonl":
+        return write_jsonl(path, rows)
+    with open(path, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+    return path
+
+
 def naive_label_logprob(model, ids: list[int], start: int) -> float:
     """log p(ids[start:] | ids[:start]) from one full forward, term by term."""
     with torch.no_grad():
@@ -138,8 +149,9 @@ def uniform_run(tmp_path_factory):
     return run
 
 
-def test_eval_icl_on_a_jsonl_dataset(uniform_run, tmp_path, capsys):
-    data = write_jsonl(tmp_path / "fruit.jsonl", ROWS)
+@pytest.mark.parametrize("suffix", ["jsonl", "csv"])
+def test_eval_icl_on_a_dataset_file(uniform_run, tmp_path, capsys, suffix):
+    data = write_table(tmp_path / f"fruit.{suffix}", ROWS)
     code, out = run_eval(["icl", str(uniform_run / "checkpoints" / "last.ckpt"), "--dataset", str(data),
                           "--n-demos", "1", "3", "--n-tests", "6", "--n-orderings", "2", "--device", "cpu"], capsys)
     assert code == 0, out
