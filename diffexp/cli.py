@@ -26,7 +26,7 @@ SUBCOMMANDS = {
     "test": "loss on the held-out test split of a checkpoint",
     "sweep": "run an ablation table of fits through an Optuna study (--config sweeps/<name>.yaml)",
     "compare": "tabulate and plot a sweep's runs, the papers' way (diffexp compare runs/<study>)",
-    "eval": "the papers' evaluations on a checkpoint (needle, icl, mqar)",
+    "eval": "the papers' evaluations on a checkpoint (needle, icl, mqar, nll)",
     "generate": "continue a prompt with a trained checkpoint, with the KV cache: diffexp generate CKPT --prompt TEXT",
     "export": "one self-contained model directory (safetensors, config, tokenizer) from any checkpoint",
     "variants": "the attention variants: name, paper and the model.arch flags each one reads",

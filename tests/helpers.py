@@ -1,4 +1,5 @@
-"""Test-only Lightning callbacks, loaded by class path from subprocess runs of the CLI."""
+"""Test helpers: Lightning callbacks loaded by class path from subprocess runs of the CLI, tiny models and their
+checkpoints."""
 
 from __future__ import annotations
 
@@ -102,3 +103,42 @@ class SaveWeightsAtStart(L.Callback):
 
     def on_train_start(self, trainer, pl_module) -> None:
         torch.save({k: v.detach().cpu().clone() for k, v in pl_module.state_dict().items()}, self.path)
+
+
+#: the sentence the `memorised` fixture's model learned (tests/conftest.py)
+PATTERN = "the cat sat on the mat. "
+
+
+def small_model(attention: str = "diff_v2", vocab_size: int = 257, max_seq_len: int = 64):
+    """A DiffexpLM of d_model 32, 2 layers, seeded: the same weights on every call."""
+    from diffexp.model.config import ModelConfig
+    from diffexp.training import DiffexpLM
+
+    torch.manual_seed(0)
+    return DiffexpLM(ModelConfig(attention=attention, vocab_size=vocab_size, d_model=32, n_layers=2, n_heads=2,
+                                 max_seq_len=max_seq_len))
+
+
+def save_checkpoint(module, path, datamodule=None):
+    """A checkpoint as a Trainer writes it; with a data module, after one real training step on it (so the
+    checkpoint holds the data module's settings and its tokenizer)."""
+    trainer = L.Trainer(max_steps=1, limit_val_batches=0, logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False)
+    if datamodule is None:
+        trainer.strategy.connect(module)
+    else:
+        trainer.fit(module, datamodule=datamodule)
+    trainer.save_checkpoint(path)
+    return path
+
+
+def bpe_text_checkpoint(directory, max_seq_len: int = 256):
+    """(checkpoint path, data module): a small model trained one step on a 300-token BPE of 100K characters of
+    the stdlib corpus (a fifth of its documents held out for validation), saved as
+    <directory>/run/checkpoints/last.ckpt with its tokenizer and data settings."""
+    from diffexp.data import TextDataModule
+
+    data = TextDataModule(tokenizer="bpe", bpe_vocab_size=300, seq_len=32, batch_size=4, max_chars=100_000,
+                          val_fraction=0.2, cache_dir=str(directory / "cache"))  # a few validation documents
+    model = small_model(vocab_size=data.tokenizer.vocab_size, max_seq_len=max_seq_len)
+    return save_checkpoint(model, directory / "run" / "checkpoints" / "last.ckpt", data), data

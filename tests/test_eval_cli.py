@@ -37,8 +37,11 @@ def test_eval_mqar(checkpoint, capsys):
 
 
 def test_eval_icl(checkpoint):
+    # vocab_size 512 and no tokenizer saved: the byte tokenizer is named, not guessed
     assert run(["icl", str(checkpoint), "--n-demos", "1", "2", "--n-orderings", "2", "--n-tests", "4",
-                "--device", "cpu"]) == 0
+                "--device", "cpu"]) == 2
+    assert run(["icl", str(checkpoint), "--n-demos", "1", "2", "--n-orderings", "2", "--n-tests", "4",
+                "--device", "cpu", "--tokenizer", "byte"]) == 0
     assert list((checkpoint.parent.parent / "eval").glob("icl*.csv"))
 
 

@@ -4,7 +4,6 @@ local task (task YAML + local data file, offline) for a byte model and a BPE mod
 from __future__ import annotations
 
 import json
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -15,9 +14,7 @@ from diffexp.cli import main
 from diffexp.data.tokenizer import ByteTokenizer
 from diffexp.evals.harness_lm import DiffexpHarnessLM
 from diffexp.training.loading import load_checkpoint, load_model
-
-sys.path.insert(0, str(Path(__file__).parent))
-from test_generate import PATTERN, memorised, save, small_model  # noqa: E402,F401
+from tests.helpers import PATTERN, save_checkpoint, small_model
 
 
 @dataclass
@@ -38,7 +35,7 @@ def bpe_checkpoint(tmp_path_factory):
 
     root = tmp_path_factory.mktemp("bpe")
     datamodule = TextDataModule(tokenizer="bpe", bpe_vocab_size=300, seq_len=32, cache_dir=str(root / "cache"))
-    return save(small_model(vocab_size=datamodule.tokenizer.vocab_size), root / "bpe.ckpt", datamodule)
+    return save_checkpoint(small_model(vocab_size=datamodule.tokenizer.vocab_size), root / "bpe.ckpt", datamodule)
 
 
 def adapter(path, **kwargs) -> DiffexpHarnessLM:

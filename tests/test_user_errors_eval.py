@@ -10,7 +10,7 @@ from diffexp.cli import main
 from diffexp.model.config import ModelConfig
 from tests.helpers import save_untrained_checkpoint
 
-TASKS = ("needle", "icl", "mqar")
+TASKS = ("needle", "icl", "mqar", "nll")
 
 
 @pytest.fixture(scope="module")
@@ -95,6 +95,10 @@ BAD_FLAGS = [
     ("needle", ["--context-lens", "128", "--nr", "six"], "--nr='six'"),
     ("needle", ["--context-lens", "128", "--nr", "1,1", "--depths", "1.5"], "--depths=1.5"),
     ("mqar", ["--seq-len", "64", "--device", "nonsense"], "--device='nonsense'"),
+    ("nll", ["--context-len", "4096"], "--context-len=4096"),
+    ("nll", ["--documents", "0"], "--documents=0"),
+    ("nll", ["--text-file", "/nonexistent/a.txt"], "--text-file='/nonexistent/a.txt' is invalid"),
+    ("nll", [], "not trained on text documents"),
 ]
 
 

@@ -30,9 +30,10 @@ The task (``ICLTask``)
     a task, the inputs (as word sets) are split into a demonstration pool and a held-out test pool: no
     test input ever appears as a demonstration.
 
-Tokens: UTF-8 bytes (``diffexp.data.tokenizer.ByteTokenizer``, ids 0..255, vocab 257), so any model with
-``vocab_size >= 256`` can be scored, e.g. the byte-level recipes. Another tokenizer (an object with
-``encode``/``decode``) can be passed; prompt and label are encoded separately and concatenated.
+Tokens: UTF-8 bytes (``diffexp.data.tokenizer.ByteTokenizer``) by default, what ``ICLDataModule`` trains on.
+Any other tokenizer (an object with ``encode``/``decode``) can be passed to score a model trained on text;
+``ClassPools`` (shared with the dataset tasks of ``diffexp.data.classification``) says how prompts and
+labels are tokenized.
 """
 
 from __future__ import annotations
@@ -71,7 +72,118 @@ def _words(n: int, rng: np.random.Generator, word_len: int) -> list[str]:
     return out
 
 
-class ICLTask:
+class ClassPools:
+    """What the many-shot ICL evaluation needs of a classification task, synthetic or a dataset's: K label
+    names, per class a pool of demonstration inputs and a disjoint pool of held-out test inputs, the
+    prompt format and the tokenizer. Subclasses fill ``labels``, ``demo_pool``, ``test_pool`` and
+    ``tokenizer``.
+
+    Tokenization (any tokenizer): a prompt is rendered as text and encoded in one piece, so a BPE sees the
+    demonstrations as it would see that text anywhere. The scored boundary sits before the whitespace that
+    ends the query: the prompt is ``... label:`` and each label is scored as `` <name>\\n``, encoded on its
+    own. Byte-level BPEs split before a space-led word, so the prompt's ids followed by a label's ids are
+    the ids of the whole text, and every label follows the same prompt ids (its summed log-likelihood is
+    comparable). For the byte tokenizer the split changes nothing: the space's log-likelihood is the same
+    for every label. ``boundary_merges`` tells whether a tokenizer merges across that boundary anyway.
+    """
+
+    k_classes: int
+    labels: list[str]
+    demo_pool: list[list[str]]
+    test_pool: list[list[str]]
+    tokenizer: Any
+
+    @property
+    def max_demos(self) -> int:
+        """The most class-balanced distinct demonstrations the pools can give."""
+        return self.k_classes * min(len(p) for p in self.demo_pool)
+
+    @property
+    def max_tests(self) -> int:
+        return self.k_classes * min(len(p) for p in self.test_pool)
+
+    # -- the format ---------------------------------------------------------------------------------
+    @staticmethod
+    def format_demo(x: str, label: str) -> str:
+        return f"input: {x} label: {label}\n"
+
+    @staticmethod
+    def format_query(x: str) -> str:
+        return f"input: {x} label: "
+
+    def prompt(self, demos: Sequence[tuple[str, int]], x: str) -> str:
+        return "".join(self.format_demo(d, self.labels[c]) for d, c in demos) + self.format_query(x)
+
+    def candidate_texts(self) -> list[str]:
+        """What each label continues the prompt with (its string and the closing newline)."""
+        return [f"{y}\n" for y in self.labels]
+
+    def encode(self, text: str) -> list[int]:
+        return list(self.tokenizer.encode(text))
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return self.tokenizer.decode(list(ids))
+
+    # -- what is scored -----------------------------------------------------------------------------
+    def scored_prompt_ids(self, prompt: str) -> list[int]:
+        """A prompt's ids as scored: the text without the whitespace that ends it, encoded in one piece."""
+        return self.encode(prompt.rstrip())
+
+    def label_lead(self) -> str:
+        """The whitespace that ends a query; it is scored as the start of every label."""
+        query = self.format_query("x")
+        return query[len(query.rstrip()):]
+
+    def scored_candidate_ids(self) -> list[list[int]]:
+        """Each label's ids as scored: the query's closing whitespace, the label, the newline."""
+        return [self.encode(self.label_lead() + text) for text in self.candidate_texts()]
+
+    def boundary_merges(self, prompt: str) -> list[str]:
+        """The labels whose ids after ``prompt`` differ from the ids of prompt and label encoded as one text
+        (empty for the byte tokenizer and byte-level BPEs)."""
+        prompt_ids = self.scored_prompt_ids(prompt)
+        return [y for y, text, ids in zip(self.labels, self.candidate_texts(), self.scored_candidate_ids())
+                if self.encode(prompt.rstrip() + self.label_lead() + text) != prompt_ids + ids]
+
+    # -- sampling ----------------------------------------------------------------------------------
+    def _balanced_counts(self, n: int, rng: np.random.Generator) -> list[int]:
+        counts = [n // self.k_classes] * self.k_classes
+        for c in rng.permutation(self.k_classes)[: n % self.k_classes]:
+            counts[c] += 1
+        return counts
+
+    def demonstrations(self, n: int, seed: int | Sequence[int] = 0) -> list[tuple[str, int]]:
+        """n class-balanced demonstrations (input, class) from the demonstration pool, grouped by class.
+
+        Nested in n for a fixed seed: the first items of every class's shuffled pool are used, and the
+        classes that get one more item (n not a multiple of K) come first in a fixed random class order."""
+        rng = np.random.default_rng(seed)
+        class_order = rng.permutation(self.k_classes)
+        shuffled = [[pool[i] for i in rng.permutation(len(pool))] for pool in self.demo_pool]
+        counts = [n // self.k_classes] * self.k_classes
+        for c in class_order[: n % self.k_classes]:
+            counts[c] += 1
+        out = []
+        for c, k in enumerate(counts):
+            if k > len(shuffled[c]):
+                raise ValueError(f"n_demos={n} is invalid: class {c} needs {k} distinct demonstrations but the "
+                                 f"demonstration pool has {len(shuffled[c])}; raise group_size or words_per_input")
+            out += [(x, c) for x in shuffled[c][:k]]
+        return out
+
+    def tests(self, n: int, seed: int | Sequence[int] = 0) -> list[tuple[str, int]]:
+        """n class-balanced held-out test inputs (input, class)."""
+        rng = np.random.default_rng(seed)
+        out = []
+        for c, (pool, k) in enumerate(zip(self.test_pool, self._balanced_counts(n, rng))):
+            if k > len(pool):
+                raise ValueError(f"n_tests={n} is invalid: class {c} needs {k} distinct inputs but its test pool "
+                                 f"has {len(pool)}; raise group_size or words_per_input")
+            out += [(pool[i], c) for i in rng.choice(len(pool), size=k, replace=False)]
+        return out
+
+
+class ICLTask(ClassPools):
     """A synthetic K-class task: hidden word groups, random label strings, demonstration and test pools.
 
     Args:
@@ -143,83 +255,12 @@ class ICLTask:
             self.test_pool.append(inputs[:n_test])
             self.demo_pool.append(inputs[n_test:])
 
-    @property
-    def max_demos(self) -> int:
-        """The most class-balanced distinct demonstrations the pools can give."""
-        return self.k_classes * min(len(p) for p in self.demo_pool)
-
-    @property
-    def max_tests(self) -> int:
-        return self.k_classes * min(len(p) for p in self.test_pool)
-
-    # -- the hidden rule and the format ------------------------------------------------------------
     def label_of(self, x: str) -> int:
-        """The class of an input: the group its words come from."""
+        """The class of an input: the group its words come from (the hidden rule)."""
         classes = {self.word_class[w] for w in x.split()}
         if len(classes) != 1:
             raise ValueError(f"input {x!r} does not come from one group")
         return classes.pop()
-
-    @staticmethod
-    def format_demo(x: str, label: str) -> str:
-        return f"input: {x} label: {label}\n"
-
-    @staticmethod
-    def format_query(x: str) -> str:
-        return f"input: {x} label: "
-
-    def prompt(self, demos: Sequence[tuple[str, int]], x: str) -> str:
-        return "".join(self.format_demo(d, self.labels[c]) for d, c in demos) + self.format_query(x)
-
-    def candidate_texts(self) -> list[str]:
-        """What each label continues the prompt with (its string and the closing newline)."""
-        return [f"{y}\n" for y in self.labels]
-
-    def encode(self, text: str) -> list[int]:
-        return list(self.tokenizer.encode(text))
-
-    def decode(self, ids: Sequence[int]) -> str:
-        return self.tokenizer.decode(list(ids))
-
-    # -- sampling ----------------------------------------------------------------------------------
-    def _balanced_counts(self, n: int, rng: np.random.Generator) -> list[int]:
-        counts = [n // self.k_classes] * self.k_classes
-        for c in rng.permutation(self.k_classes)[: n % self.k_classes]:
-            counts[c] += 1
-        return counts
-
-    def _draw(self, pools: list[list[str]], n: int, rng: np.random.Generator, what: str) -> list[tuple[str, int]]:
-        counts = self._balanced_counts(n, rng)
-        out = []
-        for c, (pool, k) in enumerate(zip(pools, counts)):
-            if k > len(pool):
-                raise ValueError(f"{what}={n} is invalid: class {c} needs {k} distinct inputs but its {what} pool "
-                                 f"has {len(pool)}; raise group_size or words_per_input")
-            out += [(pool[i], c) for i in rng.choice(len(pool), size=k, replace=False)]
-        return out
-
-    def demonstrations(self, n: int, seed: int | Sequence[int] = 0) -> list[tuple[str, int]]:
-        """n class-balanced demonstrations (input, class) from the demonstration pool, grouped by class.
-
-        Nested in n for a fixed seed: the first items of every class's shuffled pool are used, and the
-        classes that get one more item (n not a multiple of K) come first in a fixed random class order."""
-        rng = np.random.default_rng(seed)
-        class_order = rng.permutation(self.k_classes)
-        shuffled = [[pool[i] for i in rng.permutation(len(pool))] for pool in self.demo_pool]
-        counts = [n // self.k_classes] * self.k_classes
-        for c in class_order[: n % self.k_classes]:
-            counts[c] += 1
-        out = []
-        for c, k in enumerate(counts):
-            if k > len(shuffled[c]):
-                raise ValueError(f"n_demos={n} is invalid: class {c} needs {k} distinct demonstrations but the "
-                                 f"demonstration pool has {len(shuffled[c])}; raise group_size or words_per_input")
-            out += [(x, c) for x in shuffled[c][:k]]
-        return out
-
-    def tests(self, n: int, seed: int | Sequence[int] = 0) -> list[tuple[str, int]]:
-        """n class-balanced held-out test inputs (input, class)."""
-        return self._draw(self.test_pool, n, np.random.default_rng(seed), "n_tests")
 
     def sample(self, rng: np.random.Generator) -> tuple[str, int]:
         """One (input, class) with a uniform class, from either pool (for training on fresh tasks)."""

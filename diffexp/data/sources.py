@@ -98,7 +98,7 @@ def check_source(source: Source, text_field: str) -> None:
         checks.check_files(source.spec, source.files, text_field)
 
 
-def _root_cause(err: BaseException) -> str:
+def root_cause(err: BaseException) -> str:
     """The innermost message of a chained error (`datasets` wraps the useful one in DatasetGenerationError)."""
     while err.__cause__ is not None or (err.__context__ is not None and not err.__suppress_context__):
         err = err.__cause__ or err.__context__
@@ -111,7 +111,7 @@ def _read_error(spec: str, data_files: list[str], err: Exception) -> UserError:
     if found:
         return checks.file_error(spec, *found)
     where = data_files[0] if len(data_files) == 1 else f"one of {len(data_files)} files (first: {data_files[0]})"
-    return UserError(f"data.source={spec!r}: could not read {where}: {_root_cause(err)}")
+    return UserError(f"data.source={spec!r}: could not read {where}: {root_cause(err)}")
 
 
 def _text_or_error(value: object, text_field: str, spec: str) -> str | None:
@@ -157,7 +157,7 @@ def _iter_hub_texts(source: Source, text_field: str, hf_cache_dir: str) -> Itera
             source.hf_name, source.hf_config, split="train", streaming=True, cache_dir=hf_cache_dir
         )
     except Exception as err:  # offline, no such dataset or config, no "train" split, ...
-        raise UserError(f"data.source={source.spec!r}: could not open the Hub dataset: {_root_cause(err)}") from err
+        raise UserError(f"data.source={source.spec!r}: could not open the Hub dataset: {root_cause(err)}") from err
     for record in dataset:
         if text_field not in record:
             raise UserError(

@@ -1,4 +1,4 @@
-"""Evaluations the papers use: needle retrieval, attention noise, MQAR, in-context learning.
+"""Evaluations the papers use: needle retrieval, attention noise, MQAR, in-context learning, loss by position.
 
 (The AR-Hit / Others split of the validation loss is logged by training: diffexp.training.loss_slices.)"""
 

@@ -26,6 +26,7 @@ __all__ = [
     "check_out",
     "as_flags",
     "eval_output",
+    "checkpoint_tokenizer",
 ]
 
 
@@ -82,3 +83,13 @@ def eval_output(checkpoint: str, out: str | None, step: int):
 
         writer = SummaryWriter(log_dir=str(run_dir))
     return directory, writer, step
+
+
+def checkpoint_tokenizer(checkpoint: dict, hparams: dict, flag: str | None):
+    """The tokenizer the checkpoint's model reads (--tokenizer, else the one saved with it, else what its data
+    settings name), refused if its ids do not fit the model's vocabulary."""
+    from diffexp.generate.cli import check_vocab, resolve_tokenizer
+
+    tokenizer = resolve_tokenizer(checkpoint, hparams, flag)
+    check_vocab(tokenizer, hparams["arch"])
+    return tokenizer

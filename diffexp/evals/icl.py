@@ -1,12 +1,15 @@
-"""Many-shot in-context classification on a synthetic K-class task, and its robustness to demonstration order.
+"""Many-shot in-context classification (a synthetic K-class task or a real dataset), and its robustness to
+demonstration order.
 
 The papers measure accuracy as the number of demonstrations grows (TREC, Banking-77, Clinic-150) and its
-spread over orderings of the same demonstrations. Those datasets need a download; offline, ``ICLTask`` is
-a synthetic stand-in that a tiny byte-level model can learn.
+spread over orderings of the same demonstrations. ``ICLTask`` is an offline synthetic stand-in that a tiny
+byte-level model can learn; ``diffexp.data.classification.ClassificationTask`` makes the same task of any
+(text, label) table, those datasets included.
 
-The task, ``ICLTask`` (hidden word groups, label strings, demonstration and test pools, the prompt
-format), and the training data made of fresh tasks, ``ICLDataModule``, are in ``diffexp.data.icl``; the
-log-likelihoods come from ``diffexp.evals.scoring`` and the figure from ``diffexp.evals.plots``.
+The synthetic task, ``ICLTask`` (hidden word groups, label strings, demonstration and test pools), the prompt
+format and its tokenization (``ClassPools``), and the training data made of fresh tasks, ``ICLDataModule``,
+are in ``diffexp.data.icl``; the log-likelihoods come from ``diffexp.evals.scoring`` and the figure from
+``diffexp.evals.plots``.
 
 Evaluation (``evaluate_icl``)
     For each n in ``n_demos_list``: one class-balanced demonstration set (nested: the set for a smaller n
@@ -14,10 +17,10 @@ Evaluation (``evaluate_icl``)
     scheme ("random": shuffles; "alternating": round-robin over classes in a random class order, each
     class's items shuffled; "grouped": all of one class, then the next), scored on the same ``n_tests``
     class-balanced held-out test inputs. Prediction is constrained to the K labels: each label's
-    log-likelihood given the prompt (summed over the label's tokens and the closing newline) is computed
-    and the best one is chosen; nothing is decoded freely. Accuracies are reported per (n, ordering) as
-    mean, std (population, over orderings), min and max. An n whose prompt plus label does not fit the
-    model's ``max_seq_len`` is skipped and listed in ``results.skipped``.
+    log-likelihood given the prompt (summed over its tokens: the space before it, the label, the closing
+    newline) is computed and the best one is chosen; nothing is decoded freely. Accuracies are reported per
+    (n, ordering) as mean, std (population, over orderings), min and max. An n whose prompt plus label does
+    not fit the model's ``max_seq_len`` is skipped and listed in ``results.skipped``.
 """
 
 from __future__ import annotations
@@ -37,7 +40,7 @@ import torch
 from torch import nn
 
 # ICLDataModule is re-exported: runs saved before it moved to diffexp.data.icl name it diffexp.evals.icl.ICLDataModule
-from diffexp.data.icl import ICLDataModule, ICLTask  # noqa: F401
+from diffexp.data.icl import ClassPools, ICLDataModule, ICLTask  # noqa: F401
 from diffexp.evals import plots, refuse_sharded_model
 from diffexp.evals.scoring import as_logits_fn, best_candidates, candidate_logprobs, evaluating, model_max_seq_len
 
@@ -84,19 +87,23 @@ def _as_scorer(model: nn.Module | Scorer, device, batch_size: int) -> Scorer:
     raise TypeError(f"expected an nn.Module (idx -> logits) or a scorer callable, got {type(model).__name__}")
 
 
-def predict_labels(model: nn.Module | Scorer, task: ICLTask, prompts: Sequence[str], device="cpu",
+def predict_labels(model: nn.Module | Scorer, task: ClassPools, prompts: Sequence[str], device="cpu",
                    batch_size: int = 16) -> list[str]:
     """The label string chosen for each text prompt, among ``task.labels`` only."""
     scorer = _as_scorer(model, device, batch_size)
-    candidates = [task.encode(t) for t in task.candidate_texts()]
-    scores = scorer([task.encode(p) for p in prompts], candidates)
+    scores = scorer([task.scored_prompt_ids(p) for p in prompts], task.scored_candidate_ids())
     return [task.labels[i] for i in best_candidates(scores)]
 
 
 # -- results ---------------------------------------------------------------------------------------
 @dataclass
 class ICLResults:
-    """Accuracies per (n_demos, ordering), one per presented order of the same demonstrations."""
+    """Accuracies per (n_demos, ordering), one per presented order of the same demonstrations.
+
+    ``name`` prefixes the TensorBoard tags and names the files (icl for the synthetic task, icl_<dataset> for
+    a dataset); ``source`` says what was classified; ``boundary_merges`` lists the labels the tokenizer
+    merges with the end of the prompt (see ``ClassPools``; empty for byte and byte-level BPE tokenizers).
+    """
 
     k_classes: int
     n_tests: int
@@ -104,6 +111,9 @@ class ICLResults:
     max_seq_len: int | None
     accuracies: dict[tuple[int, str], list[float]] = field(default_factory=dict)
     skipped: list[dict[str, int | None]] = field(default_factory=list)
+    name: str = "icl"
+    source: str = "the synthetic task"
+    boundary_merges: list[str] = field(default_factory=list)
 
     @property
     def chance(self) -> float:
@@ -142,13 +152,14 @@ class ICLResults:
         return path
 
     def scalars(self) -> dict[str, float]:
-        """TensorBoard scalars: icl/<ordering>/n<n> (mean accuracy), icl_std/... and icl_range/... (max - min)."""
+        """TensorBoard scalars: <name>/<ordering>/n<n> (mean accuracy), <name>_std/... and <name>_range/...
+        (max - min); <name> is icl for the synthetic task."""
         out = {}
         for row in self.to_rows():
             key = f"{row['ordering']}/n{row['n_demos']}"
-            out[f"icl/{key}"] = row["mean"]
-            out[f"icl_std/{key}"] = row["std"]
-            out[f"icl_range/{key}"] = row["max"] - row["min"]
+            out[f"{self.name}/{key}"] = row["mean"]
+            out[f"{self.name}_std/{key}"] = row["std"]
+            out[f"{self.name}_range/{key}"] = row["max"] - row["min"]
         return out
 
     def log_to_tensorboard(self, logger_or_writer: Any, step: int = 0, figure: bool = True) -> dict[str, float]:
@@ -159,9 +170,9 @@ class ICLResults:
             for name, value in scalars.items():
                 writer.add_scalar(name, value, step)
             if figure and hasattr(writer, "add_figure") and self.accuracies:
-                writer.add_figure("icl/accuracy_vs_demos", self.figure(), step, close=True)
+                writer.add_figure(f"{self.name}/accuracy_vs_demos", self.figure(), step, close=True)
             if hasattr(writer, "add_text"):
-                writer.add_text("icl/summary", "    " + self.summary().replace("\n", "\n    "), step)
+                writer.add_text(f"{self.name}/summary", "    " + self.summary().replace("\n", "\n    "), step)
             if hasattr(writer, "flush"):
                 writer.flush()
         elif hasattr(logger_or_writer, "log_metrics"):
@@ -171,8 +182,8 @@ class ICLResults:
         return scalars
 
     def summary(self) -> str:
-        lines = [f"many-shot ICL, K={self.k_classes} (chance {self.chance:.3f}), {self.n_tests} tests, "
-                 f"{self.n_orderings} orderings each",
+        lines = [f"many-shot ICL on {self.source}, K={self.k_classes} (chance {self.chance:.3f}), "
+                 f"{self.n_tests} tests, {self.n_orderings} orderings each",
                  f"{'n_demos':>7}  {'ordering':<12} {'mean':>6} {'std':>6} {'min':>6} {'max':>6}"]
         for r in self.to_rows():
             lines.append(f"{r['n_demos']:>7}  {r['ordering']:<12} {r['mean']:6.3f} {r['std']:6.3f} "
@@ -180,6 +191,9 @@ class ICLResults:
         for s in self.skipped:
             lines.append(f"{s['n_demos']:>7}  skipped: needs {s['tokens_needed']} tokens > max_seq_len "
                          f"{s['max_seq_len']}")
+        if self.boundary_merges:
+            lines.append(f"note: the tokenizer merges the end of the prompt with the labels "
+                         f"{', '.join(self.boundary_merges)}; they are scored as encoded on their own")
         return "\n".join(lines)
 
     def figure(self):
@@ -189,8 +203,9 @@ class ICLResults:
         """Accuracy vs n demos (log2 axis), one line per ordering with a min-max band and ±std bars."""
         return plots.save_figure(self.figure(), path)
 
-    def save(self, directory: str | os.PathLike, stem: str = "icl") -> dict[str, Path]:
-        """``<stem>.csv``, ``<stem>.png`` and ``<stem>.txt`` (the summary) in ``directory``."""
+    def save(self, directory: str | os.PathLike, stem: str | None = None) -> dict[str, Path]:
+        """``<stem>.csv``, ``<stem>.png`` and ``<stem>.txt`` (the summary) in ``directory``; stem: ``name``."""
+        stem = stem or self.name
         directory = Path(directory)
         directory.mkdir(parents=True, exist_ok=True)
         (directory / f"{stem}.txt").write_text(self.summary() + "\n")
@@ -199,17 +214,20 @@ class ICLResults:
 
 
 # -- evaluation ------------------------------------------------------------------------------------
-def evaluate_icl(model: nn.Module | Scorer, task: ICLTask, n_demos_list: Sequence[int] = (1, 4, 16, 64),
+def evaluate_icl(model: nn.Module | Scorer, task: ClassPools, n_demos_list: Sequence[int] = (1, 4, 16, 64),
                  orderings: Sequence[str] = ("random", "alternating"), n_orderings: int = 5, n_tests: int = 50,
                  device: str | torch.device = "cpu", seed: int = 0, max_seq_len: int | None = None,
-                 batch_size: int = 16) -> ICLResults:
+                 batch_size: int = 16, name: str = "icl", source: str = "the synthetic task") -> ICLResults:
     """Accuracy as the number of demonstrations grows, and its spread over orders of the same demonstrations.
 
     model: an ``nn.Module`` mapping ``idx (B, T) -> logits (B, T, V)`` (``Decoder``, ``DiffexpLM``), put in
         eval mode and moved to ``device`` for the evaluation (both restored afterwards); or a scorer
         ``(prompts: list[list[int]], candidates: list[list[int]]) -> (P, K) scores``.
+    task: the synthetic ``ICLTask`` or a dataset's ``diffexp.data.classification.ClassificationTask``; its
+        tokenizer encodes the prompts and labels (``ClassPools`` says how).
     max_seq_len: the context limit; default: the model's ``max_seq_len`` (none for a bare scorer).
     seed: fixes the demonstration sets, the test inputs and the orders.
+    name, source: the results' name (tags, files) and what they describe (see ``ICLResults``).
     """
     for n in n_demos_list:
         if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 1:
@@ -227,33 +245,36 @@ def evaluate_icl(model: nn.Module | Scorer, task: ICLTask, n_demos_list: Sequenc
                          "held-out test inputs; raise group_size or words_per_input")
     if max_seq_len is None:
         max_seq_len = model_max_seq_len(model)
-    results = ICLResults(task.k_classes, n_tests, n_orderings, max_seq_len)
+    results = ICLResults(task.k_classes, n_tests, n_orderings, max_seq_len, name=name, source=source)
 
     with evaluating(model, device):
         scorer = _as_scorer(model, device, batch_size)
-        candidates = [task.encode(t) for t in task.candidate_texts()]
+        candidates = task.scored_candidate_ids()
         tests = task.tests(n_tests, seed=[seed, 1])
-        test_ids = [task.encode(task.format_query(x)) for x, _ in tests]
+        queries = [task.format_query(x) for x, _ in tests]
         truth = np.array([c for _, c in tests])
-        longest_candidate = max(len(c) for c in candidates)
+        results.boundary_merges = task.boundary_merges(queries[0])
+        if results.boundary_merges:
+            log.warning("ICL: the tokenizer merges the end of the prompt with the labels %s; they are scored as "
+                        "encoded on their own", results.boundary_merges)
         for n in sorted(set(int(n) for n in n_demos_list)):
             demos = task.demonstrations(n, seed=[seed, 2])
-            demo_tokens = sum(len(task.encode(task.format_demo(x, task.labels[c]))) for x, c in demos)
-            needed = demo_tokens + max(len(t) for t in test_ids) + longest_candidate - 1
+            prompts = {}  # every order's prompts first: whether n fits depends on the longest
+            for ordering in orderings:
+                for j in range(n_orderings):  # the orders depend on (seed, n, scheme, j) only
+                    rng = np.random.default_rng([seed, 3, n, ORDERINGS.index(ordering), j])
+                    ordered = order_demonstrations(demos, ordering, rng)
+                    context = "".join(task.format_demo(x, task.labels[c]) for x, c in ordered)
+                    prompts[ordering, j] = [task.scored_prompt_ids(context + q) for q in queries]
+            needed = max(len(p) for rows in prompts.values() for p in rows) + max(map(len, candidates)) - 1
             if max_seq_len is not None and needed > max_seq_len:
                 results.skipped.append({"n_demos": n, "tokens_needed": needed, "max_seq_len": max_seq_len})
                 log.warning("ICL: n_demos=%d skipped: needs %d tokens > max_seq_len %d", n, needed, max_seq_len)
                 continue
             for ordering in orderings:
-                accs = []
-                for j in range(n_orderings):  # the orders depend on (seed, n, scheme, j) only
-                    rng = np.random.default_rng([seed, 3, n, ORDERINGS.index(ordering), j])
-                    ordered = order_demonstrations(demos, ordering, rng)
-                    context = task.encode("".join(task.format_demo(x, task.labels[c]) for x, c in ordered))
-                    prompts = [context + t for t in test_ids]
-                    predicted = np.array(best_candidates(scorer(prompts, candidates)))
-                    accs.append(float((predicted == truth).mean()))
-                results.accuracies[(n, ordering)] = accs
+                results.accuracies[(n, ordering)] = [
+                    float((np.array(best_candidates(scorer(prompts[ordering, j], candidates))) == truth).mean())
+                    for j in range(n_orderings)]
     return results
 
 

@@ -1,9 +1,9 @@
 """The figures of the evaluations (matplotlib, imported only when a figure is drawn, with the Agg backend
-unless one is already chosen): the ICL accuracy curve and the needle retrieval heatmaps.
+unless one is already chosen): the ICL accuracy curve, the needle retrieval heatmaps and the loss by position.
 
 The drawing functions read the results objects (``diffexp.evals.icl.ICLResults``,
-``diffexp.evals.needle_results.NeedleResults``) by attribute only; this module imports neither, so the
-results modules can import it without a loop."""
+``diffexp.evals.needle_results.NeedleResults``, ``diffexp.evals.nll.NLLResults``) by attribute only; this
+module imports none, so the results modules can import it without a loop."""
 
 from __future__ import annotations
 
@@ -58,7 +58,7 @@ def icl_figure(results):
     ax.set_ylim(-0.02, 1.02)
     ax.set_xlabel("demonstrations in context (n)")
     ax.set_ylabel(f"accuracy ({results.n_tests} held-out tests)")
-    ax.set_title(f"Many-shot in-context classification, K={results.k_classes}\n"
+    ax.set_title(f"Many-shot in-context classification, {results.source}, K={results.k_classes}\n"
                  f"lines: mean \u00b1 std, bands: min-max over {results.n_orderings} orders of the same demos",
                  fontsize=10)
     ax.grid(True, alpha=0.3)
@@ -99,3 +99,22 @@ def needle_heatmaps(results) -> dict[tuple[str, int, int], object]:
             fig.tight_layout()
             figures[(method, n, r)] = fig
     return figures
+
+
+def nll_figure(results):
+    """An ``NLLResults``' loss against token position (log axis): the cumulative average, and the mean loss at
+    each position behind it."""
+    plt = pyplot()
+    fig, ax = plt.subplots(figsize=(6.4, 4.2), dpi=120)
+    positions = np.arange(1, results.context_len + 1)
+    ax.plot(positions, results.per_position, color="0.6", linewidth=0.6, alpha=0.7, label="at each position")
+    ax.plot(positions, results.cumulative, color="C0", linewidth=2.0, label="cumulative average (1..position)")
+    ax.set_xscale("log")
+    ax.set_xlim(1, results.context_len)
+    ax.set_xlabel("token position")
+    ax.set_ylabel("negative log-likelihood (nats)")
+    ax.set_title(f"Loss by position, {results.documents} documents of {results.source}", fontsize=10)
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(loc="best", fontsize=8, framealpha=0.85)
+    fig.tight_layout()
+    return fig

@@ -1,0 +1,109 @@
+"""Columns of a table the evaluations read: a local .jsonl, .csv or .parquet file, or a Hugging Face Hub
+dataset (``hf:<name>[:<config>]``, or a bare name that is not a local path; needs network or the local
+Hub cache).
+
+``open_table`` reads the whole table, so every problem (a missing file, an unknown extension, a file the
+reader refuses, a Hub dataset that cannot be loaded offline, a missing column) is a ``UserError`` naming
+the command's flag (``--dataset``, ``--split``, the column flags) before any model is built. Local files
+are read with pyarrow in memory (nothing is cached); integer columns that the data declares as a
+``datasets.ClassLabel`` (a Hub dataset, or a Parquet file written by ``datasets``) keep their class names.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from diffexp.data.sources import root_cause
+from diffexp.errors import UserError
+
+TABLE_SUFFIXES = (".jsonl", ".csv", ".parquet")
+DATASET_FLAG = "--dataset"
+EXPECTED = ("expected a local .jsonl, .csv or .parquet file, or a Hugging Face Hub dataset as hf:<name> or "
+            "hf:<name>:<config> (needs network the first time)")
+
+
+@dataclass
+class Table:
+    """A table's columns as Python lists; ``class_names[column]`` lists the names of a ClassLabel column."""
+
+    spec: str
+    columns: dict[str, list[Any]]
+    class_names: dict[str, list[str]] = field(default_factory=dict)
+
+    @property
+    def name(self) -> str:
+        """A short name for files and plots: the file's stem, or the Hub dataset's name and config."""
+        if self.spec.startswith("hf:") or not Path(self.spec).suffix:
+            return self.spec.removeprefix("hf:").rstrip(":").replace(":", "-").rsplit("/", 1)[-1]
+        return Path(self.spec).stem
+
+    def column(self, name: str, flag: str) -> list[Any]:
+        """A column by name; a missing one is a UserError naming ``flag`` and the columns there are."""
+        if name not in self.columns:
+            raise UserError(f"{flag}={name!r} is invalid: {DATASET_FLAG}={self.spec!r} has no such column; "
+                            f"its columns: {', '.join(self.columns)}")
+        return self.columns[name]
+
+
+def open_table(spec: str, split: str | None = None) -> Table:
+    """The table ``spec`` names; ``split`` selects a Hub dataset's split (default: train)."""
+    hub = spec.startswith("hf:")
+    path = Path(spec).expanduser()
+    if not hub and path.exists():
+        if split is not None:
+            raise UserError(f"--split={split!r} is invalid: a local file is one table; --split selects a split "
+                            f"of a Hub dataset ({DATASET_FLAG}=hf:<name>)")
+        if not path.is_file():
+            raise UserError(f"{DATASET_FLAG}={spec!r} is invalid: it is a directory; {EXPECTED}")
+        if path.suffix.lower() not in TABLE_SUFFIXES:
+            raise UserError(f"{DATASET_FLAG}={spec!r} is invalid: unknown extension {path.suffix!r}; {EXPECTED}")
+        return _read_local(spec, path)
+    if not hub and (path.suffix or spec.startswith((".", "/", "~"))):
+        raise UserError(f"{DATASET_FLAG}={spec!r} is invalid: no such file; {EXPECTED}")
+    return _read_hub(spec, split or "train")
+
+
+def _read_local(spec: str, path: Path) -> Table:
+    import pyarrow.csv
+    import pyarrow.json
+    import pyarrow.parquet
+
+    csv_options = pyarrow.csv.ParseOptions(newlines_in_values=True)  # quoted texts may hold newlines
+    reader = {".jsonl": pyarrow.json.read_json, ".parquet": pyarrow.parquet.read_table,
+              ".csv": lambda p: pyarrow.csv.read_csv(p, parse_options=csv_options)}[path.suffix.lower()]
+    try:
+        table = reader(str(path))
+    except Exception as err:  # pyarrow raises ArrowInvalid, OSError, ... for a file it cannot parse
+        raise UserError(f"{DATASET_FLAG}={spec!r} is invalid: could not read it as {path.suffix.lower()[1:]}: "
+                        f"{root_cause(err)}") from None
+    return Table(spec, {name: table.column(name).to_pylist() for name in table.column_names},
+                 _class_names(table.schema))
+
+
+def _class_names(schema) -> dict[str, list[str]]:
+    """Names of the ClassLabel columns a schema's `datasets` metadata declares (none for plain files)."""
+    if not schema.metadata or b"huggingface" not in schema.metadata:
+        return {}
+    from datasets import ClassLabel, Features
+
+    features = Features.from_arrow_schema(schema)
+    return {name: list(f.names) for name, f in features.items() if isinstance(f, ClassLabel)}
+
+
+def _read_hub(spec: str, split: str) -> Table:
+    from datasets import ClassLabel, load_dataset
+
+    name, _, config = spec.removeprefix("hf:").partition(":")
+    if not name:
+        raise UserError(f"{DATASET_FLAG}={spec!r} is invalid: no dataset name after 'hf:'; {EXPECTED}")
+    local = "" if spec.startswith("hf:") else "it is not a local file, and "
+    try:
+        dataset = load_dataset(name, config or None, split=split)
+    except Exception as err:  # offline, no such dataset, config or split: `datasets` raises many types
+        raise UserError(f"{DATASET_FLAG}={spec!r} is invalid: {local}the Hugging Face Hub dataset could not be "
+                        f"loaded (split {split!r}; offline, only datasets already in the local Hub cache load): "
+                        f"{root_cause(err)}; {EXPECTED}") from None
+    names = {c: list(f.names) for c, f in dataset.features.items() if isinstance(f, ClassLabel)}
+    return Table(spec, {c: list(dataset[c]) for c in dataset.column_names}, names)

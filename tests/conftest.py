@@ -1,0 +1,24 @@
+"""Fixtures shared by several test modules."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.helpers import PATTERN, save_checkpoint, small_model
+
+
+@pytest.fixture(scope="session")
+def memorised(tmp_path_factory):
+    """A byte DIFF V2 checkpoint (max_seq_len 128) that learned PATTERN repeated (full-batch Adam, seconds)."""
+    module = small_model(max_seq_len=128)
+    text = torch.tensor(list((PATTERN * 8).encode()))[:97]
+    optimizer = torch.optim.Adam(module.parameters(), lr=3e-3)
+    for _ in range(150):
+        logits = module.model(text[None, :-1])
+        loss = torch.nn.functional.cross_entropy(logits[0], text[1:])
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    assert loss.item() < 0.1
+    return save_checkpoint(module, tmp_path_factory.mktemp("run") / "memorised.ckpt")
