@@ -1,4 +1,5 @@
-"""Test-only Lightning callbacks, loaded by class path from subprocess runs of the CLI."""
+"""Test-only helpers: Lightning callbacks loaded by class path from subprocess runs of the CLI, tiny models and
+checkpoints."""
 
 from __future__ import annotations
 
@@ -92,3 +93,26 @@ def save_untrained_checkpoint(arch, path) -> None:
     trainer = L.Trainer(max_steps=0, logger=False, enable_checkpointing=False, enable_progress_bar=False)
     trainer.strategy.connect(module)
     trainer.save_checkpoint(path)
+
+
+def small_model(attention: str = "diff_v2", vocab_size: int = 257, max_seq_len: int = 64):
+    """A tiny DiffexpLM (d_model 32, 2 layers), the same weights every call."""
+    from diffexp.model.config import ModelConfig
+    from diffexp.training import DiffexpLM
+
+    torch.manual_seed(0)
+    return DiffexpLM(ModelConfig(attention=attention, vocab_size=vocab_size, d_model=32, n_layers=2, n_heads=2,
+                                 max_seq_len=max_seq_len))
+
+
+def save_checkpoint(module, path, datamodule=None):
+    """A checkpoint as a Trainer writes it; with a data module, after one real training step on it (so it holds
+    the data module's tokenizer)."""
+    trainer = L.Trainer(max_steps=1, limit_val_batches=0, logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False)
+    if datamodule is None:
+        trainer.strategy.connect(module)
+    else:
+        trainer.fit(module, datamodule=datamodule)
+    trainer.save_checkpoint(path)
+    return path

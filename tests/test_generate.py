@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import io
 
-import lightning as L
 import pytest
 import torch
 
@@ -13,8 +12,7 @@ from diffexp.data.tokenizer import ByteTokenizer
 from diffexp.generate import Sampling, generate
 from diffexp.generate.cli import TextStream
 from diffexp.generate.sampling import next_token
-from diffexp.model.config import ModelConfig
-from diffexp.training import DiffexpLM
+from tests.helpers import save_checkpoint, small_model
 
 PATTERN = "the cat sat on the mat. "
 
@@ -68,12 +66,6 @@ def test_bad_sampling_flags_are_named(flags, match):
 
 
 # -- decoding ---------------------------------------------------------------------------------------
-def small_model(attention: str = "diff_v2", vocab_size: int = 257, max_seq_len: int = 64) -> DiffexpLM:
-    torch.manual_seed(0)
-    return DiffexpLM(ModelConfig(attention=attention, vocab_size=vocab_size, d_model=32, n_layers=2, n_heads=2,
-                                 max_seq_len=max_seq_len))
-
-
 def test_generate_stops_at_the_stop_token_and_at_max_new_tokens():
     model = small_model().model.eval()
     prompt = torch.tensor([[1, 2, 3], [4, 5, 6]])
@@ -104,18 +96,6 @@ def test_text_stream_keeps_multibyte_characters_whole():
 
 
 # -- the command ------------------------------------------------------------------------------------
-def save(module: DiffexpLM, path, datamodule=None):
-    """A checkpoint as a Trainer writes it; with a data module, after one real training step on it."""
-    trainer = L.Trainer(max_steps=1, limit_val_batches=0, logger=False, enable_checkpointing=False,
-                        enable_progress_bar=False, enable_model_summary=False)
-    if datamodule is None:
-        trainer.strategy.connect(module)
-    else:
-        trainer.fit(module, datamodule=datamodule)
-    trainer.save_checkpoint(path)
-    return path
-
-
 @pytest.fixture(scope="module")
 def memorised(tmp_path_factory):
     """A byte model that learned one repeated sentence (full-batch Adam, a few seconds on CPU)."""
@@ -129,7 +109,7 @@ def memorised(tmp_path_factory):
         loss.backward()
         optimizer.step()
     assert loss.item() < 0.1
-    return save(module, tmp_path_factory.mktemp("run") / "memorised.ckpt")
+    return save_checkpoint(module, tmp_path_factory.mktemp("run") / "memorised.ckpt")
 
 
 def run_generate(args, capsys):
@@ -170,13 +150,13 @@ def test_the_checkpoint_carries_its_bpe_tokenizer(tmp_path, capsys):
 
     datamodule = TextDataModule(tokenizer="bpe", bpe_vocab_size=300, seq_len=32, cache_dir=str(tmp_path / "cache"))
     vocab = datamodule.tokenizer.vocab_size
-    path = save(small_model(vocab_size=vocab), tmp_path / "bpe.ckpt", datamodule)
+    path = save_checkpoint(small_model(vocab_size=vocab), tmp_path / "bpe.ckpt", datamodule)
     assert torch.load(path, weights_only=False)["diffexp_tokenizer"]["kind"] == "tokenizers"
     code, out, _ = run_generate([str(path), "--prompt", "Once upon", "--max-new-tokens", "5", "--device", "cpu"],
                                 capsys)
     assert code == 0 and out.strip()  # an untrained model's five BPE tokens, as text
     # saved without its tokenizer (outside a fit), a BPE model cannot be decoded by guess: it asks
-    bare = save(small_model(vocab_size=vocab), tmp_path / "bare.ckpt")
+    bare = save_checkpoint(small_model(vocab_size=vocab), tmp_path / "bare.ckpt")
     code, _, err = run_generate([str(bare), "--prompt", "Once", "--device", "cpu"], capsys)
     assert code == 2 and "saved without its tokenizer" in err and "--tokenizer" in err
     tokenizer_json = tmp_path / "tokenizer.json"

@@ -81,10 +81,14 @@ def resolve_tokenizer(checkpoint: dict, hparams: dict, flag: str | None) -> Text
                     "run's data cache_dir under tokenizers/)")
 
 
-def check_fits(tokenizer: TextTokenizer, arch: dict, prompt_ids: list[int], max_new_tokens: int) -> None:
+def check_vocab(tokenizer: TextTokenizer, arch: dict) -> None:
     if tokenizer.vocab_size > arch["vocab_size"]:
         raise UserError(f"--tokenizer: its {tokenizer.vocab_size} ids do not fit the model's "
                         f"vocab_size={arch['vocab_size']}; expected the tokenizer the model was trained with")
+
+
+def check_fits(tokenizer: TextTokenizer, arch: dict, prompt_ids: list[int], max_new_tokens: int) -> None:
+    check_vocab(tokenizer, arch)
     limit = arch["max_seq_len"]
     if len(prompt_ids) > limit:
         raise UserError(f"the prompt is {len(prompt_ids)} tokens: longer than the model's max_seq_len={limit}; "
