@@ -96,9 +96,10 @@ class NeedleOracle:
                 needle = re.search(rf"the magic number of {re.escape(city)} is (\d+)\.", text[: match.start()])
                 if needle is None:
                     continue
-                digits_at = match.end() + 1  # after "? "
-                last = bisect.bisect_right(ends, digits_at) - 1  # the prompt's last token
-                answer = self.tokenizer.encode(text[ends[last] : digits_at] + needle.group(1) + ".")
+                mark = match.end() - 1  # the "?"
+                last = bisect.bisect_right(ends, mark + 2) - 1  # the prompt's last token: the last to end by the digits
+                # the continuation: what the prompt leaves of "? " (the space, with a BPE), the number and "."
+                answer = self.tokenizer.encode("? "[ends[last] - mark :] + needle.group(1) + ".")
                 for j, token in enumerate(answer):
                     pos = last + j
                     if pos >= T or row[last + 1 : pos + 1] != answer[:j]:

@@ -70,6 +70,7 @@ def needle_main(argv: list[str]) -> int:
     from diffexp.evals.attention import attention_by_depth, attention_table
 
     model = common.load_model(checkpoint, args.checkpoint, args.device)
+    print(f"tokenizer: {tokenizer.identity} ({tokenizer.vocab_size} ids); --context-lens count its tokens")
     results = evaluate_needles(model, args.context_lens, args.depths, nr, args.samples, args.haystack, args.seed,
                                args.device, batch_size=args.batch_size, tokenizer=tokenizer)
     print(results.table())
