@@ -108,3 +108,20 @@ def test_eval_needle_on_a_bpe_checkpoint(bpe_run, capsys, tmp_path):
         main(["eval", "needle", str(bare), "--context-lens", "128", "--nr", "1,1", "--device", "cpu"])
     assert exit_.value.code == 2 and "--tokenizer" in capsys.readouterr().err
     assert not (tmp_path / "bare-eval").exists()
+
+
+def test_the_data_module_writes_needles_in_a_tokenizer_json(needle_bpe, tmp_path):
+    from diffexp.data.needle import NeedleDataModule
+    from diffexp.errors import UserError
+
+    path = tmp_path / "tokenizer.json"
+    needle_bpe.tokenizer.save(str(path))
+    dm = NeedleDataModule(context_len=256, n_needles=2, n_queries=2, haystack="synthetic", batch_size=2,
+                          train_size=2, val_size=2, tokenizer=str(path))
+    assert (dm.vocab_size, dm.eos_id) == (needle_bpe.vocab_size, needle_bpe.eos_id)
+    row, sample = dm.dataset("val")[1], list(dm.samples("val"))[1]
+    assert row["tokens"].shape == (257,) and torch.equal(row["tokens"], sample.tokens)
+    targets = row["tokens"][1:][row["loss_mask"].bool()].tolist()
+    assert needle_bpe.decode(targets) == "".join(f" {answer}." for answer in sample.answers)
+    with pytest.raises(UserError, match="data.tokenizer='/nonexistent/tokenizer.json'"):
+        NeedleDataModule(tokenizer="/nonexistent/tokenizer.json")
