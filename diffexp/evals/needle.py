@@ -79,8 +79,8 @@ class NeedleOracle:
         self._texts: dict[int, str] = {}
 
     def _text(self, token: int) -> str:
-        if token not in self._texts:
-            self._texts[token] = self.tokenizer.decode([token])
+        if token not in self._texts:  # at least one character: the end-of-document id (padding too) is "\0"
+            self._texts[token] = self.tokenizer.decode([token]) or "\0"
         return self._texts[token]
 
     def __call__(self, idx: torch.Tensor) -> torch.Tensor:
