@@ -98,6 +98,8 @@ class NeedleOracle:
                     continue
                 mark = match.end() - 1  # the "?"
                 last = bisect.bisect_right(ends, mark + 2) - 1  # the prompt's last token: the last to end by the digits
+                while not "? ".startswith(text[mark : ends[last]]):  # padding after a prompt that ends at "?"
+                    last -= 1
                 # the continuation: what the prompt leaves of "? " (the space, with a BPE), the number and "."
                 answer = self.tokenizer.encode("? "[ends[last] - mark :] + needle.group(1) + ".")
                 for j, token in enumerate(answer):
