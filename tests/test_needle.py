@@ -264,7 +264,8 @@ def test_callback_logs_during_fit_and_the_command_line_evaluates_a_checkpoint(tm
     from lightning.pytorch.loggers import TensorBoardLogger
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    from diffexp.evals.needle import NeedleEvalCallback, main
+    from diffexp.evals.needle import NeedleEvalCallback
+    from diffexp.evals.needle_cli import main
     from diffexp.training.module import DiffexpLM
 
     dm = NeedleDataModule(context_len=256, n_needles=2, n_queries=2, haystack="synthetic", batch_size=2,

@@ -149,3 +149,39 @@ def test_model_adapters():
         assert not wrapped.training
         raise RuntimeError("a failing evaluation")
     assert wrapped.training  # restored on error too
+
+
+@pytest.mark.parametrize("attention", ["diff_v2", "dint", "without a cache"])
+def test_cached_greedy_decoding_gives_the_tokens_of_rereading_the_prefix(attention):
+    from diffexp.model import Decoder
+    from diffexp.model.config import ModelConfig
+
+    torch.manual_seed(0)
+    variant = "diff_v2" if attention == "without a cache" else attention
+    decoder = Decoder(ModelConfig(attention=variant, vocab_size=50, d_model=32, n_layers=2, n_heads=2,
+                                  max_seq_len=64)).double().eval()  # float64: no near-tie flips the argmax
+    if attention == "without a cache":  # as a variant without cached decoding answers: the fallback decodes
+        def new_cache():
+            raise ValueError("attention 'x' has no decoding with a cache")
+
+        decoder.new_cache = new_cache
+    with_cache = []
+    decoder.register_forward_pre_hook(lambda module, args, kwargs: with_cache.append(kwargs.get("cache") is not None),
+                                      with_kwargs=True)
+    prompts = [torch.randint(0, 50, (n,)).tolist() for n in (5, 1, 12, 5, 9, 20, 3)]
+    max_new = [6, 4, 0, 8, 5, 7, 3]
+
+    def reread(idx):  # a plain callable: the old decoding, the whole prefix at every step
+        return decoder(idx)
+
+    expected = greedy_continuations(reread, prompts, max_new, batch_size=3)
+    assert [len(tokens) for tokens in expected] == max_new and not any(with_cache)
+    assert greedy_continuations(decoder, prompts, max_new, batch_size=3) == expected
+    assert any(with_cache) == (attention != "without a cache")
+    # stopping at a token, and at a condition on the tokens so far, the same way
+    stop_id = expected[0][2]
+    stopped = greedy_continuations(decoder, prompts, max_new, stop_id, batch_size=4)
+    assert stopped == greedy_continuations(reread, prompts, max_new, stop_id, batch_size=4)
+    assert stopped[0] == expected[0][: expected[0].index(stop_id) + 1]
+    assert (greedy_continuations(decoder, prompts, max_new, stop=lambda tokens: sum(tokens) > 40)
+            == greedy_continuations(reread, prompts, max_new, stop=lambda tokens: sum(tokens) > 40))

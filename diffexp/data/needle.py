@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import random
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Literal
 
 import lightning as L
@@ -14,16 +15,14 @@ from torch.utils.data import DataLoader, Dataset, default_collate
 
 from diffexp.data.loader import resumable_train_loader
 from diffexp.data.needle_samples import (
-    EOS_ID,
     HAYSTACKS,
-    VOCAB_SIZE,
     NeedleSample,
     check_split,
-    haystack_bytes,
     make_sample,
     min_context_len,
 )
-from diffexp.data.tokenizer import ByteTokenizer
+from diffexp.data.needle_text import token_haystack
+from diffexp.data.tokenizer import ByteTokenizer, TextTokenizer, load_tokenizer_file
 from diffexp.errors import UserError
 
 
@@ -34,10 +33,11 @@ class NeedleDataset(Dataset):
     """
 
     def __init__(self, size: int, split: str, seed: int, context_len: int, nr: list[tuple[int, int]],
-                 depth: float | None, haystack: str, loss_on: str = "answers") -> None:
+                 depth: float | None, haystack: str, loss_on: str = "answers",
+                 tokenizer: TextTokenizer | None = None) -> None:
         self.size, self.split, self.seed = size, split, seed
         self.context_len, self.nr, self.depth, self.haystack = context_len, nr, depth, haystack
-        self.loss_on = loss_on
+        self.loss_on, self.tokenizer = loss_on, tokenizer
 
     def __len__(self) -> int:
         return self.size
@@ -47,7 +47,8 @@ class NeedleDataset(Dataset):
             raise IndexError(f"index {index} out of range for {self.size} {self.split} samples")
         rng = random.Random(f"needle:{self.seed}:{self.split}:{index}")
         n, r = self.nr[0] if len(self.nr) == 1 else rng.choice(self.nr)
-        return make_sample(rng, self.context_len, n, r, self.depth, self.haystack, self.split)
+        return make_sample(rng, self.context_len, n, r, self.depth, self.haystack, self.split,
+                           tokenizer=self.tokenizer)
 
     def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
         sample = self.sample(index)
@@ -56,7 +57,7 @@ class NeedleDataset(Dataset):
 
 
 class NeedleDataModule(L.LightningDataModule):
-    """Synthetic multi-needle retrieval batches (byte tokens, vocab 257) generated on the fly.
+    """Synthetic multi-needle retrieval batches generated on the fly (byte tokens, or a tokenizer.json's).
 
     Batches are dicts ``{"tokens": (B, context_len + 1) long, "loss_mask": (B, context_len) float}``;
     the mask is 1 exactly on the answer digits and the "." after each answer, so the loss trains
@@ -81,6 +82,8 @@ class NeedleDataModule(L.LightningDataModule):
             "all" (next-token loss on every token, as a language model sees the sequence: the repeated
             haystack teaches copying early, which the retrieval then builds on). Validation always scores
             the answers, so val/loss means the same either way.
+        tokenizer: "byte" (vocab 257), or a tokenizer.json whose tokens the samples are written in (context
+            lengths then count its tokens; see ``diffexp.data.needle_text``).
     """
 
     def __init__(
@@ -97,6 +100,7 @@ class NeedleDataModule(L.LightningDataModule):
         num_workers: int = 0,
         seed: int = 1234,
         loss_on: Literal["answers", "all"] = "answers",
+        tokenizer: str = "byte",
     ) -> None:
         super().__init__()
         nr_mix = [list(p) for p in nr_mix] if nr_mix else nr_mix  # saved as lists: hparams.yaml is plain YAML
@@ -128,15 +132,21 @@ class NeedleDataModule(L.LightningDataModule):
         self.context_len, self.nr, self.depth, self.haystack = context_len, pairs, depth, haystack
         self.batch_size, self.train_size, self.val_size = batch_size, train_size, val_size
         self.num_workers, self.seed, self.loss_on = num_workers, seed, loss_on
-        self.tokenizer = ByteTokenizer()
+        if tokenizer == "byte":
+            self.tokenizer: TextTokenizer = ByteTokenizer()
+        elif Path(tokenizer).is_file():
+            self.tokenizer = load_tokenizer_file(tokenizer, tokenizer)
+        else:
+            raise UserError(f"data.tokenizer={tokenizer!r} is invalid: no such file; expected 'byte' or a "
+                            "tokenizer.json")
 
     @property
     def vocab_size(self) -> int:
-        return VOCAB_SIZE
+        return self.tokenizer.vocab_size
 
     @property
     def eos_id(self) -> int:
-        return EOS_ID
+        return self.tokenizer.eos_id
 
     @property
     def seq_len(self) -> int:
@@ -146,7 +156,8 @@ class NeedleDataModule(L.LightningDataModule):
         check_split(split)
         size = self.train_size if split == "train" else self.val_size
         loss_on = self.loss_on if split == "train" else "answers"
-        return NeedleDataset(size, split, self.seed, self.context_len, self.nr, self.depth, self.haystack, loss_on)
+        return NeedleDataset(size, split, self.seed, self.context_len, self.nr, self.depth, self.haystack, loss_on,
+                             self.tokenizer)
 
     def samples(self, split: str = "val", start: int = 0, count: int | None = None) -> Iterator[NeedleSample]:
         """The samples of a split with their metadata, in index order (the same as the batches)."""
@@ -158,12 +169,13 @@ class NeedleDataModule(L.LightningDataModule):
     def describe(self) -> str:
         pairs = ", ".join(f"N={n} R={r}" for n, r in self.nr)
         depth = "random" if self.depth is None else f"{self.depth:g}"
-        return (f"needles ({pairs}) in a {self.haystack} haystack | context {self.context_len} byte tokens | "
+        tokens = f"{self.tokenizer.identity} tokens"
+        return (f"needles ({pairs}) in a {self.haystack} haystack | context {self.context_len} {tokens} | "
                 f"answer depth {depth} | train {self.train_size}, val {self.val_size} samples (held-out cities "
                 f"and numbers) | training loss on {self.loss_on}")
 
     def setup(self, stage: str | None = None) -> None:
-        haystack_bytes(self.haystack, "train")  # load the corpus once, before workers fork
+        token_haystack(self.haystack, "train", self.tokenizer)  # load the corpus once, before workers fork
 
     def train_dataloader(self) -> DataLoader:
         trainer = self.trainer

@@ -1,5 +1,6 @@
-"""Multi-needle retrieval sequences (Needle-in-a-Haystack, after LWM / Gemini 1.5): the haystacks and the
-generation of one sample. Batches of them for training are ``diffexp.data.needle.NeedleDataModule``.
+"""Multi-needle retrieval sequences (Needle-in-a-Haystack, after LWM / Gemini 1.5): the generation of one
+sample. Its text and tokens (templates, cities, haystacks, tokenizers) are ``diffexp.data.needle_text``;
+batches of samples for training are ``diffexp.data.needle.NeedleDataModule`` (byte tokens).
 
 A *needle* gives a city a unique number::
 
@@ -11,15 +12,22 @@ sentences); ``R`` of the cities are asked for at the end, each question followed
     <eos>...haystack...the magic number of Valdoren is 48213.\\n...haystack...
     what is the magic number of Valdoren? 48213.
 
-Layout of one sample (byte tokens, vocab 257, id 256 = end of document), ``context_len + 1`` tokens:
-``tokens[0]`` is the end-of-document id (a document boundary), ``tokens[1 : 1 + H]`` is the haystack
-region holding every needle, and ``tokens[1 + H :]`` is the query region (``"\\nwhat is the magic
-number of <city>? <number>."`` per query). The model reads ``tokens[:-1]`` (``context_len`` tokens)
-and predicts ``tokens[1:]``; the loss mask selects the answer digits and the ``.`` after them.
+Layout of one sample, ``context_len + 1`` tokens of the chosen tokenizer (default: bytes, vocab 257, id
+256 = end of document): ``tokens[0]`` is the tokenizer's end-of-document id (a document boundary),
+``tokens[1 : 1 + H]`` is the haystack region holding every needle, and ``tokens[1 + H :]`` is the query
+region (``"\\nwhat is the magic number of <city>? <number>."`` per query). The model reads ``tokens[:-1]``
+(``context_len`` tokens) and predicts ``tokens[1:]``; the loss mask selects the answer's tokens: the
+digits and the ``.`` after them (with a BPE, the token holding the digits may also hold the space before
+them, and the prompt then ends at ``?``).
+
+Every piece (a haystack window, a needle with its separator, a question with its answer) is tokenized on
+its own and the pieces' tokens are concatenated: lengths and spans are exact in tokens, and a needle is
+the same tokens at every depth. With a BPE the seams may differ from a tokenization of the whole text
+(``diffexp.data.needle_text`` chooses them where its pre-tokenizer would split anyway).
 
 Depth: the answer needles (the queried ones, kept together as one block in random order) start at
 ``round(depth * (H - L))`` of the haystack region, ``L`` being the block's length, so depth 0 puts
-them first and depth 1 last; needle cut points are then snapped (by at most 16 bytes) to a line start
+them first and depth 1 last; needle cut points are then snapped (by at most 16 tokens) to a line start
 (corpus) or a sentence start (synthetic). The other needles go to random places before or after.
 
 Held-out split: a city or number is *held out* when ``crc32(str) % 5 == 0``. Training samples use only
@@ -37,142 +45,40 @@ question text holds no number.
 from __future__ import annotations
 
 import random
-import zlib
 from dataclasses import dataclass, field
-from functools import cache
 from typing import Literal
 
+import numpy as np
 import torch
 
-from diffexp.data.tokenizer import ByteTokenizer
-from diffexp.errors import UserError
+from diffexp.data.needle_text import (
+    HAYSTACKS,
+    MAX_NEEDLE_PIECE,
+    MAX_SNAP,
+    NEEDLE_TEMPLATE,
+    QUESTION_TEMPLATE,
+    SEPARATORS,
+    SPLITS,
+    WINDOW_SEARCH,
+    TokenHaystack,
+    check_split,
+    encode,
+    haystack_bytes,
+    is_held_out,
+    min_context_len,
+    random_city,
+    random_number,
+    separator_first,
+    token_haystack,
+)
+from diffexp.data.tokenizer import ByteTokenizer, TextTokenizer
+
+# the names the data module, the evaluation and the tests use, from where they always came
+__all__ = ["EOS_ID", "VOCAB_SIZE", "HAYSTACKS", "MAX_SNAP", "SPLITS", "NeedleSample", "check_split", "haystack_bytes",
+           "is_held_out", "make_sample", "min_context_len"]
 
 EOS_ID = ByteTokenizer.eos_id
 VOCAB_SIZE = ByteTokenizer.vocab_size
-NEEDLE_TEMPLATE = "the magic number of {city} is {number}."
-QUESTION_TEMPLATE = "what is the magic number of {city}? "
-SPLITS = ("train", "val", "test")
-HAYSTACKS = ("corpus", "synthetic")
-HELD_OUT_MODULUS = 5  # held out: crc32(text) % 5 == 0, i.e. about 20 % of cities and numbers
-MAX_SNAP = 16  # bytes a needle may move to start at a line / sentence boundary
-CORPUS_CHARS = 2_000_000  # corpus characters used for haystacks (the first files of the stdlib corpus)
-CORPUS_TRAIN_FRACTION = 0.9
-
-# Pronounceable synthetic city names: 2-3 syllables of onset + vowel + optional coda, capitalised.
-ONSETS = ("b", "d", "f", "g", "k", "l", "m", "n", "p", "r", "s", "t", "v", "z",
-          "br", "dr", "gr", "kr", "tr", "st", "sh", "th")
-VOWELS = ("a", "e", "i", "o", "u")
-CODAS = ("", "", "n", "r", "l", "s")
-MAX_CITY_LEN = 3 * (2 + 1 + 1)
-MIN_DIGITS, MAX_DIGITS = 4, 6
-MAX_NEEDLE_PIECE = len(NEEDLE_TEMPLATE.format(city="", number="")) + MAX_CITY_LEN + MAX_DIGITS + 1  # + separator
-MAX_QUERY_PIECE = 1 + len(QUESTION_TEMPLATE.format(city="")) + MAX_CITY_LEN + MAX_DIGITS + 1  # "\n" ... "."
-
-# Filler of the synthetic haystack (the passkey-retrieval sentences of Mohtashami & Jaggi, LWM).
-FILLER_SENTENCES = (
-    "The grass is green.", "The sky is blue.", "The sun is yellow.", "Here we go.", "There and back again.",
-    "The river flows to the sea.", "Birds sing in the morning.", "The road goes ever on.",
-)
-
-
-def is_held_out(text: str) -> bool:
-    """Whether a city name or a number (as a decimal string) belongs to the held-out split."""
-    return zlib.crc32(text.encode()) % HELD_OUT_MODULUS == 0
-
-
-def check_split(split: str) -> None:
-    if split not in SPLITS:
-        raise ValueError(f"split={split!r} is invalid: expected one of {', '.join(SPLITS)}")
-
-
-def random_city(rng: random.Random, split: str) -> str:
-    """A synthetic city name of the split (held out for "val" and "test", never held out for "train")."""
-    check_split(split)
-    while True:
-        syllables = rng.choice((2, 2, 3))
-        name = "".join(rng.choice(ONSETS) + rng.choice(VOWELS) + rng.choice(CODAS) for _ in range(syllables))
-        name = name.capitalize()
-        if is_held_out(name) == (split != "train"):
-            return name
-
-
-def random_number(rng: random.Random, split: str) -> str:
-    """A 4-6 digit number (no leading zero) of the split, as a string."""
-    check_split(split)
-    while True:
-        digits = rng.randint(MIN_DIGITS, MAX_DIGITS)
-        number = str(rng.randrange(10 ** (digits - 1), 10**digits))
-        if is_held_out(number) == (split != "train"):
-            return number
-
-
-def min_context_len(n_needles: int, n_queries: int) -> int:
-    """Smallest context_len that fits N needles and R queries (at their longest) with room to place them."""
-    distractor_room = MAX_NEEDLE_PIECE if n_needles > n_queries else 0
-    return 1 + n_queries * MAX_QUERY_PIECE + n_needles * MAX_NEEDLE_PIECE + distractor_room + 16
-
-
-# ----------------------------------------------------------------------------- haystacks
-
-
-@cache
-def haystack_bytes(haystack: str, split: str) -> bytes:
-    """The text haystack windows are cut from (cached per process)."""
-    check_split(split)
-    if haystack == "synthetic":
-        rng = random.Random("needle-filler")  # same filler for both splits: it holds no needle
-        return " ".join(rng.choice(FILLER_SENTENCES) for _ in range(20_000)).encode() + b" "
-    if haystack != "corpus":
-        raise UserError(f"haystack={haystack!r} is invalid: expected one of {', '.join(HAYSTACKS)}")
-    from diffexp.data.corpus import load_stdlib_corpus
-
-    text = "\n".join(load_stdlib_corpus(CORPUS_CHARS)).encode("utf-8")
-    cut = text.index(b"\n", int(len(text) * CORPUS_TRAIN_FRACTION)) + 1
-    return text[:cut] if split == "train" else text[cut:]
-
-
-def _is_boundary(filler: bytes, i: int, haystack: str) -> bool:
-    if i <= 0 or i >= len(filler):
-        return True
-    if haystack == "corpus":
-        return filler[i - 1] == 0x0A  # after "\n"
-    return filler[i - 1] == 0x20 and i >= 2 and filler[i - 2] == 0x2E  # after ". "
-
-
-def _snap(cuts: list[int], filler: bytes, haystack: str) -> list[int]:
-    """Move each cut point to the nearest boundary within MAX_SNAP bytes, keeping them non-decreasing."""
-    out: list[int] = []
-    for c in cuts:
-        lo = out[-1] if out else 0
-        best = None
-        for delta in range(MAX_SNAP + 1):
-            for cand in (c - delta, c + delta):
-                if lo <= cand <= len(filler) and _is_boundary(filler, cand, haystack):
-                    best = cand
-                    break
-            if best is not None:
-                break
-        out.append(best if best is not None else max(c, lo))
-    return out
-
-
-def _filler_window(rng: random.Random, source: bytes, length: int, haystack: str) -> bytes:
-    if length == 0:
-        return b""
-    if len(source) < length + 1:
-        raise ValueError(f"the {haystack} haystack has {len(source)} bytes, fewer than the {length} needed")
-    start = rng.randrange(0, len(source) - length)
-    # start at a line (corpus) or sentence (synthetic) boundary when one is close
-    sep = b"\n" if haystack == "corpus" else b". "
-    nxt = source.find(sep, start, start + 200)
-    if nxt != -1 and nxt + len(sep) + length <= len(source):
-        start = nxt + len(sep)
-    return source[start : start + length]
-
-
-# ----------------------------------------------------------------------------- samples
-
-
 Span = tuple[int, int]
 
 
@@ -182,17 +88,19 @@ class NeedleSample:
 
     Attributes:
         tokens: (context_len + 1,) long token ids; the model reads ``tokens[:-1]``.
-        answer_spans: the number inside each answer needle, in query order.
+        answer_spans: the number inside each answer needle, in query order (the tokens overlapping it).
         answer_needle_spans: the whole sentence of each answer needle, in query order.
         needle_spans: every needle sentence, in order of position.
         query_start: first index of the query region (its leading "\\n").
-        query_spans: each question, "what is the magic number of <city>? " (ends with the space).
+        query_spans: each question, "what is the magic number of <city>? " (up to the answer's tokens).
         answers: the answer number of each query, in query order.
         cities: the queried cities, in query order.
         needle_cities / needle_numbers: every needle's city and number, in order of position.
         candidates: the numbers present in the context (= needle_numbers), the choices of the ranking.
-        answer_target_positions: per query, the indices of the answer digits and the "." after them;
-            ``answer_target_positions[k][0] - 1`` is the prompt's last position (the query row).
+        answer_target_positions: per query, the indices of the answer's tokens (the digits and the "."
+            after them); ``answer_target_positions[k][0] - 1`` is the prompt's last position (the query row).
+        answer_prefixes: per query, the text the answer's tokens hold before the digits: "" for bytes,
+            " " for a BPE that merges the space after "?" into the number.
         depth: the answer depth used (drawn uniformly when None was asked).
         haystack_len: H, the haystack region is ``tokens[1 : 1 + H]``.
     """
@@ -209,6 +117,7 @@ class NeedleSample:
     needle_numbers: list[str]
     candidates: list[str]
     answer_target_positions: list[list[int]]
+    answer_prefixes: list[str]
     depth: float
     haystack_len: int
     split: str = "train"
@@ -220,19 +129,60 @@ class NeedleSample:
 
     @property
     def query_positions(self) -> list[int]:
-        """Per query, the position whose next-token prediction is the answer's first digit."""
+        """Per query, the position whose next-token prediction is the answer's first token."""
         return [positions[0] - 1 for positions in self.answer_target_positions]
 
     def loss_mask(self) -> torch.Tensor:
-        """(context_len,) float mask over the targets ``tokens[1:]``: 1 on answer digits and their "."."""
+        """(context_len,) float mask over the targets ``tokens[1:]``: 1 on the answers' tokens."""
         mask = torch.zeros(self.context_len, dtype=torch.float32)
         for positions in self.answer_target_positions:
             mask[torch.tensor(positions) - 1] = 1.0
         return mask
 
-    def text(self) -> str:
-        """The sequence as text (the end-of-document id shown as ``<eos>``)."""
-        return "".join("<eos>" if t == EOS_ID else chr(t) for t in self.tokens.tolist())
+    def text(self, tokenizer: TextTokenizer | None = None) -> str:
+        """The sequence as text (the end-of-document id shown as ``<eos>``); bytes unless told otherwise."""
+        return "<eos>" + (tokenizer or ByteTokenizer()).decode(self.tokens[1:].tolist())
+
+
+@dataclass
+class _Needle:
+    """A needle with its separator, tokenized; spans relative to its first token."""
+
+    ids: list[int]
+    sentence: Span
+    number: Span
+
+
+@dataclass
+class _Query:
+    """A question with its answer, tokenized; spans relative to its first token."""
+
+    ids: list[int]
+    question: Span
+    answer: Span
+    prefix: str
+    text: str
+
+
+def _needle(tokenizer: TextTokenizer, city: str, number: str, sep: str) -> _Needle:
+    sentence = NEEDLE_TEMPLATE.format(city=city, number=number)
+    first = separator_first(tokenizer)
+    at = len(sep) if first else 0
+    encoded = encode(tokenizer, sep + sentence if first else sentence + sep)
+    number_at = at + len(sentence) - len(number) - 1  # the sentence ends with "<number>."
+    return _Needle(encoded.ids, encoded.overlapping(at, at + len(sentence)),
+                   encoded.overlapping(number_at, number_at + len(number)))
+
+
+def _query(tokenizer: TextTokenizer, city: str, number: str) -> _Query:
+    question = "\n" + QUESTION_TEMPLATE.format(city=city)
+    text = question + number + "."
+    encoded = encode(tokenizer, text)  # one piece: "? 48213" tokenized as in running text
+    first, end = encoded.overlapping(len(question), len(text))
+    if first == 0 or end != len(encoded.ids):
+        raise ValueError(f"the tokenizer merges the question {question!r} into its answer {number!r}.")
+    prefix = text[encoded.ends[first - 1] : len(question)]  # what the answer's tokens add before the digits
+    return _Query(encoded.ids, (encoded.overlapping(1, len(question))[0], first), (first, end), prefix, question)
 
 
 def make_sample(
@@ -244,6 +194,7 @@ def make_sample(
     haystack: Literal["corpus", "synthetic"],
     split: Literal["train", "val", "test"],
     max_tries: int = 200,
+    tokenizer: TextTokenizer | None = None,
 ) -> NeedleSample:
     """Generate one multi-needle sequence from ``rng`` (pure: same rng state, same sample).
 
@@ -256,6 +207,7 @@ def make_sample(
         haystack: "corpus" (windows of the stdlib text) or "synthetic" (repeated filler sentences).
         split: "train" (cities/numbers not held out), or "val" / "test" (held-out cities/numbers only).
         max_tries: rejection-sampling attempts before giving up (a leak check failed every time).
+        tokenizer: the model's tokenizer (a ByteTokenizer or an HFTokenizer); default bytes.
     """
     check_split(split)
     if haystack not in HAYSTACKS:
@@ -267,16 +219,50 @@ def make_sample(
     if context_len < min_context_len(n_needles, n_queries):
         raise ValueError(f"context_len={context_len} is too short for {n_needles} needles and {n_queries} "
                          f"queries: expected >= {min_context_len(n_needles, n_queries)}")
-    source = haystack_bytes(haystack, split)
-    sep = b"\n" if haystack == "corpus" else b" "
+    tokenizer = tokenizer or ByteTokenizer()
+    source = token_haystack(haystack, split, tokenizer)
     for _ in range(max_tries):
-        sample = _try_sample(rng, source, context_len, n_needles, n_queries, depth, haystack, split, sep)
+        sample = _try_sample(rng, source, tokenizer, context_len, n_needles, n_queries, depth, haystack, split)
         if sample is not None:
             return sample
     raise RuntimeError(f"could not generate a leak-free needle sample in {max_tries} tries")
 
 
-def _try_sample(rng, source, context_len, n_needles, n_queries, depth, haystack, split, sep) -> NeedleSample | None:
+def _filler_window(rng: random.Random, source: TokenHaystack, length: int, haystack: str) -> tuple[list[int], set]:
+    """``length`` haystack tokens and the boundaries inside them (relative indices)."""
+    if length == 0:
+        return [], set()
+    if len(source) < length + 1:
+        raise ValueError(f"the {haystack} haystack has {len(source)} tokens, fewer than the {length} needed")
+    start = rng.randrange(0, len(source) - length)
+    # start at a line (corpus) or sentence (synthetic) boundary when one is close
+    k = int(np.searchsorted(source.markers, source.cut_offsets[start]))
+    if k < len(source.boundaries):
+        boundary = int(source.boundaries[k])
+        if boundary <= start + WINDOW_SEARCH and boundary + length <= len(source):
+            start = boundary
+    return source.ids[start : start + length].tolist(), source.boundaries_within(start, length)
+
+
+def _snap(cuts: list[int], boundaries: set, length: int) -> list[int]:
+    """Move each cut point to the nearest boundary within MAX_SNAP tokens, keeping them non-decreasing."""
+    out: list[int] = []
+    for c in cuts:
+        lo = out[-1] if out else 0
+        best = None
+        for delta in range(MAX_SNAP + 1):
+            for cand in (c - delta, c + delta):
+                if lo <= cand <= length and (cand <= 0 or cand >= length or cand in boundaries):
+                    best = cand
+                    break
+            if best is not None:
+                break
+        out.append(best if best is not None else max(c, lo))
+    return out
+
+
+def _try_sample(rng, source, tokenizer, context_len, n_needles, n_queries, depth, haystack,
+                split) -> NeedleSample | None:
     cities: list[str] = []
     while len(cities) < n_needles:
         city = random_city(rng, split)
@@ -288,20 +274,17 @@ def _try_sample(rng, source, context_len, n_needles, n_queries, depth, haystack,
         if all(number not in n and n not in number for n in numbers):
             numbers.append(number)
     # needles 0..R-1 are the answers (in block order); query order is a separate shuffle
-    sentences = [NEEDLE_TEMPLATE.format(city=c, number=n).encode() for c, n in zip(cities, numbers)]
-    pieces = [s + sep for s in sentences]
+    pieces = [_needle(tokenizer, c, n, SEPARATORS[haystack]) for c, n in zip(cities, numbers)]
     query_order = list(range(n_queries))
     rng.shuffle(query_order)
 
-    query_parts = [(b"\n" + QUESTION_TEMPLATE.format(city=cities[k]).encode(), (numbers[k] + ".").encode())
-                   for k in query_order]
-    query_len = sum(len(q) + len(a) for q, a in query_parts)
-    H = context_len - query_len  # haystack region: tokens[1 : 1 + H]
-    answer_len = sum(len(p) for p in pieces[:n_queries])
+    queries = [_query(tokenizer, cities[k], numbers[k]) for k in query_order]
+    H = context_len - sum(len(q.ids) for q in queries)  # haystack region: tokens[1 : 1 + H]
+    answer_len = sum(len(p.ids) for p in pieces[:n_queries])
     distractors = list(range(n_queries, n_needles))
     rng.shuffle(distractors)
-    distractor_len = sum(len(pieces[i]) for i in distractors)
-    F = H - answer_len - distractor_len  # filler bytes
+    distractor_len = sum(len(pieces[i].ids) for i in distractors)
+    F = H - answer_len - distractor_len  # filler tokens
     if F < 0 or (distractors and F < MAX_NEEDLE_PIECE):
         return None
     used_depth = rng.random() if depth is None else float(depth)
@@ -311,67 +294,60 @@ def _try_sample(rng, source, context_len, n_needles, n_queries, depth, haystack,
     after_room = H - answer_len - P
     prefix = [0]
     for i in distractors:
-        prefix.append(prefix[-1] + len(pieces[i]))
+        prefix.append(prefix[-1] + len(pieces[i].ids))
     feasible = [k for k, s in enumerate(prefix) if s <= P and distractor_len - s <= after_room]
     if not feasible:
         return None
     k_before = rng.choice(feasible)
     before, after = distractors[:k_before], distractors[k_before:]
-    filler_before = P - prefix[k_before]  # filler bytes before the block
+    filler_before = P - prefix[k_before]  # filler tokens before the block
     # random filler cut points for the distractors on each side
     cuts_before = sorted(rng.randint(0, filler_before) for _ in before)
     cuts_after = sorted(rng.randint(filler_before, F) for _ in after)
     order = before + ["block"] + after
     cuts = cuts_before + [filler_before] + cuts_after
-    filler = _filler_window(rng, source, F, haystack)
-    cuts = _snap(cuts, filler, haystack)
+    filler, boundaries = _filler_window(rng, source, F, haystack)
+    cuts = _snap(cuts, boundaries, F)
 
     # assemble
-    tokens: list[int] = [EOS_ID]
+    tokens: list[int] = [tokenizer.eos_id]
     needle_spans: dict[int, Span] = {}
+    number_spans: dict[int, Span] = {}
     prev = 0
     for item, cut in zip(order, cuts):
         tokens.extend(filler[prev:cut])
         prev = cut
         for i in (range(n_queries) if item == "block" else [item]):
             start = len(tokens)
-            tokens.extend(sentences[i])
-            needle_spans[i] = (start, len(tokens))
-            tokens.extend(sep)
+            tokens.extend(pieces[i].ids)
+            needle_spans[i] = (start + pieces[i].sentence[0], start + pieces[i].sentence[1])
+            number_spans[i] = (start + pieces[i].number[0], start + pieces[i].number[1])
     tokens.extend(filler[prev:])
     assert len(tokens) == 1 + H, (len(tokens), H)
-    haystack_region = bytes(tokens[1:])
+    haystack_text = tokenizer.decode(tokens[1:])
     query_start = len(tokens)
     query_spans, target_positions = [], []
-    for question, answer in query_parts:
-        query_spans.append((len(tokens) + 1, len(tokens) + len(question)))
-        tokens.extend(question)
-        target_positions.append(list(range(len(tokens), len(tokens) + len(answer))))
-        tokens.extend(answer)
+    for query in queries:
+        start = len(tokens)
+        query_spans.append((start + query.question[0], start + query.question[1]))
+        target_positions.append(list(range(start + query.answer[0], start + query.answer[1])))
+        tokens.extend(query.ids)
     assert len(tokens) == context_len + 1
 
     # leak checks: each city / number once in the haystack region, no stray "magic number"
-    if haystack_region.count(b"magic number") != n_needles:
+    if haystack_text.count("magic number") != n_needles:
         return None
     for c, n in zip(cities, numbers):
-        if haystack_region.count(c.encode()) != 1 or haystack_region.count(n.encode()) != 1:
+        if haystack_text.count(c) != 1 or haystack_text.count(n) != 1:
             return None
-    questions = b"".join(q for q, _ in query_parts)
-    if any(ch in b"0123456789" for ch in questions):
+    if any(ch.isdigit() for query in queries for ch in query.text):
         return None
 
-    number_offset = len(NEEDLE_TEMPLATE.split("{number}")[0].format(city=""))
-    answer_spans, answer_needle_spans = [], []
-    for k in query_order:
-        start, end = needle_spans[k]
-        num_start = start + number_offset + len(cities[k])
-        answer_spans.append((num_start, num_start + len(numbers[k])))
-        answer_needle_spans.append((start, end))
     by_position = sorted(range(n_needles), key=lambda i: needle_spans[i][0])
     return NeedleSample(
         tokens=torch.tensor(tokens, dtype=torch.long),
-        answer_spans=answer_spans,
-        answer_needle_spans=answer_needle_spans,
+        answer_spans=[number_spans[k] for k in query_order],
+        answer_needle_spans=[needle_spans[k] for k in query_order],
         needle_spans=[needle_spans[i] for i in by_position],
         query_start=query_start,
         query_spans=query_spans,
@@ -381,6 +357,7 @@ def _try_sample(rng, source, context_len, n_needles, n_queries, depth, haystack,
         needle_numbers=[numbers[i] for i in by_position],
         candidates=[numbers[i] for i in by_position],
         answer_target_positions=target_positions,
+        answer_prefixes=[query.prefix for query in queries],
         depth=used_depth,
         haystack_len=H,
         split=split,

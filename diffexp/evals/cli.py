@@ -278,7 +278,7 @@ def _run(argv: list[str]) -> int:
         raise UserError(f"diffexp eval TASK: got {given}; expected one of {', '.join(TASKS)} "
                         "(`diffexp eval --help` describes them)")
     if argv[0] == "needle":
-        from diffexp.evals.needle import needle_main
+        from diffexp.evals.needle_cli import needle_main
 
         return needle_main(argv[1:])
     if argv[0] == "harness":

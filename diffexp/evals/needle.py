@@ -1,25 +1,35 @@
-"""Multi-needle retrieval grid (the papers' Needle-in-a-Haystack figure and N/R table).
+"""Multi-needle retrieval grid (the papers' Needle-in-a-Haystack figure and N/R table), zero-shot on any
+tokenizer.
 
 For every cell (context length, answer depth, N needles, R queries), ``samples`` sequences are drawn
-from ``diffexp.data.needle_samples.make_sample`` with held-out cities and numbers (split "val"), and each
+from ``diffexp.data.needle_samples.make_sample`` with held-out cities and numbers (split "val"), rendered
+as text and tokenized with the model's tokenizer (bytes by default; lengths count its tokens), and each
 asked city is scored two ways:
 
-* ``greedy``: the model decodes greedily after the question prompt (``... what is the magic number of
-  <city>? ``) until it emits ``.`` (at most ``len(answer) + 1`` tokens: anything longer is wrong);
-  exact match of the decoded digits with the answer. With R > 1, the prompt of query k holds the
-  earlier questions with their correct answers.
-* ``rank``: the log-likelihood (summed over the digits and the closing ``.``) of every number present
-  in the context as the continuation of the prompt; correct when the answer scores highest.
-  Chance is 1/N.
+* ``greedy``: the model decodes greedily (with its KV cache) after the question prompt (``... what is the
+  magic number of <city>? `` up to the answer's first token: with a BPE that merges the space into the
+  number, up to ``?``) until the decoded text holds a ``.`` (a BPE may merge it into a longer token), at
+  most one token per character of the expected continuation (anything longer is wrong); exact match of
+  the text before the ``.`` with the answer (and the space the answer's tokens start with). With R > 1,
+  the prompt of query k holds the earlier questions with their correct answers.
+* ``rank``: the log-likelihood (summed over the tokens of ``<number>.``) of every number present in the
+  context as the continuation of the prompt; correct when the answer scores highest. Chance is 1/N.
+  Each candidate's continuation (``" 48213."`` when the answer's tokens start with the space) is tokenized
+  on its own, not together with the prompt: that way every candidate follows the very same prompt tokens
+  (a joint tokenization could merge the prompt's last token with the candidate and change the prompt per
+  candidate), and for tokenizers that split text before a number (GPT-2 style pre-tokenizers: ``?`` |
+  `` 48213`` | ``.``) it is the tokenization the number would have in running text.
 
 Accuracy per cell is the mean over samples and asked cities. ``model`` may be a ``Decoder``, a
 ``DiffexpLM`` or any callable ``(idx: LongTensor (B, T)) -> logits (B, T, vocab)`` that is causal
 (the logits at t depend on idx[:, : t + 1] only); ``NeedleOracle`` is such a callable that copies
-the answer from the context (it scores 1.0 with both methods).
+the answer from the context (it scores 1.0 with both methods). ``diffexp eval needle`` is
+``diffexp.evals.needle_cli``.
 """
 
 from __future__ import annotations
 
+import bisect
 import itertools
 import random
 import re
@@ -29,11 +39,11 @@ from pathlib import Path
 import lightning as L
 import torch
 
-from diffexp.data.needle_samples import EOS_ID, VOCAB_SIZE, NeedleSample, make_sample, min_context_len
+from diffexp.data.needle_samples import NeedleSample, make_sample, min_context_len
+from diffexp.data.tokenizer import ByteTokenizer, TextTokenizer
 from diffexp.evals import refuse_sharded_model
 from diffexp.evals.needle_results import METHODS, NeedleResults
 from diffexp.evals.scoring import (
-    LogitsFn,
     as_logits_fn,
     best_candidates,
     continuation_logprobs,
@@ -44,7 +54,6 @@ from diffexp.evals.scoring import (
 
 DEFAULT_DEPTHS = (0.0, 0.25, 0.5, 0.75, 1.0)
 DEFAULT_NR = ((1, 1), (2, 2), (4, 2), (6, 2))
-DOT = ord(".")
 
 
 # ----------------------------------------------------------------------------- oracle
@@ -53,74 +62,99 @@ DOT = ord(".")
 class NeedleOracle:
     """A causal "model" that answers every needle question by copying the number from the context.
 
-    At the position right after ``what is the magic number of <city>? `` (and after each correct digit
-    so far) it puts ``confidence`` on the next character of ``<number>.`` read from the needle
-    ``the magic number of <city> is <number>.`` earlier in the row; everywhere else the logits are 0.
+    After ``what is the magic number of <city>?`` (the prompt: the tokens that end by the answer's digits,
+    so the space after "?" too for bytes) and after each correct token so far, it puts ``confidence`` on
+    the next token of the continuation ``<number>.`` (tokenized on its own, with whatever the prompt left
+    before the digits) read from the needle ``the magic number of <city> is <number>.`` earlier in the
+    row; everywhere else the logits are 0. Rows are read as text through ``tokenizer`` (default bytes).
     """
 
-    _question = re.compile(rb"what is the magic number of (\w+)\? ")
+    _question = re.compile(r"what is the magic number of (\w+)\?")
 
-    def __init__(self, vocab_size: int = VOCAB_SIZE, confidence: float = 30.0) -> None:
-        self.vocab_size, self.confidence = vocab_size, confidence
+    def __init__(self, tokenizer: TextTokenizer | None = None, confidence: float = 30.0,
+                 vocab_size: int | None = None) -> None:
+        self.tokenizer = tokenizer or ByteTokenizer()
+        self.vocab_size = vocab_size or self.tokenizer.vocab_size
+        self.confidence = confidence
+        self._texts: dict[int, str] = {}
+
+    def _text(self, token: int) -> str:
+        if token not in self._texts:  # at least one character: the end-of-document id (padding too) is "\0"
+            self._texts[token] = self.tokenizer.decode([token]) or "\0"
+        return self._texts[token]
 
     def __call__(self, idx: torch.Tensor) -> torch.Tensor:
         B, T = idx.shape
         logits = torch.zeros(B, T, self.vocab_size)
         for b in range(B):
-            row = bytes(t if t < 256 else 0 for t in idx[b].tolist())
-            for match in self._question.finditer(row):
+            row = idx[b].tolist()
+            pieces = [self._text(t) for t in row]
+            ends = list(itertools.accumulate(len(piece) for piece in pieces))  # text offset after each token
+            text = "".join(pieces)
+            for match in self._question.finditer(text):
                 city = match.group(1)
-                needle = re.search(rb"the magic number of " + re.escape(city) + rb" is (\d+)\.", row[: match.start()])
+                needle = re.search(rf"the magic number of {re.escape(city)} is (\d+)\.", text[: match.start()])
                 if needle is None:
                     continue
-                answer = needle.group(1) + b"."
-                prompt_end = match.end() - 1  # the space after "?"
-                for j, char in enumerate(answer):
-                    pos = prompt_end + j
-                    if pos >= T or row[prompt_end + 1 : pos + 1] != answer[:j]:
+                mark = match.end() - 1  # the "?"
+                last = bisect.bisect_right(ends, mark + 2) - 1  # the prompt's last token: the last to end by the digits
+                while not "? ".startswith(text[mark : ends[last]]):  # padding after a prompt that ends at "?"
+                    last -= 1
+                # the continuation: what the prompt leaves of "? " (the space, with a BPE), the number and "."
+                answer = self.tokenizer.encode("? "[ends[last] - mark :] + needle.group(1) + ".")
+                for j, token in enumerate(answer):
+                    pos = last + j
+                    if pos >= T or row[last + 1 : pos + 1] != answer[:j]:
                         break
-                    logits[b, pos, char] = self.confidence
+                    logits[b, pos, token] = self.confidence
         return logits.to(idx.device)
 
 
 # ----------------------------------------------------------------------------- scoring
 
 
-def greedy_answers(logits_fn: LogitsFn, prompts: list[list[int]], max_new: list[int], device="cpu",
-                   batch_size: int = 16) -> list[str]:
-    """Greedy decoding after each prompt until "." or ``max_new`` tokens; returns the text before ".".
-
-    A row that stops without a "." returns its text followed by "<no stop>".
-    """
+def greedy_answers(model, prompts: list[list[int]], max_new: list[int], device="cpu", batch_size: int = 16,
+                   tokenizer: TextTokenizer | None = None) -> list[str]:
+    """Greedy decoding after each prompt until the text holds a "." or ``max_new`` tokens; returns the text
+    before the ".". A row that stops without a "." returns its text followed by "<no stop>"."""
+    tokenizer = tokenizer or ByteTokenizer()
     outputs = []
-    for tokens in greedy_continuations(logits_fn, prompts, max_new, DOT, device, batch_size, pad_id=EOS_ID):
-        text = bytes(t for t in tokens if t < 256).decode("latin-1")
-        outputs.append(text[:-1] if tokens and tokens[-1] == DOT else text + "<no stop>")
+    for tokens in greedy_continuations(model, prompts, max_new, device=device, batch_size=batch_size,
+                                       pad_id=tokenizer.eos_id, stop=lambda ids: "." in tokenizer.decode(ids)):
+        text = tokenizer.decode(tokens)
+        outputs.append(text[: text.index(".")] if "." in text else text + "<no stop>")
     return outputs
 
 
 def score_samples(model, samples: Sequence[NeedleSample], methods: Sequence[str] = METHODS, device="cpu",
-                  batch_size: int = 16) -> list[dict]:
-    """Score every asked city of every sample; one record per (sample, query)."""
+                  batch_size: int = 16, tokenizer: TextTokenizer | None = None) -> list[dict]:
+    """Score every asked city of every sample (made with ``tokenizer``); one record per (sample, query)."""
+    tokenizer = tokenizer or ByteTokenizer()
     logits_fn, max_len = as_logits_fn(model), model_max_seq_len(model)
-    prompts, answers, meta = [], [], []
+    prompts, answers, prefixes, meta = [], [], [], []
     for s_index, sample in enumerate(samples):
         tokens = sample.tokens.tolist()
-        for q, (answer, positions) in enumerate(zip(sample.answers, sample.answer_target_positions)):
+        for q, positions in enumerate(sample.answer_target_positions):
             prompts.append(tokens[: positions[0]])
-            answers.append(answer)
+            answers.append(sample.answers[q])
+            prefixes.append(sample.answer_prefixes[q])
             meta.append((s_index, q))
     greedy: list[str | None] = [None] * len(prompts)
     choices: list[str | None] = [None] * len(prompts)
     with evaluating(getattr(model, "model", model)):
         if "greedy" in methods:
-            greedy = greedy_answers(logits_fn, prompts, [len(a) + 1 for a in answers], device, batch_size)
-        if "rank" in methods:  # every number in the context, as the continuation "<number>."
+            # a right answer takes at most one token per character of "<prefix><number>.", within the model
+            limits = [len(prefix + answer) + 1 for prefix, answer in zip(prefixes, answers)]
+            if max_len is not None:
+                limits = [min(limit, max_len + 1 - len(prompt)) for limit, prompt in zip(limits, prompts)]
+            greedy = greedy_answers(model, prompts, limits, device, batch_size, tokenizer)
+        if "rank" in methods:  # every number in the context, as the continuation "<prefix><number>."
             candidates = [samples[s_index].candidates for s_index, _ in meta]
             pair_prompts = [prompt for prompt, cands in zip(prompts, candidates) for _ in cands]
-            continuations = [list(f"{c}.".encode()) for cands in candidates for c in cands]
+            continuations = [tokenizer.encode(f"{prefix}{c}.") for prefix, cands in zip(prefixes, candidates)
+                             for c in cands]
             scores = continuation_logprobs(logits_fn, pair_prompts, continuations, device, batch_size, max_len,
-                                           pad_id=EOS_ID).tolist()
+                                           pad_id=tokenizer.eos_id).tolist()
             first = 0
             for i, cands in enumerate(candidates):
                 choices[i] = cands[best_candidates([scores[first : first + len(cands)]])[0]]
@@ -131,8 +165,9 @@ def score_samples(model, samples: Sequence[NeedleSample], methods: Sequence[str]
         record = {"sample": s_index, "query": q, "city": sample.cities[q], "answer": answers[i],
                   "n_candidates": len(sample.candidates)}
         if "greedy" in methods:
-            record["greedy_output"] = greedy[i]
-            record["greedy_correct"] = greedy[i] == answers[i]
+            output, prefix = greedy[i], prefixes[i]
+            record["greedy_output"] = output[len(prefix):] if output.startswith(prefix) else output
+            record["greedy_correct"] = output == prefix + answers[i]
         if "rank" in methods:
             record["rank_choice"] = choices[i]
             record["rank_correct"] = choices[i] == answers[i]
@@ -141,16 +176,16 @@ def score_samples(model, samples: Sequence[NeedleSample], methods: Sequence[str]
 
 
 def eval_samples(context_len: int, depth: float | None, n: int, r: int, samples: int, haystack: str = "corpus",
-                 seed: int = 0) -> list[NeedleSample]:
+                 seed: int = 0, tokenizer: TextTokenizer | None = None) -> list[NeedleSample]:
     """The held-out samples of one cell (deterministic in every argument)."""
     return [make_sample(random.Random(f"needle-eval:{seed}:{context_len}:{depth}:{n}:{r}:{i}"),
-                        context_len, n, r, depth, haystack, "val") for i in range(samples)]
+                        context_len, n, r, depth, haystack, "val", tokenizer=tokenizer) for i in range(samples)]
 
 
 def samples_by_depth(context_len: int, depths: Sequence[float], n: int, r: int, samples: int, haystack: str,
-                     seed: int) -> dict[float, list[NeedleSample]]:
+                     seed: int, tokenizer: TextTokenizer | None = None) -> dict[float, list[NeedleSample]]:
     """The held-out samples of one (context length, N, R) at every depth: the input of the attention table."""
-    return {depth: eval_samples(context_len, depth, n, r, samples, haystack, seed) for depth in depths}
+    return {depth: eval_samples(context_len, depth, n, r, samples, haystack, seed, tokenizer) for depth in depths}
 
 
 def evaluate_needles(
@@ -165,6 +200,7 @@ def evaluate_needles(
     methods: Sequence[str] = METHODS,
     batch_size: int = 16,
     progress: bool = True,
+    tokenizer: TextTokenizer | None = None,
 ) -> NeedleResults:
     """Retrieval accuracy on held-out cities/numbers for every (context_len, depth, N, R) cell.
 
@@ -180,6 +216,7 @@ def evaluate_needles(
         methods: "greedy" and/or "rank".
         batch_size: rows per forward pass.
         progress: show a progress bar over cells.
+        tokenizer: the model's tokenizer (a ByteTokenizer or an HFTokenizer); default bytes.
     """
     unknown = [m for m in methods if m not in METHODS]
     if unknown:
@@ -202,8 +239,8 @@ def evaluate_needles(
     results = NeedleResults()
     with evaluating(getattr(model, "model", model), device):
         for context_len, depth, (n, r) in iterator:
-            cell_samples = eval_samples(context_len, depth, n, r, samples, haystack, seed)
-            records = score_samples(model, cell_samples, methods, device, batch_size)
+            cell_samples = eval_samples(context_len, depth, n, r, samples, haystack, seed, tokenizer)
+            records = score_samples(model, cell_samples, methods, device, batch_size, tokenizer)
             cell = {"context_len": context_len, "depth": float(depth), "n_needles": n, "n_queries": r}
             for method in methods:
                 correct = sum(rec[f"{method}_correct"] for rec in records)
@@ -214,7 +251,7 @@ def evaluate_needles(
     return results
 
 
-# ----------------------------------------------------------------------------- training-time hook and CLI
+# ----------------------------------------------------------------------------- training-time hook
 
 
 def _tensorboard_writer(trainer):
@@ -235,6 +272,8 @@ class NeedleEvalCallback(L.Callback):
     ``needles-step<N>.csv`` into the run directory. Runs on global rank 0 only, calling the unwrapped
     model: fine for single-device and DDP runs; under FSDP it stops at setup and names the checkpoint
     command instead (``diffexp eval needle CKPT``).
+    The samples are tokenized with the data module's tokenizer (bytes when it has none), so a run trained
+    on text with a BPE is scored zero-shot as well as one trained on the needle task.
 
     Args:
         context_lens: context lengths of the grid (each <= model.arch.max_seq_len).
@@ -275,9 +314,10 @@ class NeedleEvalCallback(L.Callback):
         if (self._validations - 1) % self.every or trainer.global_rank != 0:
             return
         step = trainer.global_step
+        tokenizer = getattr(getattr(trainer, "datamodule", None), "tokenizer", None) or ByteTokenizer()
         results = evaluate_needles(pl_module, self.context_lens, self.depths, self.nr, self.samples,
                                    self.haystack, self.seed, pl_module.device, self.methods, self.batch_size,
-                                   progress=False)
+                                   progress=False, tokenizer=tokenizer)
         writer = _tensorboard_writer(trainer)
         if writer is not None:
             results.log_to_tensorboard(writer, step)
@@ -291,7 +331,7 @@ class NeedleEvalCallback(L.Callback):
 
             n, r = self.nr[-1]
             by_depth = samples_by_depth(self.context_lens[-1], self.depths, n, r, min(self.samples, 8), self.haystack,
-                                        self.seed)
+                                        self.seed, tokenizer)
             all_rows = attention_by_depth(pl_module, by_depth, device=pl_module.device,
                                           batch_size=max(1, self.batch_size // 4))
             rows = [row for row in all_rows if row["layer"] == "all"]
@@ -314,90 +354,3 @@ class NeedleEvalCallback(L.Callback):
             (Path(trainer.log_dir) / f"needles-step{step:06d}.md").write_text(text + "\n")
 
 
-def _parse_nr(pairs: Sequence[str]) -> list[tuple[int, int]]:
-    from diffexp.errors import UserError
-
-    nr = []
-    for pair in pairs:
-        try:
-            n, r = (int(x) for x in pair.split(","))
-        except ValueError:
-            raise UserError(f"--nr={pair!r} is invalid: expected N,R pairs such as 4,2") from None
-        if not 1 <= r <= n:
-            raise UserError(f"--nr={pair!r} is invalid: expected 1 <= R <= N")
-        nr.append((n, r))
-    return nr
-
-
-def needle_main(argv: list[str]) -> int:
-    """Multi-needle retrieval grid (context length x depth x N,R) and the attention-to-answer table."""
-    import argparse
-
-    from diffexp.errors import UserError
-    from diffexp.evals import common
-
-    parser = argparse.ArgumentParser(prog="diffexp eval needle", description=needle_main.__doc__)
-    parser.add_argument("checkpoint", metavar=common.CKPT_KEY,
-                        help="a .ckpt file, a sharded checkpoint directory or a `diffexp export` directory")
-    parser.add_argument("--context-lens", type=int, nargs="+", default=[512])
-    parser.add_argument("--depths", type=float, nargs="+", default=list(DEFAULT_DEPTHS))
-    parser.add_argument("--nr", nargs="+", default=[f"{n},{r}" for n, r in DEFAULT_NR], help="N,R pairs")
-    parser.add_argument("--samples", type=int, default=50)
-    parser.add_argument("--haystack", choices=("corpus", "synthetic"), default="corpus")
-    parser.add_argument("--batch-size", type=int, default=16)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--out", default=None, help="directory for needles.csv, heatmaps and attention.md "
-                        "(default: <run>/eval/ beside the checkpoint's checkpoints/)")
-    args = parser.parse_args(argv)
-    # everything is checked before the model is built and before any output exists
-    checkpoint, hparams = common.load_checkpoint(args.checkpoint)
-    nr = _parse_nr(args.nr)
-    common.positive("--samples", args.samples)
-    common.positive("--batch-size", args.batch_size)
-    common.positive("--context-lens", args.context_lens)
-    common.at_most_max_seq_len("--context-lens", args.context_lens, hparams["arch"])
-    for context_len, (n, r) in itertools.product(args.context_lens, nr):
-        if context_len < min_context_len(n, r):
-            raise UserError(f"--context-lens={context_len} is invalid: too short for N={n}, R={r} (--nr); "
-                            f"expected >= {min_context_len(n, r)}")
-    for depth in args.depths:
-        if not 0.0 <= depth <= 1.0:
-            raise UserError(f"--depths={depth} is invalid: expected fractions in [0, 1]")
-    common.byte_vocab("needle", hparams["arch"], VOCAB_SIZE)
-    common.check_device(args.device)
-    common.check_out(args.out)
-    from diffexp.evals.attention import attention_by_depth, attention_table
-
-    model = common.load_model(checkpoint, args.checkpoint, args.device)
-    results = evaluate_needles(model, args.context_lens, args.depths, nr, args.samples, args.haystack, args.seed,
-                               args.device, batch_size=args.batch_size)
-    print(results.table())
-    n, r = nr[-1]
-    by_depth = samples_by_depth(args.context_lens[-1], args.depths, n, r, min(args.samples, 16), args.haystack,
-                                args.seed)
-    table = attention_table(attention_by_depth(model, by_depth, device=args.device), model.arch.attention)
-    print(f"\nattention from the query (context {args.context_lens[-1]}, N={n}, R={r}):\n{table}")
-    out, writer, step = common.eval_output(args.checkpoint, args.out, hparams["global_step"])
-    results.to_csv(out / "needles.csv")
-    results.heatmaps(out / "needles")
-    (out / "attention.md").write_text(table + "\n")
-    (out / "needles.md").write_text(results.table() + "\n")
-    if writer is not None:  # into the run's own TensorBoard, at the checkpoint's step
-        results.log_to_tensorboard(writer, step)
-        writer.close()
-    print(f"wrote {out}/needles.csv, needles.md, needles_*.png, attention.md")
-    return 0
-
-
-def main(argv: list[str] | None = None) -> int:
-    """``python -m diffexp.evals.needle CKPT ...``: the same as ``diffexp eval needle CKPT ...``."""
-    import sys
-
-    from diffexp.errors import guarded
-
-    return guarded(needle_main, sys.argv[1:] if argv is None else argv)
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

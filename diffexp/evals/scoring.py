@@ -16,7 +16,7 @@ Likelihood
     ``candidate_logprobs`` (every candidate after every prompt).
 Choice and exact match
     ``best_candidates`` (argmax of candidate scores), ``argmax_matches`` (next-token argmax against targets),
-    ``greedy_continuations`` (greedy decoding, for exact match of generated text).
+    ``greedy_continuations`` (greedy decoding with the KV cache, for exact match of generated text).
 Attention
     ``span_mask``, ``attention_shares`` (share of a query row's attention on regions of key positions),
     ``attention_to_span``.
@@ -205,29 +205,86 @@ def argmax_matches(logits: torch.Tensor, targets: torch.Tensor, mask: torch.Tens
 
 
 @torch.no_grad()
-def greedy_continuations(logits_fn: LogitsFn, prompts: Sequence[Sequence[int]], max_new: Sequence[int],
+def greedy_continuations(model: Any, prompts: Sequence[Sequence[int]], max_new: Sequence[int],
                          stop_id: int | None = None, device: str | torch.device = "cpu", batch_size: int = 16,
-                         pad_id: int = 0) -> list[list[int]]:
-    """Greedy decoding: per prompt, the argmax tokens that follow it, up to ``max_new[i]`` tokens or through
-    the first ``stop_id`` (kept as the last token). Prompts share right-padded batches."""
-    outputs: list[list[int]] = []
-    for first in range(0, len(prompts), batch_size):
-        chunk, limits = prompts[first : first + batch_size], max_new[first : first + batch_size]
-        buffer = pad_rows([list(p) + [pad_id] * m for p, m in zip(chunk, limits)], pad_id).to(device)
-        lengths = [len(p) for p in chunk]
-        generated: list[list[int]] = [[] for _ in chunk]
-        active = [m > 0 for m in limits]
-        while any(active):
-            width = max(length for length, on in zip(lengths, active) if on)
-            logits = logits_fn(buffer[:, :width])
-            for i in (i for i, on in enumerate(active) if on):
-                token = int(logits[i, lengths[i] - 1].argmax())
-                generated[i].append(token)
-                buffer[i, lengths[i]] = token
-                lengths[i] += 1
-                active[i] = token != stop_id and len(generated[i]) < limits[i]
-        outputs.extend(generated)
+                         pad_id: int = 0, stop: Callable[[list[int]], bool] | None = None) -> list[list[int]]:
+    """Greedy decoding: per prompt, the argmax tokens that follow it, up to ``max_new[i]`` tokens, through the
+    first ``stop_id`` or the first token after which ``stop(tokens so far)`` holds (kept as the last token).
+
+    A ``Decoder`` (or a ``DiffexpLM``) decodes with its KV cache: prompts sorted by length share a batch, the
+    shortest is prefilled at once, and the longer ones feed their remaining prompt tokens one step at a time
+    while the shorter ones already generate. Any other causal logits function, or a variant without cached
+    decoding, re-reads each right-padded prefix at every step; both give the same tokens.
+    """
+    if len(prompts) != len(max_new):
+        raise ValueError(f"{len(prompts)} prompts but {len(max_new)} max_new: expected one limit per prompt")
+
+    def stops(tokens: list[int]) -> bool:
+        return (stop_id is not None and tokens[-1] == stop_id) or (stop is not None and stop(tokens))
+
+    decoder = getattr(model, "model", model)
+    decode = _greedy_uncached
+    if isinstance(decoder, nn.Module) and hasattr(decoder, "new_cache"):
+        try:
+            decoder.new_cache()
+            decode = _greedy_cached
+        except ValueError:  # the variant has no cached decoding
+            decoder = as_logits_fn(decoder)
+    else:
+        decoder = as_logits_fn(model)
+    outputs: list[list[int]] = [[] for _ in prompts]
+    order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
+    for first in range(0, len(order), batch_size):
+        chunk = order[first : first + batch_size]
+        generated = decode(decoder, [list(prompts[i]) for i in chunk], [max_new[i] for i in chunk], stops, device,
+                           pad_id)
+        for i, tokens in zip(chunk, generated):
+            outputs[i] = tokens
     return outputs
+
+
+def _greedy_cached(decoder, rows: list[list[int]], limits: list[int], stops, device, pad_id: int) -> list[list[int]]:
+    generated: list[list[int]] = [[] for _ in rows]
+    active = [limit > 0 for limit in limits]
+    if not any(active):
+        return generated
+    cache = decoder.new_cache()
+    position = min(len(row) for row in rows)  # the position the logits predict
+    logits = decoder(torch.tensor([row[:position] for row in rows], device=device), cache=cache)[:, -1]
+    while True:
+        argmax = logits.argmax(dim=-1).tolist()
+        feed = []
+        for i, row in enumerate(rows):
+            if position < len(row):  # still inside its prompt
+                feed.append(row[position])
+            elif active[i]:
+                generated[i].append(argmax[i])
+                active[i] = not stops(generated[i]) and len(generated[i]) < limits[i]
+                feed.append(argmax[i])
+            else:  # done: any token, no other row reads it
+                feed.append(pad_id)
+        if not any(active):
+            return generated
+        logits = decoder(torch.tensor(feed, device=device)[:, None], cache=cache)[:, -1]
+        position += 1
+
+
+def _greedy_uncached(logits_fn: LogitsFn, rows: list[list[int]], limits: list[int], stops, device,
+                     pad_id: int) -> list[list[int]]:
+    buffer = pad_rows([row + [pad_id] * limit for row, limit in zip(rows, limits)], pad_id).to(device)
+    lengths = [len(row) for row in rows]
+    generated: list[list[int]] = [[] for _ in rows]
+    active = [limit > 0 for limit in limits]
+    while any(active):
+        width = max(length for length, on in zip(lengths, active) if on)
+        logits = logits_fn(buffer[:, :width])
+        for i in (i for i, on in enumerate(active) if on):
+            token = int(logits[i, lengths[i] - 1].argmax())
+            generated[i].append(token)
+            buffer[i, lengths[i]] = token
+            lengths[i] += 1
+            active[i] = not stops(generated[i]) and len(generated[i]) < limits[i]
+    return generated
 
 
 # ----------------------------------------------------------------------------- attention
