@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.helpers import PATTERN, save_checkpoint, small_model
+from tests.helpers import PATTERN, bpe_text_checkpoint, save_checkpoint, small_model
 
 
 @pytest.fixture(scope="session")
@@ -22,3 +22,9 @@ def memorised(tmp_path_factory):
         optimizer.step()
     assert loss.item() < 0.1
     return save_checkpoint(module, tmp_path_factory.mktemp("run") / "memorised.ckpt")
+
+
+@pytest.fixture(scope="session")
+def bpe_checkpoint(tmp_path_factory):
+    """A small model trained one step on a 300-token BPE (helpers.bpe_text_checkpoint), holding its tokenizer."""
+    return bpe_text_checkpoint(tmp_path_factory.mktemp("bpe"))[0]

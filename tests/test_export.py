@@ -74,6 +74,23 @@ def test_generate_reads_the_checkpoint_the_export_and_the_shards_alike(ckpt, tmp
     assert len(texts) == 1
 
 
+def test_a_bpe_model_exports_with_its_tokenizer(bpe_checkpoint, tmp_path, capsys):
+    """The BPE travels as tokenizer.json, and the export decodes exactly as its checkpoint."""
+    from tokenizers import Tokenizer
+
+    out = tmp_path / "bpe-model"
+    assert run(["export", str(bpe_checkpoint), str(out)], capsys)[0] == 0
+    saved = torch.load(bpe_checkpoint, weights_only=False)["diffexp_tokenizer"]
+    assert Tokenizer.from_file(str(out / "tokenizer.json")).to_str() == Tokenizer.from_str(saved["json"]).to_str()
+    texts = set()
+    for source in (bpe_checkpoint, out):
+        code, text, err = run(["generate", str(source), "--prompt", "def main(", "--max-new-tokens", "8",
+                               "--temperature", "0", "--device", "cpu"], capsys)
+        assert code == 0, err
+        texts.add(text)
+    assert len(texts) == 1 and texts.pop().strip()
+
+
 def test_eval_reads_an_exported_model(ckpt, tmp_path, capsys):
     out = tmp_path / "model"
     assert run(["export", str(ckpt), str(out)], capsys)[0] == 0

@@ -14,7 +14,7 @@ from diffexp.cli import main
 from diffexp.data.tokenizer import ByteTokenizer
 from diffexp.evals.harness_lm import DiffexpHarnessLM
 from diffexp.training.loading import load_checkpoint, load_model
-from tests.helpers import PATTERN, save_checkpoint, small_model
+from tests.helpers import PATTERN
 
 
 @dataclass
@@ -27,15 +27,6 @@ def naive_logprob(model, ids: list[int], start: int) -> float:
     with torch.no_grad():
         logits = model(torch.tensor([ids[:-1]]))[0].double().log_softmax(-1)
     return float(sum(logits[t - 1, ids[t]] for t in range(start, len(ids))))
-
-
-@pytest.fixture(scope="module")
-def bpe_checkpoint(tmp_path_factory):
-    from diffexp.data import TextDataModule
-
-    root = tmp_path_factory.mktemp("bpe")
-    datamodule = TextDataModule(tokenizer="bpe", bpe_vocab_size=300, seq_len=32, cache_dir=str(root / "cache"))
-    return save_checkpoint(small_model(vocab_size=datamodule.tokenizer.vocab_size), root / "bpe.ckpt", datamodule)
 
 
 def adapter(path, **kwargs) -> DiffexpHarnessLM:
@@ -147,9 +138,13 @@ def expected_accuracy(lm: DiffexpHarnessLM) -> float:
     return correct / len(DOCS)
 
 
-@pytest.mark.parametrize("which", ["byte", "bpe"])
+@pytest.mark.parametrize("which", ["byte", "bpe", "bpe export"])
 def test_harness_command_on_a_local_task(which, memorised, bpe_checkpoint, tmp_path, capsys):
     checkpoint = memorised if which == "byte" else bpe_checkpoint
+    if which == "bpe export":  # `diffexp export`'s directory (weights, config, tokenizer.json) reads the same
+        with pytest.raises(SystemExit):
+            main(["export", str(checkpoint), str(tmp_path / "exported")])
+        checkpoint = tmp_path / "exported"
     tasks = write_local_task(tmp_path)
     with pytest.raises(SystemExit) as done:
         main(["eval", "harness", str(checkpoint), "--tasks", "diffexp_toy", "--include-path", str(tasks),
@@ -193,12 +188,10 @@ def test_a_task_whose_data_cannot_load_is_refused_before_the_model_is_built(memo
 
 
 def test_table2_preset_names_tasks_lm_eval_has():
-    from lm_eval.tasks import TaskManager
-
-    from diffexp.evals.harness import expand_tasks
+    from diffexp.evals.harness import expand_tasks, task_manager
 
     table2 = expand_tasks(["table2"])
-    assert len(table2) == 7 and set(table2) <= set(TaskManager().all_tasks)
+    assert len(table2) == 7 and set(table2) <= set(task_manager().all_tasks)
     assert expand_tasks(["boolq", "table2"]) == ["boolq", *[t for t in table2 if t != "boolq"]]
 
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import difflib
+import functools
 import json
 import math
 from pathlib import Path
@@ -68,6 +69,14 @@ def expand_tasks(names: list[str]) -> list[str]:
     return tasks
 
 
+@functools.lru_cache(maxsize=4)
+def task_manager(include_paths: tuple[str, ...] = ()):
+    """LM-Eval's TaskManager over its own tasks and include_paths (indexed once per process: seconds)."""
+    from lm_eval.tasks import TaskManager
+
+    return TaskManager(include_path=list(include_paths) or None)
+
+
 def check_tasks(tasks: list[str], include_paths: list[str]):
     """The TaskManager that knows every task, once each name and local task has been checked (datasets
     loaded) - before the model is built."""
@@ -78,19 +87,19 @@ def check_tasks(tasks: list[str], include_paths: list[str]):
         if not Path(path).is_dir():
             raise UserError(f"--include-path={path!r} is invalid: no such directory; expected a directory of "
                             "task YAML files")
-    manager = None
-    if include_paths:  # local tasks alone: indexing LM-Eval's thousands of task files takes seconds
-        manager = TaskManager(include_path=include_paths, include_defaults=False)
-        if not set(tasks) <= set(manager.all_tasks):
-            manager = None
-    manager = manager or TaskManager(include_path=include_paths or None)
-    known = set(manager.all_tasks)
+    # local tasks alone need no index of LM-Eval's thousands of task files (seconds to build)
+    local = TaskManager(include_path=include_paths, include_defaults=False) if include_paths else None
+    local_names = set(local.all_tasks) if local else set()
+    manager = local if local and set(tasks) <= local_names else task_manager()
+    known = local_names | set(manager.all_tasks)
     for task in tasks:
         if task not in known:
             close = difflib.get_close_matches(task, sorted(known), n=3)
             hint = f"; did you mean {', '.join(close)}?" if close else ""
             raise UserError(f"--tasks: {task!r} is not an LM-Eval {lm_eval.__version__} task, group or tag{hint} "
                             f"(presets: {', '.join(PRESETS)}; local tasks: --include-path DIR)")
+    if manager is not local and set(tasks) & local_names:  # local and LM-Eval tasks together
+        manager = task_manager(tuple(include_paths))
     try:
         manager.load(tasks)  # reads the datasets now: a missing download fails here, not after the model
     except Exception as err:  # datasets and the hub raise many types; the message is what helps
