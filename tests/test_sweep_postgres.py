@@ -128,6 +128,9 @@ def load_study_when_created(url: str, name: str, timeout: float = 120) -> optuna
             time.sleep(0.5)
 
 
+# a minute of two worker processes: the protocol is the sqlite run's (tests/test_sweep.py); kept for
+# `python -m pytest -m heavy`, like the journal storage
+@pytest.mark.heavy
 def test_workers_on_two_machines_share_one_postgres_study(postgres, tmp_path, monkeypatch, capsys):
     # 2 cases, 6 steps each; no storage in the spec: every machine gets the URL from DIFFEXP_STORAGE
     spec = write_spec(tmp_path, "pg", seeds=[0], stale_after_s=30)  # no false stale marks under load
