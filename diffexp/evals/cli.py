@@ -25,6 +25,7 @@ from diffexp.evals.common import (
     load_checkpoint,
     load_model,
     positive,
+    save_results,
 )
 
 TASKS = {
@@ -171,11 +172,7 @@ def icl_main(argv: list[str]) -> int:
                            args.n_orderings, args.n_tests, device=args.device, seed=args.seed,
                            max_seq_len=model.arch.max_seq_len, name=name, source=source)
     print(results.summary())
-    out, writer, step = eval_output(args.checkpoint, args.out, hparams["global_step"])
-    results.save(out)
-    if writer is not None:
-        results.log_to_tensorboard(writer, step)
-        writer.close()
+    out = save_results(results, args.checkpoint, args.out, hparams["global_step"])
     print(f"wrote {out}/{name}.*")
     return 0
 
@@ -263,11 +260,7 @@ def nll_main(argv: list[str]) -> int:
     model = load_model(checkpoint, args.checkpoint, args.device)
     results = NLLResults.from_losses(token_nlls(model, rows, args.device, args.batch_size), source)
     print(results.summary())
-    out, writer, step = eval_output(args.checkpoint, args.out, hparams["global_step"])
-    results.save(out)
-    if writer is not None:
-        results.log_to_tensorboard(writer, step)
-        writer.close()
+    out = save_results(results, args.checkpoint, args.out, hparams["global_step"])
     print(f"wrote {out}/{results.name}.*")
     return 0
 

@@ -93,3 +93,14 @@ def checkpoint_tokenizer(checkpoint: dict, hparams: dict, flag: str | None):
     tokenizer = resolve_tokenizer(checkpoint, hparams, flag)
     check_vocab(tokenizer, hparams["arch"])
     return tokenizer
+
+
+def save_results(results, checkpoint: str, out: str | None, step: int) -> Path:
+    """Write an evaluation's results (``results.save(dir)``) and log them into the run's TensorBoard
+    (``results.log_to_tensorboard(writer, step)``); returns the output directory."""
+    directory, writer, step = eval_output(checkpoint, out, step)
+    results.save(directory)
+    if writer is not None:
+        results.log_to_tensorboard(writer, step)
+        writer.close()
+    return directory
