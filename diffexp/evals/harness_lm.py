@@ -15,8 +15,8 @@ three request types:
 ``generate_until`` (context, generation kwargs) -> text
     Decoding with the KV cache until a stop string of ``until``, the end-of-document token, or
     ``max_gen_toks``; greedy unless the task asks to sample. A prompt too long for the model loses its first
-    tokens, only as many as leave room for ``max_gen_toks`` (at most half the model's length); prompts of
-    equal token length share a batch.
+    tokens, only as many as leave room for ``max_gen_toks`` (at most half the model's length). Greedy prompts
+    of any lengths share batches (``scoring.greedy_continuations``); sampled ones, prompts of equal length.
 
 Scoring batches rows by length through ``diffexp.evals.scoring.continuation_scores``.
 """
@@ -29,7 +29,7 @@ import torch
 from lm_eval.api.model import LM
 from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 
-from diffexp.evals.scoring import as_logits_fn, continuation_scores
+from diffexp.evals.scoring import as_logits_fn, continuation_scores, greedy_continuations
 from diffexp.generate.decode import generate
 from diffexp.generate.sampling import Sampling
 
@@ -96,9 +96,8 @@ class DiffexpHarnessLM(LM):
 
     # -- generation ------------------------------------------------------------------------------------
     def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
-        outputs: list[str | None] = [None] * len(requests)
-        groups: dict[tuple, list[int]] = defaultdict(list)  # same settings and prompt length: one batch
-        prompts = []
+        prompts, limits = [], []
+        groups: dict[tuple, list[int]] = defaultdict(list)  # one decoding call per group
         for index, request in enumerate(requests):
             context, kwargs = request.args
             settings = _generation_settings(kwargs)
@@ -107,29 +106,47 @@ class DiffexpHarnessLM(LM):
             # (at most half the model's length); the last new token is never fed back
             reserve = min(settings["max_new"], self.max_length // 2)
             prompts.append(ids[-(self.max_length - reserve + 1):])
-            settings["max_new"] = min(settings["max_new"], self.max_length - len(prompts[-1]) + 1)
-            groups[(len(prompts[-1]), _freeze(settings))].append(index)
-        batches = [(indices[i : i + self.batch_size], dict(settings))
-                   for (_, settings), indices in groups.items() for i in range(0, len(indices), self.batch_size)]
+            limits.append(min(settings["max_new"], self.max_length - len(prompts[-1]) + 1))
+            sampling = settings["sampling"]
+            # greedy rows of any lengths share batches (scoring.greedy_continuations); sampled ones need equal
+            # prompt lengths and budgets (generate.decode.generate)
+            shape = None if sampling.temperature == 0 else (len(prompts[-1]), limits[-1])
+            groups[(tuple(settings["until"]), sampling, shape)].append(index)
+        outputs: list[str | None] = [None] * len(requests)
+        work = list(groups.items())
         if self.progress:
             from tqdm.auto import tqdm
 
-            batches = tqdm(batches, desc="generate_until", unit="batch")
-        for indices, settings in batches:
-            texts = self._generate([prompts[i] for i in indices], settings)
+            work = tqdm(work, desc="generate_until", unit="group")
+        for (until, sampling, shape), indices in work:
+            if shape is None:
+                texts = self._greedy([prompts[i] for i in indices], [limits[i] for i in indices], until)
+            else:
+                texts = []
+                for first in range(0, len(indices), self.batch_size):
+                    chunk = indices[first : first + self.batch_size]
+                    texts += self._sample([prompts[i] for i in chunk], limits[chunk[0]], sampling, until)
             for index, text in zip(indices, texts):
                 outputs[index] = text
                 self.cache_hook.add_partial("generate_until", requests[index].args, text)
         return outputs
 
+    def _greedy(self, prompts: list[list[int]], limits: list[int], until: tuple[str, ...]) -> list[str]:
+        def reached(tokens: list[int]) -> bool:
+            return any(stop in self.tokenizer.decode(tokens) for stop in until)
+
+        with torch.inference_mode():
+            generated = greedy_continuations(self.model, prompts, limits, self.eot_token_id, self._device,
+                                             self.batch_size, self.eot_token_id, reached)
+        return [_cut_at_stops(self.tokenizer.decode([t for t in ids if t != self.eot_token_id]), until)
+                for ids in generated]
+
     @torch.inference_mode()
-    def _generate(self, prompts: list[list[int]], settings: dict) -> list[str]:
-        until = settings["until"]
+    def _sample(self, prompts: list[list[int]], max_new: int, sampling: Sampling, until: tuple[str, ...]) -> list[str]:
         prompt = torch.tensor(prompts, device=self._device)
         generated: list[list[int]] = [[] for _ in prompts]
         done = [False] * len(prompts)
-        for tokens in generate(self.model, prompt, settings["max_new"], settings["sampling"], self.eot_token_id,
-                               self.generator):
+        for tokens in generate(self.model, prompt, max_new, sampling, self.eot_token_id, self.generator):
             for row, token in enumerate(tokens.tolist()):
                 if done[row]:
                     continue
@@ -154,10 +171,6 @@ def _generation_settings(kwargs: dict | None) -> dict:
     sampling = Sampling(temperature, kwargs.get("top_k"), kwargs.get("top_p")) \
         if kwargs.get("do_sample") and temperature > 0 else Sampling(0.0)
     return {"until": until, "max_new": max(1, max_new), "sampling": sampling}
-
-
-def _freeze(settings: dict) -> tuple:
-    return tuple((key, tuple(value) if isinstance(value, list) else value) for key, value in settings.items())
 
 
 def _cut_at_stops(text: str, until: list[str]) -> str:
