@@ -35,6 +35,8 @@ from diffexp.errors import UserError
 DCP_INDEX = ".metadata"  # torch.distributed.checkpoint's index of the shards
 EXPORT_CONFIG = "config.json"  # `diffexp export`'s directory: this file, the weights and the tokenizer
 EXPORT_FORMAT = "diffexp-export/1"
+#: where the model's tensors sit in a sharded checkpoint: FSDPStrategy (FSDP1), FSDP2Strategy (ModelParallelStrategy)
+SHARDED_WEIGHTS = ("model", "state_dict")
 LIGHTNING_META = "meta.pt"  # Lightning's FSDP checkpoints: everything but the sharded tensors
 ZIP_MAGIC = b"PK\x03\x04"  # torch.save's default format is a zip archive
 PICKLE_PROTO = 0x80  # torch.save's legacy format starts with a pickle protocol opcode
@@ -195,14 +197,15 @@ def _read_sharded(path: Path, key: str, weights: bool) -> dict:
     try:
         # the planner rebuilds the tensors from the index; only the model's, not the optimizer's
         _load_state_dict(loaded, storage_reader=FileSystemReader(path),
-                         planner=_EmptyStateDictLoadPlanner(keys={"model"}), no_dist=True)
+                         planner=_EmptyStateDictLoadPlanner(keys=set(SHARDED_WEIGHTS)), no_dist=True)
     except Exception as err:  # torch.distributed.checkpoint wraps every failure in its own types
         reason = (str(err).strip().splitlines() or [type(err).__name__])[0][:200]
         raise _error(key, path, f"the sharded checkpoint cannot be read (a shard missing, truncated or damaged?): "
                                 f"{reason}") from None
-    if not isinstance(loaded.get("model"), dict):
+    weights = next((loaded[name] for name in SHARDED_WEIGHTS if isinstance(loaded.get(name), dict)), None)
+    if weights is None:
         raise _error(key, path, f"the sharded checkpoint holds no model weights; {EXPECTED}")
-    return {**checkpoint, "state_dict": loaded["model"]}
+    return {**checkpoint, "state_dict": weights}
 
 
 def read_checkpoint(path: os.PathLike | str, key: str = "--ckpt_path", *, weights: bool = True) -> dict:

@@ -15,6 +15,7 @@ FLOORS = [
     ("foundation", ["diffexp.errors", "diffexp.secrets", "diffexp.checkpoint_io"]),
     ("data", ["diffexp.data"]),
     ("model", ["diffexp.model"]),
+    ("parallel", ["diffexp.parallel"]),
     ("training", ["diffexp.training"]),
     ("inference", ["diffexp.generate", "diffexp.export"]),
     ("evals", ["diffexp.evals"]),

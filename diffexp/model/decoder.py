@@ -10,6 +10,7 @@ import inspect
 import math
 
 import torch
+import torch.utils.checkpoint
 from torch import nn
 
 from diffexp.model.attention import build_attention, variant
@@ -29,6 +30,7 @@ class Decoder(nn.Module):
             for i in range(cfg.n_layers))
         self.final_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        self.checkpoint_activations = False  # recompute each block in the backward (set by diffexp.parallel)
         if cfg.tie_embeddings:
             self.lm_head.weight = self.embed.weight
         self.reset_parameters()
@@ -60,7 +62,11 @@ class Decoder(nn.Module):
             cache.check_room(idx.shape[1])
         x = self.embed(idx)
         maps = []
+        recompute = self.checkpoint_activations and torch.is_grad_enabled() and cache is None and not need_weights
         for i, block in enumerate(self.blocks):
+            if recompute:
+                x, weights = torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False)
+                continue
             x, weights = block(x, need_weights, None if cache is None else cache.layers[i])
             maps.append(weights)
         logits = self.lm_head(self.final_norm(x))

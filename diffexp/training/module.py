@@ -18,6 +18,7 @@ from diffexp.data.tokenizer import tokenizer_state
 from diffexp.errors import UserError, invalid
 from diffexp.model import Decoder
 from diffexp.model.config import ModelConfig
+from diffexp.parallel import full_value
 from diffexp.training.loss_slices import DEFAULT_TOP_PERCENT, ar_hit_mask, frequent_bigrams
 from diffexp.training.nonfinite import any_rank, stop_with_last_finite
 
@@ -199,6 +200,16 @@ class DiffexpLM(L.LightningModule):
             for block in self.model.blocks:
                 block.compile()
             self._compiled = True
+        strategy = self._trainer.strategy if self._trainer is not None else None
+        from lightning.pytorch.strategies import ModelParallelStrategy
+
+        from diffexp.parallel import FSDP2Strategy
+
+        if isinstance(strategy, FSDP2Strategy):  # after compile, as torchtitan does
+            strategy.shard(self.model)
+        elif isinstance(strategy, ModelParallelStrategy):
+            raise UserError(f"trainer.strategy={type(strategy).__name__}: diffexp shards with its subclass "
+                            "diffexp.parallel.FSDP2Strategy (FSDP2 per decoder block); use that class_path")
 
     # -- steps -----------------------------------------------------------------------------------
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
@@ -225,8 +236,9 @@ class DiffexpLM(L.LightningModule):
         loss = self._loss(batch)
         if any_rank(self.trainer, not bool(torch.isfinite(loss))):  # before backward: nothing has moved yet
             stop_with_last_finite(self.trainer, self, "train/loss", loss.item(), self.optim.lr)
-        self.last_train_loss = loss.detach()
-        self.log("train/loss", loss, prog_bar=True)
+        # the mean over every rank's rows, as one process with the whole batch would log it
+        self.last_train_loss = self.trainer.strategy.reduce(loss.detach(), reduce_op="mean")
+        self.log("train/loss", self.last_train_loss, prog_bar=True)
         self.log("lr", self.trainer.optimizers[0].param_groups[0]["lr"])
         self._log_step_extras(batch)
         return loss
@@ -241,10 +253,10 @@ class DiffexpLM(L.LightningModule):
         self._last_step_time = now
         if (self.global_step + 1) % max(1, self.trainer.log_every_n_steps) == 0:  # the steps Lightning logs
             for i, block in enumerate(self.model.blocks):
-                if hasattr(block.attn, "lambda_"):
-                    self.log(f"lambda/layer_{i:02d}", block.attn.lambda_().detach())
+                if hasattr(block.attn, "lambda_"):  # under FSDP2 from sharded vectors: every rank computes it
+                    self.log(f"lambda/layer_{i:02d}", full_value(block.attn.lambda_().detach()))
                 if isinstance(getattr(block.attn, "gamma", None), torch.nn.Parameter):  # DINT's learned gamma
-                    self.log(f"gamma/layer_{i:02d}", block.attn.gamma.detach())
+                    self.log(f"gamma/layer_{i:02d}", full_value(block.attn.gamma.detach()))
 
     def validation_step(self, batch: torch.Tensor, batch_idx: int) -> None:
         losses, mask = self._token_losses(batch)
@@ -327,18 +339,26 @@ class DiffexpLM(L.LightningModule):
         checkpoint["diffexp_run"] = {
             "max_steps": trainer.max_steps, "schedule_steps": self.schedule_steps(),
             "accumulate_grad_batches": trainer.accumulate_grad_batches,
-            "gradient_clip_val": trainer.gradient_clip_val,
+            "gradient_clip_val": trainer.gradient_clip_val, "world_size": trainer.world_size,
             "data_class": None if datamodule is None else f"{type(datamodule).__module__}.{type(datamodule).__name__}",
         }
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         self.validated_step = checkpoint.get("diffexp_validated_step")
+        saved = (checkpoint.get("diffexp_run") or {}).get("world_size")
+        trainer = self._trainer
+        if saved and trainer is not None and trainer.state.fn == "fit" and saved != trainer.world_size:
+            # the preflight check, for launches whose size only the machine knew (devices auto or -1)
+            raise UserError(f"--ckpt_path: cannot resume: the checkpoint was written by {saved} process(es), this "
+                            f"run has {trainer.world_size} (trainer.num_nodes x trainer.devices); each process "
+                            f"reads its own share of every batch, so another count would train on other data. "
+                            f"Resume with {saved}.")
 
     # -- logs that need the step boundaries -------------------------------------------------------
     def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
         grads = [p.grad for p in self.parameters() if p.grad is not None]
         if grads:  # before clipping: spikes are what we want to see
-            norm = torch.nn.utils.get_total_norm(grads)
+            norm = full_value(torch.nn.utils.get_total_norm(grads))  # FSDP2: an all-reduce of the shards' norms
             replicas = _shard_replicas(self.trainer.strategy)
             if replicas:  # each rank holds a shard: sum the squares over ranks, once per replica of the shards
                 norm = (self.trainer.strategy.reduce(norm.pow(2), reduce_op="sum") / replicas).sqrt()

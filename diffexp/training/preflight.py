@@ -26,6 +26,8 @@ HONOURED_ON_RESUME = ("  model.optim.lr:", "  model.optim.betas:", "  model.opti
                       "  model.optim.warmup_steps:", "  model.optim.min_lr_ratio:", "  trainer.gradient_clip_val:")
 # trainer settings that shape the optimization (a checkpoint records them in "diffexp_run")
 RESUME_TRAINER_KEYS = ("max_steps", "accumulate_grad_batches", "gradient_clip_val")
+# the processes a run trains on: each reads its own share of every batch, so a resume needs as many
+WORLD_SIZE = "world size (trainer.num_nodes x trainer.devices)"
 # model.ar_hit settings that decide which tokens are AR-Hits (a resume must log the same metric)
 AR_HIT_RESUME_KEYS = ("exclude_frequent", "min_count", "top_percent")
 
@@ -198,7 +200,24 @@ def saved_run_values(checkpoint: dict[str, Any], model_only: bool) -> dict[str, 
     for key in RESUME_TRAINER_KEYS:
         if key in run:
             values[f"trainer.{key}"] = run[key]
+    if "world_size" in run:
+        values[WORLD_SIZE] = run["world_size"]
     return values
+
+
+def requested_world_size(trainer: dict[str, Any]) -> int | None:
+    """The processes a trainer config launches, where the config alone says (None: devices auto or -1 on an
+    accelerator whose count only the machine knows)."""
+    devices, nodes = trainer.get("devices", "auto"), int(trainer.get("num_nodes") or 1)
+    if isinstance(devices, str) and devices.strip().lstrip("-").isdigit():
+        devices = int(devices)
+    if isinstance(devices, (list, tuple)):
+        return len(devices) * nodes
+    if isinstance(devices, int) and devices > 0:
+        return devices * nodes
+    if trainer.get("accelerator") == "cpu" and devices in ("auto", -1):  # Lightning: one CPU process
+        return nodes
+    return None
 
 
 def requested_run_values(config, keys: set[str]) -> dict[str, Any]:
@@ -216,6 +235,7 @@ def requested_run_values(config, keys: set[str]) -> dict[str, Any]:
     trainer = plain(config.get("trainer") or {})
     for key in RESUME_TRAINER_KEYS:
         values[f"trainer.{key}"] = trainer.get(key)
+    values[WORLD_SIZE] = requested_world_size(trainer)
     return {k: values.get(k) for k in keys}
 
 
@@ -250,6 +270,8 @@ def check_resume(config, checkpoint: dict[str, Any], ckpt_path: Path, subcommand
     if "data.class_path" in saved and requested.get("data.class_path"):  # by class name: modules re-export
         saved["data.class_path"] = saved["data.class_path"].rsplit(".", 1)[-1]
         requested["data.class_path"] = requested["data.class_path"].rsplit(".", 1)[-1]
+    if requested.get(WORLD_SIZE) is None:  # known only once launched: DiffexpLM.on_load_checkpoint checks it
+        saved.pop(WORLD_SIZE, None)
     differing = [f"  {key}: checkpoint {saved[key]!r}, this config {requested[key]!r}"
                  for key in sorted(saved) if not _same(saved[key], requested[key])]
     if not model_only and (checkpoint.get("diffexp_run") or {}).get("schedule_steps") is not None:

@@ -56,10 +56,11 @@ def _number(value) -> str:
 
 def print_summary(trainer: L.Trainer) -> None:
     """One block at the end of fit: where the run is, its checkpoints, losses, speed and what to run next."""
+    log_dir = trainer.log_dir  # a broadcast under multi-process strategies: every rank takes part
     if not trainer.is_global_zero:
         return
     report = next((c for c in trainer.callbacks if isinstance(c, RunReport)), None)
-    run_dir = Path(trainer.log_dir) if trainer.log_dir else None
+    run_dir = Path(log_dir) if log_dir else None
     checkpoints = [c for c in trainer.callbacks if isinstance(c, ModelCheckpoint)]
     best = next((c.best_model_path for c in checkpoints if c.best_model_path), "")
     best_score = next((c.best_model_score for c in checkpoints if c.best_model_path), None)

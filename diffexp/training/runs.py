@@ -13,6 +13,7 @@ import contextlib
 import logging
 import os
 import re
+import shutil
 import tempfile
 import time
 from pathlib import Path
@@ -88,11 +89,14 @@ class AtomicCheckpointIO(TorchCheckpointIO):
 
 
 def remove_orphan_temp_files(checkpoint_dir: Path) -> list[Path]:
-    """Delete the temporary files a kill during AtomicCheckpointIO.save_checkpoint left behind."""
+    """Delete the temporary files (or sharded staging directories) a kill during a checkpoint save left behind."""
     if not checkpoint_dir.is_dir():
         return []
-    orphans = [p for p in checkpoint_dir.iterdir() if p.is_file() and TEMP_CHECKPOINT.fullmatch(p.name)]
+    orphans = [p for p in checkpoint_dir.iterdir() if TEMP_CHECKPOINT.fullmatch(p.name)]
     for orphan in orphans:
+        if orphan.is_dir():  # a sharded checkpoint's staging directory (diffexp.parallel.FSDP2Strategy)
+            shutil.rmtree(orphan, ignore_errors=True)
+            continue
         with contextlib.suppress(FileNotFoundError):  # another process of this run got there first
             orphan.unlink()
     if orphans:

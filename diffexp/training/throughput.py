@@ -34,5 +34,24 @@ class Throughput(ThroughputMonitor):
 
     def setup(self, trainer, pl_module, stage: str) -> None:
         super().setup(trainer, pl_module, stage)
+        compute_dtype = getattr(trainer.strategy, "compute_dtype", None)  # FSDP2's bf16 with 32-true precision
+        if compute_dtype is not None and self.peak_tflops is None:
+            from lightning.fabric.utilities.throughput import get_available_flops
+
+            self.available_flops = get_available_flops(trainer.strategy.root_device, compute_dtype)
         if self.peak_tflops is not None:
             self.available_flops = int(self.peak_tflops * 1e12)
+
+    def _compute(self, trainer, iter_num: int | None = None) -> None:
+        """Lightning's readings, with the running counts (samples, tokens) of all ranks, not rank 0's share:
+        what one process with the whole batch logs. (The rates without `device/` are already summed over ranks.)"""
+        if trainer.world_size == 1 or not trainer._logger_connector.should_update_logs:
+            return super()._compute(trainer, iter_num)
+        stage = trainer.state.stage
+        throughput = self._throughputs[stage]
+        metrics = throughput.compute()
+        for name in ("samples", "lengths"):
+            if name in metrics:
+                metrics[name] = metrics[name] * trainer.world_size
+        metrics = {f"{stage.value}{throughput.separator}{k}": v for k, v in metrics.items()}
+        trainer._logger_connector.log_metrics(metrics, step=iter_num)
