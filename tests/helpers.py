@@ -142,3 +142,28 @@ def bpe_text_checkpoint(directory, max_seq_len: int = 256):
                           val_fraction=0.2, cache_dir=str(directory / "cache"))  # a few validation documents
     model = small_model(vocab_size=data.tokenizer.vocab_size, max_seq_len=max_seq_len)
     return save_checkpoint(model, directory / "run" / "checkpoints" / "last.ckpt", data), data
+
+
+class SaveFullWeights(L.Callback):
+    """At the end of training, the model's full weights (gathered from the shards under FSDP2) to `path`."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        from diffexp.parallel import full_value
+
+        weights = {k: full_value(v).detach().cpu().clone() for k, v in pl_module.model.state_dict().items()}
+        if trainer.is_global_zero:
+            torch.save(weights, self.path)
+
+
+class KillRankZeroAtStep(L.Callback):
+    """SIGKILL the launching process (rank 0) once `step` steps are done; the other ranks lose their peer."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if trainer.global_step >= self.step and trainer.global_rank == 0:
+            os.kill(os.getpid(), signal.SIGKILL)

@@ -5,8 +5,8 @@ unchanged under FSDP and activation checkpointing) on the first `sample_rows` ro
 the largest |activation| and the kurtosis of the hidden states (outliers, DIFF V1 section 3.8), the
 largest attention logit, the context RMS (the o_proj input, diffexp.training.stability) and statistics a
 variant records (DIFF V2: its token-wise lambda). At the same steps the attention-sink score takes one
-extra forward without gradients on those rows (effective maps, eager attention; skipped under sharded
-strategies). Every optimizer step, gradient-norm spikes (norm above `spike_factor` x the running mean of the
+extra forward without gradients on those rows (effective maps, eager attention; skipped under FSDP1 and
+DeepSpeed). Every optimizer step, gradient-norm spikes (norm above `spike_factor` x the running mean of the
 previous norms), loss spikes (loss above `loss_spike_factor` x the median of the previous
 `loss_spike_window` losses), the largest gradient norm so far, and divergence (a loss above
 `divergence_factor` x ln(vocab_size): the run stops, recorded as diverged) are tracked. Lambda traces are
@@ -96,7 +96,7 @@ class Diagnostics(L.Callback):
         step = trainer.global_step  # the same for every micro-batch of an accumulated step: observe the first
         if self.every_n_steps and step % self.every_n_steps == 0 and step != self._observed_step:
             self._observed_step = step
-            if self.attention_sink and _whole_model_on_each_rank(trainer.strategy):
+            if self.attention_sink and _model_callable_directly(trainer.strategy):
                 tokens = batch["tokens"] if isinstance(batch, dict) else batch
                 model = getattr(pl_module, "model", pl_module)
                 with trainer.precision_plugin.forward_context():
@@ -179,10 +179,15 @@ def diverged_at(trainer: L.Trainer, exception: BaseException | None = None) -> d
     return None
 
 
-def _whole_model_on_each_rank(strategy) -> bool:
-    """The sink forward calls the model outside the strategy's wrapper: only where no rank holds a shard."""
+def _model_callable_directly(strategy) -> bool:
+    """The sink forward calls the model outside the strategy's wrapper: where no rank holds a shard, or under
+    FSDP2, whose sharded blocks gather their weights in any forward (every rank runs this one)."""
     from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy, SingleDeviceStrategy
 
+    from diffexp.parallel import FSDP2Strategy
+
+    if isinstance(strategy, FSDP2Strategy):
+        return True
     return isinstance(strategy, (SingleDeviceStrategy, DDPStrategy)) and not isinstance(strategy, DeepSpeedStrategy)
 
 

@@ -418,6 +418,8 @@ class DiffexpLM(L.LightningModule):
         datamodule = getattr(self.trainer, "datamodule", None)
         if datamodule is not None and hasattr(datamodule, "describe"):
             rank_zero_info(f"data: {datamodule.describe()}")
+        if hasattr(self.trainer.strategy, "describe"):  # FSDP2Strategy: mesh, precision, checkpointing
+            rank_zero_info(f"parallel: {self.trainer.strategy.describe()}")
         counts = ", ".join(f"{k} {v:,}" for k, v in report.items())
         rank_zero_info(f"model: {self.arch.attention}, parameters {counts}")
         if self.logger is not None:

@@ -18,6 +18,7 @@ from typing import Any
 from diffexp.checkpoint_io import FILLED
 from diffexp.errors import UserError, invalid
 from diffexp.model.config import ModelConfig
+from diffexp.parallel.launch import check_launch, requested_world_size
 
 # data module settings that do not change what is trained (where files live, how many loader processes)
 DATA_KEYS_FREE_ON_RESUME = {"num_workers", "cache_dir"}
@@ -132,6 +133,7 @@ def validate_fit_config(config, subcommand: str = "fit") -> ModelConfig:
                       "(RoPE is precomputed up to it); raise model.arch.max_seq_len or lower data.seq_len")
     trainer = plain(config.get("trainer") or {})
     check_trainer(trainer, subcommand)
+    check_launch(trainer)
     check_writable("trainer.default_root_dir", trainer.get("default_root_dir"))
     for key, save_dir in logger_save_dirs(trainer):
         check_writable(key, save_dir)
@@ -203,21 +205,6 @@ def saved_run_values(checkpoint: dict[str, Any], model_only: bool) -> dict[str, 
     if "world_size" in run:
         values[WORLD_SIZE] = run["world_size"]
     return values
-
-
-def requested_world_size(trainer: dict[str, Any]) -> int | None:
-    """The processes a trainer config launches, where the config alone says (None: devices auto or -1 on an
-    accelerator whose count only the machine knows)."""
-    devices, nodes = trainer.get("devices", "auto"), int(trainer.get("num_nodes") or 1)
-    if isinstance(devices, str) and devices.strip().lstrip("-").isdigit():
-        devices = int(devices)
-    if isinstance(devices, (list, tuple)):
-        return len(devices) * nodes
-    if isinstance(devices, int) and devices > 0:
-        return devices * nodes
-    if trainer.get("accelerator") == "cpu" and devices in ("auto", -1):  # Lightning: one CPU process
-        return nodes
-    return None
 
 
 def requested_run_values(config, keys: set[str]) -> dict[str, Any]:
