@@ -160,15 +160,37 @@ def _quiet_parse():
         seed_log.setLevel(level)
 
 
-def model_config(recipe: Recipe):
-    """The recipe's ModelConfig, with the vocabulary its data module links."""
-    from diffexp.model.config import ModelConfig
+def parsed(recipe: Recipe):
     from diffexp.training.cli import parse_config
 
     with _quiet_parse():
-        config = parse_config(recipe.args())
+        return parse_config(recipe.args())
+
+
+def model_config(recipe: Recipe, config=None):
+    """The recipe's ModelConfig, with the vocabulary its data module links."""
+    from diffexp.model.config import ModelConfig
+
+    config = config or parsed(recipe)
     arch = config.model.arch.as_dict()
     return ModelConfig(**{**arch, "vocab_size": linked_vocab_size(config)})
+
+
+def memory(recipe: Recipe, gpus: int):
+    """diffexp.parallel.memory's estimate per rank of the recipe's run on `gpus` GPUs (bf16 compute; the
+    recipe's micro-batch, sequence length and activation checkpointing)."""
+    import torch
+
+    from diffexp.parallel.memory import estimate_memory
+    from diffexp.training.preflight import data_init_args, plain
+
+    config = parsed(recipe)
+    data = data_init_args(config)[1]
+    strategy = plain(config.trainer.get("strategy"))
+    init_args = (strategy.get("init_args") or {}) if isinstance(strategy, dict) else {}
+    arch = model_config(recipe, config)
+    return estimate_memory(arch, int(data.get("batch_size") or 1), int(data.get("seq_len") or arch.max_seq_len),
+                           gpus, torch.bfloat16, bool(init_args.get("activation_checkpointing")))
 
 
 def report(recipe: Recipe) -> dict[str, int]:
@@ -196,10 +218,14 @@ def build_parser() -> argparse.ArgumentParser:
                         help="a recipe file, a GPU size or variant file, or a directory of recipes")
     parser.add_argument("--headers", action="store_true",
                         help="also print each recipe's header line (# parameters: total=N ...), for its comment")
+    parser.add_argument("--memory", type=int, metavar="GPUS",
+                        help="also the memory per rank of an FSDP2 run on GPUS GPUs (bf16; the recipe's micro-batch, "
+                             "sequence length and activation checkpointing; diffexp.parallel.memory)")
     return parser
 
 
-def params(targets: Sequence[str], headers: bool = False, console=None) -> list[tuple[Recipe, dict[str, int]]]:
+def params(targets: Sequence[str], headers: bool = False, console=None,
+           memory_gpus: int | None = None) -> list[tuple[Recipe, dict[str, int]]]:
     """Count, print the table (and the header lines), return the rows."""
     from rich.console import Console
     from rich.table import Table
@@ -215,8 +241,13 @@ def params(targets: Sequence[str], headers: bool = False, console=None) -> list[
     table.add_column("variant")
     for label in COLUMNS.values():
         table.add_column(label, justify="right")
+    if memory_gpus:
+        table.add_column(f"per rank on {memory_gpus} GPUs (params, grads, optimizer, activations)", justify="right")
     for recipe, counts in rows:
-        table.add_row(recipe.name, str(counts["attention_variant"]), *(f"{counts[key]:,}" for key in COLUMNS))
+        cells = [f"{counts[key]:,}" for key in COLUMNS]
+        if memory_gpus:
+            cells.append(memory(recipe, memory_gpus).describe().replace(" per rank", ""))
+        table.add_row(recipe.name, str(counts["attention_variant"]), *cells)
     console.print(table)
     if headers:
         for recipe, counts in rows:
@@ -228,5 +259,7 @@ def params(targets: Sequence[str], headers: bool = False, console=None) -> list[
 def main(argv: Sequence[str] | None = None) -> int:
     """0 on success; a bad RECIPE is one `error: ...` paragraph on stderr and SystemExit(2)."""
     args = build_parser().parse_args(list(sys.argv[1:] if argv is None else argv))
-    guarded(params, args.recipes, args.headers)
+    if args.memory is not None and args.memory < 1:
+        raise SystemExit(f"error: --memory={args.memory}: expected a positive number of GPUs")
+    guarded(params, args.recipes, args.headers, None, args.memory)
     return 0

@@ -109,6 +109,16 @@ class FSDP2Strategy(ModelParallelStrategy):
         checkpointing = ", activation checkpointing" if self.activation_checkpointing else ""
         return f"FSDP2 over {self.world_size} rank(s) ({mesh}; {self.root_device.type}), {precision}{checkpointing}"
 
+    def check_memory(self, arch, micro_batch: int, seq_len: int) -> str:
+        """The memory per rank this run needs (diffexp.parallel.memory); refuses a run that cannot fit."""
+        from diffexp.parallel.memory import check_fits
+
+        available = None
+        if self.root_device.type == "cuda":
+            available = torch.cuda.get_device_properties(self.root_device).total_memory
+        return check_fits(arch, micro_batch, seq_len, self.device_mesh["shard"].size(), self.compute_dtype,
+                          self.activation_checkpointing, available)
+
     def shard(self, decoder: nn.Module) -> None:
         """Shard a Decoder in place with this strategy's mesh and precision (DiffexpLM.configure_model)."""
         shard_decoder(decoder, self.device_mesh, self.compute_dtype, self.activation_checkpointing)

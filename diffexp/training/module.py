@@ -206,6 +206,10 @@ class DiffexpLM(L.LightningModule):
         from diffexp.parallel import FSDP2Strategy
 
         if isinstance(strategy, FSDP2Strategy):  # after compile, as torchtitan does
+            datamodule = getattr(self.trainer, "datamodule", None)
+            micro_batch = int(getattr(datamodule, "batch_size", 1))
+            rank_zero_info(strategy.check_memory(self.arch, micro_batch, getattr(datamodule, "seq_len", None)
+                                                 or self.arch.max_seq_len))
             strategy.shard(self.model)
         elif isinstance(strategy, ModelParallelStrategy):
             raise UserError(f"trainer.strategy={type(strategy).__name__}: diffexp shards with its subclass "

@@ -1,0 +1,147 @@
+"""Memory per rank of an FSDP2 run, computed from the model before any weight exists.
+
+The activations are measured, not modelled: a 1-layer and a 2-layer copy of the decoder run forward (and the
+loss) on the meta device, where tensors have shapes but no storage, and every tensor autograd saves for the
+backward is counted once per storage. The attention call is replaced by a stand-in that saves what a fused
+kernel (FlashAttention, SDPA's flash/efficient paths) keeps: q, k, v, the output and the row log-sum-exp,
+never the T x T map. Two layers minus one gives a block; one layer minus a block gives the embedding, final
+norm, LM head and loss. The sharded states follow from the parameter count:
+
+* parameters: the fp32 shard, plus the compute-dtype copies gathered at once (the root, kept gathered
+  through the step, and two blocks: the one running and the one prefetched);
+* gradients: the fp32 shard, plus one block's unsharded fp32 gradients before their reduce-scatter;
+* optimizer: AdamW's two fp32 moments of the shard;
+* activations: every layer's saved tensors, or with activation checkpointing each block's input plus one
+  block recomputed; plus the head's, plus the logits' gradient that the backward starts with.
+
+It leaves out the CUDA context and the allocator's fragmentation (FIT_FRACTION leaves room for them).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, replace
+
+import torch
+import torch.nn.functional as F
+
+GIB = 2**30
+FIT_FRACTION = 0.9  # of the device's memory: the rest for the CUDA context, NCCL buffers and fragmentation
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    """Bytes per rank, by kind."""
+
+    parameters: int
+    gradients: int
+    optimizer: int
+    activations: int
+
+    @property
+    def total(self) -> int:
+        return self.parameters + self.gradients + self.optimizer + self.activations
+
+    def describe(self) -> str:
+        parts = ", ".join(f"{name} {size(getattr(self, name))}"
+                          for name in ("parameters", "gradients", "optimizer", "activations"))
+        return f"{size(self.total)} per rank ({parts})"
+
+
+def size(n_bytes: int) -> str:
+    return f"{n_bytes / GIB:.1f} GiB" if n_bytes >= GIB else f"{n_bytes / 2**20:.1f} MiB"
+
+
+class _FusedAttentionSaves(torch.autograd.Function):
+    """What a fused attention kernel keeps for its backward, with the output's shape."""
+
+    @staticmethod
+    def forward(ctx, q, k, v):
+        out = q.new_empty(*q.shape[:-1], v.shape[-1])
+        ctx.save_for_backward(q, k, v, out, q.new_empty(q.shape[:-1], dtype=torch.float32))
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):  # pragma: no cover - never run: only the forward is measured
+        raise NotImplementedError
+
+
+@contextlib.contextmanager
+def _fused_attention_stand_in():
+    original = F.scaled_dot_product_attention
+    F.scaled_dot_product_attention = lambda q, k, v, *args, **kwargs: _FusedAttentionSaves.apply(q, k, v)
+    try:
+        yield
+    finally:
+        F.scaled_dot_product_attention = original
+
+
+def _measure(arch, n_layers: int, micro_batch: int, seq_len: int, dtype: torch.dtype) -> tuple[int, int, int]:
+    """(parameters, bytes saved for the backward, largest logits) of an n_layers copy, on the meta device."""
+    from diffexp.model import Decoder
+
+    cfg = replace(arch, n_layers=n_layers, backend="sdpa")
+    with torch.device("meta"):
+        model = Decoder(cfg).to(dtype)
+    saved: dict[int, int] = {}
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        if not (tensor.is_leaf and tensor.requires_grad):  # parameters are counted as parameters
+            storage = tensor.untyped_storage()
+            saved[storage._cdata] = max(saved.get(storage._cdata, 0), storage.nbytes())
+        return tensor
+
+    tokens = torch.zeros(micro_batch, seq_len + 1, dtype=torch.long, device="meta")
+    with _fused_attention_stand_in(), torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        logits = model(tokens[:, :-1])
+        F.cross_entropy(logits.float().flatten(0, 1), tokens[:, 1:].flatten())  # as DiffexpLM's loss
+    parameters = sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
+    return parameters, sum(saved.values()), logits.numel()
+
+
+def estimate_memory(arch, micro_batch: int, seq_len: int, shard_size: int,
+                    compute_dtype: torch.dtype = torch.bfloat16,
+                    activation_checkpointing: bool = False) -> MemoryEstimate:
+    """Bytes per rank for `arch` (a ModelConfig) trained on micro-batches of micro_batch x seq_len tokens,
+    its states sharded over shard_size ranks (the world size, or the GPUs of a node under HSDP)."""
+    params_1, saved_1, logits = _measure(arch, 1, micro_batch, seq_len, compute_dtype)
+    params_2, saved_2, _ = _measure(arch, 2, micro_batch, seq_len, compute_dtype)
+    block_params, block_saved = params_2 - params_1, saved_2 - saved_1
+    root_params, root_saved = params_1 - block_params, saved_1 - block_saved
+    total_params = root_params + arch.n_layers * block_params
+    compute_bytes = torch.finfo(compute_dtype).bits // 8
+    if activation_checkpointing:
+        block_input = micro_batch * seq_len * arch.d_model * compute_bytes
+        layers = arch.n_layers * block_input + block_saved
+    else:
+        layers = arch.n_layers * block_saved
+    return MemoryEstimate(
+        parameters=4 * total_params // shard_size + compute_bytes * (root_params + 2 * block_params),
+        gradients=4 * total_params // shard_size + 4 * block_params,
+        optimizer=8 * total_params // shard_size,
+        activations=layers + root_saved + 4 * logits,
+    )
+
+
+def check_fits(arch, micro_batch: int, seq_len: int, shard_size: int, compute_dtype: torch.dtype,
+               activation_checkpointing: bool, available: int | None) -> str:
+    """The estimate as one line; a UserError naming what helps when it exceeds FIT_FRACTION of `available`
+    bytes (None: no limit known, e.g. on CPU)."""
+    from diffexp.errors import UserError
+
+    estimate = estimate_memory(arch, micro_batch, seq_len, shard_size, compute_dtype, activation_checkpointing)
+    line = f"memory: {estimate.describe()}, micro-batch {micro_batch} x {seq_len} tokens, states sharded over {shard_size}"
+    if available is None or estimate.total <= FIT_FRACTION * available:
+        return line
+    options = []
+    if not activation_checkpointing:
+        with_ckpt = estimate_memory(arch, micro_batch, seq_len, shard_size, compute_dtype, True)
+        options.append(f"trainer.strategy.init_args.activation_checkpointing true: {size(with_ckpt.total)}")
+    if micro_batch > 1:
+        half = estimate_memory(arch, micro_batch // 2, seq_len, shard_size, compute_dtype, activation_checkpointing)
+        options.append(f"data.batch_size {micro_batch // 2} (and trainer.accumulate_grad_batches doubled, for the "
+                       f"same tokens per step): {size(half.total)}")
+    more = estimate_memory(arch, micro_batch, seq_len, 2 * shard_size, compute_dtype, activation_checkpointing)
+    options.append(f"twice the GPUs ({2 * shard_size}): {size(more.total)}")
+    raise UserError(f"{line}: more than {FIT_FRACTION:.0%} of the {available / GIB:.1f} GiB of one device, so the "
+                    "run would stop out of memory. What helps, each alone:\n  " + "\n  ".join(options))
