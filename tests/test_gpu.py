@@ -52,16 +52,15 @@ def test_sdpa_bf16_training_step_is_finite_and_matches_eager(attention):
 
 
 def test_fsdp_bf16_fit_logs_diagnostics_and_resumes_from_sharded_checkpoint(tmp_path):
-    """The GPU recipes' path at toy size: FSDP (one wrap unit per block, sharded checkpoints), bf16-mixed,
+    """The GPU recipes' path at toy size: FSDP2 (fully_shard per block, sharded checkpoints), bf16 compute,
     diagnostics observed inside the FSDP forward, then `--ckpt_path last` continues the same run."""
     import torch.distributed.checkpoint  # noqa: F401  (sharded checkpoints need it)
 
     from tests.test_training import run_cli, scalars, write_recipe
 
     recipe = write_recipe(tmp_path, max_steps=8)
-    fsdp = ('--trainer.strategy={"class_path": "lightning.pytorch.strategies.FSDPStrategy", "init_args": '
-            '{"auto_wrap_policy": ["diffexp.model.blocks.DecoderBlock"], "state_dict_type": "sharded"}}')
-    common = ["--trainer.accelerator=gpu", "--trainer.devices=1", "--trainer.precision=bf16-mixed", fsdp,
+    fsdp = '--trainer.strategy={"class_path": "diffexp.parallel.FSDP2Strategy", "init_args": {"mixed_precision": "bf16"}}'
+    common = ["--trainer.accelerator=gpu", "--trainer.devices=1", fsdp,
               "--diagnostics.every_n_steps=2"]
     run_cli(["fit", "--config", str(recipe), *common], tmp_path)
     run_dir = tmp_path / "runs/run/version_0"

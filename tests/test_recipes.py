@@ -213,19 +213,19 @@ def test_gpu_numbers_live_in_one_file():
             assert not keys & (size_keys - {"model.arch.n_heads"}), path
             assert not keys & dotted_keys(GPU / "variant" / f"{folder.name}.yaml"), path
     for key in ("model.optim.lr", "model.optim.warmup_steps", "model.optim.weight_decay", "trainer.max_steps",
-                "trainer.accumulate_grad_batches", "trainer.precision", "data.seq_len", "data.batch_size"):
+                "global_batch.rows", "trainer.precision", "data.seq_len", "data.batch_size"):
         assert key in base, key
     run_dir = {"trainer.logger.init_args.save_dir", "trainer.logger.init_args.name"}  # base's placeholders
     for path in [*(GPU / "size").glob("*.yaml"), *(GPU / "variant").rglob("*.yaml")]:
         assert not dotted_keys(path) & (base - run_dir), path.name
 
 
-def test_gpu_recipes_are_bf16_fsdp():
+def test_gpu_recipes_are_bf16_fsdp2():
     for size, variant in GPU_COMBOS:
         trainer = parse_config(gpu_args(size, variant)).trainer
-        assert trainer.precision == "bf16-mixed"
-        assert trainer.strategy.class_path.endswith("FSDPStrategy")
-        assert any(cls.__name__ == "DecoderBlock" for cls in trainer.strategy.init_args.auto_wrap_policy)
+        assert trainer.precision == "32-true"  # mixed precision is FSDP2's own
+        assert trainer.strategy.class_path == "diffexp.parallel.FSDP2Strategy"
+        assert trainer.strategy.init_args.mixed_precision == "auto"  # bf16 on GPUs
 
 
 def test_documented_recipe_paths_exist():

@@ -23,6 +23,7 @@ from diffexp.checkpoint_io import read_checkpoint
 from diffexp.errors import UserError, debug_enabled
 from diffexp.training.checkpointing import RunCheckpoint
 from diffexp.training.diagnostics import Diagnostics
+from diffexp.training.global_batch import GlobalBatch
 from diffexp.training.module import DiffexpLM
 from diffexp.training.preflight import check_resume, data_init_args, plain, validate_fit_config
 from diffexp.training.progress import use_step_progress_bar
@@ -96,6 +97,8 @@ class DiffexpCLI(LightningCLI):
         parser.add_lightning_class_args(Diagnostics, "diagnostics")
         # always on, configurable as throughput.*: tokens/s, FLOPs/s and MFU (ThroughputMonitor)
         parser.add_lightning_class_args(Throughput, "throughput")
+        # off unless set: global_batch.rows keeps the tokens per step whatever the number of processes
+        parser.add_lightning_class_args(GlobalBatch, "global_batch")
         parser.set_defaults({
             "checkpoint.save_last": True,
             "checkpoint.every_n_train_steps": 100,

@@ -19,6 +19,7 @@ from diffexp.checkpoint_io import FILLED
 from diffexp.errors import UserError, invalid
 from diffexp.model.config import ModelConfig
 from diffexp.parallel.launch import check_launch, requested_world_size
+from diffexp.training.global_batch import accumulation_for
 
 # data module settings that do not change what is trained (where files live, how many loader processes)
 DATA_KEYS_FREE_ON_RESUME = {"num_workers", "cache_dir"}
@@ -29,6 +30,7 @@ HONOURED_ON_RESUME = ("  model.optim.lr:", "  model.optim.betas:", "  model.opti
 RESUME_TRAINER_KEYS = ("max_steps", "accumulate_grad_batches", "gradient_clip_val")
 # the processes a run trains on: each reads its own share of every batch, so a resume needs as many
 WORLD_SIZE = "world size (trainer.num_nodes x trainer.devices)"
+ACCUMULATE = "trainer.accumulate_grad_batches"
 # model.ar_hit settings that decide which tokens are AR-Hits (a resume must log the same metric)
 AR_HIT_RESUME_KEYS = ("exclude_frequent", "min_count", "top_percent")
 
@@ -134,6 +136,8 @@ def validate_fit_config(config, subcommand: str = "fit") -> ModelConfig:
     trainer = plain(config.get("trainer") or {})
     check_trainer(trainer, subcommand)
     check_launch(trainer)
+    if subcommand == "fit":
+        derived_accumulation(config)  # refuses a global batch the launch cannot make up
     check_writable("trainer.default_root_dir", trainer.get("default_root_dir"))
     for key, save_dir in logger_save_dirs(trainer):
         check_writable(key, save_dir)
@@ -141,6 +145,22 @@ def validate_fit_config(config, subcommand: str = "fit") -> ModelConfig:
     check_writable("checkpoint.dirpath", checkpoint.get("dirpath"))
     warn_unused_settings(arch)
     return arch
+
+
+def derived_accumulation(config) -> int | None:
+    """trainer.accumulate_grad_batches as global_batch.rows makes it, where the config alone says (else None)."""
+    rows = plain(config.get("global_batch") or {}).get("rows")
+    if rows is None:
+        return None
+    trainer = plain(config.get("trainer") or {})
+    if trainer.get("accumulate_grad_batches") not in (None, 1):
+        raise UserError(f"global_batch.rows={rows} and trainer.accumulate_grad_batches="
+                        f"{trainer['accumulate_grad_batches']}: give one of them; with global_batch.rows the "
+                        "accumulation follows from the number of processes and data.batch_size")
+    world, micro_batch = requested_world_size(trainer), data_init_args(config)[1].get("batch_size")
+    if world is None or not isinstance(micro_batch, int):
+        return None
+    return accumulation_for(rows, micro_batch, world)
 
 
 def warn_unused_settings(arch: ModelConfig) -> None:
@@ -259,6 +279,10 @@ def check_resume(config, checkpoint: dict[str, Any], ckpt_path: Path, subcommand
         requested["data.class_path"] = requested["data.class_path"].rsplit(".", 1)[-1]
     if requested.get(WORLD_SIZE) is None:  # known only once launched: DiffexpLM.on_load_checkpoint checks it
         saved.pop(WORLD_SIZE, None)
+    if plain(config.get("global_batch") or {}).get("rows") is not None and not model_only:
+        requested[ACCUMULATE] = derived_accumulation(config)  # what the launch will set
+        if requested[ACCUMULATE] is None:  # known only once launched, from the same rows: nothing to compare
+            saved.pop(ACCUMULATE, None)
     differing = [f"  {key}: checkpoint {saved[key]!r}, this config {requested[key]!r}"
                  for key in sorted(saved) if not _same(saved[key], requested[key])]
     if not model_only and (checkpoint.get("diffexp_run") or {}).get("schedule_steps") is not None:

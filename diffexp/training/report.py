@@ -35,8 +35,12 @@ class RunReport(L.Callback):
         value = trainer.callback_metrics.get("train/tokens_per_s")
         if value is not None:
             self.tokens_per_s.append(float(value))
-        loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
-        if loss is not None:  # kept here: the final validation replaces the trainer's callback_metrics
+        # the module's loss (the mean over ranks), not `outputs`, which Lightning divides by accumulate_grad_batches;
+        # kept here: the final validation replaces the trainer's callback_metrics
+        loss = getattr(pl_module, "last_train_loss", None)
+        if loss is None:
+            loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
+        if loss is not None:
             self.train_loss = float(loss)
 
     def on_validation_end(self, trainer, pl_module) -> None:

@@ -1,0 +1,36 @@
+"""global_batch.rows: the tokens per step stay what the recipe says, whatever the number of processes."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+from diffexp.errors import UserError
+from diffexp.training.global_batch import accumulation_for
+
+sys.path.insert(0, str(Path(__file__).parent))
+from test_training import scalars, write_recipe  # noqa: E402
+
+
+def test_accumulation_makes_up_the_global_batch_or_is_refused():
+    assert accumulation_for(128, micro_batch=8, world_size=8) == 2
+    assert accumulation_for(128, micro_batch=8, world_size=16) == 1
+    assert accumulation_for(128, micro_batch=8, world_size=4) == 4
+    with pytest.raises(UserError, match=r"global_batch.rows=128: 3 process\(es\) x data.batch_size 8 read 24 rows.*"
+                                        r"e.g. 120, 144"):
+        accumulation_for(128, micro_batch=8, world_size=3)
+
+
+def test_a_run_accumulates_to_the_global_batch_and_validates_on_steps(tmp_path, monkeypatch):
+    from diffexp.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    recipe = write_recipe(tmp_path, max_steps=4)  # data.batch_size 4
+    main(["fit", "--config", str(recipe), "--global_batch.rows", "12", "--trainer.val_check_interval", "2",
+          "--trainer.log_every_n_steps", "1"])
+    logged = scalars(tmp_path / "runs/run/version_0")
+    assert [step for step, _ in logged["train/loss"]] == [0, 1, 2, 3]  # 4 optimizer steps ...
+    assert logged["train/samples"][-1] == (3, 4 * 12)  # ... of 12 rows: 3 micro-batches of 4 each
+    assert [step for step, _ in logged["val/loss"]] == [1, 3]  # every 2 steps, not every 2 micro-batches

@@ -1,0 +1,73 @@
+"""Memory per rank before a sharded run (diffexp.parallel.memory): the counts it rests on, and its refusal."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+import torch
+
+from diffexp.errors import UserError
+from diffexp.model import Decoder
+from diffexp.model.config import ModelConfig
+from diffexp.parallel import memory
+from diffexp.parallel.memory import check_fits, estimate_memory
+
+VARIANTS = ["baseline", "diff_v1", "diff_v2", "shared_diff", "dint"]
+
+
+def arch(attention: str, n_layers: int = 4) -> ModelConfig:
+    extra = {"n_kv_heads": 2} if attention == "diff_v2" else {}
+    return ModelConfig(attention=attention, d_model=64, n_layers=n_layers, n_heads=4, vocab_size=97, max_seq_len=64,
+                       rank=8, **extra)
+
+
+def saved_bytes_for_real(cfg: ModelConfig, batch: int, seq_len: int) -> int:
+    """The bytes autograd keeps for the backward of a real forward (CPU tensors), counted per storage."""
+    model = Decoder(replace(cfg, backend="sdpa"))
+    saved: dict[int, int] = {}
+
+    def pack(tensor):
+        if not (tensor.is_leaf and tensor.requires_grad):
+            saved[tensor.untyped_storage().data_ptr()] = tensor.untyped_storage().nbytes()
+        return tensor
+
+    tokens = torch.randint(0, cfg.vocab_size, (batch, seq_len + 1))
+    with memory._fused_attention_stand_in(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        logits = model(tokens[:, :-1])
+        torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), tokens[:, 1:].flatten())
+    return sum(saved.values())
+
+
+@pytest.mark.parametrize("attention", VARIANTS)
+def test_states_follow_the_parameter_count_and_activations_the_real_forward(attention):
+    cfg = arch(attention)
+    n_params = Decoder(cfg).num_parameters()
+    estimate = estimate_memory(cfg, micro_batch=2, seq_len=32, shard_size=4, compute_dtype=torch.float32)
+    assert estimate.optimizer == 8 * n_params // 4  # AdamW's two fp32 moments of a quarter of the model
+    # the 4-layer model's activations from a 1- and a 2-layer copy on the meta device, against a real forward
+    logits_grad = 4 * 2 * 32 * cfg.vocab_size
+    assert estimate.activations - logits_grad == saved_bytes_for_real(cfg, 2, 32)
+
+
+def test_sharding_checkpointing_and_smaller_batches_shrink_what_they_should():
+    cfg = arch("diff_v1", n_layers=8)
+    base = estimate_memory(cfg, 4, 64, shard_size=2)
+    wider = estimate_memory(cfg, 4, 64, shard_size=8)
+    assert wider.optimizer == pytest.approx(base.optimizer / 4, rel=1e-6) and wider.activations == base.activations
+    checkpointed = estimate_memory(cfg, 4, 64, shard_size=2, activation_checkpointing=True)
+    assert checkpointed.activations < base.activations / 2 and checkpointed.optimizer == base.optimizer
+    half = estimate_memory(cfg, 2, 64, shard_size=2)
+    assert base.activations / 2 < half.activations < 0.6 * base.activations  # RoPE tables do not shrink
+
+
+def test_a_run_that_cannot_fit_is_refused_with_what_helps():
+    cfg = arch("dint", n_layers=8)
+    needed = estimate_memory(cfg, 4, 64, 2, torch.bfloat16).total
+    assert check_fits(cfg, 4, 64, 2, torch.bfloat16, False, available=None).startswith("memory: ")
+    assert "per rank" in check_fits(cfg, 4, 64, 2, torch.bfloat16, False, available=2 * needed)
+    with pytest.raises(UserError) as refused:
+        check_fits(cfg, 4, 64, 2, torch.bfloat16, False, available=needed)
+    message = str(refused.value)
+    for option in ("activation_checkpointing true", "data.batch_size 2", "twice the GPUs (4)"):
+        assert option in message
