@@ -59,7 +59,8 @@ def test_fsdp_bf16_fit_logs_diagnostics_and_resumes_from_sharded_checkpoint(tmp_
     from tests.test_training import run_cli, scalars, write_recipe
 
     recipe = write_recipe(tmp_path, max_steps=8)
-    fsdp = '--trainer.strategy={"class_path": "diffexp.parallel.FSDP2Strategy", "init_args": {"mixed_precision": "bf16"}}'
+    fsdp = ('--trainer.strategy={"class_path": "diffexp.parallel.FSDP2Strategy", '
+            '"init_args": {"mixed_precision": "bf16"}}')
     common = ["--trainer.accelerator=gpu", "--trainer.devices=1", fsdp,
               "--diagnostics.every_n_steps=2"]
     run_cli(["fit", "--config", str(recipe), *common], tmp_path)

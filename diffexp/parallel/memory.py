@@ -130,7 +130,8 @@ def check_fits(arch, micro_batch: int, seq_len: int, shard_size: int, compute_dt
     from diffexp.errors import UserError
 
     estimate = estimate_memory(arch, micro_batch, seq_len, shard_size, compute_dtype, activation_checkpointing)
-    line = f"memory: {estimate.describe()}, micro-batch {micro_batch} x {seq_len} tokens, states sharded over {shard_size}"
+    line = (f"memory: {estimate.describe()}, micro-batch {micro_batch} x {seq_len} tokens, states sharded over "
+            f"{shard_size}")
     if available is None or estimate.total <= FIT_FRACTION * available:
         return line
     options = []
