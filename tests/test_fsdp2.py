@@ -167,9 +167,14 @@ def test_two_torchrun_nodes_on_localhost_train_together_on_an_hsdp_mesh(root):
                         torch.load(root / "sharded.pt", weights_only=True))
 
 
-def test_resuming_a_sharded_checkpoint_with_another_world_size_is_refused_before_work(root):
+def test_resuming_a_sharded_checkpoint_with_another_world_size_is_refused_before_work(root, monkeypatch, capsys):
+    from diffexp.cli import main
+
+    monkeypatch.chdir(root)
     recipe = write(root, "sharded", devices=1, batch=2, strategy=FSDP2 % "false")
-    proc = subprocess.run([sys.executable, "-m", "diffexp", "fit", "--config", str(recipe), "--ckpt_path", "last"],
-                          cwd=root, env=env(), text=True, capture_output=True, timeout=120)
-    assert proc.returncode != 0 and "Traceback" not in proc.stderr
-    assert "world size (trainer.num_nodes x trainer.devices): checkpoint 2, this config 1" in proc.stderr
+    before = sorted(p.name for p in (root / "runs/sharded").iterdir())
+    with pytest.raises(SystemExit):
+        main(["fit", "--config", str(recipe), "--ckpt_path", "last"])
+    err = capsys.readouterr().err
+    assert "world size (trainer.num_nodes x trainer.devices): checkpoint 2, this config 1" in err
+    assert "Traceback" not in err and sorted(p.name for p in (root / "runs/sharded").iterdir()) == before

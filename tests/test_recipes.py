@@ -241,7 +241,7 @@ def test_documented_gpu_command_prints_the_merged_recipe():
         main(["fit", *gpu_args("830m", "diff_v1"), "--print_config"])
     printed = yaml.safe_load(out.getvalue())
     assert printed["model"]["arch"]["d_model"] == 1536 and printed["model"]["arch"]["attention"] == "diff_v1"
-    assert printed["model"]["optim"]["lr"] == 3.0e-4 and printed["trainer"]["precision"] == "bf16-mixed"
+    assert printed["model"]["optim"]["lr"] == 3.0e-4 and printed["trainer"]["precision"] == "32-true"
     assert printed["trainer"]["logger"]["init_args"]["save_dir"] == "runs/gpu/830m"
 
 
