@@ -16,41 +16,21 @@ adds to map 1's.
 
 from __future__ import annotations
 
-import math
-
 import torch
 import triton
 import triton.language as tl
 
 from diffexp.model.kernels.tiles import (
+    Launch,
     accumulator_dtype,
     check_blocks,
-    dot_precision,
-    head_strides,
+    default_blocks,
     last_dim_contiguous,
+    load_rows,
+    probabilities,
     same_strides,
-    width_block,
+    store_rows,
 )
-
-
-@triton.jit
-def _load_rows(base, rows, cols, stride_t, n_rows, width):
-    """The (rows, cols) tile of one head, zero outside the sequence and the width."""
-    mask = (rows[:, None] < n_rows) & (cols[None, :] < width)
-    return tl.load(base + rows[:, None] * stride_t + cols[None, :], mask=mask, other=0.0)
-
-
-@triton.jit
-def _store_rows(base, rows, cols, stride_t, n_rows, width, value):
-    mask = (rows[:, None] < n_rows) & (cols[None, :] < width)
-    tl.store(base + rows[:, None] * stride_t + cols[None, :], value.to(base.dtype.element_ty), mask=mask)
-
-
-@triton.jit
-def _probabilities(q, k, lse, rows, keys, scale, PREC: tl.constexpr):
-    """softmax rows recomputed from the saved log-sum-exp; zero above the diagonal."""
-    s = tl.dot(q, tl.trans(k), input_precision=PREC) * scale
-    return tl.where(keys[None, :] <= rows[:, None], tl.exp(s - lse[:, None]), 0.0)
 
 
 @triton.jit
@@ -65,8 +45,8 @@ def _diff_fwd(Q1, Q2, K1, K2, V, LAM, O, O1, O2, LSE1, LSE2,
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     cols_d, cols_v = tl.arange(0, BLOCK_D), tl.arange(0, BLOCK_DV)
     q_base, k_off, v_base = b * sq_b + h * sq_h, b * sk_b + kvh * sk_h, V + b * sv_b + kvh * sv_h
-    q1 = _load_rows(Q1 + q_base, rows, cols_d, sq_t, T, D)
-    q2 = _load_rows(Q2 + q_base, rows, cols_d, sq_t, T, D)
+    q1 = load_rows(Q1 + q_base, rows, cols_d, sq_t, T, D)
+    q2 = load_rows(Q2 + q_base, rows, cols_d, sq_t, T, D)
     m1 = tl.full((BLOCK_M,), float("-inf"), ACC)
     m2 = tl.full((BLOCK_M,), float("-inf"), ACC)
     l1 = tl.zeros((BLOCK_M,), ACC)
@@ -75,9 +55,9 @@ def _diff_fwd(Q1, Q2, K1, K2, V, LAM, O, O1, O2, LSE1, LSE2,
     acc2 = tl.zeros((BLOCK_M, BLOCK_DV), ACC)
     for start_n in range(0, tl.minimum((pid_m + 1) * BLOCK_M, T), BLOCK_N):
         keys = start_n + tl.arange(0, BLOCK_N)
-        k1 = _load_rows(K1 + k_off, keys, cols_d, sk_t, T, D)
-        k2 = _load_rows(K2 + k_off, keys, cols_d, sk_t, T, D)
-        v = _load_rows(v_base, keys, cols_v, sv_t, T, DV)  # once, for both maps
+        k1 = load_rows(K1 + k_off, keys, cols_d, sk_t, T, D)
+        k2 = load_rows(K2 + k_off, keys, cols_d, sk_t, T, D)
+        v = load_rows(v_base, keys, cols_v, sv_t, T, DV)  # once, for both maps
         future = keys[None, :] > rows[:, None]
         s1 = tl.where(future, float("-inf"), tl.dot(q1, tl.trans(k1), input_precision=PREC) * scale)
         s2 = tl.where(future, float("-inf"), tl.dot(q2, tl.trans(k2), input_precision=PREC) * scale)
@@ -92,11 +72,11 @@ def _diff_fwd(Q1, Q2, K1, K2, V, LAM, O, O1, O2, LSE1, LSE2,
     out1, out2 = acc1 / l1[:, None], acc2 / l2[:, None]
     lam = tl.load(LAM + h)
     o_base = bh * T * DV
-    _store_rows(O + o_base, rows, cols_v, DV, T, DV, out1 - lam * out2)
+    store_rows(O + o_base, rows, cols_v, DV, T, DV, out1 - lam * out2)
     tl.store(LSE1 + bh * T + rows, m1 + tl.log(l1), mask=rows < T)
     if STORE_PARTS:
-        _store_rows(O1 + o_base, rows, cols_v, DV, T, DV, out1)
-        _store_rows(O2 + o_base, rows, cols_v, DV, T, DV, out2)
+        store_rows(O1 + o_base, rows, cols_v, DV, T, DV, out1)
+        store_rows(O2 + o_base, rows, cols_v, DV, T, DV, out2)
         tl.store(LSE2 + bh * T + rows, m2 + tl.log(l2), mask=rows < T)
 
 
@@ -112,9 +92,9 @@ def _diff_bwd_kv(Q1, Q2, K1, K2, V, LAM, DO, DO1, LSE1, LSE2, DELTA1, DELTA2, DK
     keys = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     cols_d, cols_v = tl.arange(0, BLOCK_D), tl.arange(0, BLOCK_DV)
     k_off = b * sk_b + kvh * sk_h
-    k1 = _load_rows(K1 + k_off, keys, cols_d, sk_t, T, D)
-    k2 = _load_rows(K2 + k_off, keys, cols_d, sk_t, T, D)
-    v = _load_rows(V + b * sv_b + kvh * sv_h, keys, cols_v, sv_t, T, DV)
+    k1 = load_rows(K1 + k_off, keys, cols_d, sk_t, T, D)
+    k2 = load_rows(K2 + k_off, keys, cols_d, sk_t, T, D)
+    v = load_rows(V + b * sv_b + kvh * sv_h, keys, cols_v, sv_t, T, DV)
     dk1 = tl.zeros((BLOCK_N, BLOCK_D), ACC)
     dk2 = tl.zeros((BLOCK_N, BLOCK_D), ACC)
     dv = tl.zeros((BLOCK_N, BLOCK_DV), ACC)
@@ -127,20 +107,18 @@ def _diff_bwd_kv(Q1, Q2, K1, K2, V, LAM, DO, DO1, LSE1, LSE2, DELTA1, DELTA2, DK
         for start_m in range(first_row, T, BLOCK_M):
             rows = start_m + tl.arange(0, BLOCK_M)
             in_seq = rows < T
-            q1 = _load_rows(Q1 + q_base, rows, cols_d, sq_t, T, D)
-            q2 = _load_rows(Q2 + q_base, rows, cols_d, sq_t, T, D)
-            do = _load_rows(DO + bh * T * DV, rows, cols_v, DV, T, DV)
-            p1 = _probabilities(q1, k1, tl.load(LSE1 + bh * T + rows, mask=in_seq, other=0.0), rows, keys,
-                                scale, PREC)
-            p2 = _probabilities(q2, k2, tl.load(LSE2 + bh * T + rows, mask=in_seq, other=0.0), rows, keys,
-                                scale, PREC)
-            p1 = tl.where(in_seq[:, None], p1, 0.0)
-            p2 = tl.where(in_seq[:, None], p2, 0.0)
+            q1 = load_rows(Q1 + q_base, rows, cols_d, sq_t, T, D)
+            q2 = load_rows(Q2 + q_base, rows, cols_d, sq_t, T, D)
+            do = load_rows(DO + bh * T * DV, rows, cols_v, DV, T, DV)
+            p1 = probabilities(q1, k1, tl.load(LSE1 + bh * T + rows, mask=in_seq, other=0.0), rows, keys, T,
+                               scale, PREC)
+            p2 = probabilities(q2, k2, tl.load(LSE2 + bh * T + rows, mask=in_seq, other=0.0), rows, keys, T,
+                               scale, PREC)
             dp = tl.dot(do, tl.trans(v), input_precision=PREC)  # map 2's is -lambda dp
             dv += tl.dot(tl.trans(p1 - lam * p2).to(do.dtype), do, input_precision=PREC)
             dp1 = dp
             if HAS_DO1:
-                do1 = _load_rows(DO1 + bh * T * DV, rows, cols_v, DV, T, DV)
+                do1 = load_rows(DO1 + bh * T * DV, rows, cols_v, DV, T, DV)
                 dp1 += tl.dot(do1, tl.trans(v), input_precision=PREC)
                 dv += tl.dot(tl.trans(p1).to(do1.dtype), do1, input_precision=PREC)
             delta1 = tl.load(DELTA1 + bh * T + rows, mask=in_seq, other=0.0)
@@ -150,9 +128,9 @@ def _diff_bwd_kv(Q1, Q2, K1, K2, V, LAM, DO, DO1, LSE1, LSE2, DELTA1, DELTA2, DK
             dk1 += tl.dot(tl.trans(ds1).to(q1.dtype), q1, input_precision=PREC)
             dk2 += tl.dot(tl.trans(ds2).to(q2.dtype), q2, input_precision=PREC)
     out = bkv * T * D
-    _store_rows(DK1 + out, keys, cols_d, D, T, D, dk1 * scale)
-    _store_rows(DK2 + out, keys, cols_d, D, T, D, dk2 * scale)
-    _store_rows(DVV + bkv * T * DV, keys, cols_v, DV, T, DV, dv)
+    store_rows(DK1 + out, keys, cols_d, D, T, D, dk1 * scale)
+    store_rows(DK2 + out, keys, cols_d, D, T, D, dk2 * scale)
+    store_rows(DVV + bkv * T * DV, keys, cols_v, DV, T, DV, dv)
 
 
 @triton.jit
@@ -168,11 +146,11 @@ def _diff_bwd_q(Q1, Q2, K1, K2, V, LAM, DO, DO1, LSE1, LSE2, DELTA1, DELTA2, DQ1
     in_seq = rows < T
     cols_d, cols_v = tl.arange(0, BLOCK_D), tl.arange(0, BLOCK_DV)
     q_base, k_off, v_base = b * sq_b + h * sq_h, b * sk_b + kvh * sk_h, V + b * sv_b + kvh * sv_h
-    q1 = _load_rows(Q1 + q_base, rows, cols_d, sq_t, T, D)
-    q2 = _load_rows(Q2 + q_base, rows, cols_d, sq_t, T, D)
-    do = _load_rows(DO + bh * T * DV, rows, cols_v, DV, T, DV)
+    q1 = load_rows(Q1 + q_base, rows, cols_d, sq_t, T, D)
+    q2 = load_rows(Q2 + q_base, rows, cols_d, sq_t, T, D)
+    do = load_rows(DO + bh * T * DV, rows, cols_v, DV, T, DV)
     if HAS_DO1:
-        do1 = _load_rows(DO1 + bh * T * DV, rows, cols_v, DV, T, DV)
+        do1 = load_rows(DO1 + bh * T * DV, rows, cols_v, DV, T, DV)
     lse1 = tl.load(LSE1 + bh * T + rows, mask=in_seq, other=0.0)
     lse2 = tl.load(LSE2 + bh * T + rows, mask=in_seq, other=0.0)
     delta1 = tl.load(DELTA1 + bh * T + rows, mask=in_seq, other=0.0)
@@ -182,11 +160,11 @@ def _diff_bwd_q(Q1, Q2, K1, K2, V, LAM, DO, DO1, LSE1, LSE2, DELTA1, DELTA2, DQ1
     dq2 = tl.zeros((BLOCK_M, BLOCK_D), ACC)
     for start_n in range(0, tl.minimum((pid_m + 1) * BLOCK_M, T), BLOCK_N):
         keys = start_n + tl.arange(0, BLOCK_N)
-        k1 = _load_rows(K1 + k_off, keys, cols_d, sk_t, T, D)
-        k2 = _load_rows(K2 + k_off, keys, cols_d, sk_t, T, D)
-        v = _load_rows(v_base, keys, cols_v, sv_t, T, DV)
-        p1 = _probabilities(q1, k1, lse1, rows, keys, scale, PREC)
-        p2 = _probabilities(q2, k2, lse2, rows, keys, scale, PREC)
+        k1 = load_rows(K1 + k_off, keys, cols_d, sk_t, T, D)
+        k2 = load_rows(K2 + k_off, keys, cols_d, sk_t, T, D)
+        v = load_rows(v_base, keys, cols_v, sv_t, T, DV)
+        p1 = probabilities(q1, k1, lse1, rows, keys, T, scale, PREC)
+        p2 = probabilities(q2, k2, lse2, rows, keys, T, scale, PREC)
         dp = tl.dot(do, tl.trans(v), input_precision=PREC)
         dp1 = dp
         if HAS_DO1:
@@ -196,38 +174,14 @@ def _diff_bwd_q(Q1, Q2, K1, K2, V, LAM, DO, DO1, LSE1, LSE2, DELTA1, DELTA2, DQ1
         dq1 += tl.dot(ds1.to(k1.dtype), k1, input_precision=PREC)
         dq2 += tl.dot(ds2.to(k2.dtype), k2, input_precision=PREC)
     out = bh * T * D
-    _store_rows(DQ1 + out, rows, cols_d, D, T, D, dq1 * scale)
-    _store_rows(DQ2 + out, rows, cols_d, D, T, D, dq2 * scale)
-
-
-def default_blocks(d: int, dv: int) -> tuple[int, int]:
-    """(query block, key block): untuned guesses sized so two fp32 accumulators of width dv fit."""
-    return (64 if width_block(dv) <= 128 else 32), (64 if width_block(d) <= 64 else 32)
-
-
-class _Launch:
-    """Sizes and strides of one call, shared by its forward and backward kernels."""
-
-    def __init__(self, q1, k1, v, block_m, block_n):
-        self.b, self.h, self.t, self.d = q1.shape
-        self.hk, self.dv = k1.shape[1], v.shape[-1]
-        self.group = self.h // self.hk
-        self.block_m, self.block_n = block_m, block_n
-        self.acc = accumulator_dtype(q1.dtype)
-        self.sizes = dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=width_block(self.d),
-                          BLOCK_DV=width_block(self.dv), PREC=dot_precision(q1.dtype),
-                          ACC=tl.float64 if self.acc == torch.float64 else tl.float32)
-        self.strides = (*head_strides(q1), *head_strides(k1), *head_strides(v))
-        self.scale = 1.0 / math.sqrt(self.d)
-
-    def rows_grid(self, block: int):
-        return triton.cdiv(self.t, block), self.b * self.h
+    store_rows(DQ1 + out, rows, cols_d, D, T, D, dq1 * scale)
+    store_rows(DQ2 + out, rows, cols_d, D, T, D, dq2 * scale)
 
 
 class FusedDifferentialAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q1, q2, k1, k2, v, lam, block_m, block_n, want_out1):
-        run = _Launch(q1, k1, v, block_m, block_n)
+        run = Launch(q1, k1, v, block_m, block_n)
         parts = want_out1 or any(ctx.needs_input_grad[:6])
         out = v.new_empty(run.b, run.h, run.t, run.dv)
         out1, out2 = (torch.empty_like(out) for _ in range(2)) if parts else (out, out)
