@@ -25,12 +25,13 @@ from diffexp.model.kernels.triton_dint_integral import dint_integral  # noqa: E4
 
 F64, F32 = torch.float64, torch.float32
 TOLERANCE = {F64: dict(rtol=1e-10, atol=1e-10), F32: dict(rtol=2e-5, atol=2e-5)}
-# batch, query heads, kv heads, T, d, V width, query block, key block, dtype
+# batch, query heads, kv heads, T, d, V width, query block, key block, dtype; then whether A1 V gets a gradient
 CASES = [
-    pytest.param(1, 2, 1, 37, 8, 16, 16, 16, F64, id="gqa-T37-dv2d"),
-    pytest.param(2, 2, 2, 13, 8, 8, 16, 32, F64, id="mha-T13-dv=d-keyblock32"),
-    pytest.param(1, 4, 2, 20, 16, 32, 32, 16, F32, id="fp32-gqa-T20-queryblock32"),
+    pytest.param(1, 2, 1, 37, 8, 16, 16, 16, F64, False, id="gqa-T37-dv2d"),
+    pytest.param(2, 2, 2, 13, 8, 8, 16, 32, F64, True, id="mha-T13-dv=d-keyblock32-out1grad"),
+    pytest.param(1, 4, 2, 20, 16, 32, 32, 16, F32, False, id="fp32-gqa-T20-queryblock32"),
 ]
+SIZES = "b, h, hk, t, d, dv, block_m, block_n, dtype, out1_grad"
 
 
 def tensors(b, h, hk, t, d, dv, dtype, seed=0):
@@ -57,8 +58,8 @@ def check_grads(outputs, references, inputs, cotangents, tolerance):
         torch.testing.assert_close(g, w, **tolerance, msg=lambda m, i=i: f"input {i}: {m}")
 
 
-@pytest.mark.parametrize("b, h, hk, t, d, dv, block_m, block_n, dtype", CASES)
-def test_differential_attention_matches_sdpa(b, h, hk, t, d, dv, block_m, block_n, dtype):
+@pytest.mark.parametrize(SIZES, CASES)
+def test_differential_attention_matches_sdpa(b, h, hk, t, d, dv, block_m, block_n, dtype, out1_grad):
     q1, q2, k1, k2, v = tensors(b, h, hk, t, d, dv, dtype)
     lam = torch.linspace(0.2, 0.9, h, dtype=dtype, device=DEVICE).requires_grad_()  # one lambda per head
     out, out1, lse1 = differential_attention(q1, q2, k1, k2, v, lam, want_out1=True, block_m=block_m,
@@ -68,10 +69,8 @@ def test_differential_attention_matches_sdpa(b, h, hk, t, d, dv, block_m, block_
     torch.testing.assert_close(out, want, **tol)
     torch.testing.assert_close(out1, want1, **tol)
     torch.testing.assert_close(lse1, causal_logits(q1, k1).logsumexp(-1), **tol)
-    inputs = (q1, q2, k1, k2, v, lam)
-    # only the combined output carries a gradient, then A1 V too (as DINT's "mean" integral reads it)
-    check_grads([out], [want], inputs, [torch.randn_like(out)], tol)
-    check_grads([out, out1], [want, want1], inputs, [torch.randn_like(out), torch.randn_like(out)], tol)
+    outputs, references = ([out, out1], [want, want1]) if out1_grad else ([out], [want])  # DINT "mean" reads A1 V
+    check_grads(outputs, references, (q1, q2, k1, k2, v, lam), [torch.randn_like(out) for _ in outputs], tol)
 
 
 def test_one_lambda_per_layer_broadcasts_and_gets_its_gradient():
@@ -83,8 +82,8 @@ def test_one_lambda_per_layer_broadcasts_and_gets_its_gradient():
     check_grads([out], [eager], (q1, q2, k1, k2, v, lam), [grad], TOLERANCE[F64])
 
 
-@pytest.mark.parametrize("b, h, hk, t, d, dv, block_m, block_n, dtype", CASES)
-def test_dint_integral_matches_eager(b, h, hk, t, d, dv, block_m, block_n, dtype):
+@pytest.mark.parametrize(SIZES, CASES)
+def test_dint_integral_matches_eager(b, h, hk, t, d, dv, block_m, block_n, dtype, out1_grad):
     q, _, k, _, v = tensors(b, h, hk, t, d, dv, dtype, seed=2)
     lse = causal_logits(q, k).logsumexp(-1)
     out = dint_integral(q, k, v, lse, block_m=block_m, block_n=block_n)
@@ -126,3 +125,40 @@ def test_without_cuda_or_interpreter_the_kernels_say_why(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     assert "TRITON_INTERPRET=1" in unavailable_reason("cpu")
     assert unavailable_reason("cuda") is None
+
+
+@pytest.mark.parametrize("arch", [
+    pytest.param(dict(attention="diff_v1"), id="diff_v1"),
+    pytest.param(dict(attention="shared_diff", rank=4), id="shared_diff"),
+    pytest.param(dict(attention="dint"), id="dint"),
+    pytest.param(dict(attention="dint", integral="mean", gamma="learned", gamma_init=0.9), id="dint-mean-learned"),
+])
+def test_decoder_on_the_triton_backend_matches_sdpa(arch):
+    """A whole decoder (GQA, T=13): the same logits and parameter gradients with backend triton as with sdpa."""
+    from diffexp import ModelConfig
+    from diffexp.model.decoder import Decoder
+
+    sizes = dict(vocab_size=31, d_model=32, n_layers=1, n_heads=2, n_kv_heads=1, max_seq_len=16, **arch)
+    torch.manual_seed(0)
+    sdpa = Decoder(ModelConfig(**sizes, backend="sdpa")).double().to(DEVICE)
+    kernels = Decoder(ModelConfig(**sizes, backend="triton")).double().to(DEVICE)
+    kernels.load_state_dict(sdpa.state_dict())
+    idx = torch.randint(0, 31, (2, 13), device=DEVICE)
+    logits = [model(idx) for model in (sdpa, kernels)]
+    torch.testing.assert_close(logits[1], logits[0], **TOLERANCE[F64])
+    grad = torch.randn_like(logits[0])
+    for out in logits:
+        out.backward(grad)
+    for (name, want), got in zip(sdpa.named_parameters(), kernels.parameters()):
+        torch.testing.assert_close(got.grad, want.grad, **TOLERANCE[F64], msg=lambda m, name=name: f"{name}: {m}")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CUDA runs the kernels without the interpreter")
+def test_triton_backend_without_cuda_or_interpreter_is_refused(monkeypatch):
+    from diffexp import ModelConfig
+    from diffexp.errors import UserError
+    from diffexp.model.decoder import Decoder
+
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    with pytest.raises(UserError, match=r"model.arch.backend='triton' is invalid: cannot run here.*CUDA"):
+        Decoder(ModelConfig(attention="diff_v1", d_model=32, n_layers=1, n_heads=2, backend="triton"))
