@@ -41,6 +41,14 @@ def same_strides(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.
     return a.contiguous(), b.contiguous()
 
 
+def check_device(x: torch.Tensor) -> None:
+    from diffexp.model.kernels import unavailable_reason
+
+    reason = unavailable_reason(x.device)
+    if reason is not None:
+        raise RuntimeError(reason)
+
+
 def check_blocks(*blocks: int) -> None:
     for block in blocks:
         if block < 16 or block & (block - 1):

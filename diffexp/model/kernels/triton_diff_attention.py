@@ -24,6 +24,7 @@ from diffexp.model.kernels.tiles import (
     Launch,
     accumulator_dtype,
     check_blocks,
+    check_device,
     default_blocks,
     last_dim_contiguous,
     load_rows,
@@ -239,5 +240,6 @@ def differential_attention(q1, q2, k1, k2, v, lam, want_out1: bool = False, bloc
     default_m, default_n = default_blocks(d, v.shape[-1])
     block_m, block_n = block_m or default_m, block_n or default_n
     check_blocks(block_m, block_n)
+    check_device(q1)
     return FusedDifferentialAttention.apply(q1, q2, k1, k2, v, lam, block_m, block_n, want_out1)
 

@@ -24,6 +24,7 @@ import triton.language as tl
 from diffexp.model.kernels.tiles import (
     Launch,
     check_blocks,
+    check_device,
     default_blocks,
     last_dim_contiguous,
     load_rows,
@@ -168,4 +169,5 @@ def dint_integral(q, k, v, lse, block_m: int | None = None, block_n: int | None 
     default_m, default_n = default_blocks(q.shape[-1], v.shape[-1])
     block_m, block_n = block_m or default_m, block_n or default_n
     check_blocks(block_m, block_n)
+    check_device(q)
     return StreamingIntegralKernel.apply(q, k, v, lse.detach(), block_m, block_n)
