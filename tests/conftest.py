@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
-from tests.helpers import PATTERN, bpe_text_checkpoint, save_checkpoint, small_model
+if not torch.cuda.is_available():  # Triton's CPU interpreter for test_triton_kernels.py; read as triton is
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # first imported (lightning imports it), so set it here
+
+from tests.helpers import PATTERN, bpe_text_checkpoint, save_checkpoint, small_model  # noqa: E402
 
 
 @pytest.fixture(scope="session")

@@ -349,7 +349,7 @@ def test_flags_change_the_built_module():
         (dict(attention="diff_v2", n_kv_heads=1, pairing="cross"), "pairing='cross'"),
         (dict(attention="diff_v2", lambda_proj_init="kaiming"), "lambda_proj_init='kaiming'"),
         (dict(attention="diff_v2", pair_norm="yes"), "pair_norm='yes'"),
-        (dict(backend="triton"), "backend='triton'"),
+        (dict(backend="tensorrt"), "backend='tensorrt'"),
         (dict(attention="dint", gamma="both"), "model.arch.gamma='both'"),
         (dict(attention="dint", gamma_init=0.5), "model.arch.gamma_init=0.5"),
         (dict(attention="dint", gamma="learned", gamma_init=float("nan")), "model.arch.gamma_init=nan"),

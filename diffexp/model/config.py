@@ -9,7 +9,7 @@ from typing import Literal, Union
 from diffexp.errors import UserError, invalid
 from diffexp.model.attention.registry import reference_variant, variant, variant_names, variants
 
-BACKENDS = ("sdpa", "flash_attn", "eager")
+BACKENDS = ("sdpa", "flash_attn", "eager", "triton")
 #: fields every variant reads; the others belong to the variants that list them in their registry entry
 SHARED_FIELDS = ("attention", "vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim",
                  "ffn_hidden", "max_seq_len", "rope_theta", "tie_embeddings", "norm_eps", "backend",
@@ -62,7 +62,8 @@ class ModelConfig:
             map sums to 1) or "learned" (a learnable scalar per layer: rows sum to 1 - lambda + gamma).
         gamma_init: DINT with gamma "learned": its initial value, "lambda_init" (the layer's lambda_init, so
             the layer starts as with gamma = lambda) or a number.
-        backend: attention call for the fast path: sdpa, flash_attn (CUDA + flash-attn) or eager.
+        backend: attention call for the fast path: sdpa, flash_attn (CUDA + flash-attn), eager, or triton (the
+            fused Triton kernels of the two-map variants, on CUDA; the other variants use sdpa).
         backend_fallback: when flash_attn cannot run (package missing, CPU tensors), fall back to sdpa with
             a logged warning (true) or stop with an error (false).
         init_std: std of the normal init of linear and embedding weights.
@@ -93,7 +94,7 @@ class ModelConfig:
     integral: Literal["softmax", "mean"] = "softmax"
     gamma: Literal["lambda", "learned"] = "lambda"
     gamma_init: GammaInit = "lambda_init"
-    backend: Literal["sdpa", "flash_attn", "eager"] = "sdpa"
+    backend: Literal["sdpa", "flash_attn", "eager", "triton"] = "sdpa"
     backend_fallback: bool = True
     init_std: float = 0.02
 

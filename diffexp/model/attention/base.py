@@ -3,6 +3,8 @@
 `attend` runs one causal (GQA-capable) attention: query head i reads kv head i // (Hq / Hk).
 The fast path is PyTorch SDPA, or FlashAttention-2 when installed and the tensors are on CUDA;
 the eager path materialises the softmax map so variants can return their effective attention.
+Backend triton: the two-map variants call their fused kernels themselves (differential.py); the
+calls that reach `attend` (other variants, decoding with a cache, maps requested) run SDPA.
 With fewer queries than keys (decoding with a cache) the queries are the last positions: query i
 sees keys 0 .. T_k - T_q + i.
 """
@@ -16,6 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from diffexp.errors import invalid
 from diffexp.model.rope import RotaryEmbedding
 
 try:  # optional GPU extra
@@ -107,7 +110,14 @@ def _flash(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
 
 
 def resolve_backend(backend: str, fallback: bool = True) -> str:
-    """Decided once at build time: flash_attn without the package falls back to sdpa, or fails."""
+    """Decided once at build time: flash_attn without the package falls back to sdpa, or fails; triton
+    needs CUDA (or Triton's interpreter, for tests)."""
+    if backend == "triton":
+        from diffexp.model.kernels import unavailable_reason
+
+        reason = unavailable_reason("cuda" if torch.cuda.is_available() else "cpu")
+        if reason is not None:
+            raise invalid("model.arch.backend", backend, f"cannot run here: {reason}; use sdpa")
     if backend == "flash_attn" and flash_attn_func is None:
         message = "flash-attn is not installed (pip install 'diffexp[flash]' on a CUDA machine)"
         if not fallback:

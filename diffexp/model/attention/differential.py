@@ -101,12 +101,21 @@ class TwoMapDifferentialAttention(AttentionBase):
         k1 and v hold every position (cached ones too); q1, out1 and weights1 only the new queries."""
         return out, effective
 
+    def kernel_head(self, q1, q2, k1, k2, v, lam):
+        """(A1 - lambda A2) V by the fused Triton kernel (backend triton, whole sequences); DINT adds its integral."""
+        from diffexp.model.kernels.triton_diff_attention import differential_attention
+
+        return differential_attention(q1, q2, k1, k2, v, lam)[0]
+
     def forward(self, x: torch.Tensor, need_weights: bool = False, cache=None):
         start = self.start_of(cache)
         q1, q2, k1, k2 = (self.rope.rotate(t, start) for t in self.project_qk(x))
         # V: (B, h_kv, T, 2d), cached once for both maps; differential head p reads kv group p // (h / h_kv)
         k1, k2, v = self.cached(cache, k1=k1, k2=k2, v=split_heads(self.v_proj(x), self.n_kv_heads))
         lam = self.lambda_()
+        if self.backend == "triton" and not (need_weights or cache is not None or self.record_stats):
+            out = self.head_norm(self.kernel_head(q1, q2, k1, k2, v, lam)) * self.output_scale
+            return self.o_proj(merge_heads(out)), None
         out1, weights1 = self.attend(q1, k1, v, need_weights)
         out2, weights2 = self.attend(q2, k2, v, need_weights)
         out = out1 - lam.to(out1.dtype) * out2

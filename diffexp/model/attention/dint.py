@@ -140,5 +140,15 @@ class DintAttention(TwoMapDifferentialAttention):
             integral_out = streaming_integral(q1, expand_kv(k1, h), expand_kv(v, h), self.integral_block_size)
         return out + gamma.to(out.dtype) * integral_out, effective
 
+    def kernel_head(self, q1, q2, k1, k2, v, lam):
+        from diffexp.model.kernels.triton_diff_attention import differential_attention
+        from diffexp.model.kernels.triton_dint_integral import dint_integral
+
+        mean = self.cfg.integral == "mean"
+        out, out1, lse1 = differential_attention(q1, q2, k1, k2, v, lam, want_out1=mean)
+        integral_out = out1.cumsum(dim=-2) / row_positions(out1.shape[-2], out1) if mean else dint_integral(
+            q1, k1, v, lse1)
+        return out + self.integral_weight(lam).to(out.dtype) * integral_out
+
     def extra_repr(self) -> str:
         return super().extra_repr() + f", integral={self.cfg.integral}, gamma={self.cfg.gamma}"
