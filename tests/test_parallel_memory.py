@@ -71,3 +71,23 @@ def test_a_run_that_cannot_fit_is_refused_with_what_helps():
     message = str(refused.value)
     for option in ("activation_checkpointing true", "data.batch_size 2", "twice the GPUs (4)"):
         assert option in message
+
+
+def test_activation_checkpointing_keeps_the_gradients_and_saves_less():
+    cfg = arch("dint")
+    tokens = torch.randint(0, cfg.vocab_size, (2, 33))
+    results = []
+    for recompute in (False, True):
+        torch.manual_seed(0)
+        model = Decoder(cfg)
+        model.checkpoint_activations = recompute
+        saved = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t.numel()) or t, lambda t: t):
+            loss = torch.nn.functional.cross_entropy(model(tokens[:, :-1]).flatten(0, 1), tokens[:, 1:].flatten())
+        loss.backward()
+        results.append((loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}, sum(saved)))
+    (loss_a, grads_a, saved_a), (loss_b, grads_b, saved_b) = results
+    assert torch.equal(loss_a, loss_b)
+    for name in grads_a:
+        torch.testing.assert_close(grads_b[name], grads_a[name], rtol=1e-5, atol=1e-7, msg=name)
+    assert saved_b < saved_a / 2
