@@ -18,7 +18,7 @@ from diffexp.data.tokenizer import tokenizer_state
 from diffexp.errors import UserError
 from diffexp.model import Decoder
 from diffexp.model.config import ModelConfig
-from diffexp.parallel import full_value
+from diffexp.parallel import FSDP2Strategy, full_value
 from diffexp.training.loss_slices import ar_hit_mask, frequent_bigrams
 from diffexp.training.nonfinite import any_rank, stop_with_last_finite
 from diffexp.training.options import ARHitConfig, OptimConfig
@@ -114,8 +114,6 @@ class DiffexpLM(L.LightningModule):
             self._compiled = True
         strategy = self._trainer.strategy if self._trainer is not None else None
         from lightning.pytorch.strategies import ModelParallelStrategy
-
-        from diffexp.parallel import FSDP2Strategy
 
         if isinstance(strategy, FSDP2Strategy):  # after compile, as torchtitan does
             datamodule = getattr(self.trainer, "datamodule", None)
@@ -273,19 +271,33 @@ class DiffexpLM(L.LightningModule):
 
     # -- logs that need the step boundaries -------------------------------------------------------
     def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
-        grads = [p.grad for p in self.parameters() if p.grad is not None]
+        # in the optimizer's order, as clip_grad_norm_ sums them: the same norm to the last bit
+        grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
         if grads:  # before clipping: spikes are what we want to see
             norm = full_value(torch.nn.utils.get_total_norm(grads))  # FSDP2: an all-reduce of the shards' norms
             replicas = _shard_replicas(self.trainer.strategy)
             if replicas:  # each rank holds a shard: sum the squares over ranks, once per replica of the shards
                 norm = (self.trainer.strategy.reduce(norm.pow(2), reduce_op="sum") / replicas).sqrt()
             self.last_grad_norm = float(norm)
+            self._unclipped_norm = norm if not replicas and norm.__class__ is torch.Tensor else None
             # identical on every rank (DDP averages gradients, FSDP reduces the norm); fp16's GradScaler
             # expects inf gradients now and then and skips those steps itself
             fp16_scaled = getattr(self.trainer.precision_plugin, "scaler", None) is not None
             if not math.isfinite(self.last_grad_norm) and not fp16_scaled:
                 stop_with_last_finite(self.trainer, self, "train/grad_norm", self.last_grad_norm, self.optim.lr)
             self.log("train/grad_norm", norm)
+
+    def configure_gradient_clipping(self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None) -> None:
+        """Clip by the norm on_before_optimizer_step just computed, instead of computing it again (the same
+        result as clip_grad_norm_, one pass over the gradients less); sharded, fp16-scaled or value clipping go
+        through Lightning."""
+        norm, self._unclipped_norm = getattr(self, "_unclipped_norm", None), None
+        plain = getattr(self.trainer.precision_plugin, "scaler", None) is None and not isinstance(
+            self.trainer.strategy, FSDP2Strategy) and gradient_clip_algorithm in (None, "norm")
+        if not gradient_clip_val or norm is None or not plain:
+            return super().configure_gradient_clipping(optimizer, gradient_clip_val, gradient_clip_algorithm)
+        params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+        torch.nn.utils.clip_grads_with_norm_(params, gradient_clip_val, norm)
 
     def on_train_epoch_start(self) -> None:
         self._last_step_time = None
