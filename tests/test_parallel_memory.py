@@ -81,8 +81,13 @@ def test_activation_checkpointing_keeps_the_gradients_and_saves_less():
         torch.manual_seed(0)
         model = Decoder(cfg)
         model.checkpoint_activations = recompute
-        saved = []
-        with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t.numel()) or t, lambda t: t):
+        saved: list[int] = []
+
+        def pack(tensor, saved=saved):
+            saved.append(tensor.numel())
+            return tensor
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             loss = torch.nn.functional.cross_entropy(model(tokens[:, :-1]).flatten(0, 1), tokens[:, 1:].flatten())
         loss.backward()
         results.append((loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}, sum(saved)))
