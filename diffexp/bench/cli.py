@@ -32,6 +32,9 @@ def usage() -> str:
              "Cost of each registered attention variant relative to the reference variant, measured side by side",
              f"in one run. With no KIND (or options first) the kind is {DEFAULT_KIND}.", "", "kinds:"]
     lines += [f"  {kind:<{width}}  {kind_module(kind).ABOUT}" for kind in KINDS]
+    from diffexp.bench import trainer
+
+    lines += [f"  {trainer.NAME:<{width}}  {trainer.ABOUT}"]
     lines += ["", "`diffexp bench KIND --help` lists the options of a kind."]
     return "\n".join(lines) + "\n"
 
@@ -48,8 +51,12 @@ def main(argv: list[str] | None = None) -> int:
 def _run(argv: list[str]) -> int:
     if not argv or argv[0].startswith("-"):
         return run_kind(kind_module(DEFAULT_KIND), argv)
+    if argv[0] == "trainer":  # not per variant: its own flags (diffexp.bench.trainer)
+        from diffexp.bench.trainer import main as trainer_main
+
+        return trainer_main(argv[1:])
     if argv[0] not in KINDS:
-        raise UserError(f"diffexp bench KIND: got {argv[0]!r}; expected one of {', '.join(KINDS)} "
+        raise UserError(f"diffexp bench KIND: got {argv[0]!r}; expected one of {', '.join([*KINDS, 'trainer'])} "
                         "(`diffexp bench --help` describes them)")
     return run_kind(kind_module(argv[0]), argv[1:])
 

@@ -1,0 +1,181 @@
+"""`diffexp bench trainer`: what `diffexp fit` adds to a training step, against a plain loop of the same model.
+
+Both sides train the model `diffexp fit` would build from the same recipe (the embedded default with no
+--config, plus any fit overrides after `--`), on the same data module's batches:
+
+* plain: forward, the module's loss, backward, clip_grad_norm_ (trainer.gradient_clip_val), AdamW and its
+  lr schedule, zero_grad; nothing else;
+* fit: Lightning's Trainer exactly as `diffexp fit` configures it (callbacks: checkpoints, diagnostics,
+  throughput, run report; TensorBoard logging; the progress bar), writing its run into a temporary folder.
+
+A side's step time is the mean over its timed steps (rare work such as the diagnostics every
+`diagnostics.every_n_steps` or a checkpoint counts, spread over the steps), measured from one batch's start to
+the next's. Rounds alternate the order of the two sides; the overhead is the median over rounds of
+fit / plain - 1. `--profile` adds one more fit under Lightning's SimpleProfiler and prints its slowest hooks.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from diffexp.bench import report
+from diffexp.bench.progress import ProgressReporter
+from diffexp.errors import UserError
+
+NAME = "trainer"
+ABOUT = "what diffexp fit (Lightning, callbacks, logging) adds to a plain training loop of the same model"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="diffexp bench trainer", description=ABOUT,
+                                epilog="Arguments after `--` go to `diffexp fit` (e.g. -- --config recipe.yaml "
+                                       "--model.arch.d_model 256).")
+    p.add_argument("--steps", type=int, default=60, help="timed steps per side and round (default 60)")
+    p.add_argument("--warmup", type=int, default=5, help="untimed steps first, per side and round (default 5)")
+    p.add_argument("--rounds", type=int, default=3, help="rounds; the order of the sides alternates (default 3)")
+    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    p.add_argument("--json", type=Path, default=None, help="results file (default bench/results/trainer-<time>.json)")
+    p.add_argument("--profile", action="store_true", help="also one fit under SimpleProfiler: its slowest hooks")
+    return p
+
+
+def fit_parts(fit_args: list[str], steps: int, save_dir: str):
+    """(module, data module, trainer) as `diffexp fit FIT_ARGS` builds them, training `steps` steps."""
+    from diffexp.training.cli import build_fit
+
+    return build_fit([*fit_args, "--trainer.max_steps", str(steps), "--trainer.limit_val_batches", "0",
+                      "--trainer.logger.init_args.save_dir", save_dir])
+
+
+class _StepClock:
+    """Batch-start times of a Lightning fit (a callback)."""
+
+    def __new__(cls):
+        import lightning as L
+
+        class StepClock(L.Callback):
+            def __init__(self) -> None:
+                self.starts: list[float] = []
+
+            def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+                self.starts.append(time.perf_counter())
+
+            def on_train_end(self, trainer, pl_module) -> None:
+                self.starts.append(time.perf_counter())
+
+        return StepClock()
+
+
+def mean_step(starts: list[float], warmup: int) -> float:
+    timed = starts[warmup:]
+    return (timed[-1] - timed[0]) / (len(timed) - 1)
+
+
+def time_fit(fit_args: list[str], steps: int, warmup: int, save_dir: str, profiler=None) -> float:
+    module, datamodule, trainer = fit_parts(fit_args, warmup + steps, save_dir)
+    clock = _StepClock()
+    trainer.callbacks.append(clock)
+    if profiler is not None:
+        trainer.profiler = profiler
+    trainer.fit(module, datamodule)
+    return mean_step(clock.starts, warmup)
+
+
+def time_plain(fit_args: list[str], steps: int, warmup: int, save_dir: str) -> float:
+    import torch
+
+    module, datamodule, trainer = fit_parts(fit_args, warmup + steps, save_dir)
+    datamodule.prepare_data()
+    datamodule.setup("fit")
+    optimizer = torch.optim.AdamW(
+        [{"params": [p for p in module.parameters() if p.ndim >= 2], "weight_decay": module.optim.weight_decay},
+         {"params": [p for p in module.parameters() if p.ndim < 2], "weight_decay": 0.0}],
+        lr=module.optim.lr, betas=tuple(module.optim.betas), eps=module.optim.eps)
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / 50))
+    clip = trainer.gradient_clip_val
+    starts = []
+    batches = iter(datamodule.train_dataloader())
+    module.train()
+    for _ in range(warmup + steps):
+        starts.append(time.perf_counter())
+        loss = module._loss(next(batches))
+        loss.backward()
+        if clip:
+            torch.nn.utils.clip_grad_norm_(module.parameters(), clip)
+        optimizer.step()
+        schedule.step()
+        optimizer.zero_grad(set_to_none=True)
+    starts.append(time.perf_counter())
+    return mean_step(starts, warmup)
+
+
+def run(args: argparse.Namespace, fit_args: list[str]) -> dict:
+    fit_s, plain_s = [], []
+    with tempfile.TemporaryDirectory() as save_dir, ProgressReporter(total=2 * args.rounds) as progress:
+        for r in range(args.rounds):
+            for side in (("plain", "fit") if r % 2 == 0 else ("fit", "plain")):
+                timer = time_plain if side == "plain" else time_fit
+                (plain_s if side == "plain" else fit_s).append(timer(fit_args, args.steps, args.warmup, save_dir))
+                progress.advance(f"round {r + 1}/{args.rounds}: {side}")
+        profile = None
+        if args.profile:
+            from lightning.pytorch.profilers import SimpleProfiler
+
+            profiler = SimpleProfiler(dirpath=save_dir, filename="profile")
+            time_fit(fit_args, args.steps, args.warmup, save_dir, profiler)
+            profile = slowest_hooks(profiler)
+    overheads = [f / p - 1 for f, p in zip(fit_s, plain_s)]
+    return {"plain_step_s": plain_s, "fit_step_s": fit_s, "overhead_per_round": overheads,
+            "overhead": statistics.median(overheads), "profile": profile}
+
+
+def slowest_hooks(profiler, top: int = 12) -> list[dict]:
+    """The hooks with the most total time, per call and in all (SimpleProfiler's records)."""
+    rows = [{"hook": name, "calls": len(times), "mean_ms": 1e3 * statistics.fmean(times), "total_s": sum(times)}
+            for name, times in profiler.recorded_durations.items() if times and "run_training_epoch" not in name
+            and "run_training_batch" not in name and not name.startswith("[_TrainingEpochLoop]")]
+    return sorted(rows, key=lambda row: -row["total_s"])[:top]
+
+
+def main(argv: list[str]) -> int:
+    own, fit_args = (argv[:argv.index("--")], argv[argv.index("--") + 1:]) if "--" in argv else (argv, [])
+    args = build_parser().parse_args(own)
+    for flag in ("steps", "rounds"):
+        if getattr(args, flag) < 1:
+            raise UserError(f"--{flag}: expected a positive integer, got {getattr(args, flag)}")
+    if args.warmup < 1:
+        raise UserError(f"--warmup: expected at least 1 (the first step allocates AdamW's state), got {args.warmup}")
+    if args.threads is not None and args.threads < 1:
+        raise UserError(f"--threads: expected a positive integer, got {args.threads}")
+    from diffexp.bench.options import output_path
+
+    output_path(args, NAME)
+    import torch
+
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    env = report.environment("cpu")
+    started = time.perf_counter()
+    results = run(args, fit_args)
+    env["loadavg_end"] = report.loadavg()
+    env["threads_end"] = torch.get_num_threads()
+    env["wall_s"] = round(time.perf_counter() - started, 1)
+    data = {"kind": NAME, "command": " ".join(["diffexp", "bench", NAME, *argv]), "env": env,
+            "config": {"steps": args.steps, "warmup": args.warmup, "rounds": args.rounds, "fit_args": fit_args},
+            "results": results}
+    report.write_results(args.json, data)
+    rows = [[str(r + 1), f"{1e3 * p:.2f}", f"{1e3 * f:.2f}", f"{100 * o:+.1f}%"] for r, (p, f, o) in
+            enumerate(zip(results["plain_step_s"], results["fit_step_s"], results["overhead_per_round"]))]
+    caption = (f"Median overhead {100 * results['overhead']:+.1f}% (diffexp fit / plain loop - 1, per round). "
+               f"{env['threads']} threads, wall {env['wall_s']:.0f} s. Results: {args.json}" + report.load_note(env))
+    report.print_table("diffexp fit vs a plain loop of the same model (mean step, ms)",
+                       ["round", "plain", "diffexp fit", "overhead"], rows, caption)
+    for row in results["profile"] or []:
+        print(f"  {row['total_s']:8.3f} s  {row['calls']:5d} x {row['mean_ms']:8.3f} ms  {row['hook']}",
+              file=sys.stdout)
+    return 0

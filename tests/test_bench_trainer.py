@@ -1,0 +1,35 @@
+"""`diffexp bench trainer`: diffexp fit against a plain loop of the same model, both actually timed."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from diffexp.bench.cli import main
+
+TINY = ["--model.arch.d_model", "32", "--model.arch.n_layers", "1", "--model.arch.n_heads", "2",
+        "--data.seq_len", "32", "--data.batch_size", "2", "--data.max_chars", "40000"]
+
+
+def test_both_sides_train_and_the_overhead_is_their_ratio(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    out = tmp_path / "r.json"
+    assert main(["trainer", "--steps", "4", "--warmup", "1", "--rounds", "2", "--json", str(out), "--profile",
+                 "--", *TINY, "--data.cache_dir", str(tmp_path / "cache")]) == 0
+    results = json.loads(out.read_text())["results"]
+    assert len(results["plain_step_s"]) == len(results["fit_step_s"]) == 2
+    assert all(s > 0 for s in results["plain_step_s"] + results["fit_step_s"])
+    for plain, fit, overhead in zip(results["plain_step_s"], results["fit_step_s"], results["overhead_per_round"]):
+        assert overhead == pytest.approx(fit / plain - 1)
+    assert any("optimizer_step" in row["hook"] for row in results["profile"])
+    assert "diffexp fit vs a plain loop" in capsys.readouterr().out
+    assert not (tmp_path / "runs").exists()  # the fits' runs went to a temporary folder
+
+
+@pytest.mark.parametrize("args, message", [(["--steps", "0"], "--steps"), (["--warmup", "0"], "--warmup"),
+                                           (["--threads", "0"], "--threads")])
+def test_bad_flags_stop_before_any_work(args, message, capsys):
+    with pytest.raises(SystemExit):
+        main(["trainer", *args])
+    assert message in capsys.readouterr().err
