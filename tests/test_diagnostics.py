@@ -201,7 +201,8 @@ def test_loss_spikes_and_divergence_per_optimizer_step():
     logged = {}
     module = SimpleNamespace(arch=SimpleNamespace(vocab_size=257), last_grad_norm=1.0, last_train_loss=None,
                              log=lambda name, value: logged.__setitem__(name, value))
-    trainer = SimpleNamespace(global_step=0, should_stop=False, callbacks=[diag])
+    trainer = SimpleNamespace(global_step=0, should_stop=False, callbacks=[diag],
+                              _logger_connector=SimpleNamespace(should_update_logs=True))  # logs every step
     diag.on_train_start(trainer, module)
 
     def micro_batch(loss: float, steps: bool) -> None:

@@ -116,14 +116,18 @@ class Diagnostics(L.Callback):
             return
         self._step_seen = trainer.global_step
         self._count_spike(pl_module)
-        pl_module.log("diag/grad_spikes", float(self.spikes))
-        if self.grad_norm_max is not None:
-            pl_module.log("diag/grad_norm_max", self.grad_norm_max)
         if self._losses:
             step_loss, self._losses = sum(self._losses) / len(self._losses), []
             self.loss_spikes.update(step_loss)
-            pl_module.log("diag/loss_spikes", float(self.loss_spikes.count))
             self._check_divergence(trainer, pl_module, step_loss)
+        # counted every step, logged at the steps Lightning writes (and at a stop, which it writes too)
+        if not trainer._logger_connector.should_update_logs:
+            return
+        pl_module.log("diag/grad_spikes", float(self.spikes))
+        if self.grad_norm_max is not None:
+            pl_module.log("diag/grad_norm_max", self.grad_norm_max)
+        if self.loss_spikes.seen:
+            pl_module.log("diag/loss_spikes", float(self.loss_spikes.count))
 
     def _check_divergence(self, trainer, pl_module, loss: float) -> None:
         vocab_size = getattr(getattr(pl_module, "arch", None), "vocab_size", None)

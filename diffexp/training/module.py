@@ -42,6 +42,11 @@ def _shard_replicas(strategy) -> int:
     return 0
 
 
+def logs_this_step(trainer) -> bool:
+    """Whether Lightning writes this training step's metrics to the loggers (every trainer.log_every_n_steps)."""
+    return trainer._logger_connector.should_update_logs
+
+
 def warmup_cosine(step: int, warmup_steps: int, total_steps: int, min_ratio: float) -> float:
     """Multiplier of the peak lr at `step`."""
     if step < warmup_steps:
@@ -95,6 +100,8 @@ class DiffexpLM(L.LightningModule):
         self.last_train_loss: torch.Tensor | None = None  # read by the Diagnostics (loss spikes, divergence)
         self.validated_step: int | None = None  # the global step of the last validation, kept in checkpoints
         self._last_step_time: float | None = None
+        self._tokens_since_log = 0
+        self._flops_cache: dict[int, float] = {}
         self._frequent_bigrams: torch.Tensor | None = None
         self._split_sums = torch.zeros(4, dtype=torch.float64)  # ar-hit loss, count, others loss, count
 
@@ -153,24 +160,29 @@ class DiffexpLM(L.LightningModule):
         # the mean over every rank's rows, as one process with the whole batch would log it
         self.last_train_loss = self.trainer.strategy.reduce(loss.detach(), reduce_op="mean")
         self.log("train/loss", self.last_train_loss, prog_bar=True)
-        self.log("lr", self.trainer.optimizers[0].param_groups[0]["lr"])
+        if logs_this_step(self.trainer):
+            self.log("lr", self.trainer.optimizers[0].param_groups[0]["lr"])
         self._log_step_extras(batch)
         return loss
 
     def _log_step_extras(self, batch) -> None:
         """tokens/s and lambda, logged here rather than at batch end so that they are among the step's
-        metrics a last.ckpt of this step carries (see training.checkpointing)."""
-        now = time.perf_counter()
-        if self._last_step_time is not None:  # one whole step: forward, backward, optimizer, callbacks
-            tokens = _batch_size(batch) * (_tokens(batch).shape[1] - 1) * self.trainer.world_size
-            self.log("train/tokens_per_s", tokens / max(now - self._last_step_time, 1e-9))
-        self._last_step_time = now
-        if (self.global_step + 1) % max(1, self.trainer.log_every_n_steps) == 0:  # the steps Lightning logs
-            for i, block in enumerate(self.model.blocks):
-                if hasattr(block.attn, "lambda_"):  # under FSDP2 from sharded vectors: every rank computes it
-                    self.log(f"lambda/layer_{i:02d}", full_value(block.attn.lambda_().detach()))
-                if isinstance(getattr(block.attn, "gamma", None), torch.nn.Parameter):  # DINT's learned gamma
-                    self.log(f"gamma/layer_{i:02d}", full_value(block.attn.gamma.detach()))
+        metrics a last.ckpt of this step carries (see training.checkpointing). Only at the steps Lightning
+        writes to the loggers: a self.log costs about as much as a small model's whole step takes in Python."""
+        now, logs = time.perf_counter(), logs_this_step(self.trainer)
+        if self._last_step_time is not None:  # the whole steps since the last reading, callbacks included
+            self._tokens_since_log += _batch_size(batch) * (_tokens(batch).shape[1] - 1) * self.trainer.world_size
+            if logs:
+                self.log("train/tokens_per_s", self._tokens_since_log / max(now - self._last_step_time, 1e-9))
+        if self._last_step_time is None or logs:
+            self._last_step_time, self._tokens_since_log = now, 0
+        if not logs:
+            return
+        for i, block in enumerate(self.model.blocks):
+            if hasattr(block.attn, "lambda_"):  # under FSDP2 from sharded vectors: every rank computes it
+                self.log(f"lambda/layer_{i:02d}", full_value(block.attn.lambda_().detach()))
+            if isinstance(getattr(block.attn, "gamma", None), torch.nn.Parameter):  # DINT's learned gamma
+                self.log(f"gamma/layer_{i:02d}", full_value(block.attn.gamma.detach()))
 
     def validation_step(self, batch: torch.Tensor, batch_idx: int) -> None:
         losses, mask = self._token_losses(batch)
@@ -285,7 +297,8 @@ class DiffexpLM(L.LightningModule):
             fp16_scaled = getattr(self.trainer.precision_plugin, "scaler", None) is not None
             if not math.isfinite(self.last_grad_norm) and not fp16_scaled:
                 stop_with_last_finite(self.trainer, self, "train/grad_norm", self.last_grad_norm, self.optim.lr)
-            self.log("train/grad_norm", norm)
+            if logs_this_step(self.trainer):
+                self.log("train/grad_norm", norm)
 
     def configure_gradient_clipping(self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None) -> None:
         """Clip by the norm on_before_optimizer_step just computed, instead of computing it again (the same
@@ -300,13 +313,19 @@ class DiffexpLM(L.LightningModule):
         torch.nn.utils.clip_grads_with_norm_(params, gradient_clip_val, norm)
 
     def on_train_epoch_start(self) -> None:
-        self._last_step_time = None
+        self._last_step_time, self._tokens_since_log = None, 0
 
     # read by the Throughput callback for FLOPs/s and MFU; training counts forward + backward
     def on_train_batch_start(self, batch, batch_idx: int) -> None:
         tokens = _tokens(batch)
-        self.flops_per_batch = tokens.shape[0] * (tokens.shape[1] - 1) * self.model.flops_per_token(
-            tokens.shape[1] - 1, training=True)
+        self.flops_per_batch = tokens.shape[0] * (tokens.shape[1] - 1) * self._flops_per_token(tokens.shape[1] - 1)
+
+    def _flops_per_token(self, seq_len: int) -> float:
+        """Decoder.flops_per_token (training), kept per length: it walks every module."""
+        cached = self._flops_cache.get(seq_len)
+        if cached is None:
+            cached = self._flops_cache[seq_len] = self.model.flops_per_token(seq_len, training=True)
+        return cached
 
     def on_validation_batch_start(self, batch, batch_idx: int, dataloader_idx: int = 0) -> None:
         tokens = _tokens(batch)

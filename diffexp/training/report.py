@@ -33,7 +33,7 @@ class RunReport(L.Callback):
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         value = trainer.callback_metrics.get("train/tokens_per_s")
-        if value is not None:
+        if value is not None and trainer._logger_connector.should_update_logs:  # a fresh reading
             self.tokens_per_s.append(float(value))
         # the module's loss (the mean over ranks), not `outputs`, which Lightning divides by accumulate_grad_batches;
         # kept here: the final validation replaces the trainer's callback_metrics
