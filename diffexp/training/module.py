@@ -11,7 +11,7 @@ from typing import Any
 import lightning as L
 import torch
 import torch.nn.functional as F
-from lightning.pytorch.utilities import rank_zero_info
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from lightning.pytorch.utilities.model_helpers import is_overridden
 
 from diffexp.data.tokenizer import tokenizer_state
@@ -116,8 +116,11 @@ class DiffexpLM(L.LightningModule):
 
     def configure_model(self) -> None:
         if self.compile_blocks and not getattr(self, "_compiled", False):
-            for block in self.model.blocks:
-                block.compile()
+            from diffexp.model.compile import compile_blocks
+
+            reason = compile_blocks(self.model.blocks, self.device)
+            if reason is not None:
+                rank_zero_warn(f"model.compile: torch.compile cannot run here ({reason}); training without it")
             self._compiled = True
         strategy = self._trainer.strategy if self._trainer is not None else None
         from lightning.pytorch.strategies import ModelParallelStrategy
