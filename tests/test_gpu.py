@@ -72,3 +72,16 @@ def test_fsdp_bf16_fit_logs_diagnostics_and_resumes_from_sharded_checkpoint(tmp_
     run_cli(["fit", "--config", str(recipe), *common, "--trainer.max_steps=12", "--ckpt_path=last"], tmp_path)
     steps = [step for step, _ in scalars(run_dir)["train/loss"]]
     assert max(steps) > 8 and not (tmp_path / "runs/run/version_1").exists()
+
+
+@pytest.mark.parametrize("attention", VARIANTS)
+def test_inductor_compiled_blocks_match_eager_on_cuda(attention):
+    """model.compile on CUDA (inductor's Triton code) against the same weights run eagerly, bf16 autocast."""
+    from diffexp.model.compile import compile_blocks
+
+    fast, eager = _pair(attention, "sdpa")
+    assert compile_blocks(fast.blocks, torch.device("cuda")) is None
+    tokens = torch.randint(0, 512, (2, 129), device="cuda")
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        out_fast, out_eager = fast(tokens), eager(tokens)
+    torch.testing.assert_close(out_fast.float(), out_eager.float(), rtol=2e-2, atol=2e-2)
