@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from diffexp import Decoder, ModelConfig
+from diffexp.bench import report
 from diffexp.bench.cli import main
 from diffexp.cli import main as diffexp_main
 from diffexp.model.attention import variant_names, variants
@@ -109,6 +110,18 @@ def test_bench_kernel_times_each_backend(tmp_path):
         assert results[f"{two_map_variant()}@32/{backend}"]["flops_per_step"] > base["flops_per_step"]
     for entry in results.values():
         assert entry["speed_ratio"] > 0 and entry["forward_speed_ratio"] > 0 and entry["peak_bytes"] > 0
+
+
+@pytest.mark.parametrize("kind", [TINY, TINY_DECODE, TINY_KERNEL], ids=lambda args: args[0])
+def test_bench_records_the_threads_it_ran_with(kind, tmp_path):
+    """--threads 1 on a process whose default is 2: every kind records 1, at the start and at the end."""
+    torch.set_num_threads(2)
+    path = tmp_path / "threads.json"
+    assert main([*kind, "--variants", reference_variant().name, "--no-memory", "--json", str(path)]) == 0
+    env = json.loads(path.read_text())["env"]
+    assert (env["threads"], env["threads_end"]) == (1, 1)
+    assert "thread count changed" not in report.load_note(env)
+    assert "1 -> 2" in report.load_note({**env, "threads_end": 2})
 
 
 @pytest.mark.parametrize("args, message", [

@@ -70,6 +70,8 @@ def run_kind(kind, argv: list[str]) -> int:
     started = time.perf_counter()
     results = kind.run(args)
     env["loadavg_end"] = report.loadavg()
+    # the count the whole run used: a library that resets torch's threads mid-run would show here
+    env["threads_end"] = torch.get_num_threads()
     env["wall_s"] = round(time.perf_counter() - started, 1)
     data = {
         "kind": kind.NAME,
