@@ -178,12 +178,16 @@ class AttentionBase(nn.Module):
         """The new tensors as they are (no cache), or appended to the cache's and returned in full."""
         return tuple(new.values()) if cache is None else cache.append(**new)
 
-    def attend(self, q, k, v, need_weights: bool = False):
-        """The causal attention call on this layer's backend (RoPE already applied)."""
-        if self.record_stats:  # a diagnostics forward: also keep the largest pre-softmax logit
+    def record_logit_max(self, q, k) -> None:
+        """On a diagnostics forward, keep the largest pre-softmax logit (every attention call goes through here)."""
+        if self.record_stats:
             with torch.no_grad():
                 logit_max = causal_logits(q[: self.stats_rows], k[: self.stats_rows]).max().item()
             self.stats["attn_logit_max"] = max(self.stats.get("attn_logit_max", float("-inf")), logit_max)
+
+    def attend(self, q, k, v, need_weights: bool = False):
+        """The causal attention call on this layer's backend (RoPE already applied)."""
+        self.record_logit_max(q, k)
         return attend(q, k, v, self.backend, need_weights, self.cfg.backend_fallback)
 
     def extra_repr(self) -> str:
