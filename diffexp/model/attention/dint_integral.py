@@ -17,14 +17,13 @@ walk goes up.
 
 The per-block work is elementwise-bound on CPU, so each pass works in place where it can, masks only
 the block's diagonal square, and normalises A3 on the (rows x dv) output instead of the (rows x T)
-map. `compiled_blocks()` swaps in torch.compile'd block functions (dynamic shapes), falling back to
-these eager ones when compile is unavailable or fails.
+map. (torch.compile of the block functions was tried on CPU, torch 2.13: three graphs each for the
+dynamic block shapes, about a minute to compile on 2 cores, and slower than these eager passes.)
 """
 
 from __future__ import annotations
 
 import math
-import warnings
 
 import torch
 
@@ -90,40 +89,6 @@ def backward_block(q_blk, k_end, v_end, through_end, carried_end, do3, out3, do1
     return dq, dk, dv, a1_sums, block_sum.squeeze(-2)
 
 
-_EAGER = (forward_block, backward_block)
-_blocks = _EAGER
-
-
-def compiled_blocks(enable: bool = True) -> bool:
-    """Use torch.compile'd block functions (True if they run), or the eager ones (enable=False, or on failure)."""
-    global _blocks
-    if not enable:
-        _blocks = _EAGER
-        return False
-    try:
-        fwd, bwd = (torch.compile(fn, dynamic=True) for fn in _EAGER)
-        _blocks = (fwd, bwd)
-        return True
-    except Exception as err:  # noqa: BLE001 - any compile failure means: stay eager
-        warnings.warn(f"torch.compile of DINT's integral blocks is unavailable ({err}); running eager", stacklevel=2)
-        _blocks = _EAGER
-        return False
-
-
-def _run_block(which: int, *args):
-    """The current block function (compiled or eager); a compiled one that fails falls back for good."""
-    global _blocks
-    try:
-        return _blocks[which](*args)
-    except Exception as err:  # noqa: BLE001
-        if _blocks is _EAGER:
-            raise
-        warnings.warn(f"compiled DINT integral block failed ({type(err).__name__}: {err}); running eager",
-                      stacklevel=2)
-        _blocks = _EAGER
-        return _EAGER[which](*args)
-
-
 def integral_rows(q, k, v, block_size: int = 32, col_sums=None, integral: str = "softmax",
                   first_map: bool = False):
     """A3 V for the last T_q of T_k positions (T_q = T_k: a whole sequence; fewer: new tokens after a cache).
@@ -147,7 +112,7 @@ def integral_rows(q, k, v, block_size: int = 32, col_sums=None, integral: str = 
     for row in range(0, t_q, block_size):
         stop = min(row + block_size, t_q)
         start, end = first + row, first + stop  # positions of the block's queries
-        o3, o1, block_sums = _run_block(0, qf[..., row:stop, :], kf[..., :end, :], vf[..., :end, :],
+        o3, o1, block_sums = forward_block(qf[..., row:stop, :], kf[..., :end, :], vf[..., :end, :],
                                         sums[..., :end], start, scale, integral, first_map)
         out3[..., row:stop, :] = o3
         if first_map:
@@ -179,8 +144,8 @@ class StreamingIntegral(torch.autograd.Function):
         carried = q.new_zeros(col_sums.shape)         # sum over rows n after the block of dG[n, :] / n
         for start in reversed(range(0, t, block)):
             end = min(start + block, t)
-            dq_blk, dk_blk, dv_blk, a1_sums, carried_blk = _run_block(
-                1, q[..., start:end, :], k[..., :end, :], v[..., :end, :], through[..., :end],
+            dq_blk, dk_blk, dv_blk, a1_sums, carried_blk = backward_block(
+                q[..., start:end, :], k[..., :end, :], v[..., :end, :], through[..., :end],
                 carried[..., :end], do3[..., start:end, :], out3[..., start:end, :],
                 None if do1 is None else do1[..., start:end, :], start, scale)
             through[..., :end] -= a1_sums
