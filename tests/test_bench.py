@@ -49,6 +49,10 @@ def test_bench_writes_ratios_flops_and_mfu_and_compares(tmp_path, capsys):
     for entry in results.values():
         assert entry["speed_ratio"] > 0 and entry["peak_bytes"] > 0
         assert entry["mfu"] == pytest.approx(entry["tflops_per_s"] / 1.0)
+        # FLOP-rate ratio: the variant's FLOPs/s over the reference's, in the same run
+        assert entry["flop_rate_ratio"] == pytest.approx(entry["tflops_per_s"] / base["tflops_per_s"])
+        assert entry["flop_rate_ratio_min"] <= entry["flop_rate_ratio_max"]
+    assert first.with_suffix(".png").stat().st_size > 0 and "plot: " in caption
     # the two-map variants do more attention work per token than the baseline
     assert results[f"{two_map_variant()}@32"]["flops_per_step"] > base["flops_per_step"]
     assert data["kind"] == "train" and data["env"]["threads"] == 1
@@ -61,7 +65,7 @@ def test_bench_writes_ratios_flops_and_mfu_and_compares(tmp_path, capsys):
                       "--compare", str(first)])
     assert exit_info.value.code == 0
     out = capsys.readouterr().out
-    assert "MFU" in out and "old tok/s ratio" in out
+    assert "MFU" in out and "old tok/s ratio" in out and "old FLOP/s ratio" in out
 
 
 def test_bench_decode_uses_the_kv_cache(tmp_path, capsys):
