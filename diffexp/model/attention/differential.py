@@ -96,7 +96,7 @@ class TwoMapDifferentialAttention(AttentionBase):
         return q[:, 0::2], q[:, 1::2], k[:, 0::2], k[:, 1::2]
 
     # -- map 1 and extra terms: DINT fuses its integral with map 1 and adds it ---------------------
-    def first_map(self, q1, k1, v, need_weights: bool, cache=None):
+    def first_map(self, q1, k1, v, lam, need_weights: bool, cache=None):
         """(A1 V, A1 or None, what the same pass computed for `add_terms`: None here)."""
         out1, weights1 = self.attend(q1, k1, v, need_weights)
         return out1, weights1, None
@@ -113,7 +113,7 @@ class TwoMapDifferentialAttention(AttentionBase):
         # V: (B, h_kv, T, 2d), cached once for both maps; differential head p reads kv group p // (h / h_kv)
         k1, k2, v = self.cached(cache, k1=k1, k2=k2, v=split_heads(self.v_proj(x), self.n_kv_heads))
         lam = self.lambda_()
-        out1, weights1, fused = self.first_map(q1, k1, v, need_weights, cache)
+        out1, weights1, fused = self.first_map(q1, k1, v, lam, need_weights, cache)
         out2, weights2 = self.attend(q2, k2, v, need_weights)
         out = out1 - lam.to(out1.dtype) * out2
         effective = weights1 - lam * weights2 if weights1 is not None else None

@@ -121,24 +121,24 @@ class DintAttention(TwoMapDifferentialAttention):
             return self.gamma.to(torch.promote_types(self.gamma.dtype, torch.float32))
         return lam
 
-    def first_map(self, q1, k1, v, need_weights: bool, cache=None):
+    def first_map(self, q1, k1, v, lam, need_weights: bool, cache=None):
         """Map 1 and the softmax integral in one blocked pass (full forwards without the eager maps); the
         mean integral, decoding and the eager maps take map 1 from `attend` and the integral in `add_terms`."""
         if self.cfg.integral != "softmax" or need_weights or cache is not None or self.backend == "eager":
-            return super().first_map(q1, k1, v, need_weights, cache)
+            return super().first_map(q1, k1, v, lam, need_weights, cache)
         self.record_logit_max(q1, k1)
         h = q1.shape[1]
-        out1, integral_out = fused_first_map_integral(q1, expand_kv(k1, h), expand_kv(v, h),
-                                                      self.integral_block_size)
-        return out1, None, integral_out
+        out = fused_first_map_integral(q1, expand_kv(k1, h), expand_kv(v, h), self.integral_weight(lam),
+                                       self.integral_block_size)
+        return out, None, True  # (A1 + gamma A3) V: the integral is in already
 
     def add_terms(self, out, effective, lam, q1, k1, v, out1, weights1, cache=None, fused=None):
         gamma = self.integral_weight(lam)
-        if fused is not None:  # map 1's pass computed A3 V too
-            integral_out = fused
-        elif cache is not None:  # the new rows from the column sums of A1's earlier rows, O(T) state per head
+        if fused:  # first_map's pass added gamma A3 V
+            return out, effective
+        if cache is not None:  # the new rows from the column sums of A1's earlier rows, O(T) state per head
             h = q1.shape[1]
-            integral_out, _, cache.state["col_sums"] = integral_rows(
+            integral_out, cache.state["col_sums"] = integral_rows(
                 q1, expand_kv(k1, h), expand_kv(v, h), self.integral_block_size, cache.state.get("col_sums"),
                 self.cfg.integral)
             integral_out = integral_out.to(v.dtype)

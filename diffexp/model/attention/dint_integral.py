@@ -1,24 +1,24 @@
 """DINT's integral term A3 V without a T x T tensor, forward and backward (O(T) extra memory per head),
-optionally fused with map 1's own output A1 V (the same A1 blocks serve both).
+optionally fused with map 1: (A1 + gamma A3) V, the same A1 blocks serving both and one product with V.
 
     A1 = softmax(Q K^T / sqrt(d))  (causal)      G[n, :] = (1/n) sum_{m<=n} A1[m, :]
-    A3[n, j] = exp(G[n, j]) / Z_n  for j <= n    out = A3 V   (and A1 V with first_map)
+    A3[n, j] = exp(G[n, j]) / Z_n  for j <= n    out = A3 V   (or (A1 + gamma A3) V)
 
 Forward walks query blocks in order, carrying the column sums of the A1 rows above the block; the
 same walk, started from a cache's column sums, gives the new rows when decoding (integral_rows).
-G lies in [0, 1], so exp(G) needs no max subtraction. Only Q, K, V, the outputs and A1's total
-column sums are saved; A1 is recomputed blockwise in backward.
+G lies in [0, 1], so exp(G) needs no max subtraction. Only Q, K, V and A1's total column sums are
+saved; A1 and A3 are recomputed blockwise in backward.
 
-Backward walks the blocks in reverse. With dG = A3 * (dA3 - rowsum(A3 * dA3)) and G = C A1 where
-C[n, m] = 1/n for m <= n, the gradient reaching A1 is dA1[m, :] = sum_{n>=m} dG[n, :] / n (plus
-dO1 V^T with first_map): a reverse cumulative sum, carried across blocks as one vector. The prefix
-column sums a block needs are the saved totals minus the rows from that block on, peeled off as the
-walk goes up.
+Backward walks the blocks in reverse. With dA = dO V^T, dA3 = w3 dA and dG = A3 * (dA3 - rowsum(A3 *
+dA3)), and G = C A1 where C[n, m] = 1/n for m <= n, the gradient reaching A1 is dA1[m, :] = sum_{n>=m}
+dG[n, :] / n (plus dA itself when fused): a reverse cumulative sum, carried across blocks as one vector.
+gamma's gradient is the sum of rowsum(A3 * dA). The prefix column sums a block needs are the saved
+totals minus the rows from that block on, peeled off as the walk goes up.
 
-The per-block work is elementwise-bound on CPU, so each pass works in place where it can, masks only
-the block's diagonal square, and normalises A3 on the (rows x dv) output instead of the (rows x T)
-map. (torch.compile of the block functions was tried on CPU, torch 2.13: three graphs each for the
-dynamic block shapes, about a minute to compile on 2 cores, and slower than these eager passes.)
+The per-block work is elementwise-bound on CPU, so each pass works in place where it can and masks only
+the block's diagonal square. (torch.compile of the block functions was tried on CPU, torch 2.13: three
+graphs each for the dynamic block shapes, about a minute to compile on 2 cores, and slower than these
+eager passes.)
 """
 
 from __future__ import annotations
@@ -54,49 +54,56 @@ def _block_g_exp(a1, prefix_end, start: int, integral: str):
     return g, inv_n
 
 
-def forward_block(q_blk, k_end, v_end, prefix_end, start: int, scale: float, integral: str, first_map: bool):
-    """One query block: (A3 V, A1 V or None, the block's A1 column sums)."""
-    a1 = _block_a1(q_blk, k_end, start, scale)
-    numer, _ = _block_g_exp(a1, prefix_end, start, integral)
-    out3 = torch.matmul(numer, v_end)
+def _block_a3(a1, prefix_end, start: int, integral: str):
+    """A3's rows for one block of A1 rows (normalised for "softmax"; G itself for "mean") and 1/n per row."""
+    numer, inv_n = _block_g_exp(a1, prefix_end, start, integral)
     if integral == "softmax":
-        out3 = out3.div_(numer.sum(dim=-1, keepdim=True))
-    out1 = torch.matmul(a1, v_end) if first_map else None
-    return out3, out1, a1.sum(dim=-2)
+        numer.div_(numer.sum(dim=-1, keepdim=True))
+    return numer, inv_n
 
 
-def backward_block(q_blk, k_end, v_end, through_end, carried_end, do3, out3, do1, start: int, scale: float):
-    """Gradients of one block (softmax integral): (dQ rows, dK over 0..end, dV over 0..end, the block's A1
-    column sums, the block's contribution to `carried`). through_end: the column sums of A1's rows up to the
-    block's last one; the block's own rows are peeled off here."""
+def forward_block(q_blk, k_end, v_end, prefix_end, start: int, scale: float, integral: str, gamma):
+    """One query block: (A3 V, or (A1 + gamma A3) V when gamma is a number; the block's A1 column sums)."""
     a1 = _block_a1(q_blk, k_end, start, scale)
     a1_sums = a1.sum(dim=-2)
-    numer, inv_n = _block_g_exp(a1, through_end - a1_sums, start, "softmax")
-    a3 = numer.div_(numer.sum(dim=-1, keepdim=True))
-    dv = torch.matmul(a3.transpose(-1, -2), do3)
-    # dG / n = A3 * (dA3 - rowsum(A3 * dA3)) / n, with rowsum(A3 * dA3) = do3 . out3 per row
-    scaled = torch.matmul(do3, v_end.transpose(-1, -2)).sub_((do3 * out3).sum(dim=-1, keepdim=True))
-    scaled.mul_(a3).mul_(inv_n)
+    a3, _ = _block_a3(a1, prefix_end, start, integral)
+    weights = a3 if gamma is None else a1.add_(a3, alpha=gamma)
+    return torch.matmul(weights, v_end), a1_sums
+
+
+def backward_block(q_blk, k_end, v_end, through_end, carried_end, grad, start: int, scale: float, gamma):
+    """Gradients of one block of out = w1 A1 V + w3 A3 V (softmax integral; w1, w3 = 0, 1 without gamma, else
+    1, gamma): (dQ rows, dK and dV over 0..end, rowsum(A3 * dO V^T) per row (gamma's gradient), the block's A1
+    column sums, its contribution to `carried`). through_end: the column sums of A1's rows up to the block's
+    last one; the block's own rows are peeled off here."""
+    a1 = _block_a1(q_blk, k_end, start, scale)
+    a1_sums = a1.sum(dim=-2)
+    a3, inv_n = _block_a3(a1, through_end - a1_sums, start, "softmax")
+    w3 = 1.0 if gamma is None else gamma
+    weights = a3 if gamma is None else a1 + gamma * a3
+    dv = torch.matmul(weights.transpose(-1, -2), grad)
+    d_map = torch.matmul(grad, v_end.transpose(-1, -2))  # dO V^T: dA1 = w1 of it, dA3 = w3 of it
+    a3_dot = (a3 * d_map).sum(dim=-1, keepdim=True)
+    # dG / n = A3 * (dA3 - rowsum(A3 * dA3)) / n
+    scaled = (d_map - a3_dot).mul_(a3).mul_(inv_n if w3 == 1.0 else inv_n * w3)
     block_sum = scaled.sum(dim=-2, keepdim=True)
     # dA1[m] = sum_{n >= m in block} scaled[n] + carried = block_sum - cumsum[m] + scaled[m] + carried
     da1 = scaled.sub_(scaled.cumsum(dim=-2)).add_(block_sum + carried_end.unsqueeze(-2))
-    if do1 is not None:  # map 1's own output: dA1 += dO1 V^T, dV += A1^T dO1
-        da1.add_(torch.matmul(do1, v_end.transpose(-1, -2)))
-        dv = dv.add_(torch.matmul(a1.transpose(-1, -2), do1))
+    if gamma is not None:
+        da1.add_(d_map)
     ds = da1.sub_((a1 * da1).sum(dim=-1, keepdim=True)).mul_(a1)
     dq = torch.matmul(ds, k_end).mul_(scale)
     dk = torch.matmul(ds.transpose(-1, -2), q_blk).mul_(scale)
-    return dq, dk, dv, a1_sums, block_sum.squeeze(-2)
+    return dq, dk, dv, a3_dot.squeeze(-1), a1_sums, block_sum.squeeze(-2)
 
 
-def integral_rows(q, k, v, block_size: int = 32, col_sums=None, integral: str = "softmax",
-                  first_map: bool = False):
-    """A3 V for the last T_q of T_k positions (T_q = T_k: a whole sequence; fewer: new tokens after a cache).
+def integral_rows(q, k, v, block_size: int = 32, col_sums=None, integral: str = "softmax", gamma=None):
+    """A3 V for the last T_q of T_k positions (T_q = T_k: a whole sequence; fewer: new tokens after a cache),
+    or (A1 + gamma A3) V when gamma is a number.
 
     q: (B, h, T_q, d); k: (B, h, T_k, d), v: (B, h, T_k, dv), kv heads already expanded; col_sums: the column
     sums of the A1 rows before the queries, (B, h, T_k - T_q), or None for none. integral "mean" takes G
-    itself for A3. Returns (A3 V, A1 V or None (first_map), the column sums of every A1 row so far:
-    (B, h, T_k)), in fp32 at least.
+    itself for A3. Returns (the output, the column sums of every A1 row so far: (B, h, T_k)), in fp32 at least.
     """
     dtype = torch.promote_types(q.dtype, torch.float32)
     qf, kf, vf = q.to(dtype), k.to(dtype), v.to(dtype)
@@ -107,62 +114,61 @@ def integral_rows(q, k, v, block_size: int = 32, col_sums=None, integral: str = 
     sums = qf.new_zeros(b, h, t_k)
     if col_sums is not None:
         sums[..., :first] = col_sums
-    out3 = qf.new_empty(b, h, t_q, v.shape[-1])
-    out1 = qf.new_empty(b, h, t_q, v.shape[-1]) if first_map else None
+    out = qf.new_empty(b, h, t_q, v.shape[-1])
     for row in range(0, t_q, block_size):
         stop = min(row + block_size, t_q)
         start, end = first + row, first + stop  # positions of the block's queries
-        o3, o1, block_sums = forward_block(qf[..., row:stop, :], kf[..., :end, :], vf[..., :end, :],
-                                        sums[..., :end], start, scale, integral, first_map)
-        out3[..., row:stop, :] = o3
-        if first_map:
-            out1[..., row:stop, :] = o1
+        out[..., row:stop, :], block_sums = forward_block(qf[..., row:stop, :], kf[..., :end, :], vf[..., :end, :],
+                                                          sums[..., :end], start, scale, integral, gamma)
         sums[..., :end] += block_sums
-    return out3, out1, sums
+    return out, sums
 
 
 class StreamingIntegral(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, block_size: int, first_map: bool):
-        """q, k: (B, h, T, d), v: (B, h, T, dv) with kv heads already expanded; returns (A3 V, A1 V or None)."""
-        out3, out1, col_sums = integral_rows(q, k, v, block_size, first_map=first_map)
-        dtype = out3.dtype
-        ctx.save_for_backward(q.to(dtype), k.to(dtype), v.to(dtype), out3, col_sums)
-        ctx.block_size, ctx.scale, ctx.in_dtypes = block_size, 1.0 / math.sqrt(q.shape[-1]), (q.dtype, k.dtype, v.dtype)
-        ctx.mark_non_differentiable(col_sums)
-        return out3.to(v.dtype), (out1.to(v.dtype) if first_map else None)
+    def forward(ctx, q, k, v, gamma, block_size: int):
+        """q, k: (B, h, T, d), v: (B, h, T, dv) with kv heads already expanded; gamma: None (returns A3 V) or a
+        0-d tensor (returns (A1 + gamma A3) V)."""
+        weight = None if gamma is None else float(gamma)
+        out, col_sums = integral_rows(q, k, v, block_size, gamma=weight)
+        dtype = out.dtype
+        ctx.save_for_backward(q.to(dtype), k.to(dtype), v.to(dtype), col_sums)
+        ctx.block_size, ctx.scale, ctx.gamma = block_size, 1.0 / math.sqrt(q.shape[-1]), weight
+        ctx.in_dtypes = (q.dtype, k.dtype, v.dtype, None if gamma is None else gamma.dtype)
+        return out.to(v.dtype)
 
     @staticmethod
-    def backward(ctx, grad_out3, grad_out1):
-        q, k, v, out3, col_sums = ctx.saved_tensors
-        block, scale = ctx.block_size, ctx.scale
+    def backward(ctx, grad_out):
+        q, k, v, col_sums = ctx.saved_tensors
+        block, scale, gamma = ctx.block_size, ctx.scale, ctx.gamma
         t = q.shape[-2]
-        do3 = torch.zeros_like(out3) if grad_out3 is None else grad_out3.to(q.dtype)
-        do1 = None if grad_out1 is None else grad_out1.to(q.dtype)
+        grad_out = grad_out.to(q.dtype)
         dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+        d_gamma = q.new_zeros(())
         through = col_sums.clone()                    # column sums of A1 rows up to the current block's last
         carried = q.new_zeros(col_sums.shape)         # sum over rows n after the block of dG[n, :] / n
         for start in reversed(range(0, t, block)):
             end = min(start + block, t)
-            dq_blk, dk_blk, dv_blk, a1_sums, carried_blk = backward_block(
-                q[..., start:end, :], k[..., :end, :], v[..., :end, :], through[..., :end],
-                carried[..., :end], do3[..., start:end, :], out3[..., start:end, :],
-                None if do1 is None else do1[..., start:end, :], start, scale)
+            dq_blk, dk_blk, dv_blk, a3_dot, a1_sums, carried_blk = backward_block(
+                q[..., start:end, :], k[..., :end, :], v[..., :end, :], through[..., :end], carried[..., :end],
+                grad_out[..., start:end, :], start, scale, gamma)
             through[..., :end] -= a1_sums
             carried[..., :end] += carried_blk
             dq[..., start:end, :] = dq_blk
             dk[..., :end, :] += dk_blk
             dv[..., :end, :] += dv_blk
-        q_dtype, k_dtype, v_dtype = ctx.in_dtypes
-        return dq.to(q_dtype), dk.to(k_dtype), dv.to(v_dtype), None, None
+            d_gamma += a3_dot.sum()
+        q_dtype, k_dtype, v_dtype, gamma_dtype = ctx.in_dtypes
+        return (dq.to(q_dtype), dk.to(k_dtype), dv.to(v_dtype),
+                None if gamma is None else d_gamma.to(gamma_dtype), None)
 
 
 def streaming_integral(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_size: int = 32) -> torch.Tensor:
     """A3 V (see the module docstring)."""
-    return StreamingIntegral.apply(q, k, v, block_size, False)[0]
+    return StreamingIntegral.apply(q, k, v, None, block_size)
 
 
-def fused_first_map_integral(q, k, v, block_size: int = 32) -> tuple[torch.Tensor, torch.Tensor]:
-    """(A1 V, A3 V) in one blocked pass, forward and backward: map 1 of DINT and its integral together."""
-    out3, out1 = StreamingIntegral.apply(q, k, v, block_size, True)
-    return out1, out3
+def fused_first_map_integral(q, k, v, gamma: torch.Tensor, block_size: int = 32) -> torch.Tensor:
+    """(A1 + gamma A3) V in one blocked pass, forward and backward (gamma a 0-d tensor, its gradient too): DINT's
+    map 1 and its integral, with one product with V instead of two."""
+    return StreamingIntegral.apply(q, k, v, gamma, block_size)
