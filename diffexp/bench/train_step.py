@@ -148,6 +148,9 @@ def summarise(results: dict, variants: list[str], seq_lens: list[int], peak_flop
             entry = results[f"{v}@{seq_len}"]
             timing.add_ratio(entry, base, "times_s", "median_step_s", "speed_ratio")
             timing.add_flop_rate_ratio(entry, base, "flops_per_step", "speed_ratio")
+            # the same ratio from process CPU seconds: steadier than wall time when other processes compete
+            timing.add_ratio(entry, base, "cpu_times_s", "median_step_cpu_s", "cpu_speed_ratio")
+            entry["cpu_flop_rate_ratio"] = entry["cpu_speed_ratio"] * entry["flops_per_step"] / base["flops_per_step"]
             entry["tokens_per_s"] = entry["tokens_per_step"] / entry["median_step_s"]
             timing.throughput(entry, "flops_per_step", "median_step_s", peak_flops_per_s)
             timing.add_mem_ratio(entry, base)

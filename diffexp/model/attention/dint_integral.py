@@ -43,11 +43,18 @@ def _block_a1(q_blk, k_end, start: int, scale: float):
     return torch.softmax(logits, dim=-1)
 
 
+def _inverse_positions(start: int, rows: int, like: torch.Tensor) -> torch.Tensor:
+    """1/n for the block's rows (n = start + 1, ...), as a column."""
+    return 1.0 / torch.arange(start + 1, start + rows + 1, device=like.device, dtype=like.dtype).unsqueeze(-1)
+
+
 def _block_g_exp(a1, prefix_end, start: int, integral: str):
     """(exp(G) masked to the causal part, or G for "mean") and 1/n per row, for one block's A1 rows."""
     rows = a1.shape[-2]
-    inv_n = 1.0 / torch.arange(start + 1, start + rows + 1, device=a1.device, dtype=a1.dtype).unsqueeze(-1)
-    g = a1.cumsum(dim=-2).add_(prefix_end.unsqueeze(-2)).mul_(inv_n)
+    inv_n = _inverse_positions(start, rows, a1)
+    # the block's running mean as a (rows x rows) lower-triangular matmul: faster on CPU than cumsum over rows
+    running_mean = torch.ones(rows, rows, device=a1.device, dtype=a1.dtype).tril_().mul_(inv_n)
+    g = torch.matmul(running_mean, a1).addcmul_(inv_n, prefix_end.unsqueeze(-2))
     if integral == "softmax":
         g.exp_()
     g[..., start:].masked_fill_(_diagonal_future(rows, a1.device), 0.0)
@@ -84,11 +91,13 @@ def backward_block(q_blk, k_end, v_end, through_end, carried_end, grad, start: i
     dv = torch.matmul(weights.transpose(-1, -2), grad)
     d_map = torch.matmul(grad, v_end.transpose(-1, -2))  # dO V^T: dA1 = w1 of it, dA3 = w3 of it
     a3_dot = (a3 * d_map).sum(dim=-1, keepdim=True)
-    # dG / n = A3 * (dA3 - rowsum(A3 * dA3)) / n
-    scaled = (d_map - a3_dot).mul_(a3).mul_(inv_n if w3 == 1.0 else inv_n * w3)
-    block_sum = scaled.sum(dim=-2, keepdim=True)
-    # dA1[m] = sum_{n >= m in block} scaled[n] + carried = block_sum - cumsum[m] + scaled[m] + carried
-    da1 = scaled.sub_(scaled.cumsum(dim=-2)).add_(block_sum + carried_end.unsqueeze(-2))
+    # dG = w3 A3 * (dA - rowsum(A3 * dA)); dA1[m] = sum_{n >= m in block} dG[n] / n + carried, the reverse
+    # running sum as an upper-triangular (rows x rows) matmul with 1/n folded in; its first row is the block's total
+    rows = a1.shape[-2]
+    reverse_sum = torch.ones(rows, rows, device=a1.device, dtype=a1.dtype).triu_().mul_(inv_n.transpose(0, 1) * w3)
+    da1 = torch.matmul(reverse_sum, (d_map - a3_dot).mul_(a3))
+    block_sum = da1[..., :1, :].clone()
+    da1.add_(carried_end.unsqueeze(-2))
     if gamma is not None:
         da1.add_(d_map)
     ds = da1.sub_((a1 * da1).sum(dim=-1, keepdim=True)).mul_(a1)
