@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from diffexp import Decoder, ModelConfig
+from diffexp.bench import report
 from diffexp.bench.cli import main
 from diffexp.cli import main as diffexp_main
 from diffexp.model.attention import variant_names, variants
@@ -48,6 +49,10 @@ def test_bench_writes_ratios_flops_and_mfu_and_compares(tmp_path, capsys):
     for entry in results.values():
         assert entry["speed_ratio"] > 0 and entry["peak_bytes"] > 0
         assert entry["mfu"] == pytest.approx(entry["tflops_per_s"] / 1.0)
+        # FLOP-rate ratio: the variant's FLOPs/s over the reference's, in the same run
+        assert entry["flop_rate_ratio"] == pytest.approx(entry["tflops_per_s"] / base["tflops_per_s"])
+        assert entry["flop_rate_ratio_min"] <= entry["flop_rate_ratio_max"]
+    assert first.with_suffix(".png").stat().st_size > 0 and "plot: " in caption
     # the two-map variants do more attention work per token than the baseline
     assert results[f"{two_map_variant()}@32"]["flops_per_step"] > base["flops_per_step"]
     assert data["kind"] == "train" and data["env"]["threads"] == 1
@@ -60,7 +65,7 @@ def test_bench_writes_ratios_flops_and_mfu_and_compares(tmp_path, capsys):
                       "--compare", str(first)])
     assert exit_info.value.code == 0
     out = capsys.readouterr().out
-    assert "MFU" in out and "old tok/s ratio" in out
+    assert "MFU" in out and "old tok/s ratio" in out and "old FLOP/s ratio" in out
 
 
 def test_bench_decode_uses_the_kv_cache(tmp_path, capsys):
@@ -109,6 +114,18 @@ def test_bench_kernel_times_each_backend(tmp_path):
         assert results[f"{two_map_variant()}@32/{backend}"]["flops_per_step"] > base["flops_per_step"]
     for entry in results.values():
         assert entry["speed_ratio"] > 0 and entry["forward_speed_ratio"] > 0 and entry["peak_bytes"] > 0
+
+
+@pytest.mark.parametrize("kind", [TINY, TINY_DECODE, TINY_KERNEL], ids=lambda args: args[0])
+def test_bench_records_the_threads_it_ran_with(kind, tmp_path):
+    """--threads 1 on a process whose default is 2: every kind records 1, at the start and at the end."""
+    torch.set_num_threads(2)
+    path = tmp_path / "threads.json"
+    assert main([*kind, "--variants", reference_variant().name, "--no-memory", "--json", str(path)]) == 0
+    env = json.loads(path.read_text())["env"]
+    assert (env["threads"], env["threads_end"]) == (1, 1)
+    assert "thread count changed" not in report.load_note(env)
+    assert "1 -> 2" in report.load_note({**env, "threads_end": 2})
 
 
 @pytest.mark.parametrize("args, message", [

@@ -9,7 +9,7 @@ from diffexp import ModelConfig
 from diffexp.model.attention import build_attention
 from diffexp.model.attention.base import causal_softmax
 from diffexp.model.attention.dint import integral_map
-from diffexp.model.attention.dint_integral import streaming_integral
+from diffexp.model.attention.dint_integral import fused_first_map_integral, streaming_integral
 
 
 @pytest.mark.parametrize("t, block", [(13, 4), (16, 16), (9, 1), (21, 8), (5, 64)])
@@ -24,6 +24,23 @@ def test_streaming_integral_matches_naive_forward_and_backward(t, block):
     for g_naive, g_streamed in zip(torch.autograd.grad(naive, (q, k, v), grad),
                                    torch.autograd.grad(streamed, (q, k, v), grad)):
         torch.testing.assert_close(g_streamed, g_naive, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("t, block", [(13, 4), (21, 8), (9, 32), (16, 16)])
+def test_fused_first_map_and_integral_match_naive(t, block):
+    """(A1 + gamma A3) V from one blocked pass, and the gradients of q, k, v and gamma, against the T x T maps."""
+    torch.manual_seed(t)
+    q, k = (torch.randn(2, 3, t, 4, dtype=torch.float64, requires_grad=True) for _ in range(2))
+    v = torch.randn(2, 3, t, 8, dtype=torch.float64, requires_grad=True)
+    gamma = torch.tensor(0.7, dtype=torch.float64, requires_grad=True)
+    a1 = causal_softmax(q, k)
+    naive = (a1 + gamma * integral_map(a1, "softmax")) @ v
+    fused = fused_first_map_integral(q, k, v, gamma, block)
+    torch.testing.assert_close(fused, naive, rtol=1e-12, atol=1e-12)
+    grad = torch.randn_like(naive)
+    for g_naive, g_fused in zip(torch.autograd.grad(naive, (q, k, v, gamma), grad),
+                                torch.autograd.grad(fused, (q, k, v, gamma), grad), strict=True):
+        torch.testing.assert_close(g_fused, g_naive, rtol=1e-10, atol=1e-12)
 
 
 def test_gradcheck():

@@ -17,7 +17,8 @@ import time
 from diffexp.bench import options, report
 from diffexp.errors import UserError, guarded
 
-#: kind -> its module; each has NAME, ABOUT, LAYOUT, build_parser, validate, config, run and table
+#: kind -> its module; each has NAME, ABOUT, LAYOUT, build_parser, validate, config, run and table (and may have
+#: plot(data, json_path) -> the figure's path)
 KINDS = {"train": "diffexp.bench.train_step", "decode": "diffexp.bench.decode", "kernel": "diffexp.bench.kernel"}
 DEFAULT_KIND = "train"
 
@@ -77,6 +78,8 @@ def run_kind(kind, argv: list[str]) -> int:
     started = time.perf_counter()
     results = kind.run(args)
     env["loadavg_end"] = report.loadavg()
+    # the count the whole run used: a library that resets torch's threads mid-run would show here
+    env["threads_end"] = torch.get_num_threads()
     env["wall_s"] = round(time.perf_counter() - started, 1)
     data = {
         "kind": kind.NAME,
@@ -88,7 +91,10 @@ def run_kind(kind, argv: list[str]) -> int:
     }
     report.write_results(args.json, data)
     title, headers, rows, caption = kind.table(data)
-    caption += f" Wall time {env['wall_s']:.0f} s. Results: {args.json}" + report.load_note(env)
+    caption += f" Wall time {env['wall_s']:.0f} s. Results: {args.json}"
+    if hasattr(kind, "plot"):  # a kind with a figure writes it beside the JSON
+        caption += f", plot: {kind.plot(data, args.json)}"
+    caption += report.load_note(env)
     report.print_table(title, headers, rows, caption, group_columns=tuple(range(1, len(kind.LAYOUT.labels))))
     if old is not None:
         report.compare(old, data, kind.LAYOUT, args.compare)

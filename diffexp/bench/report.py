@@ -66,12 +66,15 @@ def peak_flops(device: str, dtype: str, peak_tflops: float | None) -> float | No
 
 
 def load_note(env: dict) -> str:
-    """A caption line when other processes competed for the CPUs during the run."""
+    """Caption lines when other processes competed for the CPUs, or torch's thread count changed mid-run."""
+    note = ""
+    if env.get("threads_end", env.get("threads")) != env.get("threads"):
+        note += f"\nNOTE: torch's thread count changed during the run: {env['threads']} -> {env['threads_end']}."
     start, end = env.get("loadavg_start"), env.get("loadavg_end")
     if not start or not end or max(start[0], end[0]) <= (env.get("cpu_count") or 1):
-        return ""
-    return (f"\nNOTE: load average {start[0]:.1f} -> {end[0]:.1f} on {env['cpu_count']} CPUs: other processes "
-            "competed; trust ratios only within their spread.")
+        return note
+    return note + (f"\nNOTE: load average {start[0]:.1f} -> {end[0]:.1f} on {env['cpu_count']} CPUs: other "
+                   "processes competed; trust ratios only within their spread.")
 
 
 # --------------------------------------------------------------------------------------------------

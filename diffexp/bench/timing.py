@@ -130,6 +130,16 @@ def add_ratio(entry: dict, base: dict, times: str, median: str, ratio: str) -> N
     entry[f"{ratio}_max"] = max(round_ratios)
 
 
+def add_flop_rate_ratio(entry: dict, base: dict, flops: str, ratio: str) -> None:
+    """entry["flop_rate_ratio"] = the variant's FLOPs/s over the reference's: speed ratio x FLOPs ratio (same
+    tokens per step), overall and per round, with the per-round spread; set after `add_ratio`."""
+    work = entry[flops] / base[flops]
+    entry["flop_rate_ratio"] = entry[ratio] * work
+    entry["round_flop_rate_ratios"] = [r * work for r in entry[f"round_{ratio}s"]]
+    entry["flop_rate_ratio_min"] = min(entry["round_flop_rate_ratios"])
+    entry["flop_rate_ratio_max"] = max(entry["round_flop_rate_ratios"])
+
+
 def add_mem_ratio(entry: dict, base: dict) -> None:
     peak, base_peak = entry["peak_bytes"], base["peak_bytes"]
     entry["mem_ratio"] = peak / base_peak if peak and base_peak else None

@@ -24,6 +24,7 @@ unless given. Ratios compare variants at the same batch, so the cap does not bia
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 from diffexp.bench import options, report, timing, workload
 from diffexp.bench.memory import peak_bytes, release, tensor_bytes
@@ -35,11 +36,13 @@ ABOUT = "training step (forward, loss, backward, AdamW) per variant vs the refer
 LAYOUT = report.Layout(
     labels=(("variant", "variant"), ("seq", "seq_len")),
     ratios=(report.Ratio("speed_ratio", "old tok/s ratio", "new tok/s ratio", "change", "old spread"),
+            report.Ratio("flop_rate_ratio", "old FLOP/s ratio", "new FLOP/s ratio", "FLOP/s change", "old spread"),
             report.Ratio("mem_ratio", "old mem ratio", "new mem ratio", "mem change")),
     config_keys=("dtype", "backend", "d_model", "n_layers", "n_heads", "vocab_size", "variant_overrides"),
 )
 HEADERS = ["variant", "seq", "batch", "params (non-emb)", "step ms (median)", "tokens/s vs base",
-           "ratio spread (rounds)", "peak mem MiB", "mem vs base", "TFLOP/s", "MFU"]
+           "ratio spread (rounds)", "FLOPs vs base", "FLOP/s vs base", "FLOP/s spread (rounds)", "peak mem MiB",
+           "mem vs base", "TFLOP/s", "MFU"]
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -144,9 +147,20 @@ def summarise(results: dict, variants: list[str], seq_lens: list[int], peak_flop
         for v in variants:
             entry = results[f"{v}@{seq_len}"]
             timing.add_ratio(entry, base, "times_s", "median_step_s", "speed_ratio")
+            timing.add_flop_rate_ratio(entry, base, "flops_per_step", "speed_ratio")
+            # the same ratio from process CPU seconds: steadier than wall time when other processes compete
+            timing.add_ratio(entry, base, "cpu_times_s", "median_step_cpu_s", "cpu_speed_ratio")
+            entry["cpu_flop_rate_ratio"] = entry["cpu_speed_ratio"] * entry["flops_per_step"] / base["flops_per_step"]
             entry["tokens_per_s"] = entry["tokens_per_step"] / entry["median_step_s"]
             timing.throughput(entry, "flops_per_step", "median_step_s", peak_flops_per_s)
             timing.add_mem_ratio(entry, base)
+
+
+def plot(data: dict, json_path) -> str:
+    """The figure beside the results JSON (same name, .png): step-time and FLOP-rate ratios across lengths."""
+    from diffexp.bench.plot import plot_train
+
+    return str(plot_train(data, Path(json_path).with_suffix(".png")))
 
 
 def table(data: dict) -> tuple[str, list[str], list[list[str]], str]:
@@ -159,7 +173,9 @@ def table(data: dict) -> tuple[str, list[str], list[list[str]], str]:
             rows.append([
                 v, str(seq_len), str(e["batch_size"]), f"{e['params']['non_embedding']:,}",
                 f"{e['median_step_s'] * 1e3:.0f}", report.ratio_cell(e["speed_ratio"]),
-                report.spread_cell(e, "speed_ratio"), report.mib_cell(e["peak_bytes"]),
+                report.spread_cell(e, "speed_ratio"), report.ratio_cell(e["flop_rate_ratio"] / e["speed_ratio"]),
+                report.ratio_cell(e["flop_rate_ratio"]), report.spread_cell(e, "flop_rate_ratio"),
+                report.mib_cell(e["peak_bytes"]),
                 report.ratio_cell(e["mem_ratio"]), f"{e['tflops_per_s']:.3g}",
                 "n/a" if e.get("mfu") is None else f"{100 * e['mfu']:.1f}%",
             ])
@@ -169,7 +185,9 @@ def table(data: dict) -> tuple[str, list[str], list[list[str]], str]:
              f"layers, {cfg['n_heads']} heads; {cfg['rounds']} rounds x {cfg['steps']} steps")
     peak = cfg["peak_flops"]
     caption = (f"tokens/s vs base = {ref} median step time / variant median (>1 = faster than {ref}); "
-               "spread = min-max of the same ratio per round; peak mem = live tensor bytes "
+               "spread = min-max of the same ratio per round; FLOP/s vs base = the variant's model FLOPs per "
+               f"second over {ref}'s (tokens/s ratio x FLOPs ratio; 1 = its extra math costs exactly its extra "
+               "FLOPs); peak mem = live tensor bytes "
                "(state + step); TFLOP/s = model FLOPs (Decoder.flops_per_token, training) / step time; MFU = "
                f"that / the peak ({report.tflops_text(peak)} TFLOP/s).")
     return title, HEADERS, rows, caption

@@ -68,13 +68,14 @@ def flash_available(*tensors: torch.Tensor) -> bool:
 
 def attend(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, backend: str = "sdpa", need_weights: bool = False,
-    backend_fallback: bool = True,
+    backend_fallback: bool = True, wide_v: str | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Causal attention. q: (B, Hq, T_q, d); k: (B, Hk, T_k, d); v: (B, Hk, T_k, dv) with dv a multiple of d,
     T_q <= T_k (the queries are the last T_q positions).
 
     Returns the output (B, Hq, T_q, dv) and, when need_weights (always on the eager backend), the map.
-    The scale is 1/sqrt(d), the query/key dim, also when V is wider.
+    The scale is 1/sqrt(d), the query/key dim, also when V is wider. wide_v: one of WIDE_V_MODES, or None
+    for `wide_v_mode`'s choice.
     """
     if need_weights or backend == "eager":
         weights = causal_softmax(q, k)
@@ -92,11 +93,26 @@ def attend(
     t_q, t_k = q.shape[-2], k.shape[-2]
     # SDPA's is_causal aligns the mask top-left; decoding (fewer queries than keys) needs it bottom-right
     mask = {"is_causal": True} if t_q == t_k else {} if t_q == 1 else {"attn_mask": ~future_mask(t_q, t_k, q.device)}
+    d, dv = q.shape[-1], v.shape[-1]
+    if dv == d:
+        return F.scaled_dot_product_attention(q, k, v, enable_gqa=gqa, **mask), None
     # SDPA's fused kernels want equal q/v head dims; a 2d-wide V would fall back to the math kernel
-    # (T x T maps kept for backward), so attend to d-wide slices of V instead: same softmax, exact.
-    parts = [F.scaled_dot_product_attention(q, k, v_part, enable_gqa=gqa, **mask)
-             for v_part in v.split(q.shape[-1], dim=-1)]
-    return (parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)), None
+    # (T x T maps kept for backward). Either zero-pad Q and K to V's width (one call; the padding adds
+    # nothing to Q K^T, and the scale stays 1/sqrt(d)) or attend to d-wide slices of V: both exact.
+    if (wide_v or wide_v_mode(q)) == "pad":
+        q, k = (F.pad(t, (0, dv - d)) for t in (q, k))
+        return F.scaled_dot_product_attention(q, k, v, enable_gqa=gqa, scale=d ** -0.5, **mask), None
+    parts = [F.scaled_dot_product_attention(q, k, v_part, enable_gqa=gqa, **mask) for v_part in v.split(d, dim=-1)]
+    return torch.cat(parts, dim=-1), None
+
+
+#: how `attend` runs SDPA over a V wider than Q and K: "pad" Q and K to V's width, or "split" V into d-wide slices
+WIDE_V_MODES = ("pad", "split")
+
+
+def wide_v_mode(q: torch.Tensor) -> str:
+    """The faster of the two where measured: "pad" on CPU (one fused call instead of two); see bench/README.md."""
+    return "pad" if q.device.type == "cpu" else "split"
 
 
 def _flash(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -172,12 +188,16 @@ class AttentionBase(nn.Module):
         """The new tensors as they are (no cache), or appended to the cache's and returned in full."""
         return tuple(new.values()) if cache is None else cache.append(**new)
 
-    def attend(self, q, k, v, need_weights: bool = False):
-        """The causal attention call on this layer's backend (RoPE already applied)."""
-        if self.record_stats:  # a diagnostics forward: also keep the largest pre-softmax logit
+    def record_logit_max(self, q, k) -> None:
+        """On a diagnostics forward, keep the largest pre-softmax logit (every attention call goes through here)."""
+        if self.record_stats:
             with torch.no_grad():
                 logit_max = causal_logits(q[: self.stats_rows], k[: self.stats_rows]).max().item()
             self.stats["attn_logit_max"] = max(self.stats.get("attn_logit_max", float("-inf")), logit_max)
+
+    def attend(self, q, k, v, need_weights: bool = False):
+        """The causal attention call on this layer's backend (RoPE already applied)."""
+        self.record_logit_max(q, k)
         return attend(q, k, v, self.backend, need_weights, self.cfg.backend_fallback)
 
     def extra_repr(self) -> str:

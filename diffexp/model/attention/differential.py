@@ -95,10 +95,16 @@ class TwoMapDifferentialAttention(AttentionBase):
         k = split_heads(self.k_proj(x), 2 * self.n_kv_heads)
         return q[:, 0::2], q[:, 1::2], k[:, 0::2], k[:, 1::2]
 
-    # -- extra terms: DINT adds its integral ----------------------------------------------------
-    def add_terms(self, out, effective, lam, q1, k1, v, out1, weights1, cache=None):
+    # -- map 1 and extra terms: DINT fuses its integral with map 1 and adds it ---------------------
+    def first_map(self, q1, k1, v, lam, need_weights: bool, cache=None):
+        """(A1 V, A1 or None, what the same pass computed for `add_terms`: None here)."""
+        out1, weights1 = self.attend(q1, k1, v, need_weights)
+        return out1, weights1, None
+
+    def add_terms(self, out, effective, lam, q1, k1, v, out1, weights1, cache=None, fused=None):
         """Hook after (A1 - lambda A2) V; returns (out, effective map or None). Plain DIFF adds nothing.
-        k1 and v hold every position (cached ones too); q1, out1 and weights1 only the new queries."""
+        k1 and v hold every position (cached ones too); q1, out1 and weights1 only the new queries;
+        fused: what `first_map` computed alongside map 1."""
         return out, effective
 
     def kernel_head(self, q1, q2, k1, k2, v, lam):
@@ -116,11 +122,11 @@ class TwoMapDifferentialAttention(AttentionBase):
         if self.backend == "triton" and not (need_weights or cache is not None or self.record_stats):
             out = self.head_norm(self.kernel_head(q1, q2, k1, k2, v, lam)) * self.output_scale
             return self.o_proj(merge_heads(out)), None
-        out1, weights1 = self.attend(q1, k1, v, need_weights)
+        out1, weights1, fused = self.first_map(q1, k1, v, lam, need_weights, cache)
         out2, weights2 = self.attend(q2, k2, v, need_weights)
         out = out1 - lam.to(out1.dtype) * out2
         effective = weights1 - lam * weights2 if weights1 is not None else None
-        out, effective = self.add_terms(out, effective, lam, q1, k1, v, out1, weights1, cache)
+        out, effective = self.add_terms(out, effective, lam, q1, k1, v, out1, weights1, cache, fused)
         out = self.head_norm(out) * self.output_scale
         return self.o_proj(merge_heads(out)), effective
 

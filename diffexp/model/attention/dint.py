@@ -31,7 +31,7 @@ from diffexp.model.attention.differential import (
     naive_two_map,
     two_map_flops,
 )
-from diffexp.model.attention.dint_integral import integral_rows, streaming_integral
+from diffexp.model.attention.dint_integral import fused_first_map_integral, integral_rows
 from diffexp.model.attention.registry import Variant, register
 
 
@@ -105,8 +105,9 @@ class DintAttention(TwoMapDifferentialAttention):
                "learned-mean-init0.9": {"gamma": "learned", "gamma_init": 0.9, "integral": "mean"}},
     )
     scale_by_lambda_init = False
-    #: query rows per step of the streaming integral; memory is O(block_size * T) per head
-    integral_block_size = 128
+    #: query rows per step of the streaming integral; memory is O(block_size * T) per head. 32 beat 128 on
+    #: CPU (bench/README.md): smaller blocks keep the elementwise passes in cache
+    integral_block_size = 32
 
     def __init__(self, cfg, layer_idx: int) -> None:
         super().__init__(cfg, layer_idx)
@@ -120,11 +121,24 @@ class DintAttention(TwoMapDifferentialAttention):
             return self.gamma.to(torch.promote_types(self.gamma.dtype, torch.float32))
         return lam
 
-    def add_terms(self, out, effective, lam, q1, k1, v, out1, weights1, cache=None):
+    def first_map(self, q1, k1, v, lam, need_weights: bool, cache=None):
+        """Map 1 and the softmax integral in one blocked pass (full forwards without the eager maps); the
+        mean integral, decoding and the eager maps take map 1 from `attend` and the integral in `add_terms`."""
+        if self.cfg.integral != "softmax" or need_weights or cache is not None or self.backend == "eager":
+            return super().first_map(q1, k1, v, lam, need_weights, cache)
+        self.record_logit_max(q1, k1)
+        h = q1.shape[1]
+        out = fused_first_map_integral(q1, expand_kv(k1, h), expand_kv(v, h), self.integral_weight(lam),
+                                       self.integral_block_size)
+        return out, None, True  # (A1 + gamma A3) V: the integral is in already
+
+    def add_terms(self, out, effective, lam, q1, k1, v, out1, weights1, cache=None, fused=None):
         gamma = self.integral_weight(lam)
+        if fused:  # first_map's pass added gamma A3 V
+            return out, effective
         if cache is not None:  # the new rows from the column sums of A1's earlier rows, O(T) state per head
             h = q1.shape[1]
-            integral_out, _, cache.state["col_sums"] = integral_rows(
+            integral_out, cache.state["col_sums"] = integral_rows(
                 q1, expand_kv(k1, h), expand_kv(v, h), self.integral_block_size, cache.state.get("col_sums"),
                 self.cfg.integral)
             integral_out = integral_out.to(v.dtype)
@@ -132,12 +146,9 @@ class DintAttention(TwoMapDifferentialAttention):
             a3 = integral_map(weights1, self.cfg.integral)
             integral_out = a3.to(v.dtype) @ expand_kv(v, a3.shape[1])
             effective = effective + gamma * a3
-        elif self.cfg.integral == "mean":  # G V = cumsum(A1 V) / n exactly
+        else:  # the mean integral: G V = cumsum(A1 V) / n exactly
             n = row_positions(out1.shape[-2], out1)
             integral_out = out1.cumsum(dim=-2) / n
-        else:
-            h = q1.shape[1]
-            integral_out = streaming_integral(q1, expand_kv(k1, h), expand_kv(v, h), self.integral_block_size)
         return out + gamma.to(out.dtype) * integral_out, effective
 
     def kernel_head(self, q1, q2, k1, k2, v, lam):
