@@ -4,7 +4,8 @@ The activations are measured, not modelled: a 1-layer and a 2-layer copy of the 
 loss) on the meta device, where tensors have shapes but no storage, and every tensor autograd saves for the
 backward is counted once per storage. The attention call is replaced by a stand-in that saves what a fused
 kernel (FlashAttention, SDPA's flash/efficient paths) keeps: q, k, v, the output and the row log-sum-exp,
-never the T x T map. Two layers minus one gives a block; one layer minus a block gives the embedding, final
+never the T x T map (on the meta device `attend` takes the GPU's way over DIFF's 2d-wide V: V split per map).
+Two layers minus one gives a block; one layer minus a block gives the embedding, final
 norm, LM head and loss. The sharded states follow from the parameter count:
 
 * parameters: the fp32 shard, plus the compute-dtype copies gathered at once (the root, kept gathered

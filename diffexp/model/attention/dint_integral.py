@@ -70,11 +70,11 @@ def _block_a3(a1, prefix_end, start: int, integral: str):
 
 
 def forward_block(q_blk, k_end, v_end, prefix_end, start: int, scale: float, integral: str, gamma):
-    """One query block: (A3 V, or (A1 + gamma A3) V when gamma is a number; the block's A1 column sums)."""
+    """One query block: (A3 V, or (A1 + gamma A3) V when gamma is a 0-d tensor; the block's A1 column sums)."""
     a1 = _block_a1(q_blk, k_end, start, scale)
     a1_sums = a1.sum(dim=-2)
     a3, _ = _block_a3(a1, prefix_end, start, integral)
-    weights = a3 if gamma is None else a1.add_(a3, alpha=gamma)
+    weights = a3 if gamma is None else a1.addcmul_(a3, gamma)
     return torch.matmul(weights, v_end), a1_sums
 
 
@@ -108,7 +108,7 @@ def backward_block(q_blk, k_end, v_end, through_end, carried_end, grad, start: i
 
 def integral_rows(q, k, v, block_size: int = 32, col_sums=None, integral: str = "softmax", gamma=None):
     """A3 V for the last T_q of T_k positions (T_q = T_k: a whole sequence; fewer: new tokens after a cache),
-    or (A1 + gamma A3) V when gamma is a number.
+    or (A1 + gamma A3) V when gamma is a 0-d tensor.
 
     q: (B, h, T_q, d); k: (B, h, T_k, d), v: (B, h, T_k, dv), kv heads already expanded; col_sums: the column
     sums of the A1 rows before the queries, (B, h, T_k - T_q), or None for none. integral "mean" takes G
@@ -138,7 +138,8 @@ class StreamingIntegral(torch.autograd.Function):
     def forward(ctx, q, k, v, gamma, block_size: int):
         """q, k: (B, h, T, d), v: (B, h, T, dv) with kv heads already expanded; gamma: None (returns A3 V) or a
         0-d tensor (returns (A1 + gamma A3) V)."""
-        weight = None if gamma is None else float(gamma)
+        # a 0-d tensor, never a Python number: reading it would wait for the GPU in every layer's forward
+        weight = None if gamma is None else gamma.detach().to(torch.promote_types(q.dtype, torch.float32))
         out, col_sums = integral_rows(q, k, v, block_size, gamma=weight)
         dtype = out.dtype
         ctx.save_for_backward(q.to(dtype), k.to(dtype), v.to(dtype), col_sums)
