@@ -162,8 +162,8 @@ class DiffexpLM(L.LightningModule):
             stop_with_last_finite(self.trainer, self, "train/loss", loss.item(), self.optim.lr)
         # the mean over every rank's rows, as one process with the whole batch would log it
         self.last_train_loss = self.trainer.strategy.reduce(loss.detach(), reduce_op="mean")
-        self.log("train/loss", self.last_train_loss, prog_bar=True)
-        if logs_this_step(self.trainer):
+        if logs_this_step(self.trainer):  # the progress bar shows last_train_loss at the other steps
+            self.log("train/loss", self.last_train_loss, prog_bar=True)
             self.log("lr", self.trainer.optimizers[0].param_groups[0]["lr"])
         self._log_step_extras(batch)
         return loss

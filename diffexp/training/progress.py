@@ -11,6 +11,10 @@ class StepProgressBar(RichProgressBar):
     def get_metrics(self, trainer, pl_module):
         metrics = super().get_metrics(trainer, pl_module)
         metrics.pop("v_num", None)  # the logger's version number is not a metric
+        # this step's loss: train/loss is logged only every trainer.log_every_n_steps (a self.log is costly)
+        loss = getattr(pl_module, "last_train_loss", None)
+        if loss is not None and trainer.training:
+            metrics["train/loss"] = f"{float(loss):.3f}"
         return metrics
 
     def _get_train_description(self, current_epoch: int) -> str:
