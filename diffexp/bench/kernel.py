@@ -43,6 +43,11 @@ def available_backends(device: str) -> list[str]:
     found = ["sdpa", "eager"]
     if device == "cuda" and options.flash_attn_installed():
         found.append("flash_attn")
+    if device == "cuda":
+        from diffexp.model.kernels import unavailable_reason
+
+        if unavailable_reason(device) is None:  # the two-map variants' fused kernels (the others run sdpa)
+            found.append("triton")
     return found
 
 

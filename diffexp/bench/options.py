@@ -17,7 +17,7 @@ from diffexp.model.attention.registry import reference_variant
 
 DEFAULT_SHAPE = {"d_model": 128, "n_layers": 4, "n_heads": 4, "vocab_size": 256}
 DEFAULT_CPU_TOKENS_PER_BATCH = 2048
-BACKENDS = ("sdpa", "eager", "flash_attn")
+BACKENDS = ("sdpa", "eager", "flash_attn", "triton")
 RESULTS_DIR = Path("bench") / "results"
 
 
@@ -132,6 +132,13 @@ def validate(args: argparse.Namespace) -> None:
 
 
 def check_backend(flag: str, backend: str, device: str) -> None:
+    if backend == "triton":
+        from diffexp.model.kernels import unavailable_reason
+
+        reason = unavailable_reason(device)
+        if reason is not None:
+            raise UserError(f"{flag} triton: {reason}")
+        return
     if backend != "flash_attn":
         return
     if device != "cuda":

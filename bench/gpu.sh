@@ -1,0 +1,14 @@
+#!/usr/bin/env bash
+# The speed issue's whole target table on one CUDA GPU, in one command (results and figures in bench/results/):
+#   bash bench/gpu.sh
+# 1. training step, every variant against the baseline, FLOP-rate ratios at seq 512 and 2048 (the CPU table's setup);
+# 2. DINT's peak memory against DIFF V1's at seq 8192;
+# 3. one attention layer alone on sdpa, flash_attn and the Triton kernels (backend triton), forward and backward.
+# Add --dtype fp32 to any line to compare with the CPU table in the README.
+set -euo pipefail
+diffexp bench train --device cuda --dtype bf16 --d-model 256 --n-layers 4 --n-heads 4 --seq-lens 512 2048 \
+  --tokens-per-batch 4096 --batch-size 8 --rounds 5 --steps 10
+diffexp bench train --device cuda --dtype bf16 --d-model 256 --n-layers 4 --n-heads 4 --variants diff_v1 dint \
+  --seq-lens 8192 --batch-size 1 --rounds 3 --steps 5
+diffexp bench kernel --device cuda --dtype bf16 --d-model 1024 --n-heads 8 --seq-lens 2048 8192 --batch-size 4 \
+  --backends sdpa flash_attn triton --rounds 5 --steps 10
