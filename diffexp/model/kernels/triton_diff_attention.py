@@ -35,17 +35,25 @@ from diffexp.model.kernels.tiles import (
 
 
 @triton.jit
+def _query_block(V, sq_b, sq_h, sk_b, sk_h, sv_b, sv_h, H, GROUP, BLOCK_M: tl.constexpr):
+    """This program's query block, (batch, head) index, query head and rows, and the offsets of its Q rows, K head
+    and V head (GQA: query head h reads kv head h // GROUP)."""
+    pid_m, bh = tl.program_id(0), tl.program_id(1)
+    b, h = bh // H, bh % H
+    kvh = h // GROUP
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    return pid_m, bh, h, rows, b * sq_b + h * sq_h, b * sk_b + kvh * sk_h, V + b * sv_b + kvh * sv_h
+
+
+@triton.jit
 def _diff_fwd(Q1, Q2, K1, K2, V, LAM, O, O1, O2, LSE1, LSE2,
               sq_b, sq_h, sq_t, sk_b, sk_h, sk_t, sv_b, sv_h, sv_t,
               H, GROUP, T, D, DV, scale,
               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
               STORE_PARTS: tl.constexpr, PREC: tl.constexpr, ACC: tl.constexpr):
-    pid_m, bh = tl.program_id(0), tl.program_id(1)
-    b, h = bh // H, bh % H
-    kvh = h // GROUP
-    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    pid_m, bh, h, rows, q_base, k_off, v_base = _query_block(V, sq_b, sq_h, sk_b, sk_h, sv_b, sv_h, H, GROUP,
+                                                             BLOCK_M)
     cols_d, cols_v = tl.arange(0, BLOCK_D), tl.arange(0, BLOCK_DV)
-    q_base, k_off, v_base = b * sq_b + h * sq_h, b * sk_b + kvh * sk_h, V + b * sv_b + kvh * sv_h
     q1 = load_rows(Q1 + q_base, rows, cols_d, sq_t, T, D)
     q2 = load_rows(Q2 + q_base, rows, cols_d, sq_t, T, D)
     m1 = tl.full((BLOCK_M,), float("-inf"), ACC)
@@ -140,13 +148,10 @@ def _diff_bwd_q(Q1, Q2, K1, K2, V, LAM, DO, DO1, LSE1, LSE2, DELTA1, DELTA2, DQ1
                 H, GROUP, T, D, DV, scale,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
                 HAS_DO1: tl.constexpr, PREC: tl.constexpr, ACC: tl.constexpr):
-    pid_m, bh = tl.program_id(0), tl.program_id(1)
-    b, h = bh // H, bh % H
-    kvh = h // GROUP
-    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    pid_m, bh, h, rows, q_base, k_off, v_base = _query_block(V, sq_b, sq_h, sk_b, sk_h, sv_b, sv_h, H, GROUP,
+                                                             BLOCK_M)
     in_seq = rows < T
     cols_d, cols_v = tl.arange(0, BLOCK_D), tl.arange(0, BLOCK_DV)
-    q_base, k_off, v_base = b * sq_b + h * sq_h, b * sk_b + kvh * sk_h, V + b * sv_b + kvh * sv_h
     q1 = load_rows(Q1 + q_base, rows, cols_d, sq_t, T, D)
     q2 = load_rows(Q2 + q_base, rows, cols_d, sq_t, T, D)
     do = load_rows(DO + bh * T * DV, rows, cols_v, DV, T, DV)
