@@ -16,6 +16,7 @@ from torch import nn
 from diffexp.errors import invalid
 from diffexp.model.attention import naive
 from diffexp.model.attention.base import AttentionBase, merge_heads, split_heads
+from diffexp.model.attention.blocked_two_map import blocked_two_map
 from diffexp.model.blocks import RMSNorm
 
 #: config fields every two-map variant reads
@@ -46,6 +47,16 @@ def two_map_flops(cfg, keys: float) -> float:
     """2h maps of dim d, each reading a 2d-wide V: 2 d per key for Q K^T, 2 (2d) per key for A V."""
     d = cfg.resolved_head_dim
     return 2 * cfg.n_heads * 2 * keys * (d + 2 * d)
+
+
+#: how backends sdpa and flash_attn run both maps over whole sequences: "blocked", one pass for both maps and one
+#: product with V (blocked_two_map.py), or "sdpa", one attention call per map over the 2d-wide V
+TWO_MAP_MODES = ("blocked", "sdpa")
+
+
+def two_map_mode(q: torch.Tensor) -> str:
+    """"blocked" on CPU, where it beat two SDPA calls at every length measured (bench/README.md); "sdpa" elsewhere."""
+    return "blocked" if q.device.type == "cpu" else "sdpa"
 
 
 class ReparamLambda(nn.Module):
@@ -113,15 +124,33 @@ class TwoMapDifferentialAttention(AttentionBase):
 
         return differential_attention(q1, q2, k1, k2, v, lam)[0]
 
+    def blocked_head(self, q1, q2, k1, k2, v, lam):
+        """(A1 - lambda A2) V in one blocked pass (CPU, whole sequences); DINT adds its integral."""
+        return blocked_two_map(q1, q2, k1, k2, v, lam)
+
+    def single_pass(self, q1, need_weights: bool, cache) -> str | None:
+        """"triton" or "blocked" where one pass computes the whole head, else None (one call per map)."""
+        if need_weights or cache is not None or self.backend == "eager":
+            return None
+        if self.backend == "triton":
+            return None if self.record_stats else "triton"
+        return "blocked" if two_map_mode(q1) == "blocked" else None
+
     def forward(self, x: torch.Tensor, need_weights: bool = False, cache=None):
         start = self.start_of(cache)
         q1, q2, k1, k2 = (self.rope.rotate(t, start) for t in self.project_qk(x))
         # V: (B, h_kv, T, 2d), cached once for both maps; differential head p reads kv group p // (h / h_kv)
         k1, k2, v = self.cached(cache, k1=k1, k2=k2, v=split_heads(self.v_proj(x), self.n_kv_heads))
         lam = self.lambda_()
-        if self.backend == "triton" and not (need_weights or cache is not None or self.record_stats):
-            out = self.head_norm(self.kernel_head(q1, q2, k1, k2, v, lam)) * self.output_scale
-            return self.o_proj(merge_heads(out)), None
+        single_pass = self.single_pass(q1, need_weights, cache)
+        if single_pass is not None:
+            if single_pass == "triton":
+                out = self.kernel_head(q1, q2, k1, k2, v, lam)
+            else:
+                self.record_logit_max(q1, k1)
+                self.record_logit_max(q2, k2)
+                out = self.blocked_head(q1, q2, k1, k2, v, lam)
+            return self.o_proj(merge_heads(self.head_norm(out) * self.output_scale)), None
         out1, weights1, fused = self.first_map(q1, k1, v, lam, need_weights, cache)
         out2, weights2 = self.attend(q2, k2, v, need_weights)
         out = out1 - lam.to(out1.dtype) * out2

@@ -151,6 +151,11 @@ class DintAttention(TwoMapDifferentialAttention):
             integral_out = out1.cumsum(dim=-2) / n
         return out + gamma.to(out.dtype) * integral_out, effective
 
+    def single_pass(self, q1, need_weights: bool, cache) -> str | None:
+        """The Triton kernels; on CPU map 1 and the integral share one blocked pass (`first_map`), map 2 is SDPA."""
+        path = super().single_pass(q1, need_weights, cache)
+        return path if path == "triton" else None
+
     def kernel_head(self, q1, q2, k1, k2, v, lam):
         from diffexp.model.kernels.triton_diff_attention import differential_attention
         from diffexp.model.kernels.triton_dint_integral import dint_integral
