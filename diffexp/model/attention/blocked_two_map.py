@@ -23,16 +23,26 @@ from diffexp.model.attention.base import expand_kv
 BLOCK_ROWS = 64
 
 
-def _block_maps(q_blk: torch.Tensor, k_t: torch.Tensor, start: int) -> torch.Tensor:
-    """Both maps' softmax rows for queries start.. over keys 0..end: (B, H, 2, rows, end). q_blk is pre-scaled."""
+def _block_maps(q_blk: torch.Tensor, k_t: torch.Tensor, start: int, buffer: torch.Tensor) -> torch.Tensor:
+    """Both maps' softmax rows for queries start.. over keys 0..end, written into `buffer` (flat, large enough):
+    (B, H, 2, rows, end). q_blk is pre-scaled."""
     rows = q_blk.shape[-2]
-    logits = torch.matmul(q_blk, k_t)
+    maps = buffer[: q_blk.shape[:-1].numel() * k_t.shape[-1]].view(*q_blk.shape[:-1], k_t.shape[-1])
+    torch.matmul(q_blk, k_t, out=maps)
     future = torch.ones(rows, rows, dtype=torch.bool, device=q_blk.device).triu_(1)
-    logits[..., start:].masked_fill_(future, float("-inf"))  # only the block's diagonal square has future keys
-    return torch.softmax(logits, dim=-1)
+    maps[..., start:].masked_fill_(future, float("-inf"))  # only the block's diagonal square has future keys
+    return torch.ops.aten._softmax.out(maps, -1, False, out=maps)  # in place: each row is read before it is written
+
+
+def _combine(maps: torch.Tensor, neg_lam: torch.Tensor, buffer: torch.Tensor) -> torch.Tensor:
+    """A = P1 - lambda P2 into `buffer`: (B, H, rows, end)."""
+    shape = maps[:, :, 0].shape
+    return torch.addcmul(maps[:, :, 0], maps[:, :, 1], neg_lam, out=buffer[: shape.numel()].view(shape))
 
 
 class BlockedTwoMap(torch.autograd.Function):
+    # Every (rows x T) tensor lives in a buffer allocated once per call: a fresh multi-MB allocation per block
+    # costs page faults on CPU.
     @staticmethod
     def forward(ctx, q, k, v, lam, block_rows: int):
         """q, k: (B, H, 2, T, d), maps 1 and 2 stacked, kv heads already expanded; v: (B, H, T, dv);
@@ -41,13 +51,13 @@ class BlockedTwoMap(torch.autograd.Function):
         q_scaled = q.to(dtype) * q.shape[-1] ** -0.5
         k, v, neg_lam = k.to(dtype), v.to(dtype), -lam.detach().to(dtype)
         k_t = k.transpose(-1, -2)
-        t = q.shape[-2]
-        out = v.new_empty(*v.shape[:-2], t, v.shape[-1])
+        b, h, _, t, _ = q.shape
+        out = v.new_empty(b, h, t, v.shape[-1])
+        map_buffer, combined_buffer = v.new_empty(b * h * 2 * block_rows * t), v.new_empty(b * h * block_rows * t)
         for start in range(0, t, block_rows):
             end = min(start + block_rows, t)
-            maps = _block_maps(q_scaled[..., start:end, :], k_t[..., :end], start)
-            combined = torch.addcmul(maps[:, :, 0], maps[:, :, 1], neg_lam)
-            torch.matmul(combined, v[..., :end, :], out=out[..., start:end, :])
+            maps = _block_maps(q_scaled[..., start:end, :], k_t[..., :end], start, map_buffer)
+            torch.matmul(_combine(maps, neg_lam, combined_buffer), v[..., :end, :], out=out[..., start:end, :])
         ctx.save_for_backward(q_scaled, k, v, neg_lam)
         ctx.block_rows = block_rows
         ctx.in_dtypes = (q.dtype, k.dtype, v.dtype, lam.dtype)
@@ -56,27 +66,32 @@ class BlockedTwoMap(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out):
         q_scaled, k, v, neg_lam = ctx.saved_tensors
-        block_rows, t = ctx.block_rows, q_scaled.shape[-2]
-        scale = q_scaled.shape[-1] ** -0.5
+        block_rows = ctx.block_rows
+        b, h, _, t, d = q_scaled.shape
         grad_out = grad_out.to(v.dtype).contiguous()
         # c_m and 1/sqrt(d) folded into the small operands, so the (rows x T) tensors see no extra pass
         coef = torch.stack([torch.ones_like(neg_lam), neg_lam]).view(2, 1, 1)
-        k_coef, q_coef = k * (coef * scale), q_scaled * coef
+        k_coef, q_coef = k * (coef * d ** -0.5), q_scaled * coef
         k_t, v_t = k.transpose(-1, -2), v.transpose(-1, -2)
         dq, dk, dv = torch.empty_like(q_scaled), torch.zeros_like(k), torch.zeros_like(v)
+        dk_rows, dv_rows = dk.view(b * h * 2, t, d), dv.view(b * h, t, v.shape[-1])  # for in-place accumulation
         map2_dot = q_scaled.new_zeros(())
+        map_buffer, grad_buffer = v.new_empty(b * h * 2 * block_rows * t), v.new_empty(b * h * 2 * block_rows * t)
+        combined_buffer, d_map_buffer = v.new_empty(b * h * block_rows * t), v.new_empty(b * h * block_rows * t)
         for start in range(0, t, block_rows):
             end = min(start + block_rows, t)
             grad = grad_out[..., start:end, :]
-            maps = _block_maps(q_scaled[..., start:end, :], k_t[..., :end], start)
-            combined = torch.addcmul(maps[:, :, 0], maps[:, :, 1], neg_lam)
-            dv[..., :end, :] += torch.matmul(combined.transpose(-1, -2), grad)
-            d_map = torch.matmul(grad, v_t[..., :end]).unsqueeze(2)  # dA, shared by both maps
-            row_dot = (maps * d_map).sum(dim=-1, keepdim=True)
+            maps = _block_maps(q_scaled[..., start:end, :], k_t[..., :end], start, map_buffer)
+            combined = _combine(maps, neg_lam, combined_buffer)
+            dv_rows[:, :end].baddbmm_(combined.flatten(0, 1).transpose(-1, -2), grad.flatten(0, 1))
+            d_map = d_map_buffer[: combined.numel()].view(combined.shape)  # dA = dO V^T, shared by both maps
+            torch.matmul(grad, v_t[..., :end], out=d_map)
+            d_logits = torch.mul(maps, d_map.unsqueeze(2), out=grad_buffer[: maps.numel()].view(maps.shape))
+            row_dot = d_logits.sum(dim=-1, keepdim=True)  # rowsum(P_m * dA)
             map2_dot += row_dot[:, :, 1].sum()
-            d_logits = (d_map - row_dot).mul_(maps)
+            d_logits.addcmul_(maps, row_dot, value=-1)  # P_m * (dA - rowsum(P_m * dA))
             torch.matmul(d_logits, k_coef[..., :end, :], out=dq[..., start:end, :])
-            dk[..., :end, :] += torch.matmul(d_logits.transpose(-1, -2), q_coef[..., start:end, :])
+            dk_rows[:, :end].baddbmm_(d_logits.flatten(0, 2).transpose(-1, -2), q_coef[..., start:end, :].flatten(0, 2))
         q_dtype, k_dtype, v_dtype, lam_dtype = ctx.in_dtypes
         return dq.to(q_dtype), dk.to(k_dtype), dv.to(v_dtype), (-map2_dot).to(lam_dtype), None
 
@@ -87,4 +102,4 @@ def blocked_two_map(q1, q2, k1, k2, v, lam: torch.Tensor, block_rows: int = BLOC
     h = q1.shape[1]
     q = torch.stack([q1, q2], dim=2)
     k = torch.stack([expand_kv(k1, h), expand_kv(k2, h)], dim=2)
-    return BlockedTwoMap.apply(q, k, expand_kv(v, h), lam, block_rows)
+    return BlockedTwoMap.apply(q, k, expand_kv(v, h).contiguous(), lam, block_rows)
