@@ -31,7 +31,7 @@ from diffexp.model.attention.differential import (
     naive_two_map,
     two_map_flops,
 )
-from diffexp.model.attention.dint_integral import fused_first_map_integral, integral_rows
+from diffexp.model.attention.dint_integral import fused_dint_head, fused_first_map_integral, integral_rows
 from diffexp.model.attention.registry import Variant, register
 
 
@@ -152,9 +152,16 @@ class DintAttention(TwoMapDifferentialAttention):
         return out + gamma.to(out.dtype) * integral_out, effective
 
     def single_pass(self, q1, need_weights: bool, cache) -> str | None:
-        """The Triton kernels; on CPU map 1 and the integral share one blocked pass (`first_map`), map 2 is SDPA."""
+        """The Triton kernels, or on CPU the softmax integral's blocked pass with both maps in it; the mean integral
+        takes A1 V from its own SDPA call (cumsum(A1 V) / n)."""
         path = super().single_pass(q1, need_weights, cache)
-        return path if path == "triton" else None
+        return path if path == "triton" or self.cfg.integral == "softmax" else None
+
+    def blocked_head(self, q1, q2, k1, k2, v, lam):
+        """(A1 - lambda A2 + gamma A3) V: the streaming integral's pass with map 2 added (one product with V)."""
+        h = q1.shape[1]
+        k1, k2, v = (expand_kv(t, h) for t in (k1, k2, v))
+        return fused_dint_head(q1, q2, k1, k2, v, lam, self.integral_weight(lam), self.integral_block_size)
 
     def kernel_head(self, q1, q2, k1, k2, v, lam):
         from diffexp.model.kernels.triton_diff_attention import differential_attention
