@@ -2,6 +2,8 @@
 
 * `attend` over a V wider than Q/K: zero-padded Q and K in one SDPA call ("pad") against d-wide slices of V
   ("split"), causal, GQA, decoding (fewer queries than keys) and a single query.
+* The two-map variants' single blocked pass on CPU against one SDPA call per map: values, every gradient
+  (lambda's too), GQA, lengths that are not a multiple of the block, causality, a whole decoder.
 """
 
 from __future__ import annotations
@@ -37,3 +39,77 @@ def test_wide_v_pad_equals_split(heads, kv_heads, t_q, t_k):
         for got, want in zip(grads, eager_grads, strict=True):
             torch.testing.assert_close(got, want, **TOL)
     assert wide_v_mode(q) in WIDE_V_MODES
+
+
+# -- the two-map variants' single blocked pass on CPU (blocked_two_map.py; DINT: dint_integral.fused_dint_head) --
+from diffexp import Decoder, ModelConfig  # noqa: E402
+from diffexp.model.attention import differential  # noqa: E402
+from diffexp.model.attention.blocked_two_map import blocked_two_map  # noqa: E402
+from diffexp.model.attention.dint_integral import fused_dint_head  # noqa: E402
+
+
+def two_sdpa_calls(q1, q2, k1, k2, v, lam):
+    """The other path: one SDPA call per map over the whole 2d-wide V."""
+    return attend(q1, k1, v)[0] - lam * attend(q2, k2, v)[0]
+
+
+@pytest.mark.parametrize("heads, kv_heads, t, block", [(4, 4, 37, 16), (4, 2, 130, 64), (2, 1, 64, 64), (2, 2, 1, 8)])
+def test_blocked_two_map_equals_two_sdpa_calls(heads, kv_heads, t, block):
+    """Values and the gradients of q1, q2, k1, k2, v and lambda; T not a multiple of the block, GQA, one token."""
+    torch.manual_seed(t + heads)
+    d = 8
+    inputs = (torch.randn(2, heads, t, d), torch.randn(2, heads, t, d), torch.randn(2, kv_heads, t, d),
+              torch.randn(2, kv_heads, t, d), torch.randn(2, kv_heads, t, 2 * d), torch.tensor(0.37))
+    grad = torch.randn(2, heads, t, 2 * d)
+    got, got_grads = grads_of(lambda *a: blocked_two_map(*a, block_rows=block), inputs, grad)
+    want, want_grads = grads_of(two_sdpa_calls, inputs, grad)
+    torch.testing.assert_close(got, want, **TOL)
+    for name, g, w in zip(("q1", "q2", "k1", "k2", "v", "lambda"), got_grads, want_grads, strict=True):
+        torch.testing.assert_close(g, w, **TOL, msg=lambda m, name=name: f"d{name}: {m}")
+
+
+def test_blocked_two_map_is_causal():
+    """Changing the last token's keys and values changes no earlier output (row blocks straddle the change)."""
+    torch.manual_seed(0)
+    q1, q2, k1, k2 = (torch.randn(1, 2, 40, 8) for _ in range(4))
+    v = torch.randn(1, 2, 40, 16)
+    out = blocked_two_map(q1, q2, k1, k2, v, torch.tensor(0.5), block_rows=16)
+    k1b, k2b, vb = k1.clone(), k2.clone(), v.clone()
+    for tensor in (k1b, k2b, vb):
+        tensor[..., -1, :] += 3.0
+    changed = blocked_two_map(q1, q2, k1b, k2b, vb, torch.tensor(0.5), block_rows=16)
+    torch.testing.assert_close(changed[..., :-1, :], out[..., :-1, :], rtol=0, atol=0)
+    assert not torch.allclose(changed[..., -1, :], out[..., -1, :])
+
+
+def test_blocked_passes_gradcheck_in_float64():
+    torch.manual_seed(1)
+    q1, q2, k1, k2 = (torch.randn(1, 2, 21, 4, dtype=torch.float64, requires_grad=True) for _ in range(4))
+    v = torch.randn(1, 2, 21, 8, dtype=torch.float64, requires_grad=True)
+    lam, gamma = (torch.tensor(x, dtype=torch.float64, requires_grad=True) for x in (0.3, 0.6))
+    assert torch.autograd.gradcheck(lambda *a: blocked_two_map(*a, block_rows=8), (q1, q2, k1, k2, v, lam))
+    assert torch.autograd.gradcheck(lambda *a: fused_dint_head(*a, block_size=8), (q1, q2, k1, k2, v, lam, gamma))
+
+
+@pytest.mark.parametrize("name, overrides", [
+    ("diff_v1", {}), ("diff_v1", {"n_kv_heads": 2}), ("shared_diff", {"rank": 4}), ("dint", {}),
+    ("dint", {"n_kv_heads": 2, "gamma": "learned", "gamma_init": 0.9})])
+def test_decoder_single_pass_equals_one_call_per_map(monkeypatch, name, overrides):
+    """A whole decoder, loss and every parameter's gradient, with the single pass against one SDPA call per map
+    (DINT: map 1 + integral in their pass, map 2 by SDPA)."""
+    torch.manual_seed(0)
+    cfg = ModelConfig(attention=name, d_model=64, n_layers=2, n_heads=4, vocab_size=64, max_seq_len=160, **overrides)
+    model = Decoder(cfg)
+    tokens = torch.randint(0, 64, (2, 150))
+    results = []
+    for mode in differential.TWO_MAP_MODES:
+        monkeypatch.setattr(differential, "two_map_mode", lambda q, mode=mode: mode)
+        model.zero_grad()
+        logits = model(tokens)
+        logits.float().pow(2).sum().backward()  # a sum: gradients of order 1, so atol does not hide lambda's
+        results.append((logits.detach(), [p.grad.clone() for p in model.parameters()]))
+    (single, single_grads), (per_map, per_map_grads) = results
+    torch.testing.assert_close(single, per_map, **TOL)
+    for (param, _), got, want in zip(model.named_parameters(), single_grads, per_map_grads, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4, msg=lambda m, param=param: f"{param}: {m}")
+    assert differential.TWO_MAP_MODES[0] == "blocked"
