@@ -16,7 +16,7 @@ from torch import nn
 from diffexp.errors import invalid
 from diffexp.model.attention import naive
 from diffexp.model.attention.base import AttentionBase, merge_heads, split_heads
-from diffexp.model.attention.blocked_two_map import blocked_two_map
+from diffexp.model.attention import blocked_two_map as blocked
 from diffexp.model.blocks import RMSNorm
 
 #: config fields every two-map variant reads
@@ -47,16 +47,6 @@ def two_map_flops(cfg, keys: float) -> float:
     """2h maps of dim d, each reading a 2d-wide V: 2 d per key for Q K^T, 2 (2d) per key for A V."""
     d = cfg.resolved_head_dim
     return 2 * cfg.n_heads * 2 * keys * (d + 2 * d)
-
-
-#: how backends sdpa and flash_attn run both maps over whole sequences: "blocked", one pass for both maps and one
-#: product with V (blocked_two_map.py), or "sdpa", one attention call per map over the 2d-wide V
-TWO_MAP_MODES = ("blocked", "sdpa")
-
-
-def two_map_mode(q: torch.Tensor) -> str:
-    """"blocked" on CPU, where it beat two SDPA calls at every length measured (bench/README.md); "sdpa" elsewhere."""
-    return "blocked" if q.device.type == "cpu" else "sdpa"
 
 
 class ReparamLambda(nn.Module):
@@ -126,7 +116,7 @@ class TwoMapDifferentialAttention(AttentionBase):
 
     def blocked_head(self, q1, q2, k1, k2, v, lam):
         """(A1 - lambda A2) V in one blocked pass (CPU, whole sequences); DINT adds its integral."""
-        return blocked_two_map(q1, q2, k1, k2, v, lam)
+        return blocked.blocked_two_map(q1, q2, k1, k2, v, lam)
 
     def single_pass(self, q1, need_weights: bool, cache) -> str | None:
         """"triton" or "blocked" where one pass computes the whole head, else None (one call per map)."""
@@ -134,7 +124,7 @@ class TwoMapDifferentialAttention(AttentionBase):
             return None
         if self.backend == "triton":
             return None if self.record_stats else "triton"
-        return "blocked" if two_map_mode(q1) == "blocked" else None
+        return "blocked" if blocked.two_map_mode(q1) == "blocked" else None
 
     def forward(self, x: torch.Tensor, need_weights: bool = False, cache=None):
         start = self.start_of(cache)
