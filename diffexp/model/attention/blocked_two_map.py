@@ -1,5 +1,4 @@
 """(A1 - lambda A2) V of the two-map variants, a block of queries at a time, without a T x T tensor: the CPU path.
-lambda is one number (DIFF V1, Shared DIFF) or one per query row and head (DIFF V2's token-wise lambda).
 
 SDPA computes softmax(Q K^T) V per map over V's whole 2d width (its fused CPU kernel wants Q/K as wide as V),
 so the two maps cost two calls with zero-padded Q and K: twice the baseline's attention matmuls. Here the two
@@ -11,7 +10,10 @@ Per block of queries, with c = (1, -lambda), P_m = softmax(Q_m K_m^T / sqrt(d)) 
 
     out = A V                                  dA = dO V^T               dV += A^T dO
     dS_m = c_m P_m * (dA - rowsum(P_m * dA))   dQ_m = dS_m K_m / sqrt(d)  dK_m += dS_m^T Q_m / sqrt(d)
-    dlambda = -sum(P2 * dA)   (per row for a token-wise lambda)
+    dlambda = -sum(P2 * dA)
+
+DIFF V2 keeps SDPA: its maps are d-wide like V, so SDPA does no padded work, and this pass measured slower for it
+(2.2-2.6x the baseline's attention against SDPA's 1.9-2.0x, T 512-2048).
 """
 
 from __future__ import annotations
@@ -47,14 +49,9 @@ def _block_maps(q_blk: torch.Tensor, k_t: torch.Tensor, start: int, buffer: torc
 
 
 def _combine(maps: torch.Tensor, neg_lam: torch.Tensor, buffer: torch.Tensor) -> torch.Tensor:
-    """A = P1 - lambda P2 into `buffer`: (B, H, rows, end); neg_lam: 0-d, or the block's rows (B, H, rows, 1)."""
+    """A = P1 - lambda P2 into `buffer`: (B, H, rows, end)."""
     shape = maps[:, :, 0].shape
     return torch.addcmul(maps[:, :, 0], maps[:, :, 1], neg_lam, out=buffer[: shape.numel()].view(shape))
-
-
-def _rows(neg_lam: torch.Tensor, start: int, end: int) -> torch.Tensor:
-    """-lambda for a block's rows: the 0-d tensor itself, or its rows."""
-    return neg_lam if neg_lam.dim() == 0 else neg_lam[..., start:end, :]
 
 
 class BlockedTwoMap(torch.autograd.Function):
@@ -63,8 +60,7 @@ class BlockedTwoMap(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, lam, block_rows: int):
         """q, k: (B, H, 2, T, d), maps 1 and 2 stacked, kv heads already expanded; v: (B, H, T, dv);
-        lam: a 0-d tensor (never read on the host) or one per row, (B, H, T, 1). Returns (A1 - lambda A2) V:
-        (B, H, T, dv)."""
+        lam: a 0-d tensor (never read on the host). Returns (A1 - lambda A2) V: (B, H, T, dv)."""
         dtype = torch.promote_types(q.dtype, torch.float32)
         q_scaled = q.to(dtype) * q.shape[-1] ** -0.5
         k, v, neg_lam = k.to(dtype), v.to(dtype), -lam.detach().to(dtype)
@@ -75,8 +71,7 @@ class BlockedTwoMap(torch.autograd.Function):
         for start in range(0, t, block_rows):
             end = min(start + block_rows, t)
             maps = _block_maps(q_scaled[..., start:end, :], k_t[..., :end], start, map_buffer)
-            combined = _combine(maps, _rows(neg_lam, start, end), combined_buffer)
-            torch.matmul(combined, v[..., :end, :], out=out[..., start:end, :])
+            torch.matmul(_combine(maps, neg_lam, combined_buffer), v[..., :end, :], out=out[..., start:end, :])
         ctx.save_for_backward(q_scaled, k, v, neg_lam)
         ctx.block_rows = block_rows
         ctx.in_dtypes = (q.dtype, k.dtype, v.dtype, lam.dtype)
@@ -88,45 +83,36 @@ class BlockedTwoMap(torch.autograd.Function):
         block_rows = ctx.block_rows
         b, h, _, t, d = q_scaled.shape
         grad_out = grad_out.to(v.dtype).contiguous()
-        # c_m and 1/sqrt(d) folded into the small operands, so the (rows x T) tensors see no extra pass: into K for
-        # dQ when lambda is one number, else into dQ's rows afterwards
-        per_row = neg_lam.dim() > 0
-        coef = torch.stack([torch.ones_like(neg_lam), neg_lam], dim=2 if per_row else 0)
-        coef = coef if per_row else coef.view(2, 1, 1)
-        k_coef, q_coef = k * (d ** -0.5 if per_row else coef * d ** -0.5), q_scaled * coef
+        # c_m and 1/sqrt(d) folded into the small operands, so the (rows x T) tensors see no extra pass
+        coef = torch.stack([torch.ones_like(neg_lam), neg_lam]).view(2, 1, 1)
+        k_coef, q_coef = k * (coef * d ** -0.5), q_scaled * coef
         k_t, v_t = k.transpose(-1, -2), v.transpose(-1, -2)
         dq, dk, dv = torch.empty_like(q_scaled), torch.zeros_like(k), torch.zeros_like(v)
         dk_rows, dv_rows = dk.view(b * h * 2, t, d), dv.view(b * h, t, v.shape[-1])  # for in-place accumulation
-        map2_dot = torch.zeros_like(neg_lam)  # rowsum(P2 * dA): summed, or per row
+        map2_dot = q_scaled.new_zeros(())
         map_buffer, grad_buffer = v.new_empty(b * h * 2 * block_rows * t), v.new_empty(b * h * 2 * block_rows * t)
         combined_buffer, d_map_buffer = v.new_empty(b * h * block_rows * t), v.new_empty(b * h * block_rows * t)
         for start in range(0, t, block_rows):
             end = min(start + block_rows, t)
             grad = grad_out[..., start:end, :]
             maps = _block_maps(q_scaled[..., start:end, :], k_t[..., :end], start, map_buffer)
-            combined = _combine(maps, _rows(neg_lam, start, end), combined_buffer)
+            combined = _combine(maps, neg_lam, combined_buffer)
             dv_rows[:, :end].baddbmm_(combined.flatten(0, 1).transpose(-1, -2), grad.flatten(0, 1))
             d_map = d_map_buffer[: combined.numel()].view(combined.shape)  # dA = dO V^T, shared by both maps
             torch.matmul(grad, v_t[..., :end], out=d_map)
             d_logits = torch.mul(maps, d_map.unsqueeze(2), out=grad_buffer[: maps.numel()].view(maps.shape))
             row_dot = d_logits.sum(dim=-1, keepdim=True)  # rowsum(P_m * dA)
-            if per_row:
-                map2_dot[..., start:end, :] = row_dot[:, :, 1]
-            else:
-                map2_dot += row_dot[:, :, 1].sum()
+            map2_dot += row_dot[:, :, 1].sum()
             d_logits.addcmul_(maps, row_dot, value=-1)  # P_m * (dA - rowsum(P_m * dA))
             torch.matmul(d_logits, k_coef[..., :end, :], out=dq[..., start:end, :])
             dk_rows[:, :end].baddbmm_(d_logits.flatten(0, 2).transpose(-1, -2), q_coef[..., start:end, :].flatten(0, 2))
-        if per_row:
-            dq.mul_(coef)
         q_dtype, k_dtype, v_dtype, lam_dtype = ctx.in_dtypes
         return dq.to(q_dtype), dk.to(k_dtype), dv.to(v_dtype), (-map2_dot).to(lam_dtype), None
 
 
 def blocked_two_map(q1, q2, k1, k2, v, lam: torch.Tensor, block_rows: int = BLOCK_ROWS) -> torch.Tensor:
     """(A1 - lambda A2) V over whole causal sequences. q1, q2: (B, h, T, d); k1, k2: (B, h_kv, T, d);
-    v: (B, h_kv, T, dv); query head p reads kv head p // (h / h_kv); lam: 0-d, or per head and row (B, h, T, 1).
-    Returns (B, h, T, dv)."""
+    v: (B, h_kv, T, dv); query head p reads kv head p // (h / h_kv). Returns (B, h, T, dv)."""
     h = q1.shape[1]
     q = torch.stack([q1, q2], dim=2)
     k = torch.stack([expand_kv(k1, h), expand_kv(k2, h)], dim=2)

@@ -18,7 +18,6 @@ import torch
 from torch import nn
 
 from diffexp.errors import invalid
-from diffexp.model.attention import blocked_two_map as blocked
 from diffexp.model.attention import naive
 from diffexp.model.attention.base import AttentionBase, merge_heads, split_heads
 from diffexp.model.attention.registry import Variant, register
@@ -123,30 +122,17 @@ class DiffV2Attention(AttentionBase):
         q = self.rope.rotate(split_heads(self.q_proj(x), 2 * self.n_heads), start)
         k = self.rope.rotate(split_heads(self.k_proj(x), self.n_kv_heads), start)
         k, v = self.cached(cache, k=k, v=split_heads(self.v_proj(x), self.n_kv_heads))  # h_kv heads, as GQA
+        out, weights = self.attend(q, k, v, need_weights)
         lam = self.token_lambda(x)  # from the new tokens only: lambda is token-wise
         if self.record_stats and torch.is_tensor(lam):  # the token-wise lambda's mean and spread
             observed = lam[: self.stats_rows].detach().float()
             self.stats.update(lambda_mean=observed.mean().item(), lambda_std=observed.std().item())
-        if self.single_pass(q, need_weights, cache):  # both maps of a pair read the same kv head
-            self.record_logit_max(q, k)
-            lam_t = lam if torch.is_tensor(lam) else torch.ones((), dtype=torch.float32, device=q.device)
-            out = blocked.blocked_two_map(q[:, self.first], q[:, self.second], k, k, v, lam_t)
-            return self.o_proj(merge_heads(self.pair_norm(out))), None
-        out, weights = self.attend(q, k, v, need_weights)
         out = self.pair_norm(out[:, self.first] - lam * out[:, self.second])
         effective = None
         if weights is not None:
             lam_f = lam.float() if torch.is_tensor(lam) else lam
             effective = weights[:, self.first] - lam_f * weights[:, self.second]
         return self.o_proj(merge_heads(out)), effective
-
-    def single_pass(self, q, need_weights: bool, cache) -> bool:
-        """Both maps and one product with V in one blocked pass (blocked_two_map.py, CPU, whole sequences): where
-        the two heads of every pair read one kv head, i.e. "same" pairing with an even number of query heads per kv
-        head."""
-        shared_kv = self.cfg.pairing == "same" and (2 * self.n_heads // self.n_kv_heads) % 2 == 0
-        return (shared_kv and not need_weights and cache is None and self.backend in ("sdpa", "flash_attn")
-                and blocked.two_map_mode(q) == "blocked")
 
     def extra_repr(self) -> str:
         return (super().extra_repr() + f", pairing={self.cfg.pairing}, lambda_mode={self.lambda_mode}, "
