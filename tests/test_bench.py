@@ -116,6 +116,23 @@ def test_bench_kernel_times_each_backend(tmp_path):
         assert entry["speed_ratio"] > 0 and entry["forward_speed_ratio"] > 0 and entry["peak_bytes"] > 0
 
 
+def test_bench_kernel_sdpa_per_map_runs_the_other_path(tmp_path, monkeypatch):
+    """Backend sdpa-per-map times the two-map variants with one SDPA call per map: the blocked pass never runs
+    under it, and does under plain sdpa (on CPU)."""
+    from diffexp.model.attention import blocked_two_map as blocked
+
+    calls = []
+    real = blocked.BlockedTwoMap.apply
+    monkeypatch.setattr(blocked.BlockedTwoMap, "apply", lambda *a: calls.append(1) or real(*a))
+    for backend, ran in (("sdpa-per-map", False), ("sdpa", True)):
+        calls.clear()
+        path = tmp_path / f"{backend}.json"
+        assert main([*TINY_KERNEL, "--variants", "diff_v1", "--backends", backend, "--no-memory",
+                     "--json", str(path)]) == 0
+        assert bool(calls) is ran
+        assert json.loads(path.read_text())["results"][f"diff_v1@32/{backend}"]["speed_ratio"] > 0
+
+
 @pytest.mark.parametrize("kind", [TINY, TINY_DECODE, TINY_KERNEL], ids=lambda args: args[0])
 def test_bench_records_the_threads_it_ran_with(kind, tmp_path):
     """--threads 1 on a process whose default is 2: every kind records 1, at the start and at the end."""

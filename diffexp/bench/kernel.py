@@ -8,7 +8,8 @@ The module is `build_attention(cfg, 0)` of each variant (the shared shape plus i
   and the module's weights), gradients then dropped.
 
 Every backend available is measured (``--backends``, default: sdpa and eager, plus flash_attn when
-the package is installed and ``--device cuda``); all (variant, backend) pairs of one sequence length
+the package is installed and ``--device cuda``; ``sdpa-per-map`` is sdpa with the two-map variants' maps as one
+SDPA call each, where sdpa would take the single blocked pass of ``blocked_two_map.py``, i.e. on CPU); all (variant, backend) pairs of one sequence length
 are interleaved, rotated and warmed up as in the training bench (diffexp.bench.timing). Ratios are
 taken against the reference variant on the same backend: ``reference median / variant median``.
 FLOPs count what `Decoder.flops_per_token` counts for one layer's attention: 2 per weight of the
@@ -20,10 +21,12 @@ the RoPE tables included).
 from __future__ import annotations
 
 import argparse
+import contextlib
 
 from diffexp.bench import options, report, timing, workload
 from diffexp.bench.memory import peak_bytes, release, tensor_bytes
 from diffexp.bench.progress import ProgressReporter
+from diffexp.model.attention import blocked_two_map as blocked
 from diffexp.model.attention.registry import reference_variant
 
 NAME = "kernel"
@@ -37,6 +40,10 @@ LAYOUT = report.Layout(
 )
 HEADERS = ["variant", "seq", "backend", "batch", "attn params", "fwd ms", "fwd vs base", "fwd+bwd ms",
            "fwd+bwd vs base", "ratio spread (rounds)", "peak mem MiB", "mem vs base", "TFLOP/s", "MFU"]
+
+
+#: a benchmark-only backend: sdpa, with one SDPA call per map where sdpa would run the blocked two-map pass
+PER_MAP = "sdpa-per-map"
 
 
 def available_backends(device: str) -> list[str]:
@@ -55,9 +62,10 @@ def build_parser() -> argparse.ArgumentParser:
     p = options.build_parser(NAME, "Time and peak memory of one layer's attention module (forward, and forward + "
                                    "backward) per variant and backend, relative to the reference variant.",
                              batch_size=8, seq_lens=[256, 1024])
-    p.add_argument("--backends", nargs="+", choices=options.BACKENDS, default=None, metavar="NAME",
+    p.add_argument("--backends", nargs="+", choices=(*options.BACKENDS, PER_MAP), default=None, metavar="NAME",
                    help="attention backends (default: sdpa and eager, plus flash_attn when installed on --device "
-                        f"cuda); of: {', '.join(options.BACKENDS)}")
+                        f"cuda); of: {', '.join((*options.BACKENDS, PER_MAP))} ({PER_MAP}: sdpa with one SDPA "
+                        "call per map instead of the two-map variants' blocked CPU pass)")
     options.add_batch_cap(p)
     options.add_peak_tflops(p)
     return p
@@ -69,13 +77,17 @@ def validate(args: argparse.Namespace) -> None:
     for backend in args.backends:
         options.check_backend("--backends", backend, args.device)
     args.backends = list(dict.fromkeys(args.backends))
-    workload.check_configs(args, max(args.seq_lens), args.backends)
+    workload.check_configs(args, max(args.seq_lens), [_model_backend(b) for b in args.backends])
     args.peak_flops = report.peak_flops(args.device, args.dtype, args.peak_tflops)
 
 
 def config(args: argparse.Namespace) -> dict:
     return {**workload.common_config(args), "tokens_per_batch": args.tokens_per_batch, "backends": args.backends,
             "peak_flops": args.peak_flops}
+
+
+def _model_backend(backend: str) -> str:
+    return "sdpa" if backend == PER_MAP else backend
 
 
 class AttentionRunner:
@@ -90,7 +102,8 @@ class AttentionRunner:
         torch.manual_seed(workload.SEED)
         self.torch = torch
         self.device = device
-        cfg = workload.model_config(args, name, max(args.seq_lens), backend)
+        cfg = workload.model_config(args, name, max(args.seq_lens), _model_backend(backend))
+        self.mode = (lambda: blocked.forced_two_map_mode("sdpa")) if backend == PER_MAP else contextlib.nullcontext
         self.module = build_attention(cfg, 0).to(device).train()
         self.params = sum(p.numel() for p in self.module.parameters())
         batch, t, _ = x.shape
@@ -102,13 +115,13 @@ class AttentionRunner:
         self.clock = timing.Stopwatch(device)
 
     def forward(self) -> None:
-        with self.torch.no_grad(), self.autocast():
+        with self.torch.no_grad(), self.autocast(), self.mode():
             self.module(self.x)
 
     def forward_backward(self) -> None:
-        with self.autocast():
+        with self.autocast(), self.mode():
             out, _ = self.module(self.x)
-        out.backward(self.grad_out.to(out.dtype))
+            out.backward(self.grad_out.to(out.dtype))
         self.module.zero_grad(set_to_none=True)
         self.x.grad = None
 

@@ -18,6 +18,8 @@ DIFF V2 keeps SDPA: its maps are d-wide like V, so SDPA does no padded work, and
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 import torch
 
 from diffexp.model.attention.base import expand_kv
@@ -27,9 +29,26 @@ from diffexp.model.attention.base import expand_kv
 TWO_MAP_MODES = ("blocked", "sdpa")
 
 
+_FORCED_MODES: list[str] = []
+
+
+@contextmanager
+def forced_two_map_mode(mode: str):
+    """Within the block, `two_map_mode` answers `mode` (`diffexp bench kernel --backends sdpa-per-map`)."""
+    if mode not in TWO_MAP_MODES:
+        raise ValueError(f"two-map mode {mode!r}: expected one of {TWO_MAP_MODES}")
+    _FORCED_MODES.append(mode)
+    try:
+        yield
+    finally:
+        _FORCED_MODES.pop()
+
+
 def two_map_mode(q: torch.Tensor) -> str:
     """"blocked" on CPU, where it beat one SDPA call per map at every length measured (bench/README.md); "sdpa"
     elsewhere (CUDA has flash kernels, and backend triton fuses the maps)."""
+    if _FORCED_MODES:
+        return _FORCED_MODES[-1]
     return "blocked" if q.device.type == "cpu" else "sdpa"
 
 
