@@ -25,9 +25,10 @@ def arch(attention: str, n_layers: int = 4) -> ModelConfig:
 def saved_bytes_for_real(cfg: ModelConfig, batch: int, seq_len: int, monkeypatch) -> int:
     """The bytes autograd keeps for the backward of a real forward (CPU tensors, the attention calls a GPU makes),
     counted per storage."""
-    from diffexp.model.attention import base
+    from diffexp.model.attention import base, blocked_two_map
 
     monkeypatch.setattr(base, "wide_v_mode", lambda q: "split")  # the GPU choice; the CPU pads Q and K
+    monkeypatch.setattr(blocked_two_map, "two_map_mode", lambda q: "sdpa")  # one call per map, as on the GPU
     model = Decoder(replace(cfg, backend="sdpa"))
     saved: dict[int, int] = {}
 
