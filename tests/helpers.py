@@ -167,3 +167,18 @@ class KillRankZeroAtStep(L.Callback):
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         if trainer.global_step >= self.step and trainer.global_rank == 0:
             os.kill(os.getpid(), signal.SIGKILL)
+
+
+def require_cpu_kernel() -> None:
+    """Skip where no C++ compiler exists (the PyTorch-ops fallback runs there); elsewhere the compiled CPU attention
+    kernel must build, so a broken build fails the tests instead of silently falling back."""
+    import shutil
+
+    import pytest
+
+    from diffexp.model.kernels import cpu_native
+
+    if shutil.which("c++") is None and shutil.which("g++") is None:
+        pytest.skip("no C++ compiler: the compiled CPU attention kernel cannot be built here")
+    reason = cpu_native.unavailable_reason()
+    assert reason is None, f"the CPU attention kernel did not build: {reason}"

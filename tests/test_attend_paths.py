@@ -3,7 +3,8 @@
 * `attend` over a V wider than Q/K: zero-padded Q and K in one SDPA call ("pad") against d-wide slices of V
   ("split"), causal, GQA, decoding (fewer queries than keys) and a single query.
 * The two-map variants' single blocked pass on CPU against one SDPA call per map: values, every gradient
-  (lambda's too), GQA, lengths that are not a multiple of the block, causality, a whole decoder.
+  (lambda's too), GQA, lengths that are not a multiple of the block, causality, a whole decoder (the compiled
+  kernel too; its own tests: test_cpu_kernel.py).
 """
 
 from __future__ import annotations
@@ -44,8 +45,10 @@ def test_wide_v_pad_equals_split(heads, kv_heads, t_q, t_k):
 # -- the two-map variants' single blocked pass on CPU (blocked_two_map.py; DINT: dint_integral.fused_dint_head) --
 from diffexp import Decoder, ModelConfig  # noqa: E402
 from diffexp.model.attention import blocked_two_map as blocked  # noqa: E402
+from diffexp.model.attention import diff_v2 as diff_v2_module  # noqa: E402
 from diffexp.model.attention.blocked_two_map import blocked_two_map  # noqa: E402
 from diffexp.model.attention.dint_integral import fused_dint_head  # noqa: E402
+from tests.helpers import require_cpu_kernel  # noqa: E402
 
 
 def two_sdpa_calls(q1, q2, k1, k2, v, lam):
@@ -93,25 +96,31 @@ def test_blocked_passes_gradcheck_in_float64():
 
 @pytest.mark.parametrize("name, overrides", [
     ("diff_v1", {}), ("diff_v1", {"n_kv_heads": 2}), ("shared_diff", {"rank": 4}), ("dint", {}),
-    ("dint", {"n_kv_heads": 2, "gamma": "learned", "gamma_init": 0.9})])
+    ("dint", {"n_kv_heads": 2, "gamma": "learned", "gamma_init": 0.9}), ("diff_v2", {"n_kv_heads": 2}),
+    ("diff_v2", {"lambda_mode": "none", "pair_norm": True})])
 def test_decoder_single_pass_equals_one_call_per_map(monkeypatch, name, overrides):
-    """A whole decoder, loss and every parameter's gradient, with the single pass against one SDPA call per map
-    (DINT: map 1 + integral in their pass, map 2 by SDPA)."""
+    """A whole decoder, loss and every parameter's gradient, with each single pass (the compiled kernel, the
+    PyTorch-ops pass) against one SDPA call per map (DINT's blocked pass: map 1 + integral, map 2 by SDPA;
+    DIFF V2 has no PyTorch-ops pass)."""
+    require_cpu_kernel()
     torch.manual_seed(0)
     cfg = ModelConfig(attention=name, d_model=64, n_layers=2, n_heads=4, vocab_size=64, max_seq_len=160, **overrides)
     model = Decoder(cfg)
     tokens = torch.randint(0, 64, (2, 150))
-    results = []
+    results = {}
     for mode in blocked.TWO_MAP_MODES:
         monkeypatch.setattr(blocked, "two_map_mode", lambda q, mode=mode: mode)
+        if name == "diff_v2":
+            monkeypatch.setattr(diff_v2_module, "two_map_mode", lambda q, mode=mode: mode)
         model.zero_grad()
         logits = model(tokens)
         logits.float().pow(2).sum().backward()  # a sum: gradients of order 1, so atol does not hide lambda's
-        results.append((logits.detach(), [p.grad.clone() for p in model.parameters()]))
-    (single, single_grads), (per_map, per_map_grads) = results
-    torch.testing.assert_close(single, per_map, **TOL)
-    for (param, _), got, want in zip(model.named_parameters(), single_grads, per_map_grads, strict=True):
-        # fp32 sums in another order: differences of 1e-7 relative to the largest entry (1e-16 in float64)
-        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5 * want.abs().max().item(),
-                                   msg=lambda m, param=param: f"{param}: {m}")
-    assert blocked.TWO_MAP_MODES[0] == "blocked"
+        results[mode] = (logits.detach(), [p.grad.clone() for p in model.parameters()])
+    per_map, per_map_grads = results.pop("sdpa")
+    for mode, (single, single_grads) in results.items():
+        torch.testing.assert_close(single, per_map, **TOL, msg=lambda m, mode=mode: f"{mode}: {m}")
+        for (param, _), got, want in zip(model.named_parameters(), single_grads, per_map_grads, strict=True):
+            # fp32 sums in another order: differences of 1e-7 relative to the largest entry (1e-16 in float64)
+            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5 * want.abs().max().item(),
+                                       msg=lambda m, param=param, mode=mode: f"{mode}, {param}: {m}")
+    assert set(blocked.TWO_MAP_MODES) == {"native", "blocked", "sdpa"}

@@ -6,7 +6,8 @@ then pairs of heads are subtracted with a token-wise, head-wise lambda:
     out_p = attn[2p] - sigmoid(x W_lam)_p * attn[2p + 1]        pairing="same" (pairs share K/V)
     out_p = attn[p]  - sigmoid(x W_lam)_p * attn[p + h]         pairing="cross" (blog's ablation)
 
-No per-head norm, no lambda_init. lambda_mode "none" drops W_lam (attn1 - attn2); "raw" drops the
+On CPU, whole sequences with pairing "same" run each pair in the compiled two-map kernel (kernels/cpu_native.py):
+one pass, one product with V. No per-head norm, no lambda_init. lambda_mode "none" drops W_lam (attn1 - attn2); "raw" drops the
 sigmoid. pair_norm puts DIFF V1's per-head RMSNorm back on out_p (the blog removed it as destabilising).
 W_lam keeps PyTorch's nn.Linear init (lambda_proj_init "default", the spec) or takes the decoder's
 N(0, init_std^2) ("normal").
@@ -20,8 +21,10 @@ from torch import nn
 from diffexp.errors import invalid
 from diffexp.model.attention import naive
 from diffexp.model.attention.base import AttentionBase, merge_heads, split_heads
+from diffexp.model.attention.blocked_two_map import two_map_mode
 from diffexp.model.attention.registry import Variant, register
 from diffexp.model.blocks import RMSNorm
+from diffexp.model.kernels import cpu_native
 
 PAIRINGS = ("same", "cross")
 LAMBDA_MODES = ("sigmoid", "none", "raw")
@@ -117,17 +120,29 @@ class DiffV2Attention(AttentionBase):
         lam = self.lambda_proj(x).transpose(1, 2).unsqueeze(-1)
         return torch.sigmoid(lam) if self.lambda_mode == "sigmoid" else lam
 
+    def in_one_pass(self, q, need_weights: bool, cache) -> bool:
+        """Whole sequences on CPU take the compiled kernel: each pair's two maps and the lambda combination in one
+        pass, one product with V (pairing "same": a pair shares its K and V)."""
+        return (not need_weights and cache is None and self.backend in ("sdpa", "flash_attn")
+                and self.cfg.pairing == "same" and two_map_mode(q) == "native")
+
     def forward(self, x: torch.Tensor, need_weights: bool = False, cache=None):
         start = self.start_of(cache)
         q = self.rope.rotate(split_heads(self.q_proj(x), 2 * self.n_heads), start)
         k = self.rope.rotate(split_heads(self.k_proj(x), self.n_kv_heads), start)
         k, v = self.cached(cache, k=k, v=split_heads(self.v_proj(x), self.n_kv_heads))  # h_kv heads, as GQA
-        out, weights = self.attend(q, k, v, need_weights)
         lam = self.token_lambda(x)  # from the new tokens only: lambda is token-wise
         if self.record_stats and torch.is_tensor(lam):  # the token-wise lambda's mean and spread
             observed = lam[: self.stats_rows].detach().float()
             self.stats.update(lambda_mean=observed.mean().item(), lambda_std=observed.std().item())
-        out = self.pair_norm(out[:, self.first] - lam * out[:, self.second])
+        if self.in_one_pass(q, need_weights, cache):
+            self.record_logit_max(q, k)
+            lam_rows = lam.squeeze(-1) if torch.is_tensor(lam) else lam
+            out, weights = cpu_native.two_map(q[:, self.first], q[:, self.second], k, k, v, lam_rows), None
+        else:
+            out, weights = self.attend(q, k, v, need_weights)
+            out = out[:, self.first] - lam * out[:, self.second]
+        out = self.pair_norm(out)
         effective = None
         if weights is not None:
             lam_f = lam.float() if torch.is_tensor(lam) else lam

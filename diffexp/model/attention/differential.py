@@ -18,6 +18,7 @@ from diffexp.model.attention import naive
 from diffexp.model.attention.base import AttentionBase, merge_heads, split_heads
 from diffexp.model.attention import blocked_two_map as blocked
 from diffexp.model.blocks import RMSNorm
+from diffexp.model.kernels import cpu_native
 
 #: config fields every two-map variant reads
 TWO_MAP_FIELDS = ("lambda_init", "head_norm")
@@ -114,17 +115,21 @@ class TwoMapDifferentialAttention(AttentionBase):
 
         return differential_attention(q1, q2, k1, k2, v, lam)[0]
 
-    def blocked_head(self, q1, q2, k1, k2, v, lam):
-        """(A1 - lambda A2) V in one blocked pass (CPU, whole sequences); DINT adds its integral."""
+    def cpu_head(self, q1, q2, k1, k2, v, lam, path: str):
+        """(A1 - lambda A2) V in one pass over whole sequences on CPU: path "native" (the compiled kernel) or
+        "blocked" (PyTorch ops); DINT adds its integral."""
+        if path == "native":
+            return cpu_native.two_map(q1, q2, k1, k2, v, lam)
         return blocked.blocked_two_map(q1, q2, k1, k2, v, lam)
 
     def single_pass(self, q1, need_weights: bool, cache) -> str | None:
-        """"triton" or "blocked" where one pass computes the whole head, else None (one call per map)."""
+        """"triton", "native" or "blocked" where one pass computes the whole head, else None (one call per map)."""
         if need_weights or cache is not None or self.backend == "eager":
             return None
         if self.backend == "triton":
             return None if self.record_stats else "triton"
-        return "blocked" if blocked.two_map_mode(q1) == "blocked" else None
+        mode = blocked.two_map_mode(q1)
+        return None if mode == "sdpa" else mode
 
     def forward(self, x: torch.Tensor, need_weights: bool = False, cache=None):
         start = self.start_of(cache)
@@ -139,7 +144,7 @@ class TwoMapDifferentialAttention(AttentionBase):
             else:
                 self.record_logit_max(q1, k1)
                 self.record_logit_max(q2, k2)
-                out = self.blocked_head(q1, q2, k1, k2, v, lam)
+                out = self.cpu_head(q1, q2, k1, k2, v, lam, single_pass)
             return self.o_proj(merge_heads(self.head_norm(out) * self.output_scale)), None
         out1, weights1, fused = self.first_map(q1, k1, v, lam, need_weights, cache)
         out2, weights2 = self.attend(q2, k2, v, need_weights)

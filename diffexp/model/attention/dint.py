@@ -33,6 +33,7 @@ from diffexp.model.attention.differential import (
 )
 from diffexp.model.attention.dint_integral import fused_dint_head, fused_first_map_integral, integral_rows
 from diffexp.model.attention.registry import Variant, register
+from diffexp.model.kernels import cpu_native
 
 
 def check(cfg) -> None:
@@ -157,8 +158,11 @@ class DintAttention(TwoMapDifferentialAttention):
         path = super().single_pass(q1, need_weights, cache)
         return path if path == "triton" or self.cfg.integral == "softmax" else None
 
-    def blocked_head(self, q1, q2, k1, k2, v, lam):
-        """(A1 - lambda A2 + gamma A3) V: the streaming integral's pass with map 2 added (one product with V)."""
+    def cpu_head(self, q1, q2, k1, k2, v, lam, path: str):
+        """(A1 - lambda A2 + gamma A3) V: the compiled kernel ("native"), or the streaming integral's pass in PyTorch
+        ops with map 2 added ("blocked"); one product with V either way."""
+        if path == "native":
+            return cpu_native.dint_head(q1, q2, k1, k2, v, lam, self.integral_weight(lam), self.integral_block_size)
         h = q1.shape[1]
         k1, k2, v = (expand_kv(t, h) for t in (k1, k2, v))
         return fused_dint_head(q1, q2, k1, k2, v, lam, self.integral_weight(lam), self.integral_block_size)

@@ -1,5 +1,9 @@
-"""Triton kernels of the GPU path (`model.arch.backend: triton`), exact under Triton's CPU interpreter.
+"""Fused attention kernels of the two-map variants.
 
+cpu_native: the compiled CPU kernel (cpu/two_map_attention.cpp), both maps, lambda and DINT's integral in one pass;
+built on first use, the default CPU path of backend sdpa.
+
+Triton kernels of the GPU path (`model.arch.backend: triton`), exact under Triton's CPU interpreter:
 triton_diff_attention: the two maps of a differential head, A1 V - lambda A2 V, in one pass.
 triton_dint_integral: DINT's integral term A3 V with running column sums (O(T) memory).
 Both import triton; `unavailable_reason` says, without importing them, why they cannot run.

@@ -1,0 +1,148 @@
+"""The two-map variants' attention as a compiled CPU kernel (cpu/two_map_attention.cpp), forward and backward.
+
+Per block of query rows and head, both maps' logits come from BLAS, the softmax rows, A = A1 - lambda A2
+(+ gamma A3 for DINT) and the backward's row sums run in one vectorised loop per row, and one product with V
+serves all maps. That is the baseline's matmul work plus one more Q K^T: DIFF V1, Shared DIFF and DIFF V2 execute
+3 (forward) and 6 (backward) T^2 d-products per head pair instead of the 4 and 8 of one attention call per map.
+Only Q, K, V and the maps' row logsumexps are saved; backward recomputes each block's maps.
+
+    forward   A_m = softmax(scale Q_m K_m^T) (causal)        out = (A1 - lambda A2 [+ gamma A3]) V
+    backward  dA = dO V^T     dV = A^T dO     dS_m = c_m A_m (dA_m - rowsum(A_m dA_m))     c = (1, -lambda)
+              dQ_m = scale dS_m K_m     dK_m = scale dS_m^T Q_m     dlambda = -rowsum(A2 dA)
+    DINT      G[n] = mean of A1's rows 0..n, A3 = causal softmax of G; dA1 = dA + sum_{n>=m} dG[n] / n,
+              dG = gamma A3 (dA - rowsum(A3 dA)); forward carries A1's column sums down the rows, backward
+              peels them off going up (one task per head), so memory stays O(block x T).
+
+The kernel is compiled on first use with the C++ compiler torch's extensions use (about 10 s on 2 cores; cached
+under torch's extension directory, keyed by the source and the CPU's vector width). Where it cannot be built (no
+compiler, no BLAS symbol, DIFFEXP_CPU_KERNEL=0) the model falls back, with one warning, to the same math in
+PyTorch ops (blocked_two_map.py, dint_integral.py). fp32 math; other dtypes are cast in and out.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import shutil
+import sys
+import time
+import warnings
+from pathlib import Path
+
+import torch
+
+SOURCE = Path(__file__).with_name("cpu") / "two_map_attention.cpp"
+#: set to 0 to never build the kernel (the PyTorch-ops pass runs instead)
+SWITCH = "DIFFEXP_CPU_KERNEL"
+#: query rows per block: 64 for the two maps, 32 for DINT (measured fastest on 2 cores at T 512 and 2048)
+TWO_MAP_BLOCK, DINT_BLOCK = 64, 32
+
+_VECTOR_FLAGS = {"AVX512": ["-mavx2", "-mfma", "-mavx512f", "-mavx512dq", "-mavx512bw", "-mavx512vl"],
+                 "AVX2": ["-mavx2", "-mfma"]}
+
+
+def _ensure_ninja_on_path() -> None:
+    """torch builds extensions with ninja; a venv that was not activated has the pip package's ninja off PATH."""
+    if shutil.which("ninja") is None:
+        try:
+            import ninja
+        except ImportError:
+            return
+        os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
+
+
+@functools.cache
+def unavailable_reason() -> str | None:
+    """None once the kernel is loaded (built on the first call), else why it cannot run."""
+    if os.environ.get(SWITCH, "1").lower() in ("0", "off", "false", "no"):
+        return f"{SWITCH}={os.environ[SWITCH]}"
+    from torch.utils import cpp_extension
+
+    capability = torch.backends.cpu.get_cpu_capability()
+    name = f"diffexp_cpu_attention_{capability.lower().replace(' ', '_')}"
+    _ensure_ninja_on_path()
+    started = time.perf_counter()
+    try:
+        cpp_extension.load(name=name, sources=[str(SOURCE)], is_python_module=False, verbose=False,
+                           extra_cflags=["-O3", "-fopenmp", *_VECTOR_FLAGS.get(capability, [])],
+                           extra_ldflags=["-fopenmp"])
+    except Exception as error:  # no compiler, no ninja, a BLAS without sgemm_: the PyTorch-ops pass runs instead
+        first_line = (str(error).strip().splitlines() or [type(error).__name__])[0]
+        return f"building {SOURCE.name} failed: {first_line[:300]}"
+    took = time.perf_counter() - started
+    if took > 2:
+        print(f"diffexp: compiled the CPU attention kernel in {took:.0f} s (cached for later runs)", file=sys.stderr)
+    return None
+
+
+_warned: list[bool] = []
+
+
+def available() -> bool:
+    """Whether the kernel runs (building it on the first call); warns once when it cannot."""
+    reason = unavailable_reason()
+    if reason is not None and not _warned:
+        _warned.append(True)
+        warnings.warn(f"diffexp's CPU attention kernel is unavailable ({reason}); the two-map variants use the "
+                      "slower PyTorch-ops pass", stacklevel=2)
+    return reason is None
+
+
+def _fp32(*tensors: torch.Tensor) -> list[torch.Tensor]:
+    return [t.detach().to(torch.float32).contiguous() for t in tensors]
+
+
+class NativeTwoMap(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q1, q2, k1, k2, v, lam_rows, block_rows: int):
+        inputs = _fp32(q1, q2, k1, k2, v, lam_rows)
+        ctx.scale, ctx.block_rows = q1.shape[-1] ** -0.5, block_rows
+        out, lse = torch.ops.diffexp_cpu.two_map_forward(*inputs, ctx.scale, block_rows)
+        ctx.save_for_backward(*inputs, lse)
+        ctx.dtypes = [t.dtype for t in (q1, q2, k1, k2, v, lam_rows)]
+        return out.to(v.dtype)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        grads = torch.ops.diffexp_cpu.two_map_backward(grad_out.to(torch.float32).contiguous(), *ctx.saved_tensors,
+                                                       ctx.scale, ctx.block_rows)
+        return (*(g.to(dtype) for g, dtype in zip(grads, ctx.dtypes, strict=True)), None)
+
+
+class NativeDint(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q1, q2, k1, k2, v, lam_rows, gamma, block_rows: int):
+        inputs = _fp32(q1, q2, k1, k2, v, lam_rows)
+        ctx.scale, ctx.block_rows, ctx.gamma = q1.shape[-1] ** -0.5, block_rows, float(gamma)  # CPU: no sync
+        out, lse, col_sums = torch.ops.diffexp_cpu.dint_forward(*inputs, ctx.gamma, ctx.scale, block_rows)
+        ctx.save_for_backward(*inputs, lse, col_sums)
+        ctx.dtypes = [t.dtype for t in (q1, q2, k1, k2, v, lam_rows)] + [gamma.dtype]
+        return out.to(v.dtype)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        q1, q2, k1, k2, v, lam_rows, lse, col_sums = ctx.saved_tensors
+        *grads, d_gamma_rows = torch.ops.diffexp_cpu.dint_backward(
+            grad_out.to(torch.float32).contiguous(), q1, q2, k1, k2, v, lam_rows, ctx.gamma, lse, col_sums, ctx.scale,
+            ctx.block_rows)
+        grads.append(d_gamma_rows.sum())
+        return (*(g.to(dtype) for g, dtype in zip(grads, ctx.dtypes, strict=True)), None)
+
+
+def _lambda_rows(lam, q: torch.Tensor) -> torch.Tensor:
+    """lambda per (batch, head, row): a 0-d lambda expanded (its gradient sums back), or a (B, h, T) one as is."""
+    b, h, t, _ = q.shape
+    lam = torch.as_tensor(lam, dtype=torch.float32, device=q.device)
+    return lam.expand(b, h, t)
+
+
+def two_map(q1, q2, k1, k2, v, lam, block_rows: int = TWO_MAP_BLOCK) -> torch.Tensor:
+    """(A1 - lambda A2) V over whole causal sequences. q1, q2: (B, h, T, d); k1, k2: (B, h_kv, T, d);
+    v: (B, h_kv, T, dv), query head p reading kv head p // (h / h_kv); lam: 0-d or (B, h, T).
+    Returns (B, h, T, dv)."""
+    return NativeTwoMap.apply(q1, q2, k1, k2, v, _lambda_rows(lam, q1), block_rows)
+
+
+def dint_head(q1, q2, k1, k2, v, lam, gamma: torch.Tensor, block_rows: int = DINT_BLOCK) -> torch.Tensor:
+    """(A1 - lambda A2 + gamma A3) V, DINT's softmax integral; shapes as `two_map`, lam and gamma 0-d."""
+    return NativeDint.apply(q1, q2, k1, k2, v, _lambda_rows(lam, q1), gamma, block_rows)
