@@ -116,21 +116,24 @@ def test_bench_kernel_times_each_backend(tmp_path):
         assert entry["speed_ratio"] > 0 and entry["forward_speed_ratio"] > 0 and entry["peak_bytes"] > 0
 
 
-def test_bench_kernel_sdpa_per_map_runs_the_other_path(tmp_path, monkeypatch):
-    """Backend sdpa-per-map times the two-map variants with one SDPA call per map: the blocked pass never runs
-    under it, and does under plain sdpa (on CPU)."""
+@pytest.mark.parametrize("backend, path", [("sdpa", "native"), ("sdpa-blocked", "blocked"), ("sdpa-per-map", None)])
+def test_bench_kernel_times_the_path_it_names(tmp_path, monkeypatch, backend, path):
+    """On CPU, sdpa runs the two-map variants in the compiled kernel, sdpa-blocked in the PyTorch-ops pass and
+    sdpa-per-map in one SDPA call per map: each backend runs its path and no other."""
     from diffexp.model.attention import blocked_two_map as blocked
+    from diffexp.model.kernels import cpu_native
+    from tests.helpers import require_cpu_kernel
 
+    require_cpu_kernel()
     calls = []
-    real = blocked.BlockedTwoMap.apply
-    monkeypatch.setattr(blocked.BlockedTwoMap, "apply", lambda *a: calls.append(1) or real(*a))
-    for backend, ran in (("sdpa-per-map", False), ("sdpa", True)):
-        calls.clear()
-        path = tmp_path / f"{backend}.json"
-        assert main([*TINY_KERNEL, "--variants", "diff_v1", "--backends", backend, "--no-memory",
-                     "--json", str(path)]) == 0
-        assert bool(calls) is ran
-        assert json.loads(path.read_text())["results"][f"diff_v1@32/{backend}"]["speed_ratio"] > 0
+    for name, function in (("native", cpu_native.NativeTwoMap), ("blocked", blocked.BlockedTwoMap)):
+        real = function.apply
+        monkeypatch.setattr(function, "apply", lambda *a, real=real, name=name: calls.append(name) or real(*a))
+    out = tmp_path / f"{backend}.json"
+    assert main([*TINY_KERNEL, "--variants", "diff_v1", "--backends", backend, "--no-memory",
+                 "--json", str(out)]) == 0
+    assert set(calls) == ({path} if path else set())
+    assert json.loads(out.read_text())["results"][f"diff_v1@32/{backend}"]["speed_ratio"] > 0
 
 
 @pytest.mark.parametrize("kind", [TINY, TINY_DECODE, TINY_KERNEL], ids=lambda args: args[0])

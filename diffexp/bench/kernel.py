@@ -8,10 +8,10 @@ The module is `build_attention(cfg, 0)` of each variant (the shared shape plus i
   and the module's weights), gradients then dropped.
 
 Every backend available is measured (``--backends``, default: sdpa and eager, plus flash_attn when
-the package is installed and ``--device cuda``; ``sdpa-per-map`` is sdpa with the two-map variants' maps as one
-SDPA call each, where sdpa would take the single blocked pass of ``blocked_two_map.py``, i.e. on CPU); all (variant, backend) pairs of one sequence length
-are interleaved, rotated and warmed up as in the training bench (diffexp.bench.timing). Ratios are
-taken against the reference variant on the same backend: ``reference median / variant median``.
+the package is installed and ``--device cuda``; on CPU, where sdpa runs the two-map variants in the compiled kernel,
+``sdpa-blocked`` forces its PyTorch-ops fallback and ``sdpa-per-map`` one SDPA call per map); all (variant,
+backend) pairs of one sequence length are interleaved, rotated and warmed up as in the training bench
+(diffexp.bench.timing). Ratios are taken against the reference variant on the same backend: ``reference median / variant median``.
 FLOPs count what `Decoder.flops_per_token` counts for one layer's attention: 2 per weight of the
 module's nn.Linear layers plus the variant's registry `attention_flops` (causal, T/2 keys per query),
 x3 for forward+backward. Peak memory is the live tensor bytes of one forward+backward (weights and
@@ -42,8 +42,8 @@ HEADERS = ["variant", "seq", "backend", "batch", "attn params", "fwd ms", "fwd v
            "fwd+bwd vs base", "ratio spread (rounds)", "peak mem MiB", "mem vs base", "TFLOP/s", "MFU"]
 
 
-#: a benchmark-only backend: sdpa, with one SDPA call per map where sdpa would run the blocked two-map pass
-PER_MAP = "sdpa-per-map"
+#: benchmark-only backends: sdpa with the two-map variants forced onto one path (blocked_two_map.TWO_MAP_MODES)
+FORCED_PATHS = {"sdpa-blocked": "blocked", "sdpa-per-map": "sdpa"}
 
 
 def available_backends(device: str) -> list[str]:
@@ -62,10 +62,11 @@ def build_parser() -> argparse.ArgumentParser:
     p = options.build_parser(NAME, "Time and peak memory of one layer's attention module (forward, and forward + "
                                    "backward) per variant and backend, relative to the reference variant.",
                              batch_size=8, seq_lens=[256, 1024])
-    p.add_argument("--backends", nargs="+", choices=(*options.BACKENDS, PER_MAP), default=None, metavar="NAME",
+    p.add_argument("--backends", nargs="+", choices=(*options.BACKENDS, *FORCED_PATHS), default=None, metavar="NAME",
                    help="attention backends (default: sdpa and eager, plus flash_attn when installed on --device "
-                        f"cuda); of: {', '.join((*options.BACKENDS, PER_MAP))} ({PER_MAP}: sdpa with one SDPA "
-                        "call per map instead of the two-map variants' blocked CPU pass)")
+                        f"cuda); of: {', '.join((*options.BACKENDS, *FORCED_PATHS))} (sdpa-blocked: sdpa with the "
+                        "two-map variants' PyTorch-ops pass instead of the compiled CPU kernel; sdpa-per-map: one "
+                        "SDPA call per map)")
     options.add_batch_cap(p)
     options.add_peak_tflops(p)
     return p
@@ -87,7 +88,7 @@ def config(args: argparse.Namespace) -> dict:
 
 
 def _model_backend(backend: str) -> str:
-    return "sdpa" if backend == PER_MAP else backend
+    return "sdpa" if backend in FORCED_PATHS else backend
 
 
 class AttentionRunner:
@@ -103,7 +104,8 @@ class AttentionRunner:
         self.torch = torch
         self.device = device
         cfg = workload.model_config(args, name, max(args.seq_lens), _model_backend(backend))
-        self.mode = (lambda: blocked.forced_two_map_mode("sdpa")) if backend == PER_MAP else contextlib.nullcontext
+        forced = FORCED_PATHS.get(backend)
+        self.mode = (lambda: blocked.forced_two_map_mode(forced)) if forced else contextlib.nullcontext
         self.module = build_attention(cfg, 0).to(device).train()
         self.params = sum(p.numel() for p in self.module.parameters())
         batch, t, _ = x.shape

@@ -7,8 +7,8 @@ then pairs of heads are subtracted with a token-wise, head-wise lambda:
     out_p = attn[p]  - sigmoid(x W_lam)_p * attn[p + h]         pairing="cross" (blog's ablation)
 
 On CPU, whole sequences with pairing "same" run each pair in the compiled two-map kernel (kernels/cpu_native.py):
-one pass, one product with V. No per-head norm, no lambda_init. lambda_mode "none" drops W_lam (attn1 - attn2); "raw" drops the
-sigmoid. pair_norm puts DIFF V1's per-head RMSNorm back on out_p (the blog removed it as destabilising).
+one pass, one product with V. No per-head norm, no lambda_init. lambda_mode "none" drops W_lam (attn1 - attn2);
+"raw" drops the sigmoid. pair_norm puts DIFF V1's per-head RMSNorm back on out_p (the blog removed it as destabilising).
 W_lam keeps PyTorch's nn.Linear init (lambda_proj_init "default", the spec) or takes the decoder's
 N(0, init_std^2) ("normal").
 """

@@ -14,9 +14,9 @@ import torch
 from torch import nn
 
 from diffexp.errors import invalid
+from diffexp.model.attention import blocked_two_map as blocked
 from diffexp.model.attention import naive
 from diffexp.model.attention.base import AttentionBase, merge_heads, split_heads
-from diffexp.model.attention import blocked_two_map as blocked
 from diffexp.model.blocks import RMSNorm
 from diffexp.model.kernels import cpu_native
 

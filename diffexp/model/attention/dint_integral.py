@@ -159,7 +159,8 @@ class StreamingIntegral(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, gamma, block_size: int, q2=None, k2=None, lam=None):
         """q, k: (B, h, T, d), v: (B, h, T, dv) with kv heads already expanded; gamma: None (returns A3 V) or a
-        0-d tensor (returns (A1 + gamma A3) V); q2, k2, lam (with gamma): map 2, returns (A1 - lambda A2 + gamma A3) V."""
+        0-d tensor (returns (A1 + gamma A3) V); q2, k2, lam (with gamma): map 2, returns
+        (A1 - lambda A2 + gamma A3) V."""
         dtype = torch.promote_types(q.dtype, torch.float32)
         # 0-d tensors, never Python numbers: reading one would wait for the GPU in every layer's forward
         weight = None if gamma is None else gamma.detach().to(dtype)
@@ -203,7 +204,8 @@ class StreamingIntegral(torch.autograd.Function):
             dv[..., :end, :] += dv_blk
             d_gamma += a3_dot.sum()
         q_dtype, k_dtype, v_dtype, gamma_dtype, *map2_dtypes = ctx.in_dtypes
-        grads = (dq.to(q_dtype), dk.to(k_dtype), dv.to(v_dtype), None if gamma is None else d_gamma.to(gamma_dtype), None)
+        d_gamma = None if gamma is None else d_gamma.to(gamma_dtype)
+        grads = (dq.to(q_dtype), dk.to(k_dtype), dv.to(v_dtype), d_gamma, None)
         if not map2:
             return (*grads, None, None, None)
         q2_dtype, k2_dtype, lam_dtype = map2_dtypes
