@@ -11,7 +11,8 @@ Every backend available is measured (``--backends``, default: sdpa and eager, pl
 the package is installed and ``--device cuda``; on CPU, where sdpa runs the two-map variants in the compiled kernel,
 ``sdpa-blocked`` forces its PyTorch-ops fallback and ``sdpa-per-map`` one SDPA call per map); all (variant,
 backend) pairs of one sequence length are interleaved, rotated and warmed up as in the training bench
-(diffexp.bench.timing). Ratios are taken against the reference variant on the same backend: ``reference median / variant median``.
+(diffexp.bench.timing). Ratios are taken against the reference variant on the same backend:
+``reference median / variant median``.
 FLOPs count what `Decoder.flops_per_token` counts for one layer's attention: 2 per weight of the
 module's nn.Linear layers plus the variant's registry `attention_flops` (causal, T/2 keys per query),
 x3 for forward+backward. Peak memory is the live tensor bytes of one forward+backward (weights and
