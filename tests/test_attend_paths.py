@@ -99,28 +99,36 @@ def test_blocked_passes_gradcheck_in_float64():
     ("dint", {"n_kv_heads": 2, "gamma": "learned", "gamma_init": 0.9}), ("diff_v2", {"n_kv_heads": 2}),
     ("diff_v2", {"lambda_mode": "none", "pair_norm": True})])
 def test_decoder_single_pass_equals_one_call_per_map(monkeypatch, name, overrides):
-    """A whole decoder, loss and every parameter's gradient, with each single pass (the compiled kernel, the
+    """A whole decoder, logits and every parameter's gradient, with each single pass (the compiled kernel, the
     PyTorch-ops pass) against one SDPA call per map (DINT's blocked pass: map 1 + integral, map 2 by SDPA;
-    DIFF V2 has no PyTorch-ops pass)."""
+    DIFF V2 has no PyTorch-ops pass). The yardstick is float64: each fp32 single pass must be as close to the
+    float64 model as fp32 SDPA per map is (lambda's gradient in a deep layer sums terms that cancel, so two fp32
+    paths can differ by 1e-4 of its largest entry while both are right)."""
+    import copy
+
     require_cpu_kernel()
     torch.manual_seed(0)
     cfg = ModelConfig(attention=name, d_model=64, n_layers=2, n_heads=4, vocab_size=64, max_seq_len=160, **overrides)
     model = Decoder(cfg)
     tokens = torch.randint(0, 64, (2, 150))
-    results = {}
-    for mode in blocked.TWO_MAP_MODES:
+
+    def run(net, mode):
         monkeypatch.setattr(blocked, "two_map_mode", lambda q, mode=mode: mode)
         if name == "diff_v2":
             monkeypatch.setattr(diff_v2_module, "two_map_mode", lambda q, mode=mode: mode)
-        model.zero_grad()
-        logits = model(tokens)
-        logits.float().pow(2).sum().backward()  # a sum: gradients of order 1, so atol does not hide lambda's
-        results[mode] = (logits.detach(), [p.grad.clone() for p in model.parameters()])
-    per_map, per_map_grads = results.pop("sdpa")
-    for mode, (single, single_grads) in results.items():
-        torch.testing.assert_close(single, per_map, **TOL, msg=lambda m, mode=mode: f"{mode}: {m}")
-        for (param, _), got, want in zip(model.named_parameters(), single_grads, per_map_grads, strict=True):
-            # fp32 sums in another order: differences of 1e-7 relative to the largest entry (1e-16 in float64)
-            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5 * want.abs().max().item(),
-                                       msg=lambda m, param=param, mode=mode: f"{mode}, {param}: {m}")
+        net.zero_grad()
+        logits = net(tokens)
+        logits.double().pow(2).sum().backward()  # a sum: gradients of order 1, so atol does not hide lambda's
+        return [logits.detach().double()] + [p.grad.double() for p in net.parameters()]
+
+    reference = run(copy.deepcopy(model).double(), "sdpa")
+    errors = {mode: [(got - want).abs().max().item() for got, want in zip(run(model, mode), reference, strict=True)]
+              for mode in blocked.TWO_MAP_MODES}
+    names = ["logits"] + [param for param, _ in model.named_parameters()]
+    for mode in ("native", "blocked"):
+        for what, err, per_map_err, want in zip(names, errors[mode], errors["sdpa"], reference, strict=True):
+            # fp32 sums in another order: within 4x the per-map path's own error, or 1e-5 of the largest entry
+            allowed = max(4 * per_map_err, 1e-5 * want.abs().max().item())
+            assert err <= allowed, f"{mode}, {what}: off float64 by {err:.3g}, one SDPA call per map by " \
+                                   f"{per_map_err:.3g} (allowed {allowed:.3g})"
     assert set(blocked.TWO_MAP_MODES) == {"native", "blocked", "sdpa"}
