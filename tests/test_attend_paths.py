@@ -45,7 +45,6 @@ def test_wide_v_pad_equals_split(heads, kv_heads, t_q, t_k):
 # -- the two-map variants' single blocked pass on CPU (blocked_two_map.py; DINT: dint_integral.fused_dint_head) --
 from diffexp import Decoder, ModelConfig  # noqa: E402
 from diffexp.model.attention import blocked_two_map as blocked  # noqa: E402
-from diffexp.model.attention import diff_v2 as diff_v2_module  # noqa: E402
 from diffexp.model.attention.blocked_two_map import blocked_two_map  # noqa: E402
 from diffexp.model.attention.dint_integral import fused_dint_head  # noqa: E402
 from tests.helpers import require_cpu_kernel  # noqa: E402
@@ -98,7 +97,7 @@ def test_blocked_passes_gradcheck_in_float64():
     ("diff_v1", {}), ("diff_v1", {"n_kv_heads": 2}), ("shared_diff", {"rank": 4}), ("dint", {}),
     ("dint", {"n_kv_heads": 2, "gamma": "learned", "gamma_init": 0.9}), ("diff_v2", {"n_kv_heads": 2}),
     ("diff_v2", {"lambda_mode": "none", "pair_norm": True})])
-def test_decoder_single_pass_equals_one_call_per_map(monkeypatch, name, overrides):
+def test_decoder_single_pass_equals_one_call_per_map(name, overrides):
     """A whole decoder, logits and every parameter's gradient, with each single pass (the compiled kernel, the
     PyTorch-ops pass) against one SDPA call per map (DINT's blocked pass: map 1 + integral, map 2 by SDPA;
     DIFF V2 has no PyTorch-ops pass). The yardstick is float64: each fp32 single pass must be as close to the
@@ -113,11 +112,9 @@ def test_decoder_single_pass_equals_one_call_per_map(monkeypatch, name, override
     tokens = torch.randint(0, 64, (2, 150))
 
     def run(net, mode):
-        monkeypatch.setattr(blocked, "two_map_mode", lambda q, mode=mode: mode)
-        if name == "diff_v2":
-            monkeypatch.setattr(diff_v2_module, "two_map_mode", lambda q, mode=mode: mode)
         net.zero_grad()
-        logits = net(tokens)
+        with blocked.forced_two_map_mode(mode):
+            logits = net(tokens)
         logits.double().pow(2).sum().backward()  # a sum: gradients of order 1, so atol does not hide lambda's
         return [logits.detach().double()] + [p.grad.double() for p in net.parameters()]
 

@@ -65,3 +65,35 @@ def test_without_a_working_compile_the_model_trains_eagerly_and_says_why(monkeyp
         module.configure_model()
     assert all(not hasattr(block, "_compiled_call_impl") or block._compiled_call_impl is None
                for block in module.model.blocks)
+
+
+@pytest.mark.parametrize("attention, extra", [("diff_v1", {}), ("shared_diff", {"rank": 4}),
+                                              ("diff_v2", {"n_kv_heads": 2}), ("dint", {}),
+                                              ("dint", {"gamma": "learned"})])
+def test_compiled_two_map_blocks_keep_the_cpu_kernel_in_one_graph(attention, extra):
+    """On CPU a compiled block calls the compiled attention kernel as one opaque op (its fake versions give the
+    shapes), with no graph break: model.compile keeps the fast path instead of tracing around it."""
+    from tests.helpers import require_cpu_kernel
+
+    require_cpu_kernel()
+    torch._dynamo.reset()  # the other tests compiled the same block code: fullgraph fails past the recompile limit
+    torch.manual_seed(0)
+    cfg = ModelConfig(attention=attention, d_model=32, n_layers=1, n_heads=2, vocab_size=61, max_seq_len=32, **extra)
+    block = Decoder(cfg).blocks[0]
+    graphs = []
+
+    def keep_graph(gm, example_inputs):
+        graphs.append(gm)
+        return gm
+
+    x = torch.randn(2, 17, 32, requires_grad=True)
+    eager_out = block(x)[0]
+    eager_out.square().mean().backward()
+    eager_grad, x.grad = x.grad, None
+    out = torch.compile(block, backend=keep_graph, fullgraph=True)(x)[0]
+    out.square().mean().backward()
+    ops = {str(node.target) for gm in graphs for sub in gm.modules() if isinstance(sub, torch.fx.GraphModule)
+           for node in sub.graph.nodes if node.op == "call_function"}  # the autograd.Function's body is a subgraph
+    assert any("diffexp_cpu" in op for op in ops), sorted(ops)
+    torch.testing.assert_close(out, eager_out, rtol=0, atol=1e-6)
+    torch.testing.assert_close(x.grad, eager_grad, rtol=0, atol=1e-6)

@@ -28,7 +28,6 @@ def saved_bytes_for_real(cfg: ModelConfig, batch: int, seq_len: int, monkeypatch
     from diffexp.model.attention import base, blocked_two_map
 
     monkeypatch.setattr(base, "wide_v_mode", lambda q: "split")  # the GPU choice; the CPU pads Q and K
-    monkeypatch.setattr(blocked_two_map, "two_map_mode", lambda q: "sdpa")  # one call per map, as on the GPU
     model = Decoder(replace(cfg, backend="sdpa"))
     saved: dict[int, int] = {}
 
@@ -38,7 +37,8 @@ def saved_bytes_for_real(cfg: ModelConfig, batch: int, seq_len: int, monkeypatch
         return tensor
 
     tokens = torch.randint(0, cfg.vocab_size, (batch, seq_len + 1))
-    with memory._fused_attention_stand_in(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+    with memory._fused_attention_stand_in(), blocked_two_map.forced_two_map_mode("sdpa"), \
+            torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):  # one call per map, as on the GPU
         logits = model(tokens[:, :-1])
         torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), tokens[:, 1:].flatten())
     return sum(saved.values())

@@ -69,15 +69,40 @@ def unavailable_reason() -> str | None:
     except Exception as error:  # no compiler, no ninja, a BLAS without sgemm_: the PyTorch-ops pass runs instead
         first_line = (str(error).strip().splitlines() or [type(error).__name__])[0]
         return f"building {SOURCE.name} failed: {first_line[:300]}"
+    _register_fakes()
     took = time.perf_counter() - started
     if took > 2:
         print(f"diffexp: compiled the CPU attention kernel in {took:.0f} s (cached for later runs)", file=sys.stderr)
     return None
 
 
+def _register_fakes() -> None:
+    """Shape-only versions of the ops, so that torch.compile (model.compile) traces them as opaque calls."""
+    lib = torch.library
+
+    @lib.register_fake("diffexp_cpu::two_map_forward")
+    def _(q1, q2, k1, k2, v, lam, scale, block_rows):
+        b, h, t, _ = q1.shape
+        return q1.new_empty(b, h, t, v.shape[-1]), q1.new_empty(b, h, 2, t)
+
+    @lib.register_fake("diffexp_cpu::two_map_backward")
+    def _(grad_out, q1, q2, k1, k2, v, lam, lse, scale, block_rows):
+        return [torch.empty_like(t) for t in (q1, q2, k1, k2, v, lam)]
+
+    @lib.register_fake("diffexp_cpu::dint_forward")
+    def _(q1, q2, k1, k2, v, lam, gamma, scale, block_rows):
+        b, h, t, _ = q1.shape
+        return q1.new_empty(b, h, t, v.shape[-1]), q1.new_empty(b, h, 3, t), q1.new_empty(b, h, t)
+
+    @lib.register_fake("diffexp_cpu::dint_backward")
+    def _(grad_out, q1, q2, k1, k2, v, lam, gamma, lse, col_sums, scale, block_rows):
+        return [torch.empty_like(t) for t in (q1, q2, k1, k2, v, lam, lam)]
+
+
 _warned: list[bool] = []
 
 
+@torch.compiler.assume_constant_result  # torch.compile reads it once while tracing, not the build inside
 def available() -> bool:
     """Whether the kernel runs (building it on the first call); warns once when it cannot."""
     reason = unavailable_reason()
@@ -113,17 +138,18 @@ class NativeDint(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q1, q2, k1, k2, v, lam_rows, gamma, block_rows: int):
         inputs = _fp32(q1, q2, k1, k2, v, lam_rows)
-        ctx.scale, ctx.block_rows, ctx.gamma = q1.shape[-1] ** -0.5, block_rows, float(gamma)  # CPU: no sync
-        out, lse, col_sums = torch.ops.diffexp_cpu.dint_forward(*inputs, ctx.gamma, ctx.scale, block_rows)
-        ctx.save_for_backward(*inputs, lse, col_sums)
+        gamma32 = gamma.detach().to(torch.float32)  # a tensor, not float(gamma): torch.compile traces no host read
+        ctx.scale, ctx.block_rows = q1.shape[-1] ** -0.5, block_rows
+        out, lse, col_sums = torch.ops.diffexp_cpu.dint_forward(*inputs, gamma32, ctx.scale, block_rows)
+        ctx.save_for_backward(*inputs, gamma32, lse, col_sums)
         ctx.dtypes = [t.dtype for t in (q1, q2, k1, k2, v, lam_rows)] + [gamma.dtype]
         return out.to(v.dtype)
 
     @staticmethod
     def backward(ctx, grad_out):
-        q1, q2, k1, k2, v, lam_rows, lse, col_sums = ctx.saved_tensors
+        q1, q2, k1, k2, v, lam_rows, gamma, lse, col_sums = ctx.saved_tensors
         *grads, d_gamma_rows = torch.ops.diffexp_cpu.dint_backward(
-            grad_out.to(torch.float32).contiguous(), q1, q2, k1, k2, v, lam_rows, ctx.gamma, lse, col_sums, ctx.scale,
+            grad_out.to(torch.float32).contiguous(), q1, q2, k1, k2, v, lam_rows, gamma, lse, col_sums, ctx.scale,
             ctx.block_rows)
         grads.append(d_gamma_rows.sum())
         return (*(g.to(dtype) for g, dtype in zip(grads, ctx.dtypes, strict=True)), None)
@@ -140,6 +166,8 @@ def two_map(q1, q2, k1, k2, v, lam, block_rows: int = TWO_MAP_BLOCK) -> torch.Te
     """(A1 - lambda A2) V over whole causal sequences. q1, q2: (B, h, T, d); k1, k2: (B, h_kv, T, d);
     v: (B, h_kv, T, dv), query head p reading kv head p // (h / h_kv); lam: 0-d or (B, h, T).
     Returns (B, h, T, dv)."""
+    if k2 is k1:  # DIFF V2's pair reads one K; torch.compile refuses one tensor twice (a view sums the grads back)
+        k2 = k1.view(k1.shape)
     return NativeTwoMap.apply(q1, q2, k1, k2, v, _lambda_rows(lam, q1), block_rows)
 
 

@@ -122,6 +122,11 @@ void for_each_kv_head(const Problem& p, const Body& body) {
   });
 }
 
+float gamma_value(const at::Tensor& gamma) {
+  TORCH_CHECK(gamma.numel() == 1 && gamma.device().is_cpu(), "diffexp_cpu: gamma must be one CPU value");
+  return gamma.to(at::kFloat).item<float>();
+}
+
 }  // namespace
 
 std::tuple<at::Tensor, at::Tensor> two_map_forward(const at::Tensor& q1, const at::Tensor& q2, const at::Tensor& k1,
@@ -211,15 +216,15 @@ Tensors two_map_backward(const at::Tensor& grad_out, const at::Tensor& q1, const
 // one task per head, carrying A1's column sums (G is in [0, 1]: exp(G) needs no max subtraction).
 std::tuple<at::Tensor, at::Tensor, at::Tensor> dint_forward(const at::Tensor& q1, const at::Tensor& q2,
                                                             const at::Tensor& k1, const at::Tensor& k2,
-                                                            const at::Tensor& v, const at::Tensor& lam, double gamma,
-                                                            double scale, int64_t block_rows) {
+                                                            const at::Tensor& v, const at::Tensor& lam,
+                                                            const at::Tensor& gamma, double scale, int64_t block_rows) {
   const Problem p = problem(q1, q2, k1, k2, v, lam);
   const int64_t T = p.length, dv = p.v_dim;
   at::Tensor out = at::empty({p.batch, p.heads, T, dv}, v.options());
   at::Tensor lse = at::empty({p.batch, p.heads, 3, T}, v.options());
   at::Tensor col_sums = at::zeros({p.batch, p.heads, T}, v.options());
   float *outp = out.data_ptr<float>(), *lsep = lse.data_ptr<float>(), *colp = col_sums.data_ptr<float>();
-  const float sc = static_cast<float>(scale), w3 = static_cast<float>(gamma);
+  const float sc = static_cast<float>(scale), w3 = gamma_value(gamma);
   at::parallel_for(0, p.batch * p.heads, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> buffer(2 * block_rows * T);
     for (int64_t bh = begin; bh < end; ++bh) {
@@ -257,7 +262,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> dint_forward(const at::Tensor& q1
 // Rows in reverse. dA3 = gamma dA, dG = A3 (dA3 - rowsum(A3 dA3)); A1[m] feeds G[n] / n for every n >= m, so
 // dA1[m] = dA[m] + carried, carried = sum_{n>=m} dG[n] / n. col: A1's column sums through row n, peeled going up.
 Tensors dint_backward(const at::Tensor& grad_out, const at::Tensor& q1, const at::Tensor& q2, const at::Tensor& k1,
-                      const at::Tensor& k2, const at::Tensor& v, const at::Tensor& lam, double gamma,
+                      const at::Tensor& k2, const at::Tensor& v, const at::Tensor& lam, const at::Tensor& gamma,
                       const at::Tensor& lse, const at::Tensor& col_sums, double scale, int64_t block_rows) {
   const Problem p = problem(q1, q2, k1, k2, v, lam);
   TORCH_CHECK(grad_out.is_contiguous() && grad_out.scalar_type() == at::kFloat, "diffexp_cpu: grad must be fp32");
@@ -266,7 +271,7 @@ Tensors dint_backward(const at::Tensor& grad_out, const at::Tensor& q1, const at
   at::Tensor dlam = at::empty_like(lam), dgamma = at::empty_like(lam);
   const float *gp = grad_out.data_ptr<float>(), *lsep = lse.data_ptr<float>(), *colp = col_sums.data_ptr<float>();
   float *dlamp = dlam.data_ptr<float>(), *dgp = dgamma.data_ptr<float>();
-  const float sc = static_cast<float>(scale), w3 = static_cast<float>(gamma);
+  const float sc = static_cast<float>(scale), w3 = gamma_value(gamma);
   for_each_kv_head(p, [&](int64_t bh) {
     std::vector<float> buffer(3 * block_rows * T + 3 * T);
     float *col = buffer.data() + 3 * block_rows * T, *carried = col + T, *scratch = carried + T;
@@ -315,9 +320,22 @@ Tensors dint_backward(const at::Tensor& grad_out, const at::Tensor& q1, const at
   return {g.dq1, g.dq2, g.dk1, g.dk2, g.dv, dlam, dgamma};
 }
 
+// Schemas apart from the CPU kernels, so that torch.compile can trace the ops through their fake (shape-only)
+// versions, registered in cpu_native.py, instead of running these on tensors without data.
 TORCH_LIBRARY(diffexp_cpu, m) {
-  m.def("two_map_forward", &two_map_forward);
-  m.def("two_map_backward", &two_map_backward);
-  m.def("dint_forward", &dint_forward);
-  m.def("dint_backward", &dint_backward);
+  m.def("two_map_forward(Tensor q1, Tensor q2, Tensor k1, Tensor k2, Tensor v, Tensor lam, float scale, "
+        "int block_rows) -> (Tensor, Tensor)");
+  m.def("two_map_backward(Tensor grad_out, Tensor q1, Tensor q2, Tensor k1, Tensor k2, Tensor v, Tensor lam, "
+        "Tensor lse, float scale, int block_rows) -> Tensor[]");
+  m.def("dint_forward(Tensor q1, Tensor q2, Tensor k1, Tensor k2, Tensor v, Tensor lam, Tensor gamma, "
+        "float scale, int block_rows) -> (Tensor, Tensor, Tensor)");
+  m.def("dint_backward(Tensor grad_out, Tensor q1, Tensor q2, Tensor k1, Tensor k2, Tensor v, Tensor lam, "
+        "Tensor gamma, Tensor lse, Tensor col_sums, float scale, int block_rows) -> Tensor[]");
+}
+
+TORCH_LIBRARY_IMPL(diffexp_cpu, CPU, m) {
+  m.impl("two_map_forward", &two_map_forward);
+  m.impl("two_map_backward", &two_map_backward);
+  m.impl("dint_forward", &dint_forward);
+  m.impl("dint_backward", &dint_backward);
 }
