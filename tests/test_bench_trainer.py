@@ -33,3 +33,13 @@ def test_bad_flags_stop_before_any_work(args, message, capsys):
     with pytest.raises(SystemExit):
         main(["trainer", *args])
     assert message in capsys.readouterr().err
+
+
+def test_a_bad_fit_argument_stops_before_any_round(tmp_path, monkeypatch, capsys):
+    from diffexp.bench import trainer
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(trainer, "time_side", lambda *a, **k: pytest.fail("a round ran"))
+    with pytest.raises(SystemExit):
+        main(["trainer", "--steps", "2", "--", "--model.arch.d_model", "abc"])
+    assert "model.arch.d_model" in capsys.readouterr().err

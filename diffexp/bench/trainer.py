@@ -10,14 +10,21 @@ Both sides train the model `diffexp fit` would build from the same recipe (the e
 
 A side's step time is the mean over its timed steps (rare work such as the diagnostics every
 `diagnostics.every_n_steps` or a checkpoint counts, spread over the steps), measured from one batch's start to
-the next's. Rounds alternate the order of the two sides; the overhead is the median over rounds of
-fit / plain - 1. `--profile` adds one more fit under Lightning's SimpleProfiler and prints its slowest hooks.
+the next's; the run's end (its final checkpoint) is not a step and falls outside. Each side of each round runs
+in a fresh Python process, as a real `diffexp fit` does: in one process, later fits ran up to 5% slower than the
+first on the heap and objects the earlier rounds left. The fit's progress bar renders as in an interactive
+terminal (TTY_INTERACTIVE), the costlier case. Rounds alternate the order of the two sides; the overhead is the
+median over rounds of fit / plain - 1. `--profile` adds one more fit, in this process, under Lightning's
+SimpleProfiler and prints its slowest hooks.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -35,9 +42,13 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="diffexp bench trainer", description=ABOUT,
                                 epilog="Arguments after `--` go to `diffexp fit` (e.g. -- --config recipe.yaml "
                                        "--model.arch.d_model 256).")
-    p.add_argument("--steps", type=int, default=60, help="timed steps per side and round (default 60)")
-    p.add_argument("--warmup", type=int, default=5, help="untimed steps first, per side and round (default 5)")
-    p.add_argument("--rounds", type=int, default=3, help="rounds; the order of the sides alternates (default 3)")
+    p.add_argument("--steps", type=int, default=50,
+                   help="timed steps per side and round (default 50: one diagnostics.every_n_steps interval, so the "
+                        "diagnostics step counts at its real rate)")
+    p.add_argument("--warmup", type=int, default=12,
+                   help="untimed steps first, per side and round (default 12: past the first logging step at "
+                        "trainer.log_every_n_steps 10, whose first-time costs are no per-step overhead)")
+    p.add_argument("--rounds", type=int, default=6, help="rounds; the order of the sides alternates (default 6)")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     p.add_argument("--json", type=Path, default=None, help="results file (default bench/results/trainer-<time>.json)")
     p.add_argument("--profile", action="store_true", help="also one fit under SimpleProfiler: its slowest hooks")
@@ -71,25 +82,25 @@ class _StepClock:
         return StepClock()
 
 
-def mean_step(starts: list[float], warmup: int) -> float:
-    timed = starts[warmup:]
-    return (timed[-1] - timed[0]) / (len(timed) - 1)
+def mean_step(starts: list[float], warmup: int, steps: int) -> float:
+    """Mean time from the start of batch `warmup` to the start of batch `warmup + steps`."""
+    return (starts[warmup + steps] - starts[warmup]) / steps
 
 
 def time_fit(fit_args: list[str], steps: int, warmup: int, save_dir: str, profiler=None) -> float:
-    module, datamodule, trainer = fit_parts(fit_args, warmup + steps, save_dir)
+    module, datamodule, trainer = fit_parts(fit_args, warmup + steps + 1, save_dir)  # + 1: the last timed step's end
     clock = _StepClock()
     trainer.callbacks.append(clock)
     if profiler is not None:
         trainer.profiler = profiler
     trainer.fit(module, datamodule)
-    return mean_step(clock.starts, warmup)
+    return mean_step(clock.starts, warmup, steps)
 
 
 def time_plain(fit_args: list[str], steps: int, warmup: int, save_dir: str) -> float:
     import torch
 
-    module, datamodule, trainer = fit_parts(fit_args, warmup + steps, save_dir)
+    module, datamodule, trainer = fit_parts(fit_args, warmup + steps + 1, save_dir)
     datamodule.prepare_data()
     datamodule.setup("fit")
     optimizer = torch.optim.AdamW(
@@ -101,7 +112,7 @@ def time_plain(fit_args: list[str], steps: int, warmup: int, save_dir: str) -> f
     starts = []
     batches = iter(datamodule.train_dataloader())
     module.train()
-    for _ in range(warmup + steps):
+    for _ in range(warmup + steps + 1):
         starts.append(time.perf_counter())
         loss = module._loss(next(batches))
         loss.backward()
@@ -110,17 +121,48 @@ def time_plain(fit_args: list[str], steps: int, warmup: int, save_dir: str) -> f
         optimizer.step()
         schedule.step()
         optimizer.zero_grad(set_to_none=True)
-    starts.append(time.perf_counter())
-    return mean_step(starts, warmup)
+    return mean_step(starts, warmup, steps)
+
+
+_RESULT = "diffexp-bench-trainer-step-s:"
+
+
+def time_side(side: str, fit_args: list[str], steps: int, warmup: int, save_dir: str, threads: int | None) -> float:
+    """One side's mean step, measured in a fresh Python process (see the module's docstring)."""
+    spec = json.dumps({"side": side, "fit_args": fit_args, "steps": steps, "warmup": warmup, "save_dir": save_dir,
+                       "threads": threads})
+    env = {**os.environ, "TTY_INTERACTIVE": "1", "TTY_COMPATIBLE": "1"}  # the bar renders as in a terminal
+    # the spec on stdin: LightningCLI warns about arguments in sys.argv
+    done = subprocess.run([sys.executable, "-c", f"from {__name__} import side_main; side_main()"], input=spec,
+                          capture_output=True, text=True, env=env)
+    found = [line.split(_RESULT)[-1].split()[0] for line in done.stdout.splitlines() if _RESULT in line]
+    if done.returncode != 0 or not found:  # the bar's cursor codes may share the result's line
+        raise RuntimeError(f"the {side} side of diffexp bench trainer failed (exit {done.returncode}):\n"
+                           f"{done.stderr[-3000:]}")
+    return float(found[-1])
+
+
+def side_main() -> None:
+    """The child process of `time_side`: time one side (its spec on stdin), print the mean step."""
+    spec = json.loads(sys.stdin.read())
+    if spec["threads"] is not None:
+        import torch
+
+        torch.set_num_threads(spec["threads"])
+    timer = time_plain if spec["side"] == "plain" else time_fit
+    step_s = timer(spec["fit_args"], spec["steps"], spec["warmup"], spec["save_dir"])
+    print(f"\n{_RESULT}{step_s!r}", flush=True)
 
 
 def run(args: argparse.Namespace, fit_args: list[str]) -> dict:
     fit_s, plain_s = [], []
+    with tempfile.TemporaryDirectory() as save_dir:
+        fit_parts(fit_args, args.warmup + args.steps + 1, save_dir)  # bad fit arguments stop here, before any work
     with tempfile.TemporaryDirectory() as save_dir, ProgressReporter(total=2 * args.rounds) as progress:
         for r in range(args.rounds):
             for side in (("plain", "fit") if r % 2 == 0 else ("fit", "plain")):
-                timer = time_plain if side == "plain" else time_fit
-                (plain_s if side == "plain" else fit_s).append(timer(fit_args, args.steps, args.warmup, save_dir))
+                step_s = time_side(side, fit_args, args.steps, args.warmup, save_dir, args.threads)
+                (plain_s if side == "plain" else fit_s).append(step_s)
                 progress.advance(f"round {r + 1}/{args.rounds}: {side}")
         profile = None
         if args.profile:
