@@ -32,9 +32,10 @@ class RunReport(L.Callback):
         self.tokens_per_s = []
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        value = trainer.callback_metrics.get("train/tokens_per_s")
-        if value is not None and trainer._logger_connector.should_update_logs:  # a fresh reading
-            self.tokens_per_s.append(float(value))
+        if trainer._logger_connector.should_update_logs:  # a fresh reading (callback_metrics rebuilds a dict)
+            value = trainer.callback_metrics.get("train/tokens_per_s")
+            if value is not None:
+                self.tokens_per_s.append(float(value))
         # the module's loss (the mean over ranks), not `outputs`, which Lightning divides by accumulate_grad_batches;
         # kept here: the final validation replaces the trainer's callback_metrics
         loss = getattr(pl_module, "last_train_loss", None)
