@@ -230,6 +230,22 @@ def test_step_based_runs_show_no_negative_epoch_count():
     assert description(L.Trainer(max_epochs=3, logger=False, enable_checkpointing=False)) == "Epoch 0/2"
     configured = RichProgressBar(refresh_rate=7, leave=True)
     trainer = L.Trainer(max_steps=5, callbacks=[configured], logger=False, enable_checkpointing=False)
-    use_step_progress_bar(trainer)
+    use_step_progress_bar(trainer, [configured])
     bar = trainer.progress_bar_callback
     assert type(bar) is StepProgressBar and (bar.refresh_rate, bar._leave) == (7, True)  # its settings kept
+
+
+def test_the_default_bar_redraws_a_few_times_a_second_and_a_configured_one_as_configured(tmp_path, monkeypatch):
+    """Lightning's default bar (refresh_rate 100) redraws after every step on a thread that competes with training;
+    diffexp fit's redraws twice a second, unless trainer.callbacks configures a bar."""
+    from diffexp.training.cli import build_fit
+    from diffexp.training.progress import DEFAULT_REFRESH_RATE, StepProgressBar
+
+    monkeypatch.chdir(tmp_path)
+    tiny = ["--model.arch.d_model", "32", "--model.arch.n_layers", "1", "--model.arch.n_heads", "2",
+            "--data.seq_len", "32", "--data.max_chars", "40000", "--data.cache_dir", str(tmp_path / "cache")]
+    _, _, trainer = build_fit(tiny)
+    assert type(trainer.progress_bar_callback) is StepProgressBar
+    assert trainer.progress_bar_callback.refresh_rate == DEFAULT_REFRESH_RATE == 2
+    _, _, trainer = build_fit([*tiny, "--trainer.callbacks+=RichProgressBar", "--trainer.callbacks.refresh_rate=20"])
+    assert type(trainer.progress_bar_callback) is StepProgressBar and trainer.progress_bar_callback.refresh_rate == 20

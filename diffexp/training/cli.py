@@ -131,7 +131,8 @@ class DiffexpCLI(LightningCLI):
         trainer = super().instantiate_trainer(**kwargs)
         if type(trainer.strategy.checkpoint_io) is TorchCheckpointIO:  # FSDP's sharded IO is left alone
             trainer.strategy.checkpoint_io = AtomicCheckpointIO()
-        use_step_progress_bar(trainer)
+        configured = self._get(self.config_init, "trainer", default={}).get("callbacks") or []
+        use_step_progress_bar(trainer, configured if isinstance(configured, list) else [configured])
         trainer.callbacks.append(RunReport())
         return trainer
 

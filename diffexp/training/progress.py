@@ -25,9 +25,18 @@ class StepProgressBar(RichProgressBar):
         return f"{f'Epoch {current_epoch}':{width}}"
 
 
-def use_step_progress_bar(trainer) -> None:
-    """Swap a plain RichProgressBar (Lightning's default or a configured one) for StepProgressBar, same settings."""
+#: redraws per second of the bar Lightning adds by default. Lightning's own default (100) redraws after every
+#: step, on a thread that takes a core from training: against it, 2 measured 2.1-2.4 ms (1.2%) faster per step of
+#: the embedded default on 2 cores, and small models gain far more; twice a second is enough to read.
+DEFAULT_REFRESH_RATE = 2
+
+
+def use_step_progress_bar(trainer, configured_callbacks=()) -> None:
+    """Swap a plain RichProgressBar for StepProgressBar: one in `configured_callbacks` (trainer.callbacks as the
+    user configured them) keeps its settings; Lightning's default one redraws DEFAULT_REFRESH_RATE times a second."""
+    configured = {id(callback) for callback in configured_callbacks}
     for i, bar in enumerate(trainer.callbacks):
         if type(bar) is RichProgressBar:
-            trainer.callbacks[i] = StepProgressBar(refresh_rate=bar.refresh_rate, leave=bar._leave, theme=bar.theme,
+            rate = bar.refresh_rate if id(bar) in configured else DEFAULT_REFRESH_RATE
+            trainer.callbacks[i] = StepProgressBar(refresh_rate=rate, leave=bar._leave, theme=bar.theme,
                                                    console_kwargs=bar._console_kwargs)
