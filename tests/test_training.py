@@ -84,6 +84,11 @@ def test_fit_logs_to_tensorboard_and_never_overwrites(tmp_path, monkeypatch):
                 "diag/grad_spikes", "diag/layer_01/act_kurtosis", "diag/layer_00/attn_logit_max", "diag/act_max_abs"):
         assert tag in logged, tag
     assert [step for step, _ in logged["val/loss"]] == [5, 11]
+    # lambda: at the logging steps (log_every_n_steps 2), as train/loss; the diagnostics: at the steps they were
+    # measured (diagnostics.every_n_steps 4), once each
+    assert [s for s, _ in logged["lambda/layer_00"]] == [s for s, _ in logged["train/loss"]] == [1, 3, 5, 7, 9, 11]
+    for tag in ("diag/layer_01/act_kurtosis", "diag/act_max_abs", "diag/attn_sink", "diag/layer_00/attn_sink"):
+        assert [s for s, _ in logged[tag]] == [0, 4, 8], tag
     # AR-Hit / Others split the same tokens as val/loss
     share, hit, other = (logged[t][-1][1] for t in ("val/ar_hit_share", "val/ar_hit_loss", "val/others_loss"))
     assert 0 < share < 1
@@ -249,3 +254,25 @@ def test_the_default_bar_redraws_a_few_times_a_second_and_a_configured_one_as_co
     assert trainer.progress_bar_callback.refresh_rate == DEFAULT_REFRESH_RATE == 2
     _, _, trainer = build_fit([*tiny, "--trainer.callbacks+=RichProgressBar", "--trainer.callbacks.refresh_rate=20"])
     assert type(trainer.progress_bar_callback) is StepProgressBar and trainer.progress_bar_callback.refresh_rate == 20
+
+
+def test_the_bar_gathers_its_metrics_after_a_batch_only_when_a_redraw_is_due(monkeypatch):
+    """Lightning gathers the bar's metrics after every batch; StepProgressBar only every 1 / refresh_rate s (its
+    refresh thread draws no more often), and always at the ends of epochs and validations."""
+    from lightning.pytorch.callbacks import RichProgressBar
+
+    from diffexp.training import progress
+
+    clock, gathered = [0.0], []
+    monkeypatch.setattr(progress, "monotonic", lambda: clock[0])
+    monkeypatch.setattr(RichProgressBar, "_update_metrics", lambda self, trainer, module: gathered.append(clock[0]))
+    monkeypatch.setattr(RichProgressBar, "on_train_batch_end",  # Lightning's: update the bar, gather, refresh
+                        lambda self, trainer, module, *rest: self._update_metrics(trainer, module))
+    bar = progress.StepProgressBar(refresh_rate=2)
+    for t in (100.0, 100.1, 100.4, 100.5, 100.7, 101.2):
+        clock[0] = t
+        bar.on_train_batch_end(None, None, None, None, 0)
+    assert gathered == [100.0, 100.5, 101.2]
+    clock[0] = 101.3
+    bar._update_metrics(None, None)  # an epoch's or a validation's end
+    assert gathered[-1] == 101.3

@@ -27,6 +27,10 @@ from diffexp.model.attention.base import AttentionBase
 from diffexp.model.blocks import DecoderBlock
 from diffexp.training.nonfinite import NonFiniteError
 from diffexp.training.stability import ContextRMS, LossSpikes, attention_sinks, divergence_threshold
+from diffexp.training.step_logs import logs_this_step, write_to_loggers
+
+#: the prefix of the per-layer (and per-head) diagnostics
+PER_LAYER = "diag/layer_"
 
 
 def kurtosis(x: torch.Tensor) -> float:
@@ -109,9 +113,13 @@ class Diagnostics(L.Callback):
             self._losses.append(float(loss))
         if self._recorder is not None:
             recorder, self._recorder = self._recorder, None
-            for name, value in {**recorder.stop(), **self._sinks}.items():
-                pl_module.log(name, value)
-            self._sinks = {}
+            stats, self._sinks = {**recorder.stop(), **self._sinks}, {}
+            # at the step they were measured (self.log would hold them to the next logging step and repeat them at
+            # each one after); dozens of values: see write_to_loggers
+            write_to_loggers(trainer, stats)
+            for name, value in stats.items():
+                if not name.startswith(PER_LAYER):  # the run-wide ones are sweep results and objectives
+                    trainer.callback_metrics[name] = torch.tensor(float(value))
         if trainer.global_step == self._step_seen:  # accumulating gradients: the step is not over yet
             return
         self._step_seen = trainer.global_step
@@ -121,7 +129,7 @@ class Diagnostics(L.Callback):
             self.loss_spikes.update(step_loss)
             self._check_divergence(trainer, pl_module, step_loss)
         # counted every step, logged at the steps Lightning writes (and at a stop, which it writes too)
-        if not trainer._logger_connector.should_update_logs:
+        if not logs_this_step(trainer):
             return
         pl_module.log("diag/grad_spikes", float(self.spikes))
         if self.grad_norm_max is not None:

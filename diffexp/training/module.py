@@ -22,6 +22,7 @@ from diffexp.parallel import FSDP2Strategy, full_value
 from diffexp.training.loss_slices import ar_hit_mask, frequent_bigrams
 from diffexp.training.nonfinite import any_rank, stop_with_last_finite
 from diffexp.training.options import ARHitConfig, OptimConfig
+from diffexp.training.step_logs import logs_this_step, write_to_loggers
 
 
 def _shard_replicas(strategy) -> int:
@@ -40,11 +41,6 @@ def _shard_replicas(strategy) -> int:
     if kind in ("HYBRID_SHARD", "_HYBRID_SHARD_ZERO2"):
         return strategy.num_nodes
     return 0
-
-
-def logs_this_step(trainer) -> bool:
-    """Whether Lightning writes this training step's metrics to the loggers (every trainer.log_every_n_steps)."""
-    return trainer._logger_connector.should_update_logs
 
 
 def warmup_cosine(step: int, warmup_steps: int, total_steps: int, min_ratio: float) -> float:
@@ -169,9 +165,9 @@ class DiffexpLM(L.LightningModule):
         return loss
 
     def _log_step_extras(self, batch) -> None:
-        """tokens/s and lambda, logged here rather than at batch end so that they are among the step's
-        metrics a last.ckpt of this step carries (see training.checkpointing). Only at the steps Lightning
-        writes to the loggers: a self.log costs about as much as a small model's whole step takes in Python."""
+        """tokens/s, logged here rather than at batch end so that it is among the step's metrics a last.ckpt
+        of this step carries (see training.checkpointing). Only at the steps Lightning writes to the loggers:
+        a self.log costs about as much as a small model's whole step takes in Python."""
         now, logs = time.perf_counter(), logs_this_step(self.trainer)
         if self._last_step_time is not None:  # the whole steps since the last reading, callbacks included
             self._tokens_since_log += _batch_size(batch) * (_tokens(batch).shape[1] - 1) * self.trainer.world_size
@@ -179,13 +175,16 @@ class DiffexpLM(L.LightningModule):
                 self.log("train/tokens_per_s", self._tokens_since_log / max(now - self._last_step_time, 1e-9))
         if self._last_step_time is None or logs:
             self._last_step_time, self._tokens_since_log = now, 0
-        if not logs:
-            return
+
+    def _write_traces(self) -> None:
+        """Each layer's lambda (and DINT's learned gamma), as this step's update is about to change them."""
+        traces = {}
         for i, block in enumerate(self.model.blocks):
             if hasattr(block.attn, "lambda_"):  # under FSDP2 from sharded vectors: every rank computes it
-                self.log(f"lambda/layer_{i:02d}", full_value(block.attn.lambda_().detach()))
+                traces[f"lambda/layer_{i:02d}"] = float(full_value(block.attn.lambda_().detach()))
             if isinstance(getattr(block.attn, "gamma", None), torch.nn.Parameter):  # DINT's learned gamma
-                self.log(f"gamma/layer_{i:02d}", full_value(block.attn.gamma.detach()))
+                traces[f"gamma/layer_{i:02d}"] = float(full_value(block.attn.gamma.detach()))
+        write_to_loggers(self.trainer, traces)  # one per layer: see write_to_loggers
 
     def validation_step(self, batch: torch.Tensor, batch_idx: int) -> None:
         losses, mask = self._token_losses(batch)
@@ -302,6 +301,8 @@ class DiffexpLM(L.LightningModule):
                 stop_with_last_finite(self.trainer, self, "train/grad_norm", self.last_grad_norm, self.optim.lr)
             if logs_this_step(self.trainer):
                 self.log("train/grad_norm", norm)
+        if logs_this_step(self.trainer):  # once per optimizer step, after every micro-batch's forward
+            self._write_traces()
 
     def configure_gradient_clipping(self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None) -> None:
         """Clip by the norm on_before_optimizer_step just computed, instead of computing it again (the same

@@ -2,11 +2,39 @@
 
 from __future__ import annotations
 
+import math
+from time import monotonic
+
 from lightning.pytorch.callbacks import RichProgressBar
 
 
 class StepProgressBar(RichProgressBar):
-    """Runs bounded by max_steps have max_epochs = -1, which Lightning's bar shows as "Epoch 0/-2"."""
+    """Runs bounded by max_steps have max_epochs = -1, which Lightning's bar shows as "Epoch 0/-2".
+
+    After a training batch, the metrics shown are gathered again only when the bar is due to redraw (every
+    1 / refresh_rate seconds): Lightning gathers them after every batch, from a result collection it walks
+    whole, while its refresh thread draws a few times a second at most.
+    """
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self._metrics_gathered_at = -math.inf
+        self._after_train_batch = False
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        self._after_train_batch = True
+        try:
+            super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
+        finally:
+            self._after_train_batch = False
+
+    def _update_metrics(self, trainer, pl_module) -> None:
+        now = monotonic()
+        due = self.refresh_rate <= 0 or now - self._metrics_gathered_at >= 1 / self.refresh_rate
+        if self._after_train_batch and not due:
+            return  # the next redraw is not due yet; epoch and validation ends always gather
+        self._metrics_gathered_at = now
+        super()._update_metrics(trainer, pl_module)
 
     def get_metrics(self, trainer, pl_module):
         metrics = super().get_metrics(trainer, pl_module)
