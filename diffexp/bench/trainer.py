@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import statistics
 import subprocess
@@ -173,7 +174,22 @@ def run(args: argparse.Namespace, fit_args: list[str]) -> dict:
             profile = slowest_hooks(profiler)
     overheads = [f / p - 1 for f, p in zip(fit_s, plain_s)]
     return {"plain_step_s": plain_s, "fit_step_s": fit_s, "overhead_per_round": overheads,
-            "overhead": statistics.median(overheads), "profile": profile}
+            "overhead": statistics.median(overheads), "overhead_interval_95": median_interval(overheads),
+            "profile": profile}
+
+
+def median_interval(values: list[float], confidence: float = 0.95) -> list[float] | None:
+    """A distribution-free interval for the median of what `values` sample: order statistics k and n + 1 - k
+    (1-based), k the largest with P(Binomial(n, 1/2) < k) <= (1 - confidence) / 2. None for too few values
+    (fewer than 6 at 95%)."""
+    n, ordered = len(values), sorted(values)
+    k, below = 0, 0.0  # below: P(Binomial(n, 1/2) < k + 1)
+    while True:
+        below += math.comb(n, k) / 2 ** n
+        if below > (1 - confidence) / 2:
+            break
+        k += 1
+    return None if k == 0 else [ordered[k - 1], ordered[n - k]]
 
 
 def slowest_hooks(profiler, top: int = 12) -> list[dict]:
@@ -213,7 +229,10 @@ def main(argv: list[str]) -> int:
     report.write_results(args.json, data)
     rows = [[str(r + 1), f"{1e3 * p:.2f}", f"{1e3 * f:.2f}", f"{100 * o:+.1f}%"] for r, (p, f, o) in
             enumerate(zip(results["plain_step_s"], results["fit_step_s"], results["overhead_per_round"]))]
-    caption = (f"Median overhead {100 * results['overhead']:+.1f}% (diffexp fit / plain loop - 1, per round). "
+    interval = results["overhead_interval_95"]
+    spread = ("" if interval is None else
+              f" (95% interval of the median: {100 * interval[0]:+.1f}% to {100 * interval[1]:+.1f}%)")
+    caption = (f"Median overhead {100 * results['overhead']:+.1f}%{spread} (diffexp fit / plain loop - 1, per round). "
                f"{env['threads']} threads, wall {env['wall_s']:.0f} s. Results: {args.json}" + report.load_note(env))
     report.print_table("diffexp fit vs a plain loop of the same model (mean step, ms)",
                        ["round", "plain", "diffexp fit", "overhead"], rows, caption)

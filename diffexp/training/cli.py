@@ -245,10 +245,14 @@ def run_lightning_cli(args: list[str]) -> None:
 def build_fit(args: list[str]):
     """(module, data module, trainer) exactly as `diffexp fit ARGS` builds them, without training (benchmarks)."""
     quiet_third_party_noise()
-    cli = DiffexpCLI(DiffexpLM, L.LightningDataModule, parser_class=DiffexpArgumentParser,
-                     parser_kwargs={"prog": "diffexp"}, subclass_mode_data=True, seed_everything_default=1234,
-                     trainer_defaults=TRAINER_DEFAULTS, save_config_kwargs={"overwrite": False},
-                     auto_configure_optimizers=False, run=False, args=args)
+    argv, sys.argv = sys.argv, sys.argv[:1]  # ARGS is the command line (LightningCLI warns when both are given)
+    try:
+        cli = DiffexpCLI(DiffexpLM, L.LightningDataModule, parser_class=DiffexpArgumentParser,
+                         parser_kwargs={"prog": "diffexp"}, subclass_mode_data=True, seed_everything_default=1234,
+                         trainer_defaults=TRAINER_DEFAULTS, save_config_kwargs={"overwrite": False},
+                         auto_configure_optimizers=False, run=False, args=args)
+    finally:
+        sys.argv = argv
     return cli.model, cli.datamodule, cli.trainer
 
 
