@@ -8,14 +8,14 @@ Both sides train the model `diffexp fit` would build from the same recipe (the e
 * fit: Lightning's Trainer exactly as `diffexp fit` configures it (callbacks: checkpoints, diagnostics,
   throughput, run report; TensorBoard logging; the progress bar), writing its run into a temporary folder.
 
-A side's step time is the mean over its timed steps (rare work such as the diagnostics every
-`diagnostics.every_n_steps` or a checkpoint counts, spread over the steps), measured from one batch's start to
-the next's; the run's end (its final checkpoint) is not a step and falls outside. Each side of each round runs
-in a fresh Python process, as a real `diffexp fit` does: in one process, later fits ran up to 5% slower than the
-first on the heap and objects the earlier rounds left. The fit's progress bar renders as in an interactive
-terminal (TTY_INTERACTIVE), the costlier case. Rounds alternate the order of the two sides; the overhead is the
-median over rounds of fit / plain - 1. `--profile` adds one more fit, in this process, under Lightning's
-SimpleProfiler and prints its slowest hooks.
+A side's step time is the mean over its timed steps (rare work inside them, such as the diagnostics every
+`diagnostics.every_n_steps`, counts at its real rate), measured from one batch's start to the next's; the run's
+end (its final checkpoint) is not a step and falls outside. Each side of each round runs in a fresh Python
+process, as a real `diffexp fit` does: in one process, later fits ran up to 5% slower than the first on the heap
+and objects the earlier rounds left. The fit's progress bar renders as in an interactive terminal
+(TTY_INTERACTIVE), the costlier case. Rounds alternate the order of the two sides; the overhead is the median
+over rounds of fit / plain - 1, with a distribution-free 95% interval of that median. `--profile` adds one more
+fit, in this process, under Lightning's SimpleProfiler and prints its slowest hooks.
 """
 
 from __future__ import annotations
