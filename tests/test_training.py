@@ -276,3 +276,30 @@ def test_the_bar_gathers_its_metrics_after_a_batch_only_when_a_redraw_is_due(mon
     clock[0] = 101.3
     bar._update_metrics(None, None)  # an epoch's or a validation's end
     assert gathered[-1] == 101.3
+
+
+def test_a_run_ending_off_the_logging_grid_ends_with_its_last_steps_values(tmp_path, monkeypatch):
+    """Per-step metrics are logged every trainer.log_every_n_steps, and at the last step: callback_metrics, where
+    sweeps read a run's results, ends with the last step's train loss and the diagnostics' final counts."""
+    from diffexp.training.cli import build_fit
+
+    monkeypatch.chdir(tmp_path)
+    module, data, trainer = build_fit([
+        "--model.arch.d_model", "32", "--model.arch.n_layers", "1", "--model.arch.n_heads", "2",
+        "--data.seq_len", "32", "--data.batch_size", "2", "--data.max_chars", "40000",
+        "--data.cache_dir", str(tmp_path / "cache"), "--trainer.max_steps", "5", "--trainer.log_every_n_steps", "3",
+        "--trainer.limit_val_batches", "0", "--trainer.enable_progress_bar", "false"])
+    losses = []
+
+    class LastLoss(L.Callback):
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            losses.append(float(pl_module.last_train_loss))
+
+    trainer.callbacks.append(LastLoss())
+    trainer.fit(module, data)
+    assert len(losses) == 5
+    assert float(trainer.callback_metrics["train/loss"]) == losses[-1] != losses[2]  # not step 2's (logged)
+    for key in ("diag/loss_spikes", "diag/grad_spikes", "train/grad_norm"):
+        assert key in trainer.callback_metrics, key
+    logged = scalars(Path(trainer.log_dir))
+    assert [s for s, _ in logged["train/loss"]] == [2]  # Lightning writes only its logging steps

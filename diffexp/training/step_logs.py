@@ -7,8 +7,13 @@ from __future__ import annotations
 
 
 def logs_this_step(trainer) -> bool:
-    """Whether Lightning writes this training step's metrics to the loggers (every trainer.log_every_n_steps)."""
-    return trainer._logger_connector.should_update_logs
+    """Whether this training step logs its per-step metrics: at the steps Lightning writes to the loggers (every
+    trainer.log_every_n_steps), and at the run's last step (trainer.max_steps), so that `callback_metrics`, where
+    sweeps read a run's results, ends with the last step's values and not those of an earlier logging step."""
+    if trainer._logger_connector.should_update_logs:
+        return True
+    # the same for every micro-batch of the step: Lightning counts the step after its metrics are logged
+    return 0 < trainer.max_steps <= trainer.fit_loop.epoch_loop._batches_that_stepped + 1
 
 
 def write_to_loggers(trainer, metrics: dict[str, float]) -> None:
