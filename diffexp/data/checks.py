@@ -19,7 +19,8 @@ SNIFF_BYTES = 16 * 1024  # enough to tell text from binary and UTF-8 from not, a
 RECORD_BYTES = 1 << 20  # how far to read when the first JSON record is longer than that
 TEXT_CONTROL = frozenset(b"\t\n\v\f\r\b\x1b")  # control bytes ordinary text files do hold
 PARQUET_MAGIC = b"PAR1"
-TOKENIZER_CHOICES = "expected 'byte', 'bpe' or a path to an existing tokenizer.json file"
+TOKENIZER_CHOICES = ("expected 'byte', 'bpe', a path to an existing tokenizer.json file, or a Hugging Face Hub "
+                     "tokenizer name (online only)")
 
 
 def _prefix(path: Path, size: int) -> tuple[bytes, bool]:
@@ -192,7 +193,8 @@ def first_bad_utf8(files: Sequence[Path]) -> tuple[Path, str] | None:
 
 
 def tokenizer_path(spec: str) -> Path | None:
-    """Validate data.tokenizer: None for 'byte'/'bpe', else the path of an existing tokenizer.json file."""
+    """Validate data.tokenizer: the path of an existing tokenizer.json file, or None for 'byte', 'bpe' and a
+    name that is no path (a Hub tokenizer, checked when it is loaded)."""
     if spec in ("byte", "bpe"):
         return None
     path = Path(spec).expanduser()
@@ -201,10 +203,15 @@ def tokenizer_path(spec: str) -> Path | None:
         hint = f"; did you mean {str(inside)!r}?" if inside.is_file() else ""
         raise UserError(f"data.tokenizer={spec!r}: {path} is a directory, not a tokenizer.json file{hint}")
     if not path.is_file():
-        looks_like_path = "/" in spec or "\\" in spec or spec.endswith(".json")
-        problem = "no such file" if looks_like_path else "unknown tokenizer"
-        raise UserError(f"data.tokenizer={spec!r}: {problem}; {TOKENIZER_CHOICES}")
+        if looks_like_path(spec):
+            raise UserError(f"data.tokenizer={spec!r}: no such file; {TOKENIZER_CHOICES}")
+        return None
     return path.resolve()
+
+
+def looks_like_path(spec: str) -> bool:
+    """A tokenizer setting that names a file; a Hub repository is 'name' or 'org/name'."""
+    return spec.endswith(".json") or spec.startswith((".", "/", "~")) or "\\" in spec or spec.count("/") > 1
 
 
 def tokenizer_error(spec: str, path: Path, err: Exception) -> UserError:

@@ -1,13 +1,11 @@
-"""``TextDataModule``: documents -> tokenizer -> packed rows of ``seq_len + 1`` token ids -> batches.
+"""``TextDataModule``: token shards -> rows of ``seq_len + 1`` token ids -> batches.
 
-Expensive steps are cached under ``cache_dir`` and reused by later runs:
-
-* ``tokenizers/bpe-<key>.json``: the BPE trained on the training split
-  (key: source fingerprint, text field, ``max_chars``, split, ``bpe_vocab_size``);
-* ``packed/<key>/{train,val,test}.npy`` + ``meta.json``: the packed rows
-  (key: the same corpus identity, the tokenizer identity and ``seq_len``).
-
-Cache keys use file paths, sizes and mtimes, so editing a data file invalidates them.
+``data.source`` names either a directory written by ``diffexp data prepare``, read as it is, or a raw source
+(the embedded corpus, local files, a Hub dataset), which the same preparation code (``diffexp.data.prepare``)
+turns into ``cache_dir/prepared/<key>/`` the first time and which later runs reuse (key: the source's files
+with their sizes and mtimes, so an edited file is prepared anew; the text field, ``max_chars``, the split
+settings and the tokenizer). Rows are cut from a split's token stream when read, so another ``seq_len`` needs
+no new preparation. Every shard is checked against the manifest (size, SHA-256) before training.
 """
 
 from __future__ import annotations
@@ -16,6 +14,8 @@ import hashlib
 import json
 import logging
 import os
+import shlex
+import sys
 from functools import cached_property
 from pathlib import Path
 
@@ -26,24 +26,34 @@ from torch.utils.data import DataLoader
 
 from diffexp.data import checks, sources
 from diffexp.data.loader import PackedRows, collate_rows, resumable_train_loader
-from diffexp.data.packing import encode_documents, held_out_split, pack_rows, save_atomic
-from diffexp.data.tokenizer import ByteTokenizer, TextTokenizer, load_or_train_bpe, load_tokenizer_file
+from diffexp.data.prepare import BPE_SAMPLE_CHARS, SETTINGS, Plan, prepare, unit_splits
+from diffexp.data.prepared import Prepared, open_prepared
+from diffexp.data.shards import MANIFEST
+from diffexp.data.tokenizer import TextTokenizer
+from diffexp.data.units import plan_units, unit_documents
 from diffexp.errors import UserError
 
 log = logging.getLogger(__name__)
 
-CACHE_FORMAT = 2  # bump when the cached layout or packing rules change (2: a test split of its own)
-
-
+CACHE_FORMAT = 3  # bump when the prepared layout or the split rule changes (3: token shards, split by hash)
 SPLITS = ("train", "val", "test")
+# settings a prepared directory fixes itself (its manifest), so they are not read with one
+FIXED_BY_PREPARATION = {"text_field": "text", "tokenizer": "byte", "bpe_vocab_size": 4096, "val_fraction": 0.05,
+                        "test_fraction": 0.05, "max_chars": None}
 
 
 def _short_hash(*parts: object) -> str:
     return hashlib.sha256(json.dumps(parts, default=str).encode()).hexdigest()[:16]
 
 
+def launched_externally() -> int | None:
+    """The world size when torchrun / srun started this process together with others (None otherwise)."""
+    world = int(os.environ.get("WORLD_SIZE", "1") or 1)
+    return world if world > 1 and "LOCAL_RANK" in os.environ else None
+
+
 class TextDataModule(L.LightningDataModule):
-    """Language-modelling batches from the stdlib corpus, local files or a Hub dataset.
+    """Language-modelling batches from a prepared directory, the stdlib corpus, local files or a Hub dataset.
 
     Batches are ``torch.long`` tensors of shape ``(batch_size, seq_len + 1)``; the model uses
     ``batch[:, :-1]`` as inputs and ``batch[:, 1:]`` as targets. Every document is followed by
@@ -51,23 +61,28 @@ class TextDataModule(L.LightningDataModule):
     saved in Lightning checkpoints); validation and test read their own held-out documents, in order.
 
     Args:
-        source: "stdlib" (the Python standard library sources shipped with the interpreter; no
-            download), a local .txt/.jsonl/.json/.parquet file, a directory or glob of them, or
-            "hf:<name>" / "hf:<name>:<config>" for a Hugging Face Hub dataset (needs network).
+        source: a directory written by `diffexp data prepare` (its manifest fixes the tokenizer and the
+            splits: text_field, tokenizer, bpe_vocab_size, val_fraction, test_fraction and max_chars are not
+            read), "stdlib" (the Python standard library sources shipped with the interpreter; no download), a
+            local .txt/.jsonl/.json/.parquet file, a directory or glob of them, or "hf:<name>" /
+            "hf:<name>:<config>" for a Hugging Face Hub dataset (needs network). A raw source is prepared into
+            cache_dir on first use.
         text_field: Column holding the text in .json/.jsonl/.parquet and Hub datasets.
-        tokenizer: "byte" (UTF-8 bytes + end-of-document id, vocab 257), "bpe" (byte-level BPE
-            trained on the training split and cached), or a path to a tokenizer.json file.
+        tokenizer: "byte" (UTF-8 bytes + end-of-document id, vocab 257), "bpe" (byte-level BPE trained on up
+            to 32 M characters of training documents and cached), a path to a tokenizer.json file, or a Hub
+            tokenizer name (needs network).
         bpe_vocab_size: Target vocabulary size when ``tokenizer="bpe"`` (at least 257).
         seq_len: Tokens the model sees per row; rows hold ``seq_len + 1`` tokens.
         batch_size: Rows per batch.
-        val_fraction: Fraction of documents held out for validation, in (0, 1).
+        val_fraction: Fraction of documents held out for validation, in (0, 1), chosen by a hash of each
+            document's text keyed by seed.
         test_fraction: Fraction of documents held out for ``diffexp test``, disjoint from the validation
             ones, in [0, 1) (0: no test split).
         max_chars: Cap on corpus characters (documents in order, the last one truncated).
             None means everything, except for "stdlib" where it means 8 M characters.
         num_workers: DataLoader worker processes (0 loads in the main process).
-        cache_dir: Directory for the trained tokenizer, packed rows and Hub downloads.
-        seed: Seeds the train/val document split and the per-epoch shuffle order.
+        cache_dir: Directory for prepared raw sources and Hub downloads.
+        seed: Seeds the held-out split of a raw source and the per-epoch shuffle order.
     """
 
     def __init__(
@@ -88,29 +103,12 @@ class TextDataModule(L.LightningDataModule):
         super().__init__()
         self.save_hyperparameters()
         # Validate everything up front so a bad config fails before any data work or model building starts.
-        self.source = sources.resolve_source(source)
-        tokenizer_file = checks.tokenizer_path(tokenizer)
-        if tokenizer == "bpe" and bpe_vocab_size < 257:
-            raise UserError(
-                f"data.bpe_vocab_size={bpe_vocab_size}: must be >= 257 (256 byte symbols + <|endoftext|>)"
-            )
         if seq_len <= 0:
             raise UserError(f"data.seq_len={seq_len}: must be a positive integer")
         if batch_size <= 0:
             raise UserError(f"data.batch_size={batch_size}: must be a positive integer")
-        if not 0.0 < val_fraction < 1.0:
-            raise UserError(f"data.val_fraction={val_fraction}: must be strictly between 0 and 1")
-        if not 0.0 <= test_fraction < 1.0 or val_fraction + test_fraction >= 1.0:
-            raise UserError(f"data.test_fraction={test_fraction}: must be in [0, 1) and leave documents for "
-                            f"training beside data.val_fraction={val_fraction}")
-        if max_chars is not None and max_chars <= 0:
-            raise UserError(f"data.max_chars={max_chars}: must be a positive integer or None")
         if num_workers < 0:
             raise UserError(f"data.num_workers={num_workers}: must be >= 0")
-        sources.check_source(self.source, text_field)  # a prefix of each file: empty, binary, not UTF-8, no field
-        # Loaded now (it is needed anyway for the vocabulary size), so a bad file fails here.
-        self._file_tokenizer = load_tokenizer_file(tokenizer_file, tokenizer) if tokenizer_file else None
-
         self.text_field = text_field
         self.tokenizer_spec = tokenizer
         self.bpe_vocab_size = bpe_vocab_size
@@ -122,129 +120,177 @@ class TextDataModule(L.LightningDataModule):
         self.num_workers = num_workers
         self.cache_dir = Path(cache_dir).expanduser()
         self.seed = seed
+        self.prepared_source = self._prepared_source(source)
+        if self.prepared_source is None:
+            self._check_raw_settings(source)
 
         self.tokenizer_trained = False  # True when this instance trained the BPE (not loaded it)
-        self.packed_from_cache: bool | None = None  # set by prepare_data/setup
-        self.train_rows: np.ndarray | None = None
-        self.val_rows: np.ndarray | None = None
-        self.test_rows: np.ndarray | None = None
+        self.prepared_from_cache: bool | None = None  # set once the data is prepared or found
+        self.train_rows = self.val_rows = self.test_rows = None
         self.meta: dict = {}
-        self._documents: list[str] | None = None
 
-    # ----------------------------------------------------------------- corpus and tokenizer
+    def _prepared_source(self, source: str) -> Path | None:
+        path = Path(source).expanduser()
+        if not (path.is_dir() and ((path / MANIFEST).is_file() or (path / SETTINGS).is_file())):
+            return None
+        unread = {key: getattr(self, key) for key, default in FIXED_BY_PREPARATION.items()
+                  if getattr(self, key) != default}
+        if unread:
+            settings = ", ".join(f"data.{key}={value!r}" for key, value in unread.items())
+            print(f"warning: data.source={source!r} is a prepared directory, whose manifest fixes the tokenizer and "
+                  f"the splits: {settings} is not read", file=sys.stderr)
+        self.source = sources.Source(source, "prepared")
+        return path
+
+    def _check_raw_settings(self, source: str) -> None:
+        self.source = sources.resolve_source(source)
+        tokenizer_file = checks.tokenizer_path(self.tokenizer_spec)
+        if self.tokenizer_spec == "bpe" and self.bpe_vocab_size < 257:
+            raise UserError(f"data.bpe_vocab_size={self.bpe_vocab_size}: must be >= 257 (256 byte symbols + "
+                            "<|endoftext|>)")
+        if not 0.0 < self.val_fraction < 1.0:
+            raise UserError(f"data.val_fraction={self.val_fraction}: must be strictly between 0 and 1")
+        if not 0.0 <= self.test_fraction < 1.0 or self.val_fraction + self.test_fraction >= 1.0:
+            raise UserError(f"data.test_fraction={self.test_fraction}: must be in [0, 1) and leave documents for "
+                            f"training beside data.val_fraction={self.val_fraction}")
+        if self.max_chars is not None and self.max_chars <= 0:
+            raise UserError(f"data.max_chars={self.max_chars}: must be a positive integer or None")
+        sources.check_source(self.source, self.text_field)  # a prefix of each file: empty, binary, not UTF-8, no field
+        self._tokenizer_identity = self.tokenizer_spec
+        if self.tokenizer_spec not in ("byte", "bpe"):  # a bad file or name fails here; its content is its identity
+            from diffexp.data.prepare import load_named_tokenizer
+
+            named = str(tokenizer_file) if tokenizer_file is not None else self.tokenizer_spec
+            text = load_named_tokenizer(named, "data.tokenizer")[1]
+            self._tokenizer_identity = f"file-{hashlib.sha256(text.encode()).hexdigest()[:16]}"
+
+    # ----------------------------------------------------------------- preparation
+
+    def _plan(self) -> Plan:
+        return Plan(self.source, self.text_field, self.max_chars, self.tokenizer_spec, self.bpe_vocab_size,
+                    BPE_SAMPLE_CHARS, self.seed, self.val_fraction, self.test_fraction,
+                    hf_cache_dir=str(self.cache_dir / "hf_datasets"))
+
+    @property
+    def prepared_dir(self) -> Path:
+        """The prepared directory training reads: the source itself, or this raw source's cache entry."""
+        if self.prepared_source is not None:
+            return self.prepared_source
+        bpe = (self.bpe_vocab_size, BPE_SAMPLE_CHARS) if self.tokenizer_spec == "bpe" else None
+        key = _short_hash(CACHE_FORMAT, sources.fingerprint(self.source), self.text_field, self.max_chars,
+                          self.val_fraction, self.test_fraction, self.seed, self._tokenizer_identity, bpe)
+        return self.cache_dir / "prepared" / key
+
+    def prepare_command(self) -> str:
+        """The `diffexp data prepare` command that makes this raw source's cache entry."""
+        words = ["diffexp", "data", "prepare", self.source.spec, str(self.prepared_dir),
+                 "--tokenizer", self.tokenizer_spec]
+        if self.tokenizer_spec == "bpe":
+            words += ["--bpe-vocab-size", str(self.bpe_vocab_size)]
+        for flag, value, default in (("--text-field", self.text_field, "text"), ("--max-chars", self.max_chars, None),
+                                     ("--seed", self.seed, 1234), ("--val-fraction", self.val_fraction, 0.05),
+                                     ("--test-fraction", self.test_fraction, 0.05)):
+            if value != default:
+                words += [flag, str(value)]
+        return shlex.join(words)
+
+    def ensure_prepared(self) -> None:
+        """Prepare a raw source into the cache unless it is there. Run before any other process starts: a
+        process that torchrun or srun started beside others refuses instead, with the command to run first."""
+        directory = self.prepared_dir
+        self.prepared_from_cache = (directory / MANIFEST).is_file()
+        if self.prepared_source is not None or self.prepared_from_cache:
+            return
+        world = launched_externally()
+        if world is not None:
+            raise UserError(
+                f"data.source={self.source.spec!r} is not prepared yet, and this is one of {world} processes a launcher "
+                "(torchrun, srun) started: preparing it here would hold every other process at a barrier. Prepare it "
+                f"once, then launch again:\n  {self.prepare_command()}\n(or prepare into a directory of your choice "
+                "with `diffexp data prepare` and train with --data.source DIR)")
+        log.info("preparing %s with tokenizer %s into %s", self.source.spec, self.tokenizer_spec, directory)
+        prepare(self._plan(), directory, progress=True, command=f"the next `diffexp fit` on data.source="
+                f"{self.source.spec} (delete {directory} first)")
+        self.tokenizer_trained = self.tokenizer_spec == "bpe"
 
     @cached_property
-    def corpus_key(self) -> str:
-        """Identity of the documents and their split (cheap: no file contents are read)."""
-        return _short_hash(
-            CACHE_FORMAT, sources.fingerprint(self.source), self.text_field, self.max_chars,
-            self.val_fraction, self.test_fraction, self.seed,
-        )  # fmt: skip
+    def prepared(self) -> Prepared:
+        """The prepared data, checked: sizes in every process, SHA-256 once per machine (its first process)."""
+        self.ensure_prepared()
+        directory = self.prepared_dir
+        if self.prepared_source is None:
+            log.info("reusing prepared %s", directory) if self.prepared_from_cache else None
+            rebuild = f"delete {directory} and run again: it is prepared anew"
+            key = "data.cache_dir"
+        else:
+            rebuild, key = None, "data.source"
+        checksums = int(os.environ.get("LOCAL_RANK", "0") or 0) == 0
+        return open_prepared(directory, key, checksums=checksums, rebuild=rebuild)
 
-    def documents(self) -> list[str]:
-        """All documents of the (capped) corpus, loaded once per instance."""
-        if self._documents is None:
-            log.info("loading documents from %s", self.source.spec)
-            hf_cache = str(self.cache_dir / "hf_datasets")
-            self._documents = sources.load_documents(self.source, self.text_field, self.max_chars, hf_cache)
-            if not self._documents:
-                field = "" if self.source.kind == "stdlib" else f" (data.text_field={self.text_field!r})"
-                raise UserError(f"data.source={self.source.spec!r}: no text at all: every document{field} is "
-                                "empty or whitespace; expected text to train on")
-        return self._documents
-
-    def splits(self) -> dict[str, list[str]]:
-        """Train, validation and test documents (disjoint; deterministic given ``seed``)."""
-        documents = self.documents()
-        try:
-            ids = held_out_split(len(documents), self.val_fraction, self.test_fraction, self.seed)
-        except ValueError as error:
-            hint = "raise data.max_chars" if self.max_chars else "add text; .txt files split at blank lines"
-            raise UserError(f"data.source={self.source.spec!r}: {error} ({hint})") from None
-        return {name: [documents[i] for i in part] for name, part in zip(SPLITS, ids, strict=True)}
-
-    def split(self) -> tuple[list[str], list[str]]:
-        """Train and validation documents (see ``splits`` for the test documents too)."""
-        splits = self.splits()
-        return splits["train"], splits["val"]
-
-    @cached_property
+    @property
     def tokenizer(self) -> TextTokenizer:
-        """The tokenizer; for "bpe" trained on the training split on first use, then cached."""
-        if self.tokenizer_spec == "byte":
-            return ByteTokenizer()
-        if self._file_tokenizer is not None:
-            return self._file_tokenizer
-        key = _short_hash(self.corpus_key, self.bpe_vocab_size)
-        path = self.cache_dir / "tokenizers" / f"bpe-{key}.json"
-
-        def training_texts() -> list[str]:
-            log.info("training a %d-token byte-level BPE on the training split", self.bpe_vocab_size)
-            return self.splits()["train"]
-
-        tokenizer, self.tokenizer_trained = load_or_train_bpe(
-            path, training_texts, self.bpe_vocab_size, f"bpe-{key}"
-        )
-        if not self.tokenizer_trained:
-            log.info("reusing cached tokenizer %s", path)
-        return tokenizer
+        return self.prepared.tokenizer
 
     @property
     def vocab_size(self) -> int:
-        """Vocabulary size for the model's embedding (may train/load the BPE on first access)."""
+        """Vocabulary size for the model's embedding (prepares the data on first access)."""
         return self.tokenizer.vocab_size
 
     @property
     def eos_id(self) -> int:
         return self.tokenizer.eos_id
 
-    # ----------------------------------------------------------------- packed rows
+    # ----------------------------------------------------------------- documents (small corpora, evaluations)
 
-    @property
-    def packed_dir(self) -> Path:
-        return self.cache_dir / "packed" / _short_hash(self.corpus_key, self.tokenizer.identity, self.seq_len)
+    def documents(self) -> list[str]:
+        """Every document of a raw source, in order (reads it whole: for small corpora)."""
+        if self.prepared_source is not None:
+            raise UserError(f"data.source={self.source.spec!r} is a prepared directory: its documents are read per "
+                            "split (splits())")
+        hf_cache = str(self.cache_dir / "hf_datasets")
+        units = plan_units(self.source, self.text_field, self.max_chars, hf_cache)
+        documents = [text for unit in units for text in unit_documents(unit, self.source, self.text_field, hf_cache)]
+        if not documents:
+            field = "" if self.source.kind == "stdlib" else f" (data.text_field={self.text_field!r})"
+            raise UserError(f"data.source={self.source.spec!r}: no text at all: every document{field} is "
+                            "empty or whitespace; expected text to train on")
+        return documents
+
+    def splits(self) -> dict[str, list[str]]:
+        """Train, validation and test documents (disjoint; the same rule the preparation applies)."""
+        if self.prepared_source is not None:
+            return {split: list(self.prepared.texts(split)) for split in SPLITS}
+        self.documents()  # an empty corpus is explained as such
+        hf_cache = str(self.cache_dir / "hf_datasets")
+        found: dict[str, list[str]] = {split: [] for split in SPLITS}
+        for unit in plan_units(self.source, self.text_field, self.max_chars, hf_cache):
+            for split, text in unit_splits(unit, self.source, self.text_field, hf_cache, self.seed,
+                                           self.val_fraction, self.test_fraction):
+                found[split].append(text)
+        return found
+
+    def split(self) -> tuple[list[str], list[str]]:
+        """Train and validation documents (see ``splits`` for the test documents too)."""
+        splits = self.splits()
+        return splits["train"], splits["val"]
+
+    # ----------------------------------------------------------------- rows
 
     def prepare_data(self) -> None:
-        """Tokenize and pack into ``cache_dir`` unless a matching cache exists (rank 0 only under DDP)."""
-        self._build_or_load()
+        """Prepare or find the data and check it (the first process of each machine)."""
+        self.prepared  # noqa: B018
 
     def setup(self, stage: str | None = None) -> None:
-        if self.train_rows is None:
-            self._build_or_load()
-
-    def _build_or_load(self) -> None:
-        directory = self.packed_dir
-        meta_path = directory / "meta.json"
-        self.packed_from_cache = meta_path.is_file()  # meta.json is written last: its presence means complete
-        if self.packed_from_cache:
-            log.info("reusing cached packed rows %s", directory)
-        else:
-            log.info(
-                "tokenizing %s with %s into rows of %d tokens",
-                self.source.spec,
-                self.tokenizer.identity,
-                self.seq_len + 1,
-            )
-            self._tokenize_and_pack(directory)
-        self.meta = json.loads(meta_path.read_text())
-        # Memory-mapped: cheap to open, shared by forked DataLoader workers.
-        self.train_rows = np.load(directory / "train.npy", mmap_mode="r")
-        self.val_rows = np.load(directory / "val.npy", mmap_mode="r")
-        self.test_rows = np.load(directory / "test.npy", mmap_mode="r")
+        if self.train_rows is not None:
+            return
+        prepared = self.prepared
+        self.train_rows, self.val_rows, self.test_rows = (prepared.rows(split, self.seq_len) for split in SPLITS)
+        splits = prepared.manifest["splits"]
+        self.meta = {"source": self.source.spec, "tokenizer": prepared.tokenizer.identity, "seq_len": self.seq_len,
+                     **{split: {"documents": splits[split]["documents"], "tokens": splits[split]["tokens"],
+                                "rows": len(rows)}
+                        for split, rows in zip(SPLITS, (self.train_rows, self.val_rows, self.test_rows))}}
         self._check_enough_rows()
-
-    def _tokenize_and_pack(self, directory: Path) -> None:
-        directory.mkdir(parents=True, exist_ok=True)
-        meta = {"source": self.source.spec, "tokenizer": self.tokenizer.identity, "seq_len": self.seq_len}
-        for name, docs in self.splits().items():
-            stream = encode_documents(docs, self.tokenizer)
-            rows = pack_rows(stream, self.seq_len)
-            save_atomic(directory / f"{name}.npy", rows)
-            meta[name] = {"documents": len(docs), "tokens": int(len(stream)), "rows": int(len(rows))}
-        tmp = directory / f"meta.json.{os.getpid()}.tmp"
-        tmp.write_text(json.dumps(meta, indent=2))
-        tmp.replace(directory / "meta.json")
-        self._documents = None  # packed now: drop the text rather than copy it into forked workers
 
     def _check_enough_rows(self) -> None:
         assert self.train_rows is not None and self.val_rows is not None
@@ -290,7 +336,7 @@ class TextDataModule(L.LightningDataModule):
     def test_dataloader(self) -> DataLoader:
         self.setup("test")
         assert self.test_rows is not None
-        if self.test_fraction == 0:
+        if self.prepared.manifest["split"]["test_fraction"] == 0:
             raise UserError("data.test_fraction=0: this data has no test split; set it above 0 (e.g. 0.05)")
         if len(self.test_rows) == 0:
             raise UserError(
