@@ -16,14 +16,23 @@ import sys
 from pathlib import Path
 
 from diffexp.errors import UserError, guarded
-from diffexp.training.cli import DiffexpCLI, parse_config, run_lightning_cli
 
-__all__ = ["DiffexpCLI", "SUBCOMMANDS", "main", "parse_config"]
+__all__ = ["SUBCOMMANDS", "main"]  # and, loaded on first use: DiffexpCLI, parse_config
+
+
+def __getattr__(name: str):
+    # lazy: `diffexp data` and the other light subcommands start without Lightning
+    if name in ("DiffexpCLI", "parse_config", "run_lightning_cli"):
+        from diffexp.training import cli
+
+        return getattr(cli, name)
+    raise AttributeError(f"module 'diffexp.cli' has no attribute {name!r}")
 
 SUBCOMMANDS = {
     "fit": "train a model (a recipe: --config recipes/tiny/<variant>.yaml; resume: --ckpt_path last)",
     "validate": "validation loss of a checkpoint (--config <run>/config.yaml --ckpt_path CKPT)",
     "test": "loss on the held-out test split of a checkpoint",
+    "data": "prepare a corpus as token shards once, on every core (diffexp data prepare SOURCE OUT); inspect it",
     "sweep": "run an ablation table of fits through an Optuna study (--config sweeps/<name>.yaml)",
     "compare": "tabulate and plot a sweep's runs, the papers' way (diffexp compare runs/<study>)",
     "eval": "the papers' evaluations on a checkpoint (needle, icl, mqar, nll)",
@@ -107,6 +116,10 @@ def _main(args: list[str] | None = None) -> None:
     if argv[0] == "variants":
         sys.stdout.write(describe_variants())
         return
+    if argv[0] == "data":
+        from diffexp.data.cli import main as data_main
+
+        sys.exit(data_main(argv[1:]))
     if argv and argv[0] == "sweep":
         from diffexp.sweep.runner import main as sweep_main
 
@@ -135,6 +148,8 @@ def _main(args: list[str] | None = None) -> None:
         from diffexp.compare.params import main as params_main
 
         sys.exit(params_main(argv[1:]))
+    from diffexp.training.cli import run_lightning_cli
+
     run_lightning_cli(args)
 
 

@@ -33,9 +33,9 @@ def usage() -> str:
              "Cost of each registered attention variant relative to the reference variant, measured side by side",
              f"in one run. With no KIND (or options first) the kind is {DEFAULT_KIND}.", "", "kinds:"]
     lines += [f"  {kind:<{width}}  {kind_module(kind).ABOUT}" for kind in KINDS]
-    from diffexp.bench import trainer
+    from diffexp.bench import data, trainer
 
-    lines += [f"  {trainer.NAME:<{width}}  {trainer.ABOUT}"]
+    lines += [f"  {trainer.NAME:<{width}}  {trainer.ABOUT}", f"  {data.NAME:<{width}}  {data.ABOUT}"]
     lines += ["", "`diffexp bench KIND --help` lists the options of a kind."]
     return "\n".join(lines) + "\n"
 
@@ -56,8 +56,12 @@ def _run(argv: list[str]) -> int:
         from diffexp.bench.trainer import main as trainer_main
 
         return trainer_main(argv[1:])
+    if argv[0] == "data":  # the data preparation, not the model (diffexp.bench.data)
+        from diffexp.bench.data import main as data_main
+
+        return data_main(argv[1:])
     if argv[0] not in KINDS:
-        raise UserError(f"diffexp bench KIND: got {argv[0]!r}; expected one of {', '.join([*KINDS, 'trainer'])} "
+        raise UserError(f"diffexp bench KIND: got {argv[0]!r}; expected one of {', '.join([*KINDS, 'trainer', 'data'])} "
                         "(`diffexp bench --help` describes them)")
     return run_kind(kind_module(argv[0]), argv[1:])
 

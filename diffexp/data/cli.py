@@ -11,7 +11,6 @@ Training reads the result with ``--data.source data/corpus``.
 from __future__ import annotations
 
 import argparse
-import json
 import shlex
 import sys
 from pathlib import Path
@@ -55,6 +54,8 @@ def _parser() -> argparse.ArgumentParser:
     prepare.add_argument("--of", type=int, default=1, help="the number of machines preparing parts")
     prepare.add_argument("--shard-tokens", type=int, default=None, help="most tokens per shard file "
                          "(default: 2^27)")
+    prepare.add_argument("--unit-mb", type=float, default=None, help="MiB of source per unit of work, the "
+                         "granularity of parallel work and of a resume (default: the corpus / 64, within 8-256)")
     prepare.add_argument("--cache-dir", default=".cache/diffexp", help="where Hub datasets are cached")
     prepare.add_argument("--no-progress", action="store_true", help="no progress bar")
     join = commands.add_parser("join", help="write the manifest once every part's units are in OUT")
@@ -83,9 +84,13 @@ def _positive(name: str, value: int | None) -> None:
         raise UserError(f"{name}={value} is invalid: expected a positive integer")
 
 
+OUT_PLACEHOLDER = "{directory}"  # the manifest names no path of its own: a copy elsewhere is the same bytes
+
+
 def canonical_command(args: argparse.Namespace) -> str:
-    """The command that rebuilds this preparation: every setting that decides the bytes, no --part/--num-proc."""
-    words = ["diffexp", "data", "prepare", args.source, args.out, "--tokenizer", args.tokenizer]
+    """The command that rebuilds this preparation: every setting that decides the bytes, no --part/--num-proc,
+    and ``{directory}`` for OUT."""
+    words = ["diffexp", "data", "prepare", args.source, OUT_PLACEHOLDER, "--tokenizer", args.tokenizer]
     if args.tokenizer == "bpe":
         words += ["--bpe-vocab-size", str(args.bpe_vocab_size)]
         if args.bpe_sample_chars is not None:
@@ -94,7 +99,7 @@ def canonical_command(args: argparse.Namespace) -> str:
                                  ("--max-chars", args.max_chars, None), ("--seed", args.seed, DEFAULTS["seed"]),
                                  ("--val-fraction", args.val_fraction, DEFAULTS["val_fraction"]),
                                  ("--test-fraction", args.test_fraction, DEFAULTS["test_fraction"]),
-                                 ("--shard-tokens", args.shard_tokens, None)):
+                                 ("--shard-tokens", args.shard_tokens, None), ("--unit-mb", args.unit_mb, None)):
         if value != default:
             words += [flag, str(value)]
     return shlex.join(words)
@@ -107,6 +112,8 @@ def _prepare(args: argparse.Namespace) -> int:
     for name, value in (("--bpe-sample-chars", args.bpe_sample_chars), ("--max-chars", args.max_chars),
                         ("--num-proc", args.num_proc), ("--of", args.of), ("--shard-tokens", args.shard_tokens)):
         _positive(name, value)
+    if args.unit_mb is not None and not args.unit_mb > 0:
+        raise UserError(f"--unit-mb={args.unit_mb} is invalid: expected a positive number of MiB")
     if not 0 <= args.part < args.of:
         raise UserError(f"--part={args.part} is invalid: expected 0 .. {args.of - 1} (--of {args.of} parts)")
     if args.tokenizer == "bpe" and args.bpe_vocab_size < 257:
@@ -125,7 +132,8 @@ def _prepare(args: argparse.Namespace) -> int:
         load_named_tokenizer(args.tokenizer, "--tokenizer")  # a bad name fails before the corpus is planned
     plan = Plan(source, args.text_field, args.max_chars, args.tokenizer, args.bpe_vocab_size,
                 args.bpe_sample_chars or BPE_SAMPLE_CHARS, args.seed, args.val_fraction, args.test_fraction,
-                args.shard_tokens or SHARD_TOKENS, str(Path(args.cache_dir).expanduser() / "hf_datasets"))
+                args.shard_tokens or SHARD_TOKENS, str(Path(args.cache_dir).expanduser() / "hf_datasets"),
+                None if args.unit_mb is None else max(1, int(args.unit_mb * 2**20)))
     result = prepare(plan, Path(args.out), args.num_proc, args.part, args.of, progress=not args.no_progress,
                      command=canonical_command(args))
     part = f" (part {args.part} of {args.of})" if args.of > 1 else ""
@@ -146,17 +154,8 @@ def _join(args: argparse.Namespace) -> int:
     out = Path(args.out)
     if not (out / SETTINGS).is_file():
         raise UserError(f"OUT={args.out!r} is invalid: no preparation there ({SETTINGS} is missing)")
-    print(summary(out, join(out, _saved_command(out))))
+    print(summary(out, join(out)))
     return 0
-
-
-def _saved_command(out: Path) -> str:
-    from diffexp.data.shards import MANIFEST
-
-    try:
-        return json.loads((out / MANIFEST).read_text()).get("command", "")
-    except (OSError, json.JSONDecodeError):
-        return ""
 
 
 def summary(directory: Path, manifest: dict) -> str:

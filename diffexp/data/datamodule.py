@@ -181,18 +181,18 @@ class TextDataModule(L.LightningDataModule):
                           self.val_fraction, self.test_fraction, self.seed, self._tokenizer_identity, bpe)
         return self.cache_dir / "prepared" / key
 
-    def prepare_command(self) -> str:
-        """The `diffexp data prepare` command that makes this raw source's cache entry."""
-        words = ["diffexp", "data", "prepare", self.source.spec, str(self.prepared_dir),
-                 "--tokenizer", self.tokenizer_spec]
-        if self.tokenizer_spec == "bpe":
-            words += ["--bpe-vocab-size", str(self.bpe_vocab_size)]
-        for flag, value, default in (("--text-field", self.text_field, "text"), ("--max-chars", self.max_chars, None),
-                                     ("--seed", self.seed, 1234), ("--val-fraction", self.val_fraction, 0.05),
-                                     ("--test-fraction", self.test_fraction, 0.05)):
-            if value != default:
-                words += [flag, str(value)]
-        return shlex.join(words)
+    def prepare_command(self, directory: str | None = None) -> str:
+        """The `diffexp data prepare` command that makes this raw source's cache entry (OUT: ``directory``, by
+        default the cache entry itself)."""
+        from argparse import Namespace
+
+        from diffexp.data.cli import canonical_command
+
+        args = Namespace(source=self.source.spec, tokenizer=self.tokenizer_spec, bpe_vocab_size=self.bpe_vocab_size,
+                         bpe_sample_chars=None, text_field=self.text_field, max_chars=self.max_chars, seed=self.seed,
+                         val_fraction=self.val_fraction, test_fraction=self.test_fraction, shard_tokens=None,
+                         unit_mb=None)
+        return canonical_command(args).replace("{directory}", directory or shlex.quote(str(self.prepared_dir)))
 
     def ensure_prepared(self) -> None:
         """Prepare a raw source into the cache unless it is there. Run before any other process starts: a
@@ -204,13 +204,12 @@ class TextDataModule(L.LightningDataModule):
         world = launched_externally()
         if world is not None:
             raise UserError(
-                f"data.source={self.source.spec!r} is not prepared yet, and this is one of {world} processes a launcher "
-                "(torchrun, srun) started: preparing it here would hold every other process at a barrier. Prepare it "
+                f"data.source={self.source.spec!r} is not prepared yet, and this is one of {world} processes a "
+                "launcher (torchrun, srun) started: preparing it here would hold every other process at a barrier. Prepare it "
                 f"once, then launch again:\n  {self.prepare_command()}\n(or prepare into a directory of your choice "
                 "with `diffexp data prepare` and train with --data.source DIR)")
         log.info("preparing %s with tokenizer %s into %s", self.source.spec, self.tokenizer_spec, directory)
-        prepare(self._plan(), directory, progress=True, command=f"the next `diffexp fit` on data.source="
-                f"{self.source.spec} (delete {directory} first)")
+        prepare(self._plan(), directory, progress=True, command=self.prepare_command("{directory}"))
         self.tokenizer_trained = self.tokenizer_spec == "bpe"
 
     @cached_property

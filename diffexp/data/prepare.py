@@ -30,8 +30,17 @@ import numpy as np
 
 from diffexp.data import sources
 from diffexp.data.checks import TOKENIZER_CHOICES, looks_like_path
-from diffexp.data.shards import (FORMAT, MANIFEST, SPLITS, DiskFull, PieceWriter, read_manifest, token_dtype,
-                                 write_atomic, write_json)
+from diffexp.data.shards import (
+    FORMAT,
+    MANIFEST,
+    SPLITS,
+    DiskFull,
+    PieceWriter,
+    read_manifest,
+    token_dtype,
+    write_atomic,
+    write_json,
+)
 from diffexp.data.units import Unit, content_fingerprint, plan_units, unit_documents
 from diffexp.errors import UserError
 
@@ -138,7 +147,8 @@ def _hub_tokenizer_file(name: str) -> str:
     try:
         socket.getaddrinfo(urlparse(constants.ENDPOINT).hostname, 443)
     except OSError as err:
-        raise OSError(f"the Hub cannot be reached ({err.strerror or err}) and it is not in the local Hub cache") from None
+        raise OSError(f"the Hub cannot be reached ({err.strerror or err}), and it is not in the local Hub "
+                      "cache") from None
     return hf_hub_download(name, "tokenizer.json")
 
 
@@ -157,9 +167,10 @@ class Plan:
     test_fraction: float
     shard_tokens: int = SHARD_TOKENS
     hf_cache_dir: str = ""
+    unit_bytes: int | None = None  # None: from the corpus size (diffexp.data.units.unit_bytes_for)
     units: list[Unit] = field(default_factory=list)
 
-    def settings(self, tokenizer_info: dict) -> dict:
+    def settings(self, tokenizer_info: dict, command: str) -> dict:
         bpe = {"vocab_size": self.bpe_vocab_size, "sample_chars": self.bpe_sample_chars} \
             if self.tokenizer == "bpe" else None
         return {
@@ -171,6 +182,7 @@ class Plan:
                               "below val_fraction -> val, below val_fraction + test_fraction -> test",
                       "seed": self.seed, "val_fraction": self.val_fraction, "test_fraction": self.test_fraction},
             "shard_tokens": self.shard_tokens,
+            "command": command,  # what rebuilds it, with {directory} for the output directory
             "units": [unit.to_json() for unit in self.units],
         }
 
@@ -347,15 +359,17 @@ def prepare(plan: Plan, out: Path, num_proc: int | None = None, part: int = 0, o
     _check_out(out)
     for leftover in [*out.glob("shards/.*.tmp"), *out.glob("units/.*.tmp"), *out.glob(".*.tmp")]:
         leftover.unlink(missing_ok=True)  # a killed run's half-written files
-    plan.units = plan.units or plan_units(plan.source, plan.text_field, plan.max_chars, plan.hf_cache_dir)
+    plan.units = plan.units or plan_units(plan.source, plan.text_field, plan.max_chars, plan.hf_cache_dir,
+                                          plan.unit_bytes)
     tokenizer_info, tokenizer_json = resolve_tokenizer(plan, out)
-    settings = plan.settings(tokenizer_info)
-    _write_or_compare_settings(out, settings, command)
+    settings = plan.settings(tokenizer_info, command)
+    _write_or_compare_settings(out, {**settings, "command": saved_command(out, command)}, command)
     saved_tokenizer = out / "tokenizer.json"
     if tokenizer_json is not None and not saved_tokenizer.is_file():
         write_atomic(saved_tokenizer, tokenizer_json.encode())
     if (out / MANIFEST).is_file():
-        return Result(out, read_manifest(out, command), 0, len(plan.units), time.perf_counter() - started, 0, 0)
+        manifest = read_manifest(out, _rebuild(out, command))
+        return Result(out, manifest, 0, len(plan.units), time.perf_counter() - started, 0, 0)
     mine = part_units(plan.units, part, of)
     pending = [unit for unit in mine if not _finished(out, unit)]
     (out / "shards").mkdir(exist_ok=True)
@@ -370,7 +384,7 @@ def prepare(plan: Plan, out: Path, num_proc: int | None = None, part: int = 0, o
     except DiskFull as full:
         raise _disk_full_error(full, out, plan.units, command) from None
     finished = all(_finished(out, unit) for unit in plan.units)
-    manifest = join(out, command) if finished else None
+    manifest = join(out) if finished else None
     return Result(out, manifest, len(pending), len(mine) - len(pending), time.perf_counter() - started, tokens,
                   sum(unit.size for unit in pending))
 
@@ -401,7 +415,8 @@ def _difference(saved: dict, wanted: dict, keys: list[str]) -> str:
     key = keys[0]
     if key == "units":
         return f"the source's layout: {len(saved.get(key) or [])} units there, {len(wanted[key])} now"
-    return f"{key} there {json.dumps(saved.get(key), sort_keys=True)[:160]}, now {json.dumps(wanted[key], sort_keys=True)[:160]}"
+    there, now = (json.dumps(value, sort_keys=True)[:160] for value in (saved.get(key), wanted[key]))
+    return f"{key} there {there}, now {now}"
 
 
 def _run_units(job: _Job, units: list[Unit], num_proc: int | None, show: bool) -> int:
@@ -475,15 +490,30 @@ def _disk_full_error(full: DiskFull, out: Path, units: list[Unit], command: str)
     needed = int(written / done_source * left_source) if done else None
     free = shutil.disk_usage(out).free
     estimate = f"about {needed / 2**30:.2f} GiB more are needed" if needed else "the space needed is not known yet"
+    again = f" ({command.replace('{directory}', str(out))})" if command else ""
     return UserError(f"the disk holding {out} is full: writing {full.path} failed with no space left on the device "
                      f"({free / 2**30:.2f} GiB free). {len(done)} of {len(units)} units are finished and kept; "
-                     f"{estimate}. Free space, then run the same command again{f' ({command})' if command else ''}: "
-                     "it continues from the finished units.")
+                     f"{estimate}. Free space, then run the same command again{again}: it continues from the finished "
+                     "units.")
 
 
-def join(out: Path, command: str = "") -> dict:
+def saved_command(out: Path, command: str) -> str:
+    """The command an existing preparation recorded (a rerun through `diffexp fit` keeps the CLI's), else
+    ``command``: how the command was spelled is no setting that decides the bytes."""
+    try:
+        return json.loads((out / SETTINGS).read_text())["command"]
+    except (OSError, KeyError, json.JSONDecodeError):
+        return command
+
+
+def _rebuild(out: Path, command: str) -> str:
+    return f"rebuild it: delete {out} and run {command.replace('{directory}', str(out))}"
+
+
+def join(out: Path) -> dict:
     """Write ``manifest.json`` from the unit records (every unit must be finished); the manifest."""
     settings = json.loads((out / SETTINGS).read_text())
+    command = settings["command"]
     units = [Unit(**u) for u in settings["units"]]
     missing = [unit.index for unit in units if not _finished(out, unit)]
     if missing:

@@ -69,7 +69,8 @@ def open_prepared(directory: Path, key: str, checksums: bool = True, rebuild: st
 
 def _rebuild_hint(directory: Path, manifest: dict | None = None) -> str:
     command = (manifest or {}).get("command")
-    how = f"`{command}`" if command else "the `diffexp data prepare` command that made it"
+    how = f"`{command.replace('{directory}', str(directory))}`" if command else \
+        "the `diffexp data prepare` command that made it"
     return f"rebuild it: delete {directory} and run {how}"
 
 

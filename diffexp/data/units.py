@@ -103,14 +103,16 @@ def _starts_with_array(path: Path) -> bool:
         return f.read(4096).lstrip(b"\xef\xbb\xbf \t\r\n").startswith(b"[")
 
 
-def plan_units(source: Source, text_field: str, max_chars: int | None, hf_cache_dir: str) -> list[Unit]:
-    """The corpus as units, in corpus order (see the module docstring)."""
+def plan_units(source: Source, text_field: str, max_chars: int | None, hf_cache_dir: str,
+               unit_bytes: int | None = None) -> list[Unit]:
+    """The corpus as units, in corpus order (see the module docstring); ``unit_bytes`` overrides the size
+    ``unit_bytes_for`` gives."""
     if source.kind == "stdlib":
         from diffexp.data.corpus import DEFAULT_MAX_CHARS, stdlib_source_files
 
         files = stdlib_source_files()
         sizes = [p.stat().st_size for p in files]
-        unit_bytes = unit_bytes_for(sum(sizes))
+        unit_bytes = unit_bytes or unit_bytes_for(sum(sizes))
         pieces, start, size = [], 0, 0
         for i, file_size in enumerate(sizes):
             size += file_size
@@ -119,10 +121,11 @@ def plan_units(source: Source, text_field: str, max_chars: int | None, hf_cache_
                 start, size = i + 1, 0
         max_chars = DEFAULT_MAX_CHARS if max_chars is None else max_chars
     elif source.kind == "hf":
-        pieces = [("", "hub", k, k + 1, 0) for k in range(_hub_shards(source, hf_cache_dir) if max_chars is None else 1)]
+        shards = _hub_shards(source, hf_cache_dir) if max_chars is None else 1  # a cap reads the stream in order
+        pieces = [("", "hub", k, k + 1, 0) for k in range(shards)]
     else:
         files = [p for p in source.files if p.stat().st_size > 0]
-        unit_bytes = unit_bytes_for(sum(p.stat().st_size for p in files))
+        unit_bytes = unit_bytes or unit_bytes_for(sum(p.stat().st_size for p in files))
         pieces = [(str(p), kind, a, b, size) for p in files for kind, a, b, size in _file_units(p, unit_bytes)]
     units = [Unit(i, kind, path, a, b, size) for i, (path, kind, a, b, size) in enumerate(pieces)]
     return units if max_chars is None else _capped(units, source, text_field, max_chars, hf_cache_dir)
