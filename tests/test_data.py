@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import re
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -14,8 +15,10 @@ import torch
 from diffexp.data import TextDataModule
 from diffexp.data.corpus import load_stdlib_corpus, stdlib_root, stdlib_source_files
 from diffexp.data.loader import ResumableDataLoader
-from diffexp.data.packing import encode_documents, pack_rows, split_documents
 from diffexp.data.tokenizer import ByteTokenizer
+
+sys.path.insert(0, str(Path(__file__).parent))
+from test_held_out_splits import encode_documents  # noqa: E402
 
 SMALL = {"max_chars": 40_000, "seq_len": 31, "batch_size": 4}
 
@@ -70,7 +73,7 @@ def test_bpe_trains_round_trips_and_is_cached(tmp_path):
     dm = make_dm(tmp_path, tokenizer="bpe", bpe_vocab_size=400)
     assert 257 < dm.vocab_size <= 400
     assert dm.tokenizer_trained
-    (saved,) = (tmp_path / "cache" / "tokenizers").glob("bpe-*.json")
+    (saved,) = (tmp_path / "cache" / "prepared").glob("*/tokenizer.json")
     mtime = saved.stat().st_mtime_ns
 
     text = "class Spam(Eggs):\n    def __init__(self):  # naïve ✓\n        pass\n"
@@ -92,13 +95,6 @@ def test_bpe_trains_round_trips_and_is_cached(tmp_path):
 # ----------------------------------------------------------------------------- packing and splitting
 
 
-def test_pack_rows_cuts_stream_into_rows():
-    stream = np.arange(50)
-    rows = pack_rows(stream, seq_len=7)
-    assert rows.shape == (6, 8)
-    assert np.array_equal(rows.reshape(-1), stream[:48])
-
-
 def test_packed_rows_are_the_token_stream(tmp_path):
     dm = make_dm(tmp_path)
     dm.setup("fit")
@@ -106,7 +102,7 @@ def test_packed_rows_are_the_token_stream(tmp_path):
     for rows, docs in ((dm.train_rows, train_docs), (dm.val_rows, val_docs)):
         assert rows.shape[1] == dm.seq_len + 1
         stream = encode_documents(docs, dm.tokenizer)
-        assert np.array_equal(np.asarray(rows).reshape(-1), stream[: rows.size])
+        assert np.array_equal(np.asarray(rows).reshape(-1), stream[: rows.shape[0] * rows.shape[1]])
         assert (stream == dm.eos_id).sum() == len(docs)  # one separator after every document
 
     batch = next(iter(dm.train_dataloader()))
@@ -115,13 +111,6 @@ def test_packed_rows_are_the_token_stream(tmp_path):
     assert sum(len(b) for b in val_batches) == len(dm.val_rows)  # drop_last=False
     assert torch.equal(torch.cat(val_batches), torch.from_numpy(np.asarray(dm.val_rows, dtype=np.int64)))
     assert "train" in dm.describe() and "rows" in dm.describe()
-
-
-def test_split_is_disjoint_by_document_and_seeded():
-    train, val = split_documents(100, 0.1, seed=1)
-    assert len(val) == 10 and set(train).isdisjoint(val) and sorted([*train, *val]) == list(range(100))
-    assert np.array_equal(val, split_documents(100, 0.1, seed=1)[1])
-    assert not np.array_equal(val, split_documents(100, 0.1, seed=2)[1])
 
 
 def test_datamodule_split_disjoint(tmp_path):
@@ -188,36 +177,61 @@ def test_hub_source_streams_until_max_chars(tmp_path, monkeypatch):
     monkeypatch.setattr(datasets, "load_dataset", fake_load_dataset)
     dm = make_dm(tmp_path, source="hf:someone/corpus:en", text_field="body", max_chars=3_000, seq_len=15)
     documents = dm.documents()
-    assert calls == [("someone/corpus", "en", "train", True)]
+    assert set(calls) == {("someone/corpus", "en", "train", True)}  # streamed: read up to the cap only
     assert sum(map(len, documents)) == 3_000 and documents[0] == paragraphs(1)[0]
     dm.setup("fit")
     assert next(iter(dm.train_dataloader())).shape == (4, 16)
 
 
+def test_a_hub_dataset_is_prepared_one_unit_per_dataset_shard(tmp_path, monkeypatch):
+    """Uncapped, each of the dataset's shards (its files) is a unit a process streams on its own."""
+    import datasets
+
+    from diffexp.data import sources
+    from diffexp.data.prepare import Plan, prepare
+
+    def shard_texts(shards):
+        for shard in shards:
+            for i in range(40):
+                yield {"text": f"shard {shard} document {i}: " + "words " * (i % 7 + 1)}
+
+    def fake_load_dataset(name, config, split, streaming, cache_dir):
+        return datasets.IterableDataset.from_generator(shard_texts, gen_kwargs={"shards": [0, 1, 2]})
+
+    monkeypatch.setattr(datasets, "load_dataset", fake_load_dataset)
+    plan = Plan(sources.resolve_source("hf:someone/corpus"), "text", None, "byte", 4096, 1000, 1234, 0.1, 0.1)
+    result = prepare(plan, tmp_path / "out", num_proc=1, progress=False)
+    assert [unit.kind for unit in plan.units] == ["hub"] * 3
+    splits = result.manifest["splits"]
+    assert sum(split["documents"] for split in splits.values()) == 120
+    assert [p["file"] for p in splits["train"]["pieces"]] == [f"shards/train-00000{k}-000.bin" for k in range(3)]
+
+
 # ----------------------------------------------------------------------------- preprocessing cache
 
 
-def test_preprocessing_cache_is_reused_and_keyed_by_seq_len(tmp_path, caplog):
+def test_prepared_data_is_reused_for_any_seq_len(tmp_path, caplog):
     caplog.set_level(logging.INFO, logger="diffexp.data")
     first = make_dm(tmp_path)
     first.setup("fit")
-    assert first.packed_from_cache is False
-    assert "tokenizing" in caplog.text
-    train_file = first.packed_dir / "train.npy"
-    mtime = train_file.stat().st_mtime_ns
+    assert first.prepared_from_cache is False
+    assert "preparing" in caplog.text
+    shards = sorted(first.prepared_dir.glob("shards/*.bin"))
+    mtimes = [p.stat().st_mtime_ns for p in shards]
 
     caplog.clear()
     second = make_dm(tmp_path)
     second.setup("fit")
-    assert second.packed_from_cache is True
-    assert "reusing cached" in caplog.text
-    assert second._documents is None  # nothing was even read from the source
-    assert train_file.stat().st_mtime_ns == mtime
-    assert np.array_equal(first.train_rows, second.train_rows)
+    assert second.prepared_from_cache is True
+    assert "reusing prepared" in caplog.text
+    assert [p.stat().st_mtime_ns for p in shards] == mtimes
+    assert np.array_equal(first.train_rows[:], second.train_rows[:])
 
-    longer = make_dm(tmp_path, seq_len=SMALL["seq_len"] * 2 + 1)
+    longer = make_dm(tmp_path, seq_len=SMALL["seq_len"] * 2 + 1)  # the same tokens, cut into longer rows
     longer.setup("fit")
-    assert longer.packed_from_cache is False and longer.packed_dir != first.packed_dir
+    assert longer.prepared_from_cache is True and longer.prepared_dir == first.prepared_dir
+    tokens = [np.asarray(dm.train_rows).reshape(-1)[:1000] for dm in (longer, first)]
+    assert np.array_equal(*tokens)
 
 
 def test_editing_a_data_file_invalidates_the_cache(tmp_path):
@@ -227,7 +241,7 @@ def test_editing_a_data_file_invalidates_the_cache(tmp_path):
     path.write_text("\n\n".join(paragraphs(41)))
     edited = make_dm(tmp_path, source=str(path), seq_len=15)
     edited.setup("fit")
-    assert edited.packed_from_cache is False
+    assert edited.prepared_from_cache is False
 
 
 # ----------------------------------------------------------------------------- validation
@@ -333,7 +347,7 @@ def test_worker_prefetching_does_not_count_as_consumed(resume_cache):
     iterator = iter(loader)
     before = [next(iterator) for _ in range(3)]  # workers have prefetched more than this by now
     state = loader.state_dict()
-    assert state["batches_yielded"] == 3
+    assert state["rows_served"] == 3 * loader.batch_size
     del iterator
 
     resumed = train_loader(resume_cache, num_workers=2)
@@ -347,7 +361,7 @@ def test_lightning_set_epoch_after_a_finished_epoch_starts_that_epoch(resume_cac
     n = len(train_loader(resume_cache))
     reference = take(train_loader(resume_cache), 2 * n)
     loader = train_loader(resume_cache)
-    loader.load_state_dict({**loader.state_dict(), "epoch": 0, "batches_yielded": n - 2})
+    loader.load_state_dict({**loader.state_dict(), "epoch": 0, "rows_served": (n - 2) * loader.batch_size})
     iterator = iter(loader)  # Lightning creates the iterator before calling set_epoch
     loader.sampler.set_epoch(1)
     assert torch.equal(next(iterator), reference[n])

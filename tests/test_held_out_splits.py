@@ -3,10 +3,22 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
 import torch
 
 from diffexp.data import TextDataModule
-from diffexp.data.packing import encode_documents, held_out_split, pack_rows
+from diffexp.data.prepare import split_of
+from diffexp.errors import UserError
+
+
+def encode_documents(documents, tokenizer) -> np.ndarray:
+    """The reference token stream: each document's ids, then the end-of-document id."""
+    return np.array([i for text in documents for i in [*tokenizer.encode(text), tokenizer.eos_id]], dtype=np.int64)
+
+
+def pack_rows(stream: np.ndarray, seq_len: int) -> np.ndarray:
+    rows = len(stream) // (seq_len + 1)
+    return stream[: rows * (seq_len + 1)].reshape(rows, seq_len + 1)
 
 
 def rows(loader) -> set[bytes]:
@@ -14,11 +26,26 @@ def rows(loader) -> set[bytes]:
             for row in (batch["tokens"] if isinstance(batch, dict) else batch)}
 
 
-def test_held_out_split_gives_test_documents_of_their_own():
-    train, val, test = held_out_split(100, 0.1, 0.05, seed=1)
-    assert (len(val), len(test)) == (10, 5)
-    assert sorted([*train, *val, *test]) == list(range(100))  # each document in exactly one split
-    assert np.array_equal(val, held_out_split(100, 0.1, 0.0, seed=1)[1])  # val unchanged by the test split
+def test_documents_are_held_out_by_their_text_alone():
+    texts = [f"document {i}: some text" for i in range(4000)]
+    splits = [split_of(text, 1, 0.1, 0.05) for text in texts]
+    assert 340 < splits.count("val") < 460 and 150 < splits.count("test") < 250  # the fractions, within 3 sigma
+    assert splits == [split_of(text, 1, 0.1, 0.05) for text in reversed(texts)][::-1]  # not by position
+    val = [text for text, split in zip(texts, splits) if split == "val"]
+    assert all(split_of(text, 1, 0.1, 0.0) == "val" for text in val)  # val unchanged by the test split
+    assert splits != [split_of(text, 2, 0.1, 0.05) for text in texts]  # keyed by the seed
+
+
+def test_a_small_corpus_still_holds_out_one_document_each_or_says_it_is_too_small(tmp_path):
+    corpus = tmp_path / "three.jsonl"
+    corpus.write_text("".join(f'{{"text": "document {i} " }}\n' for i in range(3)))
+    dm = TextDataModule(source=str(corpus), seq_len=3, batch_size=1, cache_dir=str(tmp_path / "cache"))
+    assert [len(docs) for docs in dm.splits().values()] == [1, 1, 1]
+    dm.setup("fit")
+    assert [dm.meta[split]["documents"] for split in ("train", "val", "test")] == [1, 1, 1]
+    corpus.write_text('{"text": "one"}\n{"text": "two"}\n')
+    with pytest.raises(UserError, match="need at least 3 documents to split into train/val/test, got 2"):
+        TextDataModule(source=str(corpus), cache_dir=str(tmp_path / "cache")).setup("fit")
 
 
 def test_text_test_rows_are_the_test_documents_not_the_validation_rows(tmp_path):
@@ -33,7 +60,7 @@ def test_text_test_rows_are_the_test_documents_not_the_validation_rows(tmp_path)
 
     cached = TextDataModule(**settings)  # the test rows are cached with the others
     cached.setup("test")
-    assert cached.packed_from_cache and np.array_equal(cached.test_rows, dm.test_rows)
+    assert cached.prepared_from_cache and np.array_equal(cached.test_rows[:], dm.test_rows[:])
 
 
 def test_synthetic_test_batches_are_not_the_validation_batches():

@@ -205,8 +205,8 @@ class TextDataModule(L.LightningDataModule):
         if world is not None:
             raise UserError(
                 f"data.source={self.source.spec!r} is not prepared yet, and this is one of {world} processes a "
-                "launcher (torchrun, srun) started: preparing it here would hold every other process at a barrier. Prepare it "
-                f"once, then launch again:\n  {self.prepare_command()}\n(or prepare into a directory of your choice "
+                "launcher (torchrun, srun) started: preparing it here would hold every other process at a barrier. "
+                f"Prepare it once, then launch again:\n  {self.prepare_command()}\n(or prepare into a directory of your choice "
                 "with `diffexp data prepare` and train with --data.source DIR)")
         log.info("preparing %s with tokenizer %s into %s", self.source.spec, self.tokenizer_spec, directory)
         prepare(self._plan(), directory, progress=True, command=self.prepare_command("{directory}"))
@@ -260,11 +260,12 @@ class TextDataModule(L.LightningDataModule):
         if self.prepared_source is not None:
             return {split: list(self.prepared.texts(split)) for split in SPLITS}
         self.documents()  # an empty corpus is explained as such
-        hf_cache = str(self.cache_dir / "hf_datasets")
+        plan = self._plan()
+        plan.plan()
         found: dict[str, list[str]] = {split: [] for split in SPLITS}
-        for unit in plan_units(self.source, self.text_field, self.max_chars, hf_cache):
-            for split, text in unit_splits(unit, self.source, self.text_field, hf_cache, self.seed,
-                                           self.val_fraction, self.test_fraction):
+        for unit in plan.units:
+            for split, text in unit_splits(unit, self.source, self.text_field, plan.hf_cache_dir, self.seed,
+                                           self.val_fraction, self.test_fraction, plan.overrides):
                 found[split].append(text)
         return found
 

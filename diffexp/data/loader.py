@@ -1,17 +1,23 @@
-"""A training DataLoader whose order is a pure function of (seed, epoch) and that resumes mid-epoch.
+"""A training DataLoader whose order is a pure function of the seed, whatever the number of processes, and that
+resumes mid-epoch, at another world size too.
+
+The global order: epoch ``e`` is a permutation of all N rows seeded by ``seed + e``, cut into consecutive
+**global batches** of G rows (G = data.batch_size x world size x trainer.accumulate_grad_batches: the rows of one
+optimizer step over all ranks); the last N mod G rows are dropped, so every epoch ends on a step. Within a global
+batch rank ``r`` of W takes positions r, r + W, r + 2W, ..., and its micro-batches take data.batch_size of those
+at a time. For a fixed G, a step trains on the same rows at any world size and micro-batch size.
 
 Lightning 2.x treats any train dataloader with ``state_dict``/``load_state_dict`` as stateful:
 it stores ``state_dict()`` in every checkpoint and, when it restarts inside an epoch, calls
 ``load_state_dict()`` before creating that epoch's iterator (a checkpoint from an epoch's end
 may be resumed without it; then ``start_epoch`` and ``set_epoch`` place the loader).
 ``ResumableDataLoader`` counts the batches its iterator has handed out *in the main process*
-(worker prefetching runs ahead but is not counted), so a checkpoint taken after batch ``k``
-resumes at batch ``k + 1`` of the same permutation.
+(worker prefetching runs ahead but is not counted) and saves them as rows of the global order, so a
+checkpoint taken after batch ``k`` resumes with the rows that follow, at this or another world size.
 """
 
 from __future__ import annotations
 
-import warnings
 import weakref
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -20,6 +26,8 @@ import lightning as L
 import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
+
+from diffexp.errors import UserError
 
 
 class PackedRows(Dataset):
@@ -45,18 +53,24 @@ def collate_rows(batch: torch.Tensor | list[torch.Tensor]) -> torch.Tensor:
 
 
 class EpochShuffleSampler(DistributedSampler):
-    """This rank's share of a permutation seeded by ``seed + epoch``, optionally skipping a prefix.
+    """This rank's share of the global order: a permutation seeded by ``seed + epoch``, cut to whole global
+    batches of ``global_batch_rows``, every ``num_replicas``-th position from ``rank``, skipping a prefix.
 
-    Subclassing ``DistributedSampler`` makes Lightning keep this sampler under DDP (instead of
-    wrapping it and rebuilding the loader); each rank takes every ``num_replicas``-th index.
-    ``epoch`` and ``skip`` are set by ``ResumableDataLoader``; Lightning's ``set_epoch`` calls
-    are forwarded to the loader, which owns the epoch.
+    Rank ``r`` reading positions r, r + W, ... of the whole (cut) permutation is the same as reading them global
+    batch by global batch, since W divides G. Subclassing ``DistributedSampler`` makes Lightning keep this sampler
+    under DDP (instead of wrapping it and rebuilding the loader). ``epoch`` and ``skip`` are set by
+    ``ResumableDataLoader``; Lightning's ``set_epoch`` calls are forwarded to the loader, which owns the epoch.
     """
 
-    def __init__(self, dataset: Dataset, seed: int, num_replicas: int = 1, rank: int = 0) -> None:
+    def __init__(self, dataset: Dataset, seed: int, num_replicas: int = 1, rank: int = 0,
+                 global_batch_rows: int | None = None) -> None:
         super().__init__(
             dataset, num_replicas=num_replicas, rank=rank, shuffle=True, seed=seed, drop_last=True
         )
+        self.global_batch_rows = global_batch_rows or num_replicas
+        # whole global batches only: every epoch ends on an optimizer step, at any world size
+        self.total_size = len(dataset) // self.global_batch_rows * self.global_batch_rows
+        self.num_samples = self.total_size // num_replicas
         self.skip = 0
         # Weak: a loader <-> sampler reference cycle would leave the loader to the cyclic GC,
         # and persistent workers freed that way take ~5 s each to shut down.
@@ -79,14 +93,16 @@ class EpochShuffleSampler(DistributedSampler):
 
 
 class ResumableDataLoader(DataLoader):
-    """Shuffled, ``drop_last`` training batches with exact mid-epoch resume.
+    """Shuffled training batches of the global order with exact mid-epoch resume, at any world size.
 
-    State is ``epoch`` and ``batches_yielded`` (batches of that epoch already returned by the
-    iterator). Each ``iter()`` starts the next epoch once the current one has yielded anything;
-    right after ``load_state_dict`` it instead continues the saved epoch at the next batch.
-    ``set_epoch(e)`` (Lightning calls it on the sampler at every epoch start, *after* creating
-    the first iterator) moves to the start of epoch ``e`` unless the loader is already in ``e``;
-    that is why the iterator only reads the position when its first batch is requested.
+    State is ``epoch``, ``rows_served`` (rows of that epoch's global order already handed out by all ranks
+    together) and what fixes the order (``global_batch_rows``, ``num_rows``, ``seed``). Each ``iter()`` starts the
+    next epoch once the current one has yielded anything; right after ``load_state_dict`` it instead continues the
+    saved epoch with the rows not served yet. ``set_epoch(e)`` (Lightning calls it on the sampler at every epoch
+    start, *after* creating the first iterator) moves to the start of epoch ``e`` unless the loader is already in
+    ``e``; that is why the iterator only reads the position when its first batch is requested.
+
+    ``global_batch_rows`` (G) defaults to ``batch_size x num_replicas`` (no accumulation).
     """
 
     def __init__(
@@ -97,14 +113,25 @@ class ResumableDataLoader(DataLoader):
         start_epoch: int = 0,
         num_replicas: int = 1,
         rank: int = 0,
+        global_batch_rows: int | None = None,
         num_workers: int = 0,
         pin_memory: bool = False,
         collate_fn: Any = collate_rows,
     ) -> None:
+        micro_step_rows = batch_size * num_replicas
+        global_batch_rows = global_batch_rows or micro_step_rows
+        if global_batch_rows % micro_step_rows:
+            raise ValueError(f"global_batch_rows={global_batch_rows} is not a multiple of batch_size x num_replicas "
+                             f"= {micro_step_rows}")
+        if len(dataset) < global_batch_rows:
+            raise UserError(f"data.batch_size {batch_size} x world size {num_replicas} x "
+                            f"trainer.accumulate_grad_batches {global_batch_rows // micro_step_rows} = "
+                            f"{global_batch_rows} rows per optimizer step, but the training split has only "
+                            f"{len(dataset)} rows; lower global_batch.rows or data.batch_size, or use more data")
         super().__init__(
             dataset,
             batch_size=batch_size,
-            sampler=EpochShuffleSampler(dataset, seed, num_replicas, rank),
+            sampler=EpochShuffleSampler(dataset, seed, num_replicas, rank, global_batch_rows),
             drop_last=True,
             num_workers=num_workers,
             collate_fn=collate_fn,
@@ -113,6 +140,7 @@ class ResumableDataLoader(DataLoader):
         )
         self.sampler.loader_ref = weakref.ref(self)
         self.seed = seed
+        self.micro_step_rows = micro_step_rows  # rows all ranks read per batch this loader yields
         self.epoch = start_epoch
         self.batches_yielded = 0
         self._resume_pending = False
@@ -145,30 +173,52 @@ class ResumableDataLoader(DataLoader):
     def state_dict(self) -> dict[str, Any]:
         return {
             "epoch": self.epoch,
-            "batches_yielded": self.batches_yielded,
-            "seed": self.seed,
+            # every rank has handed out as many batches (Lightning saves at step boundaries), so the ranks
+            # together have served this prefix of the epoch's global order
+            "rows_served": self.batches_yielded * self.micro_step_rows,
+            "global_batch_rows": self.sampler.global_batch_rows,
             "num_rows": len(self.dataset),
+            "seed": self.seed,
+            # the layout that wrote it, for messages: any layout with the same global batch may resume it
             "batch_size": self.batch_size,
-            "num_replicas": self.sampler.num_replicas,
+            "world_size": self.sampler.num_replicas,
         }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        current = self.state_dict()
-        changed = [
-            k for k in ("seed", "num_rows", "batch_size", "num_replicas") if state_dict.get(k) != current[k]
-        ]
-        if changed:
-            warnings.warn(
-                f"resuming the train dataloader with different {', '.join(changed)} "
-                f"(saved {[state_dict.get(k) for k in changed]}, now {[current[k] for k in changed]}); "
-                "the batch order will not match the interrupted run",
-                stacklevel=2,
-            )
-        epoch, done = int(state_dict["epoch"]), int(state_dict["batches_yielded"])
-        if done >= len(self):  # saved after the epoch's last batch: continue with the next epoch
-            epoch, done = epoch + 1, 0
-        self.epoch, self.batches_yielded = epoch, done
+        if "rows_served" in state_dict:
+            served = int(state_dict["rows_served"])
+        else:  # saved before the order was global: batches per rank of the layout that wrote it
+            served = int(state_dict["batches_yielded"]) * int(state_dict["batch_size"]) * \
+                int(state_dict["num_replicas"])
+        self._check_same_order(state_dict, served)
+        epoch = int(state_dict["epoch"])
+        if served >= self.sampler.total_size:  # saved after the epoch's last step: continue with the next epoch
+            epoch, served = epoch + 1, 0
+        self.epoch, self.batches_yielded = epoch, served // self.micro_step_rows
         self._resume_pending = True
+
+    def _check_same_order(self, saved: dict[str, Any], served: int) -> None:
+        """A resume continues the saved run's order exactly, or is refused."""
+        prefix = "cannot resume the training order of this checkpoint"
+        now = self.state_dict()
+        if saved.get("seed") != self.seed:
+            raise UserError(f"{prefix}: it was shuffled with data.seed={saved.get('seed')}, this run has "
+                            f"data.seed={self.seed}; resume with --data.seed {saved.get('seed')}")
+        if saved.get("num_rows") != now["num_rows"]:
+            raise UserError(f"{prefix}: its training split had {saved.get('num_rows')} rows, this run's has "
+                            f"{now['num_rows']}; the data settings (data.*) must be the saved run's")
+        rows, accumulate = now["global_batch_rows"], now["global_batch_rows"] // self.micro_step_rows
+        if "global_batch_rows" in saved and saved["global_batch_rows"] != rows:
+            raise UserError(f"{prefix}: it was written with global batches of {saved['global_batch_rows']} rows "
+                            f"per optimizer step, this run's are {rows} (data.batch_size {self.batch_size} x world "
+                            f"size {now['world_size']} x trainer.accumulate_grad_batches {accumulate}); resume "
+                            f"with --global_batch.rows {saved['global_batch_rows']}")
+        if served % self.micro_step_rows:
+            raise UserError(f"{prefix}: it was saved after {served} rows of epoch {saved.get('epoch')}, which is not "
+                            f"a whole number of this run's micro-steps of {self.micro_step_rows} rows (data.batch_size "
+                            f"{self.batch_size} x world size {now['world_size']}); resume with a data.batch_size and "
+                            f"world size whose product divides {served}, e.g. the saved run's "
+                            f"{saved.get('batch_size')} x {saved.get('world_size', saved.get('num_replicas'))}")
 
 
 def epoch_about_to_run(trainer: L.Trainer | None) -> int:
@@ -186,14 +236,19 @@ def epoch_about_to_run(trainer: L.Trainer | None) -> int:
 
 def resumable_train_loader(dataset: Dataset, trainer: L.Trainer | None, batch_size: int, seed: int,
                            num_workers: int = 0, collate_fn: Any = collate_rows) -> ResumableDataLoader:
-    """The training loader every data module uses: this rank's shuffled share, placed at the epoch to run."""
+    """The training loader every data module uses: this rank's share of the global order, placed at the epoch to
+    run. The global batch is the trainer's: global_batch.rows has set its accumulation (in a callback's setup) by
+    the time the loader is requested."""
+    world_size = trainer.world_size if trainer else 1
+    accumulate = trainer.accumulate_grad_batches if trainer else 1
     return ResumableDataLoader(
         dataset,
         batch_size=batch_size,
         seed=seed,
         start_epoch=epoch_about_to_run(trainer),
-        num_replicas=trainer.world_size if trainer else 1,
+        num_replicas=world_size,
         rank=trainer.global_rank if trainer else 0,
+        global_batch_rows=batch_size * world_size * accumulate,
         num_workers=num_workers,
         pin_memory=torch.cuda.is_available(),
         collate_fn=collate_fn,

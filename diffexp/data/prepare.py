@@ -56,45 +56,47 @@ def split_score(text: str, seed: int) -> float:
     return int.from_bytes(digest, "little") / 2**64
 
 
-def split_of(text: str, seed: int, val_fraction: float, test_fraction: float) -> str:
-    """"val", "test" or "train" for a document by its score alone: documents with the same text always land in
-    the same split (but see ``unit_splits`` for the corpus's first documents)."""
+def split_of(text: str, seed: int, val_fraction: float, test_fraction: float,
+             overrides: dict[float, str] | None = None) -> str:
+    """"val", "test" or "train" for a document by its score alone, so documents with the same text always land
+    in the same split (``overrides``: the scores ``held_out_overrides`` moves out of training)."""
     u = split_score(text, seed)
+    if overrides and u in overrides:
+        return overrides[u]
     return "val" if u < val_fraction else "test" if u < val_fraction + test_fraction else "train"
-
-
-def unit_splits(unit: Unit, source: sources.Source, text_field: str, hf_cache_dir: str, seed: int,
-                val_fraction: float, test_fraction: float) -> Iterator[tuple[str, str]]:
-    """(split, document) for each document of a unit. A small corpus may have no score below a fraction, so
-    among the corpus's first ``GUARANTEED_WITHIN`` documents, if none is held out for validation (or test), the
-    training documents with the lowest scores are, one each."""
-    forced = _guaranteed_held_out(unit, source, text_field, hf_cache_dir, seed, val_fraction, test_fraction) \
-        if unit.index == 0 else {}
-    for ordinal, text in enumerate(unit_documents(unit, source, text_field, hf_cache_dir)):
-        yield forced.get(ordinal) or split_of(text, seed, val_fraction, test_fraction), text
 
 
 GUARANTEED_WITHIN = 10_000
 
 
-def _guaranteed_held_out(unit: Unit, source: sources.Source, text_field: str, hf_cache_dir: str, seed: int,
-                         val_fraction: float, test_fraction: float) -> dict[int, str]:
-    scores = []
-    for ordinal, text in enumerate(unit_documents(unit, source, text_field, hf_cache_dir)):
+def held_out_overrides(first: Unit, source: sources.Source, text_field: str, hf_cache_dir: str, seed: int,
+                       val_fraction: float, test_fraction: float) -> dict[float, str]:
+    """A small corpus may have no score below a fraction: if none of the corpus's first ``GUARANTEED_WITHIN``
+    documents is held out for validation (or test), the training text with the lowest score is, one each
+    (every copy of it). Large corpora are never affected."""
+    scores = set()
+    for ordinal, text in enumerate(unit_documents(first, source, text_field, hf_cache_dir)):
         if ordinal == GUARANTEED_WITHIN:
             break
-        scores.append((split_score(text, seed), ordinal))
+        scores.add(split_score(text, seed))
     held_out = val_fraction + test_fraction
     wanted = [split for split, low, high in (("val", 0.0, val_fraction), ("test", val_fraction, held_out))
-              if high > low and not any(low <= score < high for score, _ in scores)]
-    training = sorted(item for item in scores if item[0] >= held_out)
+              if high > low and not any(low <= score < high for score in scores)]
+    training = sorted(score for score in scores if score >= held_out)
     if len(training) <= len(wanted):
         splits = "train/val/test" if test_fraction > 0 else "train/val"
         needed = 3 if test_fraction > 0 else 2
-        hint = "raise data.max_chars" if unit.max_chars else "add text; .txt files split at blank lines"
+        hint = "raise data.max_chars" if first.max_chars else "add text; .txt files split at blank lines"
         raise UserError(f"data.source={source.spec!r}: need at least {needed} documents to split into {splits}, got "
-                        f"{len(scores)} ({hint})")
-    return {ordinal: split for split, (_, ordinal) in zip(wanted, training)}
+                        f"{len(scores)} different ones ({hint})")
+    return dict(zip(training, wanted))
+
+
+def unit_splits(unit: Unit, source: sources.Source, text_field: str, hf_cache_dir: str, seed: int,
+                val_fraction: float, test_fraction: float, overrides: dict[float, str]) -> Iterator[tuple[str, str]]:
+    """(split, document) for each document of a unit."""
+    for text in unit_documents(unit, source, text_field, hf_cache_dir):
+        yield split_of(text, seed, val_fraction, test_fraction, overrides), text
 
 
 # -- tokenizers ----------------------------------------------------------------------------------------------
@@ -169,6 +171,14 @@ class Plan:
     hf_cache_dir: str = ""
     unit_bytes: int | None = None  # None: from the corpus size (diffexp.data.units.unit_bytes_for)
     units: list[Unit] = field(default_factory=list)
+    overrides: dict[float, str] = field(default_factory=dict)  # held_out_overrides, once planned
+
+    def plan(self) -> None:
+        """Cut the corpus into units and find the split's overrides (reads at most the first unit's start)."""
+        if not self.units:
+            self.units = plan_units(self.source, self.text_field, self.max_chars, self.hf_cache_dir, self.unit_bytes)
+            self.overrides = held_out_overrides(self.units[0], self.source, self.text_field, self.hf_cache_dir,
+                                                self.seed, self.val_fraction, self.test_fraction)
 
     def settings(self, tokenizer_info: dict, command: str) -> dict:
         bpe = {"vocab_size": self.bpe_vocab_size, "sample_chars": self.bpe_sample_chars} \
@@ -180,7 +190,8 @@ class Plan:
             "tokenizer": {"spec": self.tokenizer, "bpe": bpe, **tokenizer_info},
             "split": {"rule": "blake2b-64 of the document's UTF-8 text keyed by str(seed), as a fraction of 2^64: "
                               "below val_fraction -> val, below val_fraction + test_fraction -> test",
-                      "seed": self.seed, "val_fraction": self.val_fraction, "test_fraction": self.test_fraction},
+                      "seed": self.seed, "val_fraction": self.val_fraction, "test_fraction": self.test_fraction,
+                      "overrides": [[score, split] for score, split in sorted(self.overrides.items())]},
             "shard_tokens": self.shard_tokens,
             "command": command,  # what rebuilds it, with {directory} for the output directory
             "units": [unit.to_json() for unit in self.units],
@@ -197,7 +208,7 @@ def _train_bpe_on_sample(plan: Plan) -> str:
     for unit in plan.units:
         taken = 0
         for split, text in unit_splits(unit, plan.source, plan.text_field, plan.hf_cache_dir, plan.seed,
-                                       plan.val_fraction, plan.test_fraction):
+                                       plan.val_fraction, plan.test_fraction, plan.overrides):
             if split == "train":
                 texts.append(text[: quota - taken])
                 taken += len(texts[-1])
@@ -246,6 +257,7 @@ class _Job:
     seed: int
     val_fraction: float
     test_fraction: float
+    overrides: dict[float, str]
     shard_tokens: int
 
 
@@ -307,7 +319,7 @@ def prepare_unit(unit: Unit) -> dict:
     batch: dict[str, list[str]] = {split: [] for split in SPLITS}
     chars = 0
     for split, text in unit_splits(unit, job.source, job.text_field, job.hf_cache_dir, job.seed, job.val_fraction,
-                                   job.test_fraction):
+                                   job.test_fraction, job.overrides):
         batch[split].append(text)
         chars += len(text)
         if chars >= BATCH_CHARS:
@@ -359,8 +371,7 @@ def prepare(plan: Plan, out: Path, num_proc: int | None = None, part: int = 0, o
     _check_out(out)
     for leftover in [*out.glob("shards/.*.tmp"), *out.glob("units/.*.tmp"), *out.glob(".*.tmp")]:
         leftover.unlink(missing_ok=True)  # a killed run's half-written files
-    plan.units = plan.units or plan_units(plan.source, plan.text_field, plan.max_chars, plan.hf_cache_dir,
-                                          plan.unit_bytes)
+    plan.plan()
     tokenizer_info, tokenizer_json = resolve_tokenizer(plan, out)
     settings = plan.settings(tokenizer_info, command)
     _write_or_compare_settings(out, {**settings, "command": saved_command(out, command)}, command)
@@ -377,7 +388,7 @@ def prepare(plan: Plan, out: Path, num_proc: int | None = None, part: int = 0, o
     job = _Job(str(out), plan.source, plan.text_field, plan.hf_cache_dir,
                tokenizer_json, tokenizer_info["eos_id"],
                token_dtype(tokenizer_info["vocab_size"]).str, plan.seed, plan.val_fraction, plan.test_fraction,
-               plan.shard_tokens)
+               plan.overrides, plan.shard_tokens)
     tokens = 0
     try:
         tokens = _run_units(job, pending, num_proc, progress)
