@@ -134,12 +134,12 @@ def save_checkpoint(module, path, datamodule=None):
 
 def bpe_text_checkpoint(directory, max_seq_len: int = 256):
     """(checkpoint path, data module): a small model trained one step on a 300-token BPE of 100K characters of
-    the stdlib corpus (a fifth of its documents held out for validation), saved as
+    the stdlib corpus (two fifths of its documents held out for validation), saved as
     <directory>/run/checkpoints/last.ckpt with its tokenizer and data settings."""
     from diffexp.data import TextDataModule
 
     data = TextDataModule(tokenizer="bpe", bpe_vocab_size=300, seq_len=32, batch_size=4, max_chars=100_000,
-                          val_fraction=0.2, cache_dir=str(directory / "cache"))  # a few validation documents
+                          val_fraction=0.4, cache_dir=str(directory / "cache"))  # a few validation documents
     model = small_model(vocab_size=data.tokenizer.vocab_size, max_seq_len=max_seq_len)
     return save_checkpoint(model, directory / "run" / "checkpoints" / "last.ckpt", data), data
 
@@ -182,3 +182,22 @@ def require_cpu_kernel() -> None:
         pytest.skip("no C++ compiler: the compiled CPU attention kernel cannot be built here")
     reason = cpu_native.unavailable_reason()
     assert reason is None, f"the CPU attention kernel did not build: {reason}"
+
+
+class RecordStepLosses(L.Callback):
+    """Append {"step", "loss"} per optimizer step to a JSON-lines file (rank 0): the loss over the whole global
+    batch, the mean of its micro-batches' losses (each already the mean over ranks), whatever the accumulation;
+    Lightning's logged train/loss is the step's last micro-batch's."""
+
+    def __init__(self, path: str) -> None:
+        self.path, self.losses = path, []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        self.losses.append(float(pl_module.last_train_loss))
+        if len(self.losses) < trainer.accumulate_grad_batches:  # the step is not done yet
+            return
+        if trainer.is_global_zero:
+            with open(self.path, "a") as f:
+                f.write(json.dumps({"step": trainer.global_step - 1, "loss": sum(self.losses) / len(self.losses)})
+                        + "\n")
+        self.losses = []

@@ -127,7 +127,7 @@ def test_linked_vocab_size_is_what_the_data_module_links():
     assert linked_vocab_size(parse_config(["--config", str(RECIPES / "mqar/diff_v1.yaml")])) == 512
     assert linked_vocab_size(parse_config(["--config", str(RECIPES / "needle/diff_v1.yaml")])) == 257
     gpu = parse_config([a for p in gpu_configs("830m", "diff_v1") for a in ("--config", str(p))])
-    assert linked_vocab_size(gpu) == gpu.data.init_args.bpe_vocab_size == 32768
+    assert linked_vocab_size(gpu) == gpu.model.arch.vocab_size == 32768  # the prepared directory's, as stated
 
 
 def test_a_variants_size_parts_are_given_last(tmp_path):

@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import itertools
+import json
 import logging
 import sys
 from collections.abc import Sequence
@@ -129,7 +130,7 @@ def linked_vocab_size(config) -> int:
 
     from diffexp.data import TextDataModule
     from diffexp.data.tokenizer import ByteTokenizer, load_tokenizer_file
-    from diffexp.training.preflight import data_init_args
+    from diffexp.training.preflight import data_init_args, plain
 
     class_path, args = data_init_args(config)
     if args.get("vocab_size") is not None:
@@ -137,6 +138,12 @@ def linked_vocab_size(config) -> int:
     module, _, name = (class_path or "diffexp.data.TextDataModule").rpartition(".")
     data_class = getattr(importlib.import_module(module), name)
     if issubclass(data_class, TextDataModule):
+        source = Path(str(args.get("source", "stdlib"))).expanduser()
+        if (source / "manifest.json").is_file():  # a prepared directory: its tokenizer
+            return int(json.loads((source / "manifest.json").read_text())["tokenizer"]["vocab_size"])
+        if source.suffix == "" and not source.exists() and not str(source).startswith(("hf:", "stdlib")):
+            # a directory to prepare before training (the GPU recipes): the size the recipe states
+            return int(plain(config.get("model") or {}).get("arch", {}).get("vocab_size") or 32768)
         tokenizer = args.get("tokenizer", "byte")
         if tokenizer == "byte":
             return ByteTokenizer.vocab_size

@@ -206,8 +206,8 @@ class TextDataModule(L.LightningDataModule):
             raise UserError(
                 f"data.source={self.source.spec!r} is not prepared yet, and this is one of {world} processes a "
                 "launcher (torchrun, srun) started: preparing it here would hold every other process at a barrier. "
-                f"Prepare it once, then launch again:\n  {self.prepare_command()}\n(or prepare into a directory of your choice "
-                "with `diffexp data prepare` and train with --data.source DIR)")
+                f"Prepare it once, then launch again:\n  {self.prepare_command()}\n(or prepare into a directory of "
+                "your choice with `diffexp data prepare` and train with --data.source DIR)")
         log.info("preparing %s with tokenizer %s into %s", self.source.spec, self.tokenizer_spec, directory)
         prepare(self._plan(), directory, progress=True, command=self.prepare_command("{directory}"))
         self.tokenizer_trained = self.tokenizer_spec == "bpe"

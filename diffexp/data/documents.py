@@ -18,22 +18,25 @@ from diffexp.errors import UserError
 ELSEWHERE = "give documents with --text-file FILE ... or --dataset PATH"
 
 
-def validation_texts(data: dict) -> tuple[list[str], str]:
+def validation_texts(data: dict) -> tuple[Iterable[str], str]:
     """The validation documents of the text data a checkpoint was trained on (its ``data`` hyperparameters),
-    and a description of them."""
+    and a description of them: decoded from its prepared shards where they exist, else read from its source."""
     from diffexp.data.datamodule import TextDataModule
+    from diffexp.data.shards import MANIFEST
 
     if "source" not in data:
         raise UserError(f"the checkpoint was not trained on text documents (its data module has no data.source), "
                         f"so it has no validation documents; {ELSEWHERE}")
     source = str(data["source"])
-    if source.startswith("hf:") and data.get("max_chars") is None:
-        raise UserError(f"the checkpoint was trained on all of data.source={source!r}: finding its validation "
-                        f"documents would read the whole Hub dataset; {ELSEWHERE} (a Hub dataset's own split: "
-                        "--dataset hf:<name> --split validation)")
     accepted = inspect.signature(TextDataModule.__init__).parameters
     try:
         module = TextDataModule(**{k: v for k, v in data.items() if k in accepted})
+        if module.prepared_source is not None or (module.prepared_dir / MANIFEST).is_file():
+            return module.prepared.texts("val"), f"the validation split of {source}"
+        if source.startswith("hf:") and data.get("max_chars") is None:
+            raise UserError(f"the checkpoint was trained on all of data.source={source!r}, which is not prepared "
+                            f"here: finding its validation documents would read the whole Hub dataset; {ELSEWHERE} "
+                            "(a Hub dataset's own split: --dataset hf:<name> --split validation)")
         texts = module.splits()["val"]
     except UserError as err:
         raise UserError(f"the checkpoint's validation documents cannot be read back ({err}); {ELSEWHERE}") from None

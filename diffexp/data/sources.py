@@ -76,6 +76,9 @@ def resolve_source(spec: str) -> Source:
         if not files:
             raise _source_error(spec, "glob matches no .txt/.jsonl/.json/.parquet files")
         return Source(spec, "files", files=tuple(p.resolve() for p in files))
+    if not path.suffix:
+        raise _source_error(spec, "no such file or directory (a directory of token shards is made once by `diffexp "
+                                  f"data prepare SOURCE {spec}`)")
     raise _source_error(spec, "no such file or directory")
 
 
