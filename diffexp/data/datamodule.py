@@ -133,8 +133,8 @@ class TextDataModule(L.LightningDataModule):
         path = Path(source).expanduser()
         if not (path.is_dir() and ((path / MANIFEST).is_file() or (path / SETTINGS).is_file())):
             return None
-        unread = {key: getattr(self, key) for key, default in FIXED_BY_PREPARATION.items()
-                  if getattr(self, key) != default}
+        unread = {key: self.hparams[key] for key, default in FIXED_BY_PREPARATION.items()
+                  if self.hparams[key] != default}
         if unread:
             settings = ", ".join(f"data.{key}={value!r}" for key, value in unread.items())
             print(f"warning: data.source={source!r} is a prepared directory, whose manifest fixes the tokenizer and "

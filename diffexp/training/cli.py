@@ -22,6 +22,7 @@ from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from diffexp.checkpoint_io import read_checkpoint
 from diffexp.errors import UserError, debug_enabled
 from diffexp.training.checkpointing import RunCheckpoint
+from diffexp.training.construction import check_buildable, trainer_build_errors
 from diffexp.training.diagnostics import Diagnostics
 from diffexp.training.global_batch import GlobalBatch
 from diffexp.training.module import DiffexpLM
@@ -110,7 +111,10 @@ class DiffexpCLI(LightningCLI):
         })
 
     def instantiate_classes(self) -> None:
-        """jsonargparse wraps a class's own UserError in a union error with a Namespace dump: unwrap it."""
+        """What this machine cannot build is refused first, before data and model exist (check_buildable).
+        jsonargparse wraps a class's own UserError in a union error with a Namespace dump: unwrap it."""
+        check_buildable(plain(self._get(self.config, "trainer", default={})),
+                        plain(self._get(self.config, "model", default={})))
         try:
             super().instantiate_classes()
         except Exception as err:
@@ -122,19 +126,27 @@ class DiffexpCLI(LightningCLI):
             raise cause from None
 
     def instantiate_trainer(self, **kwargs):
-        # a new run's own version_<k>, reserved now; validate/test log into the evaluated run's eval/
         trainer_config = self._get(self.config, "trainer", default={})
-        logger = run_logger(self.subcommand, self._get(self.config_init, "trainer", default={}).get("logger"),
-                            trainer_config.get("logger"), self._get(self.config, "ckpt_path"))
+        with trainer_build_errors(plain(trainer_config)):
+            trainer = super().instantiate_trainer(**kwargs)
+        # a new run's own version_<k>, reserved once the trainer is built, so a refused build leaves no directory;
+        # validate/test log into the evaluated run's eval/ (fast_dev_run logs nowhere)
+        logger = None if trainer.fast_dev_run else run_logger(
+            self.subcommand, self._get(self.config_init, "trainer", default={}).get("logger"),
+            trainer_config.get("logger"), self._get(self.config, "ckpt_path"))
         if logger is not None:
-            kwargs["logger"] = logger
-        trainer = super().instantiate_trainer(**kwargs)
+            trainer.logger = logger
         if type(trainer.strategy.checkpoint_io) is TorchCheckpointIO:  # FSDP's sharded IO is left alone
             trainer.strategy.checkpoint_io = AtomicCheckpointIO()
         configured = self._get(self.config_init, "trainer", default={}).get("callbacks") or []
         use_step_progress_bar(trainer, configured if isinstance(configured, list) else [configured])
         trainer.callbacks.append(RunReport())
         return trainer
+
+    def _instantiate_trainer(self, config: dict, callbacks: list) -> L.Trainer:
+        if config.get("enable_checkpointing") is False:  # checkpoint.* is always configured: switched off, it goes
+            callbacks = [callback for callback in callbacks if not isinstance(callback, RunCheckpoint)]
+        return super()._instantiate_trainer(config, callbacks)
 
     def after_fit(self) -> None:
         """Every run ends validated at its last step, so its final val/loss belongs to its final weights."""
@@ -219,12 +231,24 @@ def quiet_third_party_noise() -> None:
                 handler.addFilter(_DropMessages("litlogger"))
 
 
+class _StderrHandler(logging.StreamHandler):
+    """Writes to whatever sys.stderr is when a message comes (a run inside a test, a redirected stream)."""
+
+    @property
+    def stream(self):
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, value) -> None:
+        pass
+
+
 def run_lightning_cli(args: list[str]) -> None:
     """`diffexp fit | validate | test ...` (args start with the subcommand)."""
     quiet_third_party_noise()
     log = logging.getLogger("diffexp")
-    if not log.handlers:  # data preparation messages ("tokenizing ...", "reusing cached ...")
-        handler = logging.StreamHandler()
+    if not log.handlers:  # data preparation messages ("preparing ...", "reusing prepared ...")
+        handler = _StderrHandler()
         handler.setFormatter(logging.Formatter("%(message)s"))
         log.addHandler(handler)
         log.setLevel(logging.INFO)
