@@ -16,13 +16,18 @@ tensors); it is read into one full checkpoint on the CPU. A directory `diffexp e
 Hyperparameters added after checkpoints were first written (``ADDED_LATER``) are filled in on reading
 with the behaviour the checkpoint was trained with, so an older checkpoint keeps meaning what it meant;
 ``FILLED`` lists them (as ``model.<section>.<key>``), for the resume check and its advice.
+
+Writing: a save that finds the disk full (`save_failed_for_space`) becomes one `UserError` naming the
+checkpoint, the space it needs and the space left (`no_space_error`), whichever writer failed.
 """
 
 from __future__ import annotations
 
+import errno
 import os
 import pickle
 import re
+import shutil
 import zipfile
 from collections.abc import Callable
 from pathlib import Path
@@ -250,3 +255,94 @@ def model_hparams(checkpoint: dict) -> dict:
 def checkpoint_hparams(path: os.PathLike | str, key: str = "--ckpt_path") -> dict:
     """``model_hparams`` of the checkpoint at ``path``, read cheaply (no tensors loaded); for resume checks."""
     return model_hparams(read_checkpoint(path, key, weights=False))
+
+
+# -- writing -------------------------------------------------------------------------------------------------
+#: a write that found no room: the file system is full, or the user's quota is used up
+NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
+#: torch's zip writer reports a failed write in these words, without the errno (a file opened by path)
+TORCH_WRITE_FAILED = re.compile(r"unexpected pos|file write failed|PytorchStreamWriter failed")
+
+
+def _carried(err: BaseException):
+    """err and every exception it carries: its causes and contexts, and the per-rank failures
+    torch.distributed.checkpoint gathers into its CheckpointException."""
+    pending, seen = [err], set()
+    while pending:
+        exc = pending.pop()
+        if exc is None or id(exc) in seen:
+            continue
+        seen.add(id(exc))
+        yield exc
+        pending += [exc.__cause__, exc.__context__]
+        failures = getattr(exc, "failures", None)
+        if isinstance(failures, dict):
+            pending += [failure[0] for failure in failures.values() if isinstance(failure, tuple)]
+
+
+def _existing(path: Path) -> Path:
+    while not path.exists() and path.parent != path:
+        path = path.parent
+    return path
+
+
+def free_bytes(path: os.PathLike | str) -> int:
+    """Free space on the file system that holds `path` (or would hold it)."""
+    return shutil.disk_usage(_existing(Path(path))).free
+
+
+def tensor_bytes(checkpoint: Any) -> int:
+    """The bytes of the tensors in a (nested) checkpoint: about the size it takes on disk. A sharded tensor
+    (DTensor) counts whole, as all ranks together write it; tensors sharing storage (tied weights) count once."""
+    total, seen = 0, set()
+    pending = [checkpoint]
+    while pending:
+        value = pending.pop()
+        if isinstance(value, dict):
+            pending += list(value.values())
+        elif isinstance(value, (list, tuple)):
+            pending += list(value)
+        elif isinstance(value, torch.Tensor):
+            if not hasattr(value, "full_tensor"):  # a DTensor has no storage of its own to compare
+                key = (value.data_ptr(), value.numel(), value.dtype)
+                if key in seen:
+                    continue
+                seen.add(key)
+            total += value.numel() * value.element_size()
+    return total
+
+
+def save_failed_for_space(err: BaseException, path: os.PathLike | str, needed: int) -> bool:
+    """Whether a checkpoint save failed because the disk is full: an ENOSPC (or EDQUOT) anywhere in the
+    error, or torch's bare "file write failed" while less than the checkpoint's size is free.
+    Call it before removing the partial files, which would give the space back."""
+    carried = list(_carried(err))
+    if any(isinstance(exc, OSError) and exc.errno in NO_SPACE for exc in carried):
+        return True
+    torch_write = any(isinstance(exc, RuntimeError) and TORCH_WRITE_FAILED.search(str(exc)) for exc in carried)
+    return torch_write and free_bytes(path) < needed
+
+
+def _size(n_bytes: int) -> str:
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20)):
+        if n_bytes >= scale:
+            return f"{n_bytes / scale:.1f} {unit}"
+    return f"{n_bytes / 2**10:.1f} KiB"
+
+
+def no_space_error(path: os.PathLike | str, needed: int) -> UserError:
+    """The one paragraph for a checkpoint that did not fit: where, how much it needs and how much is free, that
+    the checkpoints saved before are intact, and how to go on."""
+    path = Path(path)
+    previous = path.with_name("last.ckpt")
+    if previous.exists():
+        kept = f"The checkpoints saved before are intact; the newest is {previous}."
+        # --ckpt_path last finds last.ckpt in a run directory's checkpoints/ only (diffexp.training.runs)
+        resume = f"resume with --ckpt_path {'last' if path.parent.name == 'checkpoints' else previous}"
+    else:
+        kept, resume = "No checkpoint of this run was saved before this one.", "start the run again"
+    return UserError(
+        f"no space left on the device to save the checkpoint {path}: it needs about {_size(needed)}, "
+        f"{_size(free_bytes(path.parent))} is free on that file system. {kept} Free space there, or set "
+        f"--checkpoint.dirpath to a directory on a disk with room, then {resume}."
+    )

@@ -1,9 +1,9 @@
 """FSDP2 on CPU processes (gloo): the sharded path every GPU run takes, run for real on 2 processes.
 
 One 2-process sharded fit is the reference for everything: a 1-process fit with the same global batch must
-match it (losses, every logged value, final weights), a sharded run killed mid-run and resumed must end on its
-weights, its sharded checkpoint must consolidate to them, and two torchrun "nodes" on localhost (HSDP mesh)
-must train like it.
+match it (losses, every logged value, final weights), a sharded run killed mid-run and resumed, or stopped and
+resumed on 1 process (its shards resharded on load), must end on its weights, its sharded checkpoint must
+consolidate to them, and two torchrun "nodes" on localhost (HSDP mesh) must train like it.
 """
 
 from __future__ import annotations
@@ -167,14 +167,32 @@ def test_two_torchrun_nodes_on_localhost_train_together_on_an_hsdp_mesh(root):
                         torch.load(root / "sharded.pt", weights_only=True))
 
 
-def test_resuming_a_sharded_checkpoint_with_another_world_size_is_refused_before_work(root, monkeypatch, capsys):
+def test_a_sharded_checkpoint_resumes_on_another_world_size_with_the_same_global_batch(root):
+    """torch.distributed.checkpoint reshards on load: 2 processes' shards continue on 1 process, which reads the
+    rest of the same global order (4 rows a step) and ends on the uninterrupted 2-process run's weights."""
+    recipe = write(root, "elastic", devices=2, batch=2, strategy=FSDP2 % "false")
+    fit(root, "--config", str(recipe), "--trainer.max_steps", "4", "--model.optim.schedule_steps", str(STEPS))
+    fit(root, "--config", str(recipe), "--trainer.devices", "1", "--data.batch_size", "4",
+        "--model.optim.schedule_steps", str(STEPS), "--ckpt_path", "last")
+    last = root / "runs/elastic/version_0/checkpoints/last.ckpt"
+    assert sorted(p.name for p in last.glob("*.distcp")) == ["__0_0.distcp"]  # the resumed run saved 1 shard
+    sharded, elastic = logged(root, "sharded"), logged(root, "elastic")
+    assert [s for s, _ in elastic["train/loss"]] == [s for s, _ in sharded["train/loss"]] == list(range(STEPS))
+    torch.testing.assert_close(torch.tensor([v for _, v in elastic["train/loss"]]),
+                               torch.tensor([v for _, v in sharded["train/loss"]]), rtol=RTOL, atol=1e-6)
+    assert_same_weights(torch.load(root / "sharded.pt", weights_only=True),
+                        torch.load(root / "elastic.pt", weights_only=True))
+
+
+def test_resuming_a_sharded_checkpoint_with_another_global_batch_is_refused_before_work(root, monkeypatch, capsys):
     from diffexp.cli import main
 
     monkeypatch.chdir(root)
-    recipe = write(root, "sharded", devices=1, batch=2, strategy=FSDP2 % "false")
+    recipe = write(root, "sharded", devices=1, batch=2, strategy=FSDP2 % "false")  # 1 x 2 rows, the run's are 4
     before = sorted(p.name for p in (root / "runs/sharded").iterdir())
     with pytest.raises(SystemExit):
         main(["fit", "--config", str(recipe), "--ckpt_path", "last"])
-    err = capsys.readouterr().err
-    assert "world size (trainer.num_nodes x trainer.devices): checkpoint 2, this config 1" in err
+    err = " ".join(capsys.readouterr().err.split())
+    assert ("global batch (data.batch_size x world size x trainer.accumulate_grad_batches): checkpoint 4 rows, this "
+            "config 2 (2 x 1 x 1)") in err and "add --global_batch.rows 4" in err
     assert "Traceback" not in err and sorted(p.name for p in (root / "runs/sharded").iterdir()) == before

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from diffexp.data import TextDataModule
-from diffexp.data.prepare import split_of
+from diffexp.data.splits import split_of
 from diffexp.errors import UserError
 
 

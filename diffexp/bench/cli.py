@@ -61,7 +61,8 @@ def _run(argv: list[str]) -> int:
 
         return data_main(argv[1:])
     if argv[0] not in KINDS:
-        raise UserError(f"diffexp bench KIND: got {argv[0]!r}; expected one of {', '.join([*KINDS, 'trainer', 'data'])} "
+        kinds = ", ".join([*KINDS, "trainer", "data"])
+        raise UserError(f"diffexp bench KIND: got {argv[0]!r}; expected one of {kinds} "
                         "(`diffexp bench --help` describes them)")
     return run_kind(kind_module(argv[0]), argv[1:])
 

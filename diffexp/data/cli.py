@@ -127,7 +127,7 @@ def _prepare(args: argparse.Namespace) -> int:
     source = sources.resolve_source(args.source)
     sources.check_source(source, args.text_field)
     if args.tokenizer not in ("byte", "bpe"):
-        from diffexp.data.prepare import load_named_tokenizer
+        from diffexp.data.tokenizer import load_named_tokenizer
 
         load_named_tokenizer(args.tokenizer, "--tokenizer")  # a bad name fails before the corpus is planned
     plan = Plan(source, args.text_field, args.max_chars, args.tokenizer, args.bpe_vocab_size,
@@ -174,7 +174,7 @@ def summary(directory: Path, manifest: dict) -> str:
 
 
 def _inspect(args: argparse.Namespace) -> int:
-    from diffexp.data.datamodule import open_prepared
+    from diffexp.data.prepared import open_prepared
 
     prepared = open_prepared(Path(args.directory), key="DIR", checksums=args.verify)
     print(summary(Path(args.directory), prepared.manifest))

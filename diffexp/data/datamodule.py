@@ -26,9 +26,10 @@ from torch.utils.data import DataLoader
 
 from diffexp.data import checks, sources
 from diffexp.data.loader import PackedRows, collate_rows, resumable_train_loader
-from diffexp.data.prepare import BPE_SAMPLE_CHARS, SETTINGS, Plan, prepare, unit_splits
+from diffexp.data.prepare import BPE_SAMPLE_CHARS, SETTINGS, Plan, prepare
 from diffexp.data.prepared import Prepared, open_prepared
 from diffexp.data.shards import MANIFEST
+from diffexp.data.splits import unit_splits
 from diffexp.data.tokenizer import TextTokenizer
 from diffexp.data.units import plan_units, unit_documents
 from diffexp.errors import UserError
@@ -158,7 +159,7 @@ class TextDataModule(L.LightningDataModule):
         sources.check_source(self.source, self.text_field)  # a prefix of each file: empty, binary, not UTF-8, no field
         self._tokenizer_identity = self.tokenizer_spec
         if self.tokenizer_spec not in ("byte", "bpe"):  # a bad file or name fails here; its content is its identity
-            from diffexp.data.prepare import load_named_tokenizer
+            from diffexp.data.tokenizer import load_named_tokenizer
 
             named = str(tokenizer_file) if tokenizer_file is not None else self.tokenizer_spec
             text = load_named_tokenizer(named, "data.tokenizer")[1]

@@ -22,136 +22,29 @@ import queue
 import shutil
 import sys
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import numpy as np
-
 from diffexp.data import sources
-from diffexp.data.checks import TOKENIZER_CHOICES, looks_like_path
 from diffexp.data.shards import (
     FORMAT,
     MANIFEST,
     SPLITS,
     DiskFull,
-    PieceWriter,
     read_manifest,
     token_dtype,
     write_atomic,
     write_json,
 )
-from diffexp.data.units import Unit, content_fingerprint, plan_units, unit_documents
+from diffexp.data.splits import held_out_overrides, unit_splits
+from diffexp.data.tokenizer import load_named_tokenizer
+from diffexp.data.units import Unit, content_fingerprint, plan_units
+from diffexp.data.worker import WORKER, Job, finished, init_worker, prepare_unit
 from diffexp.errors import UserError
 
 SETTINGS = "prepare.json"
 SHARD_TOKENS = 1 << 27  # 128M tokens: a 256 MiB piece at uint16
 BPE_SAMPLE_CHARS = 32_000_000  # what a BPE is trained on: enough for its merges, bounded in memory
-BATCH_CHARS = 1 << 20  # documents tokenized together
-
-
-def split_score(text: str, seed: int) -> float:
-    """A document's place in [0, 1): a hash of its text keyed by ``seed``."""
-    digest = hashlib.blake2b(text.encode("utf-8"), digest_size=8, key=str(seed).encode()).digest()
-    return int.from_bytes(digest, "little") / 2**64
-
-
-def split_of(text: str, seed: int, val_fraction: float, test_fraction: float,
-             overrides: dict[float, str] | None = None) -> str:
-    """"val", "test" or "train" for a document by its score alone, so documents with the same text always land
-    in the same split (``overrides``: the scores ``held_out_overrides`` moves out of training)."""
-    u = split_score(text, seed)
-    if overrides and u in overrides:
-        return overrides[u]
-    return "val" if u < val_fraction else "test" if u < val_fraction + test_fraction else "train"
-
-
-GUARANTEED_WITHIN = 10_000
-
-
-def held_out_overrides(first: Unit, source: sources.Source, text_field: str, hf_cache_dir: str, seed: int,
-                       val_fraction: float, test_fraction: float) -> dict[float, str]:
-    """A small corpus may have no score below a fraction: if none of the corpus's first ``GUARANTEED_WITHIN``
-    documents is held out for validation (or test), the training text with the lowest score is, one each
-    (every copy of it). Large corpora are never affected."""
-    scores = set()
-    for ordinal, text in enumerate(unit_documents(first, source, text_field, hf_cache_dir)):
-        if ordinal == GUARANTEED_WITHIN:
-            break
-        scores.add(split_score(text, seed))
-    held_out = val_fraction + test_fraction
-    wanted = [split for split, low, high in (("val", 0.0, val_fraction), ("test", val_fraction, held_out))
-              if high > low and not any(low <= score < high for score in scores)]
-    training = sorted(score for score in scores if score >= held_out)
-    if len(training) <= len(wanted):
-        splits = "train/val/test" if test_fraction > 0 else "train/val"
-        needed = 3 if test_fraction > 0 else 2
-        hint = "raise data.max_chars" if first.max_chars else "add text; .txt files split at blank lines"
-        raise UserError(f"data.source={source.spec!r}: need at least {needed} documents to split into {splits}, got "
-                        f"{len(scores)} different ones ({hint})")
-    return dict(zip(training, wanted))
-
-
-def unit_splits(unit: Unit, source: sources.Source, text_field: str, hf_cache_dir: str, seed: int,
-                val_fraction: float, test_fraction: float, overrides: dict[float, str]) -> Iterator[tuple[str, str]]:
-    """(split, document) for each document of a unit."""
-    for text in unit_documents(unit, source, text_field, hf_cache_dir):
-        yield split_of(text, seed, val_fraction, test_fraction, overrides), text
-
-
-# -- tokenizers ----------------------------------------------------------------------------------------------
-def is_builtin_tokenizer(spec: str) -> bool:
-    return spec in ("byte", "bpe")
-
-
-def load_named_tokenizer(spec: str, key: str):
-    """A tokenizer.json file, or a Hub tokenizer by name (needs network or the local Hub cache); a
-    ``(tokenizers.Tokenizer, json text)`` pair, or a UserError naming ``key``."""
-    from tokenizers import Tokenizer
-
-    path = Path(spec).expanduser()
-    if path.is_dir():
-        inside = path / "tokenizer.json"
-        hint = f"; did you mean {str(inside)!r}?" if inside.is_file() else ""
-        raise UserError(f"{key}={spec!r}: {path} is a directory, not a tokenizer.json file{hint}")
-    if path.is_file():
-        try:
-            text = path.read_text(encoding="utf-8")
-            return Tokenizer.from_str(text), text
-        except Exception as err:  # tokenizers raises a bare Exception for a bad file
-            reason = (str(err).strip().splitlines() or [type(err).__name__])[0]
-            raise UserError(f"{key}={spec!r}: {path} is not a Hugging Face tokenizer.json ({reason}); "
-                            f"{TOKENIZER_CHOICES}") from None
-    if looks_like_path(spec):
-        raise UserError(f"{key}={spec!r}: no such file; {TOKENIZER_CHOICES}")
-    try:
-        tokenizer = Tokenizer.from_file(_hub_tokenizer_file(spec))
-    except Exception as err:  # offline, no such repository, no tokenizer.json in it
-        reason = (str(err).strip().splitlines() or [type(err).__name__])[0]
-        raise UserError(f"{key}={spec!r}: not a local file, and no Hub tokenizer of that name could be loaded "
-                        f"({reason}); {TOKENIZER_CHOICES}") from None
-    return tokenizer, tokenizer.to_str()
-
-
-def _hub_tokenizer_file(name: str) -> str:
-    """A Hub repository's tokenizer.json: from the local Hub cache, else downloaded (failing at once offline,
-    where huggingface_hub would retry for half a minute)."""
-    import socket
-    from urllib.parse import urlparse
-
-    from huggingface_hub import constants, hf_hub_download, try_to_load_from_cache
-
-    cached = try_to_load_from_cache(name, "tokenizer.json")
-    if isinstance(cached, str):
-        return cached
-    if constants.HF_HUB_OFFLINE:
-        raise OSError("offline (HF_HUB_OFFLINE is set) and not in the local Hub cache")
-    try:
-        socket.getaddrinfo(urlparse(constants.ENDPOINT).hostname, 443)
-    except OSError as err:
-        raise OSError(f"the Hub cannot be reached ({err.strerror or err}), and it is not in the local Hub "
-                      "cache") from None
-    return hf_hub_download(name, "tokenizer.json")
 
 
 @dataclass
@@ -243,110 +136,6 @@ def resolve_tokenizer(plan: Plan, out: Path, key: str = "data.tokenizer") -> tup
 
 
 # -- one unit ------------------------------------------------------------------------------------------------
-@dataclass
-class _Job:
-    """What a process needs to prepare units: sent once to each worker."""
-
-    out: str
-    source: sources.Source
-    text_field: str
-    hf_cache_dir: str
-    tokenizer_json: str | None  # None: the byte tokenizer
-    eos_id: int
-    dtype: str
-    seed: int
-    val_fraction: float
-    test_fraction: float
-    overrides: dict[float, str]
-    shard_tokens: int
-
-
-_WORKER: dict = {}
-
-
-def _init_worker(job: _Job, progress, single_threaded: bool) -> None:
-    if single_threaded:  # one process per core: the tokenizer's own thread pool would oversubscribe them
-        os.environ["RAYON_NUM_THREADS"] = "1"
-    encode = None
-    if job.tokenizer_json is not None:
-        from tokenizers import Tokenizer
-
-        tokenizer = Tokenizer.from_str(job.tokenizer_json)
-
-        def encode(texts: list[str]) -> list[list[int]]:
-            return [e.ids for e in tokenizer.encode_batch_fast(texts, add_special_tokens=False)]
-    _WORKER.update(job=job, encode=encode, progress=progress)
-
-
-def _tokens(texts: list[str], encode, eos_id: int, dtype: np.dtype) -> np.ndarray:
-    """The documents' ids, each followed by ``eos_id``, as one array."""
-    if encode is None:  # the byte tokenizer: UTF-8 bytes are the ids
-        encoded = [text.encode("utf-8") for text in texts]
-        ends = np.cumsum(np.fromiter(map(len, encoded), np.int64, len(encoded)) + 1) - 1
-        ids = np.empty(int(ends[-1]) + 1 if len(ends) else 0, dtype=dtype)
-        is_text = np.ones(len(ids), dtype=bool)
-        is_text[ends] = False
-        ids[is_text] = np.frombuffer(b"".join(encoded), dtype=np.uint8)
-        ids[ends] = eos_id
-        return ids
-    flat: list[int] = []
-    for ids in encode(texts):
-        flat.extend(ids)
-        flat.append(eos_id)
-    return np.array(flat, dtype=dtype)
-
-
-def prepare_unit(unit: Unit) -> dict:
-    """Read, split, tokenize and write one unit; its record once its shards are on disk."""
-    job, encode, progress = _WORKER["job"], _WORKER["encode"], _WORKER["progress"]
-    out, dtype = Path(job.out), np.dtype(job.dtype)
-    writers = {split: PieceWriter(out / "shards", f"{split}-{unit.index:06d}", dtype, job.eos_id, job.shard_tokens)
-               for split in SPLITS}
-    reported = 0
-
-    def flush(batch: dict[str, list[str]], chars: int) -> None:
-        nonlocal reported
-        tokens = 0
-        for split, texts in batch.items():
-            if texts:
-                ids = _tokens(texts, encode, job.eos_id, dtype)
-                writers[split].write(ids)
-                tokens += len(ids)
-        if progress is not None:
-            progress.put((sum(map(len, batch.values())), chars, tokens))
-            reported += chars
-
-    batch: dict[str, list[str]] = {split: [] for split in SPLITS}
-    chars = 0
-    for split, text in unit_splits(unit, job.source, job.text_field, job.hf_cache_dir, job.seed, job.val_fraction,
-                                   job.test_fraction, job.overrides):
-        batch[split].append(text)
-        chars += len(text)
-        if chars >= BATCH_CHARS:
-            flush(batch, chars)
-            batch, chars = {split: [] for split in SPLITS}, 0
-    flush(batch, chars)
-    if progress is not None and unit.size > reported:  # the bar counts source bytes: end on the unit's size
-        progress.put((0, unit.size - reported, 0))
-    record = {"unit": unit.to_json(), "splits": {split: writers[split].close() for split in SPLITS}}
-    write_json(out / "units" / f"{unit.index:06d}.json", record)
-    return record
-
-
-# -- the whole corpus ----------------------------------------------------------------------------------------
-def _finished(out: Path, unit: Unit) -> bool:
-    """A unit whose record is written and whose pieces are all there at their size."""
-    path = out / "units" / f"{unit.index:06d}.json"
-    try:
-        record = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError):
-        return False
-    if record.get("unit") != unit.to_json():
-        return False
-    pieces = [p for split in SPLITS for p in record["splits"][split]]
-    return all((out / p["file"]).is_file() and (out / p["file"]).stat().st_size == p["bytes"] for p in pieces)
-
-
 def part_units(units: list[Unit], part: int, of: int) -> list[Unit]:
     """The ``part``-th of ``of`` contiguous runs of units (balanced by count)."""
     return units[part * len(units) // of : (part + 1) * len(units) // of]
@@ -382,20 +171,20 @@ def prepare(plan: Plan, out: Path, num_proc: int | None = None, part: int = 0, o
         manifest = read_manifest(out, _rebuild(out, command))
         return Result(out, manifest, 0, len(plan.units), time.perf_counter() - started, 0, 0)
     mine = part_units(plan.units, part, of)
-    pending = [unit for unit in mine if not _finished(out, unit)]
+    pending = [unit for unit in mine if not finished(out, unit)]
     (out / "shards").mkdir(exist_ok=True)
     (out / "units").mkdir(exist_ok=True)
-    job = _Job(str(out), plan.source, plan.text_field, plan.hf_cache_dir,
-               tokenizer_json, tokenizer_info["eos_id"],
-               token_dtype(tokenizer_info["vocab_size"]).str, plan.seed, plan.val_fraction, plan.test_fraction,
-               plan.overrides, plan.shard_tokens)
+    job = Job(str(out), plan.source, plan.text_field, plan.hf_cache_dir,
+              tokenizer_json, tokenizer_info["eos_id"],
+              token_dtype(tokenizer_info["vocab_size"]).str, plan.seed, plan.val_fraction, plan.test_fraction,
+              plan.overrides, plan.shard_tokens)
     tokens = 0
     try:
         tokens = _run_units(job, pending, num_proc, progress)
     except DiskFull as full:
         raise _disk_full_error(full, out, plan.units, command) from None
-    finished = all(_finished(out, unit) for unit in plan.units)
-    manifest = join(out) if finished else None
+    complete = all(finished(out, unit) for unit in plan.units)
+    manifest = join(out) if complete else None
     return Result(out, manifest, len(pending), len(mine) - len(pending), time.perf_counter() - started, tokens,
                   sum(unit.size for unit in pending))
 
@@ -430,7 +219,7 @@ def _difference(saved: dict, wanted: dict, keys: list[str]) -> str:
     return f"{key} there {there}, now {now}"
 
 
-def _run_units(job: _Job, units: list[Unit], num_proc: int | None, show: bool) -> int:
+def _run_units(job: Job, units: list[Unit], num_proc: int | None, show: bool) -> int:
     """Prepare ``units`` in this process (one unit, or one process) or a pool of ``num_proc`` processes."""
     if not units:
         return 0
@@ -439,18 +228,18 @@ def _run_units(job: _Job, units: list[Unit], num_proc: int | None, show: bool) -
     tokens = 0
     if num_proc == 1:
         updates: queue.SimpleQueue = queue.SimpleQueue()
-        _init_worker(job, updates, single_threaded=False)  # the tokenizer's own threads use every core
+        init_worker(job, updates, single_threaded=False)  # the tokenizer's own threads use every core
         try:
             for unit in units:
                 prepare_unit(unit)
                 tokens += _drain(updates, bar)
         finally:
-            _WORKER.clear()
+            WORKER.clear()
             bar.close()
         return tokens
     context = multiprocessing.get_context("spawn")  # workers import only the data code, never torch
     updates = context.Queue()
-    with context.Pool(num_proc, initializer=_init_worker, initargs=(job, updates, True)) as pool:
+    with context.Pool(num_proc, initializer=init_worker, initargs=(job, updates, True)) as pool:
         try:
             pending = [pool.apply_async(prepare_unit, (unit,)) for unit in units]
             while pending:
@@ -494,7 +283,7 @@ def _drain(updates, bar, wait: float = 0.0) -> int:
 
 
 def _disk_full_error(full: DiskFull, out: Path, units: list[Unit], command: str) -> UserError:
-    done = [unit for unit in units if _finished(out, unit)]
+    done = [unit for unit in units if finished(out, unit)]
     written = sum(p.stat().st_size for p in (out / "shards").glob("*.bin"))
     done_source = sum(unit.size for unit in done) or 1
     left_source = sum(unit.size for unit in units) - done_source
@@ -526,7 +315,7 @@ def join(out: Path) -> dict:
     settings = json.loads((out / SETTINGS).read_text())
     command = settings["command"]
     units = [Unit(**u) for u in settings["units"]]
-    missing = [unit.index for unit in units if not _finished(out, unit)]
+    missing = [unit.index for unit in units if not finished(out, unit)]
     if missing:
         shown = ", ".join(map(str, missing[:8])) + (" ..." if len(missing) > 8 else "")
         raise UserError(f"{out}: {len(missing)} of {len(units)} units are not finished (units {shown}); run every "
@@ -546,12 +335,3 @@ def join(out: Path) -> dict:
                 "command": command, "settings": SETTINGS}
     write_json(out / MANIFEST, manifest)
     return manifest
-
-
-def iter_documents(tokens: np.ndarray, eos_id: int) -> Iterator[np.ndarray]:
-    """Each document's ids (without its end-of-document id) from a stream of ids."""
-    ends = np.flatnonzero(tokens == eos_id)
-    start = 0
-    for end in ends:
-        yield tokens[start:end]
-        start = end + 1

@@ -19,6 +19,9 @@ from typing import Protocol
 import numpy as np
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
+from diffexp.data.checks import TOKENIZER_CHOICES, looks_like_path, tokenizer_error
+from diffexp.errors import UserError
+
 EOS_TOKEN = "<|endoftext|>"
 # End-of-document tokens used by common tokenizer.json files, tried in this order.
 KNOWN_EOS_TOKENS = (EOS_TOKEN, "<|end_of_text|>", "</s>", "<eos>", "[SEP]")
@@ -85,8 +88,6 @@ def load_tokenizer_file(path: str | os.PathLike, spec: str | None = None) -> HFT
 
     A file that is not a tokenizer.json raises a UserError naming ``data.tokenizer={spec}``.
     """
-    from diffexp.data.checks import tokenizer_error
-
     content = Path(path).read_bytes()
     try:
         tokenizer = Tokenizer.from_str(content.decode("utf-8"))
@@ -144,3 +145,53 @@ def tokenizer_from_state(state: dict) -> TextTokenizer:
     if state.get("kind") == "tokenizers":
         return HFTokenizer(Tokenizer.from_str(state["json"]), state["identity"])
     raise ValueError(f"unknown tokenizer kind {state.get('kind')!r}; expected 'byte' or 'tokenizers'")
+
+
+def load_named_tokenizer(spec: str, key: str):
+    """A tokenizer.json file, or a Hub tokenizer by name (needs network or the local Hub cache); a
+    ``(tokenizers.Tokenizer, json text)`` pair, or a UserError naming ``key``."""
+    from tokenizers import Tokenizer
+
+    path = Path(spec).expanduser()
+    if path.is_dir():
+        inside = path / "tokenizer.json"
+        hint = f"; did you mean {str(inside)!r}?" if inside.is_file() else ""
+        raise UserError(f"{key}={spec!r}: {path} is a directory, not a tokenizer.json file{hint}")
+    if path.is_file():
+        try:
+            text = path.read_text(encoding="utf-8")
+            return Tokenizer.from_str(text), text
+        except Exception as err:  # tokenizers raises a bare Exception for a bad file
+            reason = (str(err).strip().splitlines() or [type(err).__name__])[0]
+            raise UserError(f"{key}={spec!r}: {path} is not a Hugging Face tokenizer.json ({reason}); "
+                            f"{TOKENIZER_CHOICES}") from None
+    if looks_like_path(spec):
+        raise UserError(f"{key}={spec!r}: no such file; {TOKENIZER_CHOICES}")
+    try:
+        tokenizer = Tokenizer.from_file(_hub_tokenizer_file(spec))
+    except Exception as err:  # offline, no such repository, no tokenizer.json in it
+        reason = (str(err).strip().splitlines() or [type(err).__name__])[0]
+        raise UserError(f"{key}={spec!r}: not a local file, and no Hub tokenizer of that name could be loaded "
+                        f"({reason}); {TOKENIZER_CHOICES}") from None
+    return tokenizer, tokenizer.to_str()
+
+
+def _hub_tokenizer_file(name: str) -> str:
+    """A Hub repository's tokenizer.json: from the local Hub cache, else downloaded (failing at once offline,
+    where huggingface_hub would retry for half a minute)."""
+    import socket
+    from urllib.parse import urlparse
+
+    from huggingface_hub import constants, hf_hub_download, try_to_load_from_cache
+
+    cached = try_to_load_from_cache(name, "tokenizer.json")
+    if isinstance(cached, str):
+        return cached
+    if constants.HF_HUB_OFFLINE:
+        raise OSError("offline (HF_HUB_OFFLINE is set) and not in the local Hub cache")
+    try:
+        socket.getaddrinfo(urlparse(constants.ENDPOINT).hostname, 443)
+    except OSError as err:
+        raise OSError(f"the Hub cannot be reached ({err.strerror or err}), and it is not in the local Hub "
+                      "cache") from None
+    return hf_hub_download(name, "tokenizer.json")

@@ -19,11 +19,14 @@ import secrets
 import shutil
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, NoReturn
 
 import torch
 from lightning.pytorch.strategies import ModelParallelStrategy
 from torch import nn
+
+from diffexp.checkpoint_io import no_space_error, save_failed_for_space, tensor_bytes
+from diffexp.errors import UserError, invalid
 
 MIXED_PRECISION = ("auto", "bf16", "fp32")
 
@@ -48,8 +51,6 @@ class FSDP2Strategy(ModelParallelStrategy):
                  activation_checkpointing: bool = False, replicate_across_nodes: bool = False,
                  save_distributed_checkpoint: bool = True, process_group_backend: str | None = None,
                  timeout: timedelta | None = timedelta(minutes=30)) -> None:
-        from diffexp.errors import invalid
-
         if mixed_precision not in MIXED_PRECISION:
             raise invalid("trainer.strategy.init_args.mixed_precision", mixed_precision,
                           f"expected one of {', '.join(MIXED_PRECISION)}")
@@ -85,13 +86,27 @@ class FSDP2Strategy(ModelParallelStrategy):
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath, storage_options: Any | None = None) -> None:
         """Every rank writes its shards into a staging directory beside the target, which rank 0 then swaps
         in: a kill leaves the previous checkpoint or the new one, never a partial one (a kill between the two
-        renames leaves the new one under its staging name)."""
-        if not self._save_distributed_checkpoint:
-            return super().save_checkpoint(checkpoint, filepath, storage_options)
+        renames leaves the new one under its staging name). A save that fails on one rank (a full disk) fails on
+        all of them, rather than leaving the others waiting at the next collective; the staging directory is
+        removed and the previous checkpoint stays as it was."""
+        if not self._save_distributed_checkpoint:  # one file, written by rank 0 (AtomicCheckpointIO)
+            failure = _attempt(super().save_checkpoint, checkpoint, filepath, storage_options)
+            if self.reduce_boolean_decision(failure is not None, all=False):
+                _raise_on_every_rank(failure, Path(filepath))
+            return
         target = Path(self.broadcast(str(filepath)))
         token = self.broadcast(secrets.token_hex(4))
         staging = target.with_name(f".{target.name}.{token}.tmp")  # diffexp.training.runs removes orphans
-        super().save_checkpoint(checkpoint, staging, storage_options)
+        needed = tensor_bytes(checkpoint)  # before Lightning moves the tensors out of the dict
+        failure = _attempt(super().save_checkpoint, checkpoint, staging, storage_options)
+        no_space = failure is not None and save_failed_for_space(failure, staging, needed)  # before space is freed
+        if self.reduce_boolean_decision(failure is not None, all=False):
+            if self.is_global_zero:
+                shutil.rmtree(staging, ignore_errors=True)
+            self.barrier("diffexp-checkpoint-removed")  # so every rank reports the space left after it
+            if no_space:
+                raise no_space_error(target, needed) from failure
+            _raise_on_every_rank(failure, target)
         self.barrier("diffexp-checkpoint-written")
         if self.is_global_zero:
             replaced = target.with_name(f".{target.name}.{token}-old.tmp")
@@ -122,6 +137,23 @@ class FSDP2Strategy(ModelParallelStrategy):
     def shard(self, decoder: nn.Module) -> None:
         """Shard a Decoder in place with this strategy's mesh and precision (DiffexpLM.configure_model)."""
         shard_decoder(decoder, self.device_mesh, self.compute_dtype, self.activation_checkpointing)
+
+
+def _attempt(save, *args: Any) -> BaseException | None:
+    """Call save; its error instead of raising it, so that the ranks can decide together."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    try:
+        save(*args)
+    except (Exception, CheckpointException) as err:  # CheckpointException is a BaseException
+        return err
+    return None
+
+
+def _raise_on_every_rank(failure: BaseException | None, target: Path) -> NoReturn:
+    if failure is None:  # this rank's part was written: the failing rank's error says why
+        raise UserError(f"saving the checkpoint {target} failed on another process; its error says why")
+    raise failure
 
 
 def is_sharded(module: nn.Module) -> bool:

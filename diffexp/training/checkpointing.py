@@ -19,6 +19,7 @@ resumes from it. On a fit's start, temporary files of a save a kill interrupted 
 
 from __future__ import annotations
 
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -28,8 +29,68 @@ from lightning.fabric.utilities.apply_func import convert_tensors_to_scalars
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.trainer.states import TrainerFn
 
-from diffexp.errors import invalid
+from diffexp.errors import UserError, invalid
 from diffexp.training.runs import remove_orphan_temp_files
+
+
+def check_checkpoint_settings(checkpoint: dict[str, Any], trainer: dict[str, Any], subcommand: str) -> None:
+    """Refuse the checkpoint.* values ModelCheckpoint refuses with a traceback (two triggers for last.ckpt among
+    them: every_n_train_steps has a default, so a time or epoch trigger alone is one too many); in fit, warn when
+    the settings leave a run that cannot be resumed (legitimate for a throw-away run)."""
+    top_k = checkpoint.get("save_top_k", 1)
+    if top_k < -1:
+        raise invalid("checkpoint.save_top_k", top_k, "expected -1 (keep every best checkpoint), 0 (none) or the "
+                      "number of best checkpoints to keep")
+    for key in ("every_n_train_steps", "every_n_epochs"):
+        if (checkpoint.get(key) or 0) < 0:
+            raise invalid(f"checkpoint.{key}", checkpoint[key], "expected 0 (off) or a positive number")
+    triggers = last_checkpoint_triggers(checkpoint)
+    if len(triggers) > 1:
+        given = " and ".join(f"checkpoint.{key}={value}" for key, value in triggers.items())
+        fix = ""
+        if "every_n_train_steps" in triggers:
+            other = "time" if "train_time_interval" in triggers else "epoch"
+            fix = f"; to save by {other} only, add --checkpoint.every_n_train_steps 0 (it is 100 unless set)"
+        raise UserError(f"{given}: expected one trigger for last.ckpt{fix}")
+    if checkpoint.get("monitor") is None and top_k not in (-1, 0, 1):
+        raise invalid("checkpoint.save_top_k", top_k, "with checkpoint.monitor=null there is nothing to rank by: "
+                      "expected -1, 0 or 1, or set checkpoint.monitor (val/loss)")
+    if subcommand == "fit":
+        warning = unresumable(checkpoint, trainer, triggers)
+        if warning:
+            print(f"warning: {warning}", file=sys.stderr)
+
+
+def last_checkpoint_triggers(checkpoint: dict[str, Any]) -> dict[str, Any]:
+    """The checkpoint.* keys that trigger last.ckpt during training, with their values."""
+    triggers = {key: checkpoint.get(key) for key in ("every_n_train_steps", "every_n_epochs")
+                if (checkpoint.get(key) or 0) >= 1}
+    if checkpoint.get("train_time_interval") is not None:
+        triggers["train_time_interval"] = str(checkpoint["train_time_interval"])
+    return triggers
+
+
+def unresumable(checkpoint: dict[str, Any], trainer: dict[str, Any], triggers: dict[str, Any]) -> str | None:
+    """Why a fit with these settings cannot be resumed (or not with --ckpt_path last), in one line; None if it can."""
+    if trainer.get("enable_checkpointing") is False:
+        return ("trainer.enable_checkpointing=false: this run saves no checkpoint (checkpoint.* is ignored), so it "
+                "cannot be resumed, evaluated or exported")
+    top_k, validates = checkpoint.get("save_top_k", 1), trainer.get("limit_val_batches") != 0
+    if not checkpoint.get("save_last"):
+        if top_k == 0 or not validates:
+            why = "checkpoint.save_top_k=0" if top_k == 0 else "no validation (trainer.limit_val_batches=0)"
+            return (f"checkpoint.save_last=false and {why}: this run saves no checkpoint, so it cannot be resumed, "
+                    "evaluated or exported")
+        return ("checkpoint.save_last=false: no last.ckpt, so this run cannot be resumed with --ckpt_path last, "
+                "only from a checkpoint saved at a validation (checkpoint.save_top_k), by its path")
+    max_steps, every = trainer.get("max_steps") or -1, triggers.get("every_n_train_steps")
+    if every is not None and 0 < max_steps <= every:
+        return (f"checkpoint.every_n_train_steps={every} is not below trainer.max_steps={max_steps}: last.ckpt is "
+                "written only when training ends, so this run cannot be resumed if it stops before then")
+    if not triggers and checkpoint.get("every_n_train_steps") is not None:  # all None: Lightning saves each epoch
+        return ("checkpoint.every_n_train_steps=0 and no checkpoint.train_time_interval or checkpoint.every_n_epochs: "
+                "last.ckpt is written only when training ends, so this run cannot be resumed if it stops before then")
+    return None
 
 
 def flush_loggers(trainer: L.Trainer) -> None:

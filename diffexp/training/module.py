@@ -19,6 +19,7 @@ from diffexp.errors import UserError
 from diffexp.model import Decoder
 from diffexp.model.config import ModelConfig
 from diffexp.parallel import FSDP2Strategy, full_value
+from diffexp.training.global_batch import resumed_layout
 from diffexp.training.loss_slices import ar_hit_mask, frequent_bigrams
 from diffexp.training.nonfinite import any_rank, stop_with_last_finite
 from diffexp.training.options import ARHitConfig, OptimConfig
@@ -269,19 +270,17 @@ class DiffexpLM(L.LightningModule):
             "max_steps": trainer.max_steps, "schedule_steps": self.schedule_steps(),
             "accumulate_grad_batches": trainer.accumulate_grad_batches,
             "gradient_clip_val": trainer.gradient_clip_val, "world_size": trainer.world_size,
+            "batch_size": getattr(datamodule, "batch_size", None),  # with the two above: the global batch
             "data_class": None if datamodule is None else f"{type(datamodule).__module__}.{type(datamodule).__name__}",
         }
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         self.validated_step = checkpoint.get("diffexp_validated_step")
-        saved = (checkpoint.get("diffexp_run") or {}).get("world_size")
         trainer = self._trainer
-        if saved and trainer is not None and trainer.state.fn == "fit" and saved != trainer.world_size:
-            # the preflight check, for launches whose size only the machine knew (devices auto or -1)
-            raise UserError(f"--ckpt_path: cannot resume: the checkpoint was written by {saved} process(es), this "
-                            f"run has {trainer.world_size} (trainer.num_nodes x trainer.devices); each process "
-                            f"reads its own share of every batch, so another count would train on other data. "
-                            f"Resume with {saved}.")
+        if trainer is not None and trainer.state.fn == "fit":
+            # the preflight check of the global batch, for launches whose size only the machine knew (devices auto
+            # or -1); another world size or data.batch_size with the same global batch moves the batch counters
+            resumed_layout(checkpoint, trainer)
 
     # -- logs that need the step boundaries -------------------------------------------------------
     def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:

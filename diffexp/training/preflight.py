@@ -19,7 +19,9 @@ from diffexp.checkpoint_io import FILLED
 from diffexp.errors import UserError, invalid
 from diffexp.model.config import ModelConfig
 from diffexp.parallel.launch import check_launch, requested_world_size
-from diffexp.training.global_batch import accumulation_for
+from diffexp.training.checkpointing import check_checkpoint_settings
+from diffexp.training.construction import check_build_config
+from diffexp.training.global_batch import GLOBAL_BATCH, accumulation_for
 
 # data module settings that do not change what is trained (where files live, how many loader processes)
 DATA_KEYS_FREE_ON_RESUME = {"num_workers", "cache_dir"}
@@ -28,9 +30,11 @@ HONOURED_ON_RESUME = ("  model.optim.lr:", "  model.optim.betas:", "  model.opti
                       "  model.optim.warmup_steps:", "  model.optim.min_lr_ratio:", "  trainer.gradient_clip_val:")
 # trainer settings that shape the optimization (a checkpoint records them in "diffexp_run")
 RESUME_TRAINER_KEYS = ("max_steps", "accumulate_grad_batches", "gradient_clip_val")
-# the processes a run trains on: each reads its own share of every batch, so a resume needs as many
+# the processes a run trains on: each reads its own share of every global batch
 WORLD_SIZE = "world size (trainer.num_nodes x trainer.devices)"
 ACCUMULATE = "trainer.accumulate_grad_batches"
+# free on resume while their product, the global batch, stays: the training order is cut into global batches
+LAYOUT_KEYS = ("data.batch_size", WORLD_SIZE, ACCUMULATE)
 # model.ar_hit settings that decide which tokens are AR-Hits (a resume must log the same metric)
 AR_HIT_RESUME_KEYS = ("exclude_frequent", "min_count", "top_percent")
 
@@ -136,6 +140,7 @@ def validate_fit_config(config, subcommand: str = "fit") -> ModelConfig:
     trainer = plain(config.get("trainer") or {})
     check_trainer(trainer, subcommand)
     check_launch(trainer)
+    check_build_config(trainer, arch)
     if subcommand == "fit":
         derived_accumulation(config)  # refuses a global batch the launch cannot make up
     check_writable("trainer.default_root_dir", trainer.get("default_root_dir"))
@@ -143,6 +148,7 @@ def validate_fit_config(config, subcommand: str = "fit") -> ModelConfig:
         check_writable(key, save_dir)
     checkpoint = plain(config.get("checkpoint") or {})
     check_writable("checkpoint.dirpath", checkpoint.get("dirpath"))
+    check_checkpoint_settings(checkpoint, trainer, subcommand)
     warn_unused_settings(arch)
     return arch
 
@@ -262,6 +268,32 @@ def _schedule_difference(checkpoint: dict[str, Any], config) -> str | None:
             f"schedule as it was (the lr stays at its final value), add --model.optim.schedule_steps {saved_total}")
 
 
+def _global_rows(values: dict[str, Any]) -> int | None:
+    layout = [values.get(key) for key in LAYOUT_KEYS]
+    if all(isinstance(v, int) and not isinstance(v, bool) for v in layout):
+        return layout[0] * layout[1] * layout[2]
+    return None
+
+
+def _global_batch_difference(saved: dict[str, Any], requested: dict[str, Any]) -> str | None:
+    """data.batch_size, the world size and the accumulation may change on resume when the rows of a step (their
+    product) stay: takes the three out of the comparison and returns the line for another global batch. Where the
+    launch alone knows the world size, data.batch_size and the accumulation are compared as they are, and
+    DiffexpLM's on_load_checkpoint checks the global batch once launched."""
+    rows = _global_rows(saved)
+    if rows is None or requested.get(WORLD_SIZE) is None:  # an older checkpoint, or devices auto: key by key
+        return None
+    layout = [f"{requested.get(key)}" for key in LAYOUT_KEYS]
+    for key in LAYOUT_KEYS:
+        saved.pop(key, None)
+    now = _global_rows(requested)
+    if now is None or now == rows:
+        return None
+    return (f"  {GLOBAL_BATCH}: checkpoint {rows} rows, this config {now} ({' x '.join(layout)}). data.batch_size "
+            f"and the number of processes may change on resume when the global batch stays: add --global_batch.rows "
+            f"{rows}")
+
+
 def _flag_value(value: Any) -> str:
     """A value as a command-line flag writes it (true, null, 8)."""
     if value is None:
@@ -277,14 +309,15 @@ def check_resume(config, checkpoint: dict[str, Any], ckpt_path: Path, subcommand
     if "data.class_path" in saved and requested.get("data.class_path"):  # by class name: modules re-export
         saved["data.class_path"] = saved["data.class_path"].rsplit(".", 1)[-1]
         requested["data.class_path"] = requested["data.class_path"].rsplit(".", 1)[-1]
-    if requested.get(WORLD_SIZE) is None:  # known only once launched: DiffexpLM.on_load_checkpoint checks it
-        saved.pop(WORLD_SIZE, None)
     if plain(config.get("global_batch") or {}).get("rows") is not None and not model_only:
-        requested[ACCUMULATE] = derived_accumulation(config)  # what the launch will set
-        if requested[ACCUMULATE] is None:  # known only once launched, from the same rows: nothing to compare
-            saved.pop(ACCUMULATE, None)
+        requested[ACCUMULATE] = derived_accumulation(config)  # what the launch will set (None: known once launched)
+    global_batch = _global_batch_difference(saved, requested) if not model_only else None
+    for key in (WORLD_SIZE, ACCUMULATE):  # known only once launched: DiffexpLM.on_load_checkpoint checks them
+        if requested.get(key) is None:
+            saved.pop(key, None)
     differing = [f"  {key}: checkpoint {saved[key]!r}, this config {requested[key]!r}"
                  for key in sorted(saved) if not _same(saved[key], requested[key])]
+    differing += [global_batch] if global_batch else []
     if not model_only and (checkpoint.get("diffexp_run") or {}).get("schedule_steps") is not None:
         # max_steps may change when the lr schedule stays the same (pinned by model.optim.schedule_steps)
         differing = [line for line in differing if not line.startswith("  trainer.max_steps:")]

@@ -24,6 +24,7 @@ from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 from lightning.pytorch.loggers import TensorBoardLogger
 from lightning.pytorch.utilities import rank_zero_only
 
+from diffexp.checkpoint_io import no_space_error, save_failed_for_space, tensor_bytes
 from diffexp.errors import UserError
 
 log = logging.getLogger(__name__)
@@ -69,7 +70,8 @@ class AtomicCheckpointIO(TorchCheckpointIO):
 
     A kill at any moment leaves either the previous checkpoint or the new one, never a partial file.
     (Lightning's default writes through a temporary file that may sit on another file system, where
-    the final move is a copy.)
+    the final move is a copy.) A full disk removes the partial file and raises one UserError that says
+    how much space the checkpoint needs and how much is left.
     """
 
     def save_checkpoint(self, checkpoint: dict[str, Any], path, storage_options: Any | None = None) -> None:
@@ -82,9 +84,13 @@ class AtomicCheckpointIO(TorchCheckpointIO):
                 f.flush()
                 os.fsync(f.fileno())
             os.replace(tmp_name, target)
-        except BaseException:
+        except BaseException as err:
+            needed = tensor_bytes(checkpoint)
+            no_space = save_failed_for_space(err, target, needed)  # asked before the partial file gives space back
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(tmp_name)
+            if no_space:
+                raise no_space_error(target, needed) from err
             raise
 
 

@@ -85,10 +85,10 @@ def attend(
         if flash_available(q, k, v):
             return _flash(q, k, v), None
         if backend_fallback:
-            warnings.warn("model.backend='flash_attn' needs CUDA tensors; using sdpa for these", stacklevel=2)
+            warnings.warn("model.arch.backend='flash_attn' needs CUDA tensors; using sdpa for these", stacklevel=2)
         else:
-            raise RuntimeError("model.backend='flash_attn' needs the flash-attn package and CUDA tensors; "
-                               "use backend 'sdpa' or set model.backend_fallback=true")
+            raise RuntimeError("model.arch.backend='flash_attn' needs the flash-attn package and CUDA tensors; "
+                               "use backend 'sdpa' or set model.arch.backend_fallback=true")
     gqa = q.shape[1] != k.shape[1]
     t_q, t_k = q.shape[-2], k.shape[-2]
     # SDPA's is_causal aligns the mask top-left; decoding (fewer queries than keys) needs it bottom-right
@@ -137,8 +137,9 @@ def resolve_backend(backend: str, fallback: bool = True) -> str:
     if backend == "flash_attn" and flash_attn_func is None:
         message = "flash-attn is not installed (pip install 'diffexp[flash]' on a CUDA machine)"
         if not fallback:
-            raise ValueError(f"model.backend='flash_attn': {message}; or set model.backend_fallback=true")
-        warnings.warn(f"{message}; model.backend='flash_attn' falls back to 'sdpa'", stacklevel=2)
+            raise invalid("model.arch.backend", backend, f"{message}; use sdpa, or set "
+                          "model.arch.backend_fallback=true to fall back to sdpa")
+        warnings.warn(f"{message}; model.arch.backend='flash_attn' falls back to 'sdpa'", stacklevel=2)
         return "sdpa"
     return backend
 
