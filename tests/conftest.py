@@ -12,6 +12,24 @@ if not torch.cuda.is_available():  # Triton's CPU interpreter for test_triton_ke
 
 from tests.helpers import PATTERN, bpe_text_checkpoint, save_checkpoint, small_model  # noqa: E402
 
+# what an in-process fit on a distributed strategy leaves behind: later subprocess runs would inherit the port
+DISTRIBUTED_ENV = ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "LOCAL_RANK", "NODE_RANK", "RANK", "GROUP_RANK",
+                   "LOCAL_WORLD_SIZE")
+
+
+@pytest.fixture(autouse=True)
+def no_process_group_outlives_its_test():
+    """Each test starts without a default process group or a distributed environment of an earlier one."""
+    saved = {key: os.environ.get(key) for key in DISTRIBUTED_ENV}
+    yield
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+    for key, value in saved.items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
+
 
 @pytest.fixture(scope="session")
 def memorised(tmp_path_factory):

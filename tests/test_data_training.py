@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import shlex
+import shutil
 import sys
 from pathlib import Path
 
@@ -90,3 +91,19 @@ def test_a_damaged_cache_stops_fit_before_training_naming_the_file(tmp_path, mon
     assert error.value.code == 2 and "Traceback" not in err
     assert str(shard) in err and f"delete {dm.prepared_dir} and run again" in err
     assert not (tmp_path / "runs").exists()  # stopped before the run directory was made
+
+
+def test_a_resume_on_data_prepared_again_is_refused(tmp_path, prepared, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    recipe = write_recipe(tmp_path, max_steps=4)
+    schedule = ["--data.source", str(prepared), "--data.max_chars", "null", "--model.optim.schedule_steps", "8"]
+    main(["fit", "--config", str(recipe), *schedule])
+    shutil.rmtree(prepared)  # prepared again with another split seed: other documents in training
+    with pytest.raises(SystemExit):
+        main(["data", "prepare", "stdlib", str(prepared), "--max-chars", "60000", "--seed", "7", "--no-progress"])
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as error:
+        main(["fit", "--config", str(recipe), *schedule, "--trainer.max_steps", "8", "--ckpt_path", "last"])
+    err = capsys.readouterr().err
+    assert error.value.code == 2 and "Traceback" not in err
+    assert "its training rows came from other token shards" in err

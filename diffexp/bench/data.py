@@ -60,7 +60,7 @@ def _perturbed(text: str, rng: random.Random) -> str:
         if word in KEEP:
             return word
         if word not in names:
-            names[word] = "".join(rng.choice(SYLLABLES) for _ in range(rng.randint(2, 4))) + word[-1]
+            names[word] = "".join(rng.choice(SYLLABLES) for _ in range(rng.choice((2, 3, 4)))) + word[-1]
         return names[word]
 
     return IDENTIFIER.sub(rename, text)

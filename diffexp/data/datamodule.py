@@ -286,6 +286,7 @@ class TextDataModule(L.LightningDataModule):
             return
         prepared = self.prepared
         self.train_rows, self.val_rows, self.test_rows = (prepared.rows(split, self.seq_len) for split in SPLITS)
+        self.train_rows.identity = f"{prepared.identity}-{self.seq_len}"  # a resume checks it trains on these
         splits = prepared.manifest["splits"]
         self.meta = {"source": self.source.spec, "tokenizer": prepared.tokenizer.identity, "seq_len": self.seq_len,
                      **{split: {"documents": splits[split]["documents"], "tokens": splits[split]["tokens"],

@@ -179,6 +179,8 @@ class ResumableDataLoader(DataLoader):
             "global_batch_rows": self.sampler.global_batch_rows,
             "num_rows": len(self.dataset),
             "seed": self.seed,
+            # the tokens themselves, where the rows know it (prepared shards): a re-prepared corpus is other data
+            "data_identity": getattr(getattr(self.dataset, "rows", None), "identity", None),
             # the layout that wrote it, for messages: any layout with the same global batch may resume it
             "batch_size": self.batch_size,
             "world_size": self.sampler.num_replicas,
@@ -204,6 +206,11 @@ class ResumableDataLoader(DataLoader):
         if saved.get("seed") != self.seed:
             raise UserError(f"{prefix}: it was shuffled with data.seed={saved.get('seed')}, this run has "
                             f"data.seed={self.seed}; resume with --data.seed {saved.get('seed')}")
+        if saved.get("data_identity") and now["data_identity"] and saved["data_identity"] != now["data_identity"]:
+            raise UserError(f"{prefix}: its training rows came from other token shards (data identity "
+                            f"{saved['data_identity']}, this run's {now['data_identity']}): the prepared data "
+                            "(data.source, or its cache entry) was prepared again or replaced since; resume on the "
+                            "data that run read")
         if saved.get("num_rows") != now["num_rows"]:
             raise UserError(f"{prefix}: its training split had {saved.get('num_rows')} rows, this run's has "
                             f"{now['num_rows']}; the data settings (data.*) must be the saved run's")

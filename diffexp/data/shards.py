@@ -242,6 +242,7 @@ class TokenRows:
         self.stream, self.row_len = stream, row_len
         self.shape = (len(stream) // row_len, row_len)
         self.dtype = stream.dtype
+        self.identity: str | None = None  # set by the data module: what a resumed run checks it reads again
 
     def __len__(self) -> int:
         return self.shape[0]
