@@ -24,7 +24,7 @@ from diffexp.errors import UserError
 MIB = 1 << 20
 MIN_UNIT_BYTES, MAX_UNIT_BYTES = 8 * MIB, 256 * MIB
 UNITS_TARGET = 64  # enough units to keep every core busy and a kill cheap to redo, few enough files
-READ_BLOCK = 4 * MIB
+READ_BLOCK = 1 * MIB
 
 
 @dataclass(frozen=True)

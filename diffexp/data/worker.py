@@ -17,7 +17,26 @@ from diffexp.data.shards import SPLITS, PieceWriter, write_json
 from diffexp.data.splits import unit_splits
 from diffexp.data.units import Unit
 
-BATCH_CHARS = 1 << 20  # documents tokenized together
+BATCH_CHARS = 1 << 18  # documents tokenized together
+
+
+def _libc_malloc_trim():
+    try:
+        import ctypes
+
+        return ctypes.CDLL("libc.so.6").malloc_trim
+    except (OSError, AttributeError):  # not glibc: nothing to trim
+        return None
+
+
+_MALLOC_TRIM = _libc_malloc_trim()
+
+
+def release_memory() -> None:
+    """Give the freed memory of a batch back to the system: the tokenizer's per-batch encodings are freed into
+    malloc's arenas, which would otherwise keep each process at its largest batch's high-water mark and more."""
+    if _MALLOC_TRIM is not None:
+        _MALLOC_TRIM(0)
 
 
 @dataclass
@@ -89,6 +108,7 @@ def prepare_unit(unit: Unit) -> dict:
                 ids = _tokens(texts, encode, job.eos_id, dtype)
                 writers[split].write(ids)
                 tokens += len(ids)
+        release_memory()
         if progress is not None:
             progress.put((sum(map(len, batch.values())), chars, tokens))
             reported += chars
