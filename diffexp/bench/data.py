@@ -111,11 +111,12 @@ def _tree_rss(root: int) -> int:
     return total
 
 
-def run_measured(command: list[str], env: dict | None = None) -> dict:
+def run_measured(command: list[str], env: dict | None = None, cwd: Path | None = None) -> dict:
     """Run ``command``; its wall time, peak process-tree memory and output."""
     started = time.perf_counter()
     proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env={**os.environ, **(env or {})})
+                            env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2]), **(env or {})},
+                            cwd=cwd)
     peak = 0
     while proc.poll() is None:
         peak = max(peak, _tree_rss(proc.pid))
@@ -202,15 +203,17 @@ def main(argv: list[str]) -> int:
             "loader_tokens_per_s": served["tokens"] / served["seconds"],
             "shard_bytes": sum(p["bytes"] for s in manifest["splits"].values() for p in s["pieces"]),
         }
+        print(f"{size} MB: {json.dumps(results['sizes'][size])}", flush=True)
         import shutil
 
         shutil.rmtree(out)
     if args.fit_mb:
         corpus = synthetic_corpus(work / f"corpus-{args.fit_mb}mb.jsonl", args.fit_mb)
-        cache = work / f"fit-cache-{time.strftime('%Y%m%d-%H%M%S')}"
-        fit = run_measured([*diffexp, "fit", "--data.source", str(corpus), "--data.tokenizer", "bpe",
+        cache = (work / f"fit-{time.strftime('%Y%m%d-%H%M%S')}").resolve()  # the run's directory too
+        cache.mkdir(parents=True)
+        fit = run_measured([*diffexp, "fit", "--data.source", str(corpus.resolve()), "--data.tokenizer", "bpe",
                             "--data.cache_dir", str(cache), "--trainer.max_steps", "1", "--trainer.logger", "false",
-                            "--trainer.enable_checkpointing", "false", "--trainer.limit_val_batches", "0"])
+                            "--trainer.enable_checkpointing", "false", "--trainer.limit_val_batches", "0"], cwd=cache)
         results["fit"] = {"corpus_mb": args.fit_mb, "seconds": fit["seconds"], "peak_bytes": fit["peak_bytes"]}
         import shutil
 
