@@ -17,7 +17,7 @@ from diffexp.data.shards import SPLITS, PieceWriter, write_json
 from diffexp.data.splits import unit_splits
 from diffexp.data.units import Unit
 
-BATCH_CHARS = 1 << 18  # documents tokenized together
+BATCH_CHARS = 1 << 20  # documents tokenized together
 
 
 def _libc_malloc_trim():
