@@ -331,3 +331,37 @@ def test_the_byte_tokenizer_shards_are_the_utf8_bytes(tmp_path):
     ids = np.frombuffer(expected, np.uint8).astype(np.int64)
     ids[ids == 0] = ByteTokenizer.eos_id
     assert np.array_equal(train, ids)
+
+
+def test_a_vocabulary_beyond_65536_is_written_as_uint32(tmp_path):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    words = [f"w{i}" for i in range(70_000)]
+    tokenizer = Tokenizer(models.WordLevel({w: i for i, w in enumerate(["[UNK]", *words])}, unk_token="[UNK]"))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer.save(str(tmp_path / "big.json"))
+    corpus = tmp_path / "c.jsonl"
+    corpus.write_text("".join(json.dumps({"text": f"w{i} w{69_990 + i % 10} w{i * 7}"}) + "\n" for i in range(50)))
+    with pytest.raises(SystemExit):
+        main(["data", "prepare", str(corpus), str(tmp_path / "out"), "--tokenizer", str(tmp_path / "big.json"),
+              "--no-progress"])
+    prepared = open_prepared(tmp_path / "out", "DIR")
+    assert prepared.manifest["dtype"] == "uint32" and prepared.tokenizer.vocab_size == 70_002  # + end of document
+    stream = prepared.stream("train")
+    train = stream.read(0, len(stream))
+    assert train.dtype == np.uint32 and train.max() > 65_535
+    assert "w69995" in "".join(prepared.texts("train")) + "".join(prepared.texts("val")) + "".join(
+        prepared.texts("test"))
+
+
+def test_a_hub_tokenizer_name_offline_is_refused_at_once(corpus, tmp_path, monkeypatch, capsys):
+    from huggingface_hub import constants
+
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    started = time.monotonic()
+    with pytest.raises(SystemExit) as error:
+        main(["data", "prepare", str(corpus), str(tmp_path / "out"), "--tokenizer", "diffexp-tests/no-such-tokenizer"])
+    err = capsys.readouterr().err
+    assert error.value.code == 2 and time.monotonic() - started < 10
+    assert "--tokenizer='diffexp-tests/no-such-tokenizer': not a local file, and no Hub tokenizer" in err
+    assert not (tmp_path / "out").exists()
