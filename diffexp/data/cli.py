@@ -15,6 +15,7 @@ import shlex
 import sys
 from pathlib import Path
 
+from diffexp.data.shards import SPLITS
 from diffexp.errors import UserError
 
 # the data module's keys as this command spells them, so shared checks name what the user typed
@@ -164,7 +165,8 @@ def summary(directory: Path, manifest: dict) -> str:
     lines = [f"{directory}: {manifest['source']['spec']} | tokenizer {tokenizer['identity']} "
              f"(vocab {tokenizer['vocab_size']:,}, {manifest['dtype']}) | split seed {manifest['split']['seed']}"]
     total = 0
-    for name, split in manifest["splits"].items():
+    for name in SPLITS:
+        split = manifest["splits"][name]
         size = sum(piece["bytes"] for piece in split["pieces"])
         total += size
         lines.append(f"  {name:<5} {split['documents']:>12,} documents {split['tokens']:>16,} tokens "
@@ -178,7 +180,7 @@ def _inspect(args: argparse.Namespace) -> int:
 
     prepared = open_prepared(Path(args.directory), key="DIR", checksums=args.verify)
     print(summary(Path(args.directory), prepared.manifest))
-    for split in prepared.manifest["splits"]:
+    for split in SPLITS:
         texts = prepared.texts(split)
         for number in range(args.samples):
             text = next(texts, None)
