@@ -20,7 +20,8 @@ from diffexp.errors import UserError
 
 # the data module's keys as this command spells them, so shared checks name what the user typed
 FLAG_NAMES = {"data.source": "SOURCE", "data.text_field": "--text-field", "data.tokenizer": "--tokenizer",
-              "data.max_chars": "--max-chars", "data.bpe_vocab_size": "--bpe-vocab-size"}
+              "data.max_chars": "--max-chars", "data.bpe_vocab_size": "--bpe-vocab-size",
+              "data.val_fraction": "--val-fraction", "data.test_fraction": "--test-fraction"}
 DEFAULTS = {"tokenizer": "byte", "bpe_vocab_size": 4096, "text_field": "text", "seed": 1234, "val_fraction": 0.05,
             "test_fraction": 0.05}  # TextDataModule's, so a prepared directory holds what `fit` would make
 
@@ -108,23 +109,16 @@ def canonical_command(args: argparse.Namespace) -> str:
 
 def _prepare(args: argparse.Namespace) -> int:
     from diffexp.data import sources
-    from diffexp.data.prepare import BPE_SAMPLE_CHARS, SHARD_TOKENS, Plan, prepare
+    from diffexp.data.prepare import BPE_SAMPLE_CHARS, SHARD_TOKENS, Plan, check_settings, prepare
 
-    for name, value in (("--bpe-sample-chars", args.bpe_sample_chars), ("--max-chars", args.max_chars),
-                        ("--num-proc", args.num_proc), ("--of", args.of), ("--shard-tokens", args.shard_tokens)):
+    for name, value in (("--bpe-sample-chars", args.bpe_sample_chars), ("--num-proc", args.num_proc),
+                        ("--of", args.of), ("--shard-tokens", args.shard_tokens)):
         _positive(name, value)
     if args.unit_mb is not None and not args.unit_mb > 0:
         raise UserError(f"--unit-mb={args.unit_mb} is invalid: expected a positive number of MiB")
     if not 0 <= args.part < args.of:
         raise UserError(f"--part={args.part} is invalid: expected 0 .. {args.of - 1} (--of {args.of} parts)")
-    if args.tokenizer == "bpe" and args.bpe_vocab_size < 257:
-        raise UserError(f"--bpe-vocab-size={args.bpe_vocab_size} is invalid: expected at least 257 (256 byte "
-                        "symbols + <|endoftext|>)")
-    if not 0.0 < args.val_fraction < 1.0:
-        raise UserError(f"--val-fraction={args.val_fraction} is invalid: expected a number strictly between 0 and 1")
-    if not 0.0 <= args.test_fraction < 1.0 or args.val_fraction + args.test_fraction >= 1.0:
-        raise UserError(f"--test-fraction={args.test_fraction} is invalid: expected [0, 1), leaving documents for "
-                        f"training beside --val-fraction {args.val_fraction}")
+    check_settings(args.tokenizer, args.bpe_vocab_size, args.val_fraction, args.test_fraction, args.max_chars)
     source = sources.resolve_source(args.source)
     sources.check_source(source, args.text_field)
     if args.tokenizer not in ("byte", "bpe"):

@@ -26,7 +26,7 @@ from torch.utils.data import DataLoader
 
 from diffexp.data import checks, sources
 from diffexp.data.loader import PackedRows, collate_rows, resumable_train_loader
-from diffexp.data.prepare import BPE_SAMPLE_CHARS, SETTINGS, Plan, prepare
+from diffexp.data.prepare import BPE_SAMPLE_CHARS, SETTINGS, Plan, check_settings, prepare
 from diffexp.data.prepared import Prepared, open_prepared
 from diffexp.data.shards import MANIFEST
 from diffexp.data.splits import unit_splits
@@ -146,16 +146,8 @@ class TextDataModule(L.LightningDataModule):
     def _check_raw_settings(self, source: str) -> None:
         self.source = sources.resolve_source(source)
         tokenizer_file = checks.tokenizer_path(self.tokenizer_spec)
-        if self.tokenizer_spec == "bpe" and self.bpe_vocab_size < 257:
-            raise UserError(f"data.bpe_vocab_size={self.bpe_vocab_size}: must be >= 257 (256 byte symbols + "
-                            "<|endoftext|>)")
-        if not 0.0 < self.val_fraction < 1.0:
-            raise UserError(f"data.val_fraction={self.val_fraction}: must be strictly between 0 and 1")
-        if not 0.0 <= self.test_fraction < 1.0 or self.val_fraction + self.test_fraction >= 1.0:
-            raise UserError(f"data.test_fraction={self.test_fraction}: must be in [0, 1) and leave documents for "
-                            f"training beside data.val_fraction={self.val_fraction}")
-        if self.max_chars is not None and self.max_chars <= 0:
-            raise UserError(f"data.max_chars={self.max_chars}: must be a positive integer or None")
+        check_settings(self.tokenizer_spec, self.bpe_vocab_size, self.val_fraction, self.test_fraction,
+                       self.max_chars)
         sources.check_source(self.source, self.text_field)  # a prefix of each file: empty, binary, not UTF-8, no field
         self._tokenizer_identity = self.tokenizer_spec
         if self.tokenizer_spec not in ("byte", "bpe"):  # a bad file or name fails here; its content is its identity

@@ -40,11 +40,27 @@ from diffexp.data.splits import held_out_overrides, unit_splits
 from diffexp.data.tokenizer import load_named_tokenizer
 from diffexp.data.units import Unit, content_fingerprint, plan_units
 from diffexp.data.worker import WORKER, Job, finished, init_worker, prepare_unit
-from diffexp.errors import UserError
+from diffexp.errors import UserError, invalid
 
 SETTINGS = "prepare.json"
 SHARD_TOKENS = 1 << 27  # 128M tokens: a 256 MiB piece at uint16
 BPE_SAMPLE_CHARS = 32_000_000  # what a BPE is trained on: enough for its merges, bounded in memory
+
+
+def check_settings(tokenizer: str, bpe_vocab_size: int, val_fraction: float, test_fraction: float,
+                   max_chars: int | None) -> None:
+    """A preparation's settings, named as the data module's keys (`diffexp data prepare` renames them to its
+    flags), refused before any work."""
+    if tokenizer == "bpe" and bpe_vocab_size < 257:
+        raise invalid("data.bpe_vocab_size", bpe_vocab_size, "expected at least 257 (256 byte symbols + "
+                      "<|endoftext|>)")
+    if not 0.0 < val_fraction < 1.0:
+        raise invalid("data.val_fraction", val_fraction, "expected a number strictly between 0 and 1")
+    if not 0.0 <= test_fraction < 1.0 or val_fraction + test_fraction >= 1.0:
+        raise invalid("data.test_fraction", test_fraction, f"expected [0, 1), leaving documents for training beside "
+                      f"data.val_fraction={val_fraction}")
+    if max_chars is not None and max_chars <= 0:
+        raise invalid("data.max_chars", max_chars, "expected a positive number of characters, or null (all)")
 
 
 @dataclass
