@@ -132,10 +132,11 @@ def _prepare(args: argparse.Namespace) -> int:
     result = prepare(plan, Path(args.out), args.num_proc, args.part, args.of, progress=not args.no_progress,
                      command=canonical_command(args))
     part = f" (part {args.part} of {args.of})" if args.of > 1 else ""
+    rate = max(result.tokenizing_seconds, 1e-9)
     print(f"prepared {result.prepared_units} unit(s){part} in {result.seconds:.1f} s"
           + (f", {result.skipped_units} already finished" if result.skipped_units else "")
-          + (f": {result.tokens / max(result.seconds, 1e-9) / 1e6:.2f}M tokens/s, "
-             f"{result.source_bytes / max(result.seconds, 1e-9) / 2**20:.1f} MiB/s of source" if result.tokens else ""))
+          + (f"; the units took {result.tokenizing_seconds:.1f} s: {result.tokens / rate / 1e6:.2f}M tokens/s, "
+             f"{result.source_bytes / rate / 2**20:.1f} MiB/s of source" if result.tokens else ""))
     if result.manifest is None:
         print(f"other parts are unfinished; once every part is done: diffexp data join {shlex.quote(args.out)}")
     else:

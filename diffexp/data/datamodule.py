@@ -252,9 +252,8 @@ class TextDataModule(L.LightningDataModule):
         """Train, validation and test documents (disjoint; the same rule the preparation applies)."""
         if self.prepared_source is not None:
             return {split: list(self.prepared.texts(split)) for split in SPLITS}
-        self.documents()  # an empty corpus is explained as such
         plan = self._plan()
-        plan.plan()
+        plan.plan()  # an empty corpus is refused here, as too few documents to split
         found: dict[str, list[str]] = {split: [] for split in SPLITS}
         for unit in plan.units:
             for split, text in unit_splits(unit, self.source, self.text_field, plan.hf_cache_dir, self.seed,

@@ -163,7 +163,8 @@ class Result:
     manifest: dict | None  # None while other parts are unfinished
     prepared_units: int
     skipped_units: int
-    seconds: float
+    seconds: float  # the whole command
+    tokenizing_seconds: float  # the units alone (no planning, no BPE training)
     tokens: int
     source_bytes: int
 
@@ -185,7 +186,7 @@ def prepare(plan: Plan, out: Path, num_proc: int | None = None, part: int = 0, o
         write_atomic(saved_tokenizer, tokenizer_json.encode())
     if (out / MANIFEST).is_file():
         manifest = read_manifest(out, _rebuild(out, command))
-        return Result(out, manifest, 0, len(plan.units), time.perf_counter() - started, 0, 0)
+        return Result(out, manifest, 0, len(plan.units), time.perf_counter() - started, 0.0, 0, 0)
     mine = part_units(plan.units, part, of)
     pending = [unit for unit in mine if not finished(out, unit)]
     (out / "shards").mkdir(exist_ok=True)
@@ -194,15 +195,16 @@ def prepare(plan: Plan, out: Path, num_proc: int | None = None, part: int = 0, o
               tokenizer_json, tokenizer_info["eos_id"],
               token_dtype(tokenizer_info["vocab_size"]).str, plan.seed, plan.val_fraction, plan.test_fraction,
               plan.overrides, plan.shard_tokens)
-    tokens = 0
+    tokens, units_started = 0, time.perf_counter()
     try:
         tokens = _run_units(job, pending, num_proc, progress)
     except DiskFull as full:
         raise _disk_full_error(full, out, plan.units, command) from None
+    tokenizing = time.perf_counter() - units_started
     complete = all(finished(out, unit) for unit in plan.units)
     manifest = join(out) if complete else None
-    return Result(out, manifest, len(pending), len(mine) - len(pending), time.perf_counter() - started, tokens,
-                  sum(unit.size for unit in pending))
+    return Result(out, manifest, len(pending), len(mine) - len(pending), time.perf_counter() - started, tokenizing,
+                  tokens, sum(unit.size for unit in pending))
 
 
 def _check_out(out: Path) -> None:

@@ -17,6 +17,8 @@ from diffexp.data.shards import MANIFEST, SPLITS, TokenRows, TokenStream, read_m
 from diffexp.data.tokenizer import ByteTokenizer, HFTokenizer, TextTokenizer
 from diffexp.errors import UserError
 
+READ_TOKENS = 1 << 20  # decoded a chunk at a time, whatever the size of a shard
+
 
 class Prepared:
     """A verified prepared directory: ``manifest``, ``tokenizer``, and each split as a stream or as rows."""
@@ -39,14 +41,14 @@ class Prepared:
         """The split's documents decoded back to text, in order (read a piece at a time)."""
         stream, eos = self.stream(split), self.tokenizer.eos_id
         pending = np.zeros(0, dtype=self.dtype)
-        for k in range(len(stream.paths)):
-            tokens = np.concatenate([pending, stream.piece(k)])
+        for start in range(0, len(stream), READ_TOKENS):
+            tokens = np.concatenate([pending, stream.read(start, min(start + READ_TOKENS, len(stream)))])
             ends = np.flatnonzero(tokens == eos)
-            start = 0
+            begin = 0
             for end in ends:
-                yield self.tokenizer.decode(tokens[start:end].tolist())
-                start = end + 1
-            pending = tokens[start:]
+                yield self.tokenizer.decode(tokens[begin:end].tolist())
+                begin = end + 1
+            pending = tokens[begin:]
 
 
 def open_prepared(directory: Path, key: str, checksums: bool = True, rebuild: str | None = None) -> Prepared:
