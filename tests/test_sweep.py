@@ -92,6 +92,34 @@ def test_two_workers_finish_each_point_exactly_once(tmp_path, kind):
         assert "## Paper: a paper, Table 1" in (out / "compare.md").read_text()
 
 
+CLAIM_ALL = """
+import sys, time
+from diffexp.sweep.runner import SweepRunner
+from diffexp.sweep.spec import load_spec
+runner = SweepRunner(load_spec(sys.argv[1]), worker_name=sys.argv[3])
+while time.time() < float(sys.argv[2]):
+    pass
+claimed = []
+while (trial := runner.claim()) is not None:
+    claimed.append(trial._trial_id)
+print(claimed)
+"""
+
+
+def test_racing_workers_never_claim_one_trial_twice(tmp_path):
+    """SQLite ignores Optuna's row lock: without the file lock both workers could own one waiting trial."""
+    spec = write_spec(tmp_path, "race", storage=f"sqlite:///{tmp_path}/study.db", seeds=list(range(15)))
+    start = time.time() + 8  # both workers open the study first, then claim at once
+    workers = [subprocess.Popen([sys.executable, "-c", CLAIM_ALL, str(spec), str(start), f"w{i}"], cwd=tmp_path,
+                                env=subprocess_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+               for i in range(2)]
+    results = [w.communicate(timeout=120) for w in workers]
+    assert [w.returncode for w in workers] == [0, 0], [err for _, err in results]
+    claimed = [json.loads(out.strip().splitlines()[-1]) for out, _ in results]
+    assert not set(claimed[0]) & set(claimed[1]), claimed
+    assert len(set(claimed[0] + claimed[1])) == 30  # every point claimed, by one worker
+
+
 def test_killed_worker_is_resumed_without_duplicates(tmp_path):
     spec = write_spec(tmp_path, "killed", stale_after_s=3)
     url = f"sqlite:///{tmp_path / 'runs/killed/study.db'}"

@@ -2,7 +2,8 @@
 
 Each trial is one `diffexp fit` in its own process (a crash or OOM kills only that trial). Work is
 shared through the storage: every point of the table is enqueued once, and a worker claims a waiting
-trial with a compare-and-set on its state, so several workers never run the same point. Workers
+trial with a compare-and-set on its state (under a file lock for a local storage file), so several
+workers never run the same point. Workers
 write a heartbeat into their running trials; a trial whose heartbeat is older than stale_after_s
 (its worker was killed) is failed and its point enqueued again, up to max_attempts.
 """
@@ -32,7 +33,7 @@ from diffexp.sweep import layout
 from diffexp.sweep.check import check_trials
 from diffexp.sweep.command import cli_value, fit_args
 from diffexp.sweep.spec import Point, SpecError, SweepSpec, load_spec, slugify
-from diffexp.sweep.storage import STORAGE_URL_ENV, open_storage, resolve_url, setup_lock, translated_errors
+from diffexp.sweep.storage import STORAGE_URL_ENV, open_storage, resolve_url, local_lock, translated_errors
 from diffexp.sweep.trial import STORAGE_ENV, write_json_atomic
 
 HEARTBEAT = "diffexp_heartbeat"
@@ -54,7 +55,7 @@ class SweepRunner:
         self.storage_origin = storage_origin  # --storage, DIFFEXP_STORAGE or the spec's storage: for messages
         self.worker = worker_name or f"{os.uname().nodename}:{os.getpid()}"
         self.points = {p.key: p for p in spec.points()}
-        with setup_lock(self.url):  # the first open creates the schema: one worker at a time
+        with local_lock(self.url):  # the first open creates the schema: one worker at a time
             self.storage = open_storage(self.url, storage_origin)
         with translated_errors(self.url, storage_origin):
             self.study = self._create_or_load()
@@ -63,7 +64,7 @@ class SweepRunner:
     # -- study set-up -------------------------------------------------------------------------------
     def _create_or_load(self) -> optuna.Study:
         spec = self.spec
-        with setup_lock(self.url):
+        with local_lock(self.url):
             study = optuna.create_study(
                 study_name=spec.study, storage=self.storage, direction=spec.direction, load_if_exists=True,
                 sampler=optuna.samplers.TPESampler(seed=0, multivariate=True))
@@ -126,6 +127,11 @@ class SweepRunner:
                 except (RuntimeError, optuna.exceptions.UpdateFinishedTrialError):
                     pass  # another worker got there first
         return failed
+
+    def claim(self) -> optuna.Trial | None:
+        """A waiting trial this worker now owns, or None when no trial waits."""
+        with local_lock(self.url):
+            return self._claim()
 
     def _claim(self) -> optuna.Trial | None:
         study_id = self.study._study_id
@@ -246,13 +252,13 @@ class SweepRunner:
             current = progress.add_task("waiting", total=None)
             while True:
                 self._fail_stale()
-                with setup_lock(self.url):
+                with local_lock(self.url):
                     self._enqueue_missing(self.study)
                 finished, failed, running, total = self._counts()
                 progress.update(overall, completed=finished)
                 if finished + failed == total:
                     break
-                trial = self._claim()
+                trial = self.claim()
                 if trial is None:  # everything left is running elsewhere: wait for it, or for it to go stale
                     progress.update(current, description=f"waiting for {running} trial(s) of other workers")
                     time.sleep(min(5.0, self.heartbeat_every))

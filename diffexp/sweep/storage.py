@@ -126,8 +126,12 @@ def translated_errors(url: str, origin: str = "storage") -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def setup_lock(url: str) -> Iterator[None]:
-    """Serialise study set-up among workers sharing a local storage file (a no-op for server URLs)."""
+def local_lock(url: str) -> Iterator[None]:
+    """Serialise study set-up and trial claims among workers sharing a local storage file.
+
+    SQLite ignores the row lock of Optuna's compare-and-set on a trial's state, so two workers could both
+    claim one waiting trial; a server storage (PostgreSQL, MySQL) holds that lock itself: a no-op there.
+    """
     path = journal_path(url) or sqlite_path(url)
     if path is None:
         yield
