@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from diffexp.model.attention.base import WIDE_V_MODES, attend, wide_v_mode
+from diffexp.model.kernels.single_map import WIDE_V_MODES, attend, wide_v_mode
 
 TOL = dict(rtol=1e-5, atol=1e-5)
 
@@ -44,9 +44,11 @@ def test_wide_v_pad_equals_split(heads, kv_heads, t_q, t_k):
 
 # -- the two-map variants' single blocked pass on CPU (blocked_two_map.py; DINT: dint_integral.fused_dint_head) --
 from diffexp import Decoder, ModelConfig  # noqa: E402
-from diffexp.model.attention import blocked_two_map as blocked  # noqa: E402
-from diffexp.model.attention.blocked_two_map import blocked_two_map  # noqa: E402
-from diffexp.model.attention.dint_integral import fused_dint_head  # noqa: E402
+from diffexp.model.kernels import forced_kernel  # noqa: E402
+from diffexp.model.kernels.blocked_two_map import blocked_two_map  # noqa: E402
+from diffexp.model.kernels.dint_integral import fused_dint_head  # noqa: E402
+
+SINGLE_PASSES = ("cpu_native", "blocked")
 from tests.helpers import require_cpu_kernel  # noqa: E402
 
 
@@ -113,19 +115,18 @@ def test_decoder_single_pass_equals_one_call_per_map(name, overrides):
 
     def run(net, mode):
         net.zero_grad()
-        with blocked.forced_two_map_mode(mode):
+        with forced_kernel(mode):
             logits = net(tokens)
         logits.double().pow(2).sum().backward()  # a sum: gradients of order 1, so atol does not hide lambda's
         return [logits.detach().double()] + [p.grad.double() for p in net.parameters()]
 
-    reference = run(copy.deepcopy(model).double(), "sdpa")
+    reference = run(copy.deepcopy(model).double(), "per_map")
     errors = {mode: [(got - want).abs().max().item() for got, want in zip(run(model, mode), reference, strict=True)]
-              for mode in blocked.TWO_MAP_MODES}
+              for mode in SINGLE_PASSES + ("per_map",)}
     names = ["logits"] + [param for param, _ in model.named_parameters()]
-    for mode in ("native", "blocked"):
-        for what, err, per_map_err, want in zip(names, errors[mode], errors["sdpa"], reference, strict=True):
+    for mode in SINGLE_PASSES:
+        for what, err, per_map_err, want in zip(names, errors[mode], errors["per_map"], reference, strict=True):
             # fp32 sums in another order: within 4x the per-map path's own error, or 1e-5 of the largest entry
             allowed = max(4 * per_map_err, 1e-5 * want.abs().max().item())
             assert err <= allowed, f"{mode}, {what}: off float64 by {err:.3g}, one SDPA call per map by " \
                                    f"{per_map_err:.3g} (allowed {allowed:.3g})"
-    assert set(blocked.TWO_MAP_MODES) == {"native", "blocked", "sdpa"}

@@ -7,8 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from diffexp.model.attention import blocked_two_map as blocked
-from diffexp.model.kernels import cpu_native
+from diffexp.model.kernels import cpu_native, forced_kernel, resolve_kernel
 from tests.helpers import require_cpu_kernel
 
 
@@ -117,18 +116,18 @@ def test_other_dtypes_are_cast_in_and_out():
 
 
 def test_cpu_fp32_takes_the_kernel_and_fp64_the_pytorch_pass():
-    assert blocked.two_map_mode(torch.zeros(1)) == "native"
-    assert blocked.two_map_mode(torch.zeros(1, dtype=torch.float64)) == "blocked"
+    assert resolve_kernel("sdpa", torch.zeros(1)) == "cpu_native"
+    assert resolve_kernel("sdpa", torch.zeros(1, dtype=torch.float64)) == "blocked"
 
 
 def test_unavailable_kernel_falls_back_with_one_warning(monkeypatch):
     monkeypatch.setattr(cpu_native, "unavailable_reason", lambda: "no compiler (test)")
     monkeypatch.setattr(cpu_native, "_warned", [])
     with pytest.warns(UserWarning, match="no compiler \\(test\\).*PyTorch-ops pass"):
-        assert blocked.two_map_mode(torch.zeros(1)) == "blocked"
-    assert blocked.two_map_mode(torch.zeros(1)) == "blocked"  # warned once
+        assert resolve_kernel("sdpa", torch.zeros(1)) == "blocked"
+    assert resolve_kernel("sdpa", torch.zeros(1)) == "blocked"  # warned once
     with pytest.raises(RuntimeError, match="no compiler"):
-        with blocked.forced_two_map_mode("native"):
+        with forced_kernel("cpu_native"):
             pass
 
 

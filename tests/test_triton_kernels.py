@@ -11,15 +11,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from diffexp.model.kernels import interpreter_requested, unavailable_reason
+from diffexp.model.kernels.triton_support import interpreter_requested, unavailable_reason
 
 DEVICE = "cuda" if torch.cuda.is_available() and not interpreter_requested() else "cpu"
 REASON = unavailable_reason(DEVICE)
 if REASON is not None:
     pytest.skip(f"the Triton kernels cannot run here: {REASON}", allow_module_level=True)
 
-from diffexp.model.attention.base import attend, causal_logits, causal_softmax, expand_kv  # noqa: E402
-from diffexp.model.attention.dint import integral_map  # noqa: E402
+from diffexp.model.kernels.per_map import integral_map  # noqa: E402
+from diffexp.model.kernels.single_map import attend, causal_logits, causal_softmax, expand_kv  # noqa: E402
 from diffexp.model.kernels.triton_diff_attention import differential_attention  # noqa: E402
 from diffexp.model.kernels.triton_dint_integral import dint_integral  # noqa: E402
 

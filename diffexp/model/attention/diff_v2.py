@@ -6,8 +6,8 @@ then pairs of heads are subtracted with a token-wise, head-wise lambda:
     out_p = attn[2p] - sigmoid(x W_lam)_p * attn[2p + 1]        pairing="same" (pairs share K/V)
     out_p = attn[p]  - sigmoid(x W_lam)_p * attn[p + h]         pairing="cross" (blog's ablation)
 
-On CPU, whole sequences with pairing "same" run each pair in the compiled two-map kernel (kernels/cpu_native.py):
-one pass, one product with V. No per-head norm, no lambda_init. lambda_mode "none" drops W_lam (attn1 - attn2);
+With pairing "same" a pair shares K and V: a two-map head (diffexp.model.kernels), whose CPU kernel makes one pass
+with one product with V. No per-head norm, no lambda_init. lambda_mode "none" drops W_lam (attn1 - attn2);
 "raw" drops the sigmoid. pair_norm puts DIFF V1's per-head RMSNorm back on out_p (the blog removed it as destabilising).
 W_lam keeps PyTorch's nn.Linear init (lambda_proj_init "default", the spec) or takes the decoder's
 N(0, init_std^2) ("normal").
@@ -21,10 +21,8 @@ from torch import nn
 from diffexp.errors import invalid
 from diffexp.model.attention import naive
 from diffexp.model.attention.base import AttentionBase, merge_heads, split_heads
-from diffexp.model.attention.blocked_two_map import two_map_mode
 from diffexp.model.attention.registry import Variant, register
 from diffexp.model.blocks import RMSNorm
-from diffexp.model.kernels import cpu_native
 
 PAIRINGS = ("same", "cross")
 LAMBDA_MODES = ("sigmoid", "none", "raw")
@@ -108,6 +106,7 @@ class DiffV2Attention(AttentionBase):
                             if cfg.lambda_mode != "none" else None)
         # DIFF V1's per-head norm, one weight shared by all heads; off by default, as in the blog
         self.pair_norm = RMSNorm(d, eps=1e-5) if cfg.pair_norm else nn.Identity()
+        # the query heads of each pair: 2p and 2p + 1 ("same"), or p and p + h ("cross")
         if cfg.pairing == "same":
             self.first, self.second = slice(0, 2 * h, 2), slice(1, 2 * h, 2)
         else:
@@ -120,35 +119,33 @@ class DiffV2Attention(AttentionBase):
         lam = self.lambda_proj(x).transpose(1, 2).unsqueeze(-1)
         return torch.sigmoid(lam) if self.lambda_mode == "sigmoid" else lam
 
-    def in_one_pass(self, q, need_weights: bool, cache) -> bool:
-        """Whole sequences on CPU take the compiled kernel: each pair's two maps and the lambda combination in one
-        pass, one product with V (pairing "same": a pair shares its K and V)."""
-        return (not need_weights and cache is None and self.backend in ("sdpa", "flash_attn")
-                and self.cfg.pairing == "same" and two_map_mode(q) == "native")
-
     def forward(self, x: torch.Tensor, need_weights: bool = False, cache=None):
         start = self.start_of(cache)
         q = self.rope.rotate(split_heads(self.q_proj(x), 2 * self.n_heads), start)
         k = self.rope.rotate(split_heads(self.k_proj(x), self.n_kv_heads), start)
         k, v = self.cached(cache, k=k, v=split_heads(self.v_proj(x), self.n_kv_heads))  # h_kv heads, as GQA
         lam = self.token_lambda(x)  # from the new tokens only: lambda is token-wise
-        if self.record_stats and torch.is_tensor(lam):  # the token-wise lambda's mean and spread
+        self.record_lambda(lam)
+        if self.cfg.pairing == "same":  # out_p = attn[2p] - lambda_p attn[2p + 1]: a pair shares K and V
+            out, effective = self.two_map_head(q[:, self.first], q[:, self.second], k, k, v, lam, need_weights,
+                                               cache)
+        else:  # out_p = attn[p] - lambda_p attn[p + h]: the heads of a pair read different groups
+            attn, weights = self.attend(q, k, v, need_weights)
+            out = attn[:, self.first] - lam * attn[:, self.second]
+            effective = None if weights is None else weights[:, self.first] - _in_fp32(lam) * weights[:, self.second]
+        return self.o_proj(merge_heads(self.pair_norm(out))), effective
+
+    def record_lambda(self, lam) -> None:
+        """On a diagnostics forward, the token-wise lambda's mean and spread."""
+        if self.record_stats and torch.is_tensor(lam):
             observed = lam[: self.stats_rows].detach().float()
             self.stats.update(lambda_mean=observed.mean().item(), lambda_std=observed.std().item())
-        if self.in_one_pass(q, need_weights, cache):
-            self.record_logit_max(q, k)
-            lam_rows = lam.squeeze(-1) if torch.is_tensor(lam) else lam
-            out, weights = cpu_native.two_map(q[:, self.first], q[:, self.second], k, k, v, lam_rows), None
-        else:
-            out, weights = self.attend(q, k, v, need_weights)
-            out = out[:, self.first] - lam * out[:, self.second]
-        out = self.pair_norm(out)
-        effective = None
-        if weights is not None:
-            lam_f = lam.float() if torch.is_tensor(lam) else lam
-            effective = weights[:, self.first] - lam_f * weights[:, self.second]
-        return self.o_proj(merge_heads(out)), effective
 
     def extra_repr(self) -> str:
         return (super().extra_repr() + f", pairing={self.cfg.pairing}, lambda_mode={self.lambda_mode}, "
                 f"pair_norm={self.cfg.pair_norm}, lambda_proj_init={self.cfg.lambda_proj_init}")
+
+
+def _in_fp32(lam):
+    """lambda at least in fp32, as the maps are."""
+    return lam.to(torch.promote_types(lam.dtype, torch.float32)) if torch.is_tensor(lam) else lam

@@ -1,9 +1,7 @@
-"""The two-map differential head shared by DIFF V1, Shared DIFF and DINT.
+"""DIFF V1's differential head, which Shared DIFF and DINT build on, and the family's shared pieces.
 
-head_p = Norm((A1 - lambda * A2) V_g) * output_scale, with
+head_p = (1 - lambda_init) Norm((A1 - lambda A2) V_g), with
 lambda = exp(lq1 . lk1) - exp(lq2 . lk2) + lambda_init   (one lambda per layer, fp32).
-Subclasses change how Q1, Q2, K1, K2 are made (`project_qk`) or how the maps combine (`add_terms`).
-The family's pieces of a registry entry (fields, checks, FLOPs, naive reference) live here too.
 """
 
 from __future__ import annotations
@@ -14,11 +12,9 @@ import torch
 from torch import nn
 
 from diffexp.errors import invalid
-from diffexp.model.attention import blocked_two_map as blocked
 from diffexp.model.attention import naive
 from diffexp.model.attention.base import AttentionBase, merge_heads, split_heads
 from diffexp.model.blocks import RMSNorm
-from diffexp.model.kernels import cpu_native
 
 #: config fields every two-map variant reads
 TWO_MAP_FIELDS = ("lambda_init", "head_norm")
@@ -69,10 +65,13 @@ class ReparamLambda(nn.Module):
 
 
 class TwoMapDifferentialAttention(AttentionBase):
-    """DIFF V1 layout: Q: 2h*d, K: 2h_kv*d (maps interleaved), V: h_kv*2d, O: h*2d -> d_model."""
+    """DIFF V1's head: Q: 2h*d, K: 2h_kv*d (maps interleaved), V: h_kv*2d, O: h*2d -> d_model.
 
-    #: multiply the normed head by (1 - lambda_init); DINT drops it
-    scale_by_lambda_init = True
+        [Q1; Q2] = X W_Q,  [K1; K2] = X W_K,  V = X W_V
+        head = (1 - lambda_init) GroupNorm((A1 - lambda A2) V)
+
+    Shared DIFF changes how Q1, Q2, K1, K2 are made (`project_qk`); DINT adds its integral in its own forward.
+    """
 
     def __init__(self, cfg, layer_idx: int) -> None:
         super().__init__(cfg, layer_idx)
@@ -84,9 +83,7 @@ class TwoMapDifferentialAttention(AttentionBase):
         self.lambda_ = ReparamLambda(d, self.lambda_init)
         # one weight shared by all heads, as in the authors' code ("GroupNorm" in the papers)
         self.head_norm = RMSNorm(2 * d, eps=1e-5) if cfg.head_norm else nn.Identity()
-        self.output_scale = 1.0 - self.lambda_init if self.scale_by_lambda_init else 1.0
 
-    # -- projections: overridden by Shared DIFF ------------------------------------------------
     def build_qk_projections(self) -> None:
         self.q_proj = self.linear(self.d_model, 2 * self.n_heads * self.head_dim)
         self.k_proj = self.linear(self.d_model, 2 * self.n_kv_heads * self.head_dim)
@@ -97,61 +94,19 @@ class TwoMapDifferentialAttention(AttentionBase):
         k = split_heads(self.k_proj(x), 2 * self.n_kv_heads)
         return q[:, 0::2], q[:, 1::2], k[:, 0::2], k[:, 1::2]
 
-    # -- map 1 and extra terms: DINT fuses its integral with map 1 and adds it ---------------------
-    def first_map(self, q1, k1, v, lam, need_weights: bool, cache=None):
-        """(A1 V, A1 or None, what the same pass computed for `add_terms`: None here)."""
-        out1, weights1 = self.attend(q1, k1, v, need_weights)
-        return out1, weights1, None
-
-    def add_terms(self, out, effective, lam, q1, k1, v, out1, weights1, cache=None, fused=None):
-        """Hook after (A1 - lambda A2) V; returns (out, effective map or None). Plain DIFF adds nothing.
-        k1 and v hold every position (cached ones too); q1, out1 and weights1 only the new queries;
-        fused: what `first_map` computed alongside map 1."""
-        return out, effective
-
-    def kernel_head(self, q1, q2, k1, k2, v, lam):
-        """(A1 - lambda A2) V by the fused Triton kernel (backend triton, whole sequences); DINT adds its integral."""
-        from diffexp.model.kernels.triton_diff_attention import differential_attention
-
-        return differential_attention(q1, q2, k1, k2, v, lam)[0]
-
-    def cpu_head(self, q1, q2, k1, k2, v, lam, path: str):
-        """(A1 - lambda A2) V in one pass over whole sequences on CPU: path "native" (the compiled kernel) or
-        "blocked" (PyTorch ops); DINT adds its integral."""
-        if path == "native":
-            return cpu_native.two_map(q1, q2, k1, k2, v, lam)
-        return blocked.blocked_two_map(q1, q2, k1, k2, v, lam)
-
-    def single_pass(self, q1, need_weights: bool, cache) -> str | None:
-        """"triton", "native" or "blocked" where one pass computes the whole head, else None (one call per map)."""
-        if need_weights or cache is not None or self.backend == "eager":
-            return None
-        if self.backend == "triton":
-            return None if self.record_stats else "triton"
-        mode = blocked.two_map_mode(q1)
-        return None if mode == "sdpa" else mode
-
-    def forward(self, x: torch.Tensor, need_weights: bool = False, cache=None):
+    def project(self, x: torch.Tensor, cache=None):
+        """Q1, Q2, K1, K2 rotated at their positions, and V: (B, h_kv, T, 2d), one V for both maps; K and V
+        hold the cached positions too."""
         start = self.start_of(cache)
         q1, q2, k1, k2 = (self.rope.rotate(t, start) for t in self.project_qk(x))
-        # V: (B, h_kv, T, 2d), cached once for both maps; differential head p reads kv group p // (h / h_kv)
         k1, k2, v = self.cached(cache, k1=k1, k2=k2, v=split_heads(self.v_proj(x), self.n_kv_heads))
-        lam = self.lambda_()
-        single_pass = self.single_pass(q1, need_weights, cache)
-        if single_pass is not None:
-            if single_pass == "triton":
-                out = self.kernel_head(q1, q2, k1, k2, v, lam)
-            else:
-                self.record_logit_max(q1, k1)
-                self.record_logit_max(q2, k2)
-                out = self.cpu_head(q1, q2, k1, k2, v, lam, single_pass)
-            return self.o_proj(merge_heads(self.head_norm(out) * self.output_scale)), None
-        out1, weights1, fused = self.first_map(q1, k1, v, lam, need_weights, cache)
-        out2, weights2 = self.attend(q2, k2, v, need_weights)
-        out = out1 - lam.to(out1.dtype) * out2
-        effective = weights1 - lam * weights2 if weights1 is not None else None
-        out, effective = self.add_terms(out, effective, lam, q1, k1, v, out1, weights1, cache, fused)
-        out = self.head_norm(out) * self.output_scale
+        return q1, q2, k1, k2, v
+
+    def forward(self, x: torch.Tensor, need_weights: bool = False, cache=None):
+        q1, q2, k1, k2, v = self.project(x, cache)
+        lam = self.lambda_()  # exp(lq1 . lk1) - exp(lq2 . lk2) + lambda_init
+        out, effective = self.two_map_head(q1, q2, k1, k2, v, lam, need_weights, cache)  # (A1 - lambda A2) V
+        out = self.head_norm(out) * (1.0 - self.lambda_init)
         return self.o_proj(merge_heads(out)), effective
 
     def extra_repr(self) -> str:

@@ -8,9 +8,8 @@
                                                  sum to 1 - lambda + gamma
     head    = GroupNorm(Final V)                 no (1 - lambda_init) factor
 
-The fast path never builds a T x T map: "mean" is cumsum(A1 V) / n, and "softmax" streams over
-query blocks with running column sums of A1, forward and backward (dint_integral.py). Decoding with a
-cache keeps those column sums (one number per head and position) and extends them row by row.
+The kernels never build a T x T map (diffexp.model.kernels): "mean" is cumsum(A1 V) / n, "softmax" streams
+over query blocks with running column sums of A1, which decoding keeps in the cache.
 """
 
 from __future__ import annotations
@@ -21,7 +20,7 @@ import torch
 from torch import nn
 
 from diffexp.errors import invalid
-from diffexp.model.attention.base import expand_kv
+from diffexp.model.attention.base import merge_heads
 from diffexp.model.attention.differential import (
     TWO_MAP_CASES,
     TWO_MAP_FIELDS,
@@ -31,9 +30,8 @@ from diffexp.model.attention.differential import (
     naive_two_map,
     two_map_flops,
 )
-from diffexp.model.attention.dint_integral import fused_dint_head, fused_first_map_integral, integral_rows
 from diffexp.model.attention.registry import Variant, register
-from diffexp.model.kernels import cpu_native
+from diffexp.model.kernels import Integral
 
 
 def check(cfg) -> None:
@@ -73,21 +71,6 @@ def reference(m, x: torch.Tensor):
                          scale_by_lambda_init=False, extra_weight=gamma)
 
 
-def row_positions(t: int, like: torch.Tensor, start: int = 0) -> torch.Tensor:
-    """n = 1, 2, ... for rows start .. start + t - 1, shaped to divide (..., t, cols)."""
-    return torch.arange(start + 1, start + t + 1, device=like.device, dtype=like.dtype).unsqueeze(-1)
-
-
-def integral_map(weights1: torch.Tensor, integral: str) -> torch.Tensor:
-    """A3 from the full map A1 (B, h, T, T), the eager way."""
-    t = weights1.shape[-1]
-    g = weights1.cumsum(dim=-2) / row_positions(t, weights1)
-    if integral == "mean":
-        return g
-    future = torch.ones(t, t, dtype=torch.bool, device=g.device).triu(1)
-    return g.masked_fill(future, float("-inf")).softmax(dim=-1)
-
-
 @register
 class DintAttention(TwoMapDifferentialAttention):
     variant = Variant(
@@ -105,9 +88,7 @@ class DintAttention(TwoMapDifferentialAttention):
                "learned-init0.9": {"gamma": "learned", "gamma_init": 0.9},
                "learned-mean-init0.9": {"gamma": "learned", "gamma_init": 0.9, "integral": "mean"}},
     )
-    scale_by_lambda_init = False
-    #: query rows per step of the streaming integral; memory is O(block_size * T) per head. 32 beat 128 on
-    #: CPU (bench/README.md): smaller blocks keep the elementwise passes in cache
+    #: query rows per step of the streaming integral; memory is O(block_size * T) per head
     integral_block_size = 32
 
     def __init__(self, cfg, layer_idx: int) -> None:
@@ -122,60 +103,13 @@ class DintAttention(TwoMapDifferentialAttention):
             return self.gamma.to(torch.promote_types(self.gamma.dtype, torch.float32))
         return lam
 
-    def first_map(self, q1, k1, v, lam, need_weights: bool, cache=None):
-        """Map 1 and the softmax integral in one blocked pass (full forwards without the eager maps); the
-        mean integral, decoding and the eager maps take map 1 from `attend` and the integral in `add_terms`."""
-        if self.cfg.integral != "softmax" or need_weights or cache is not None or self.backend == "eager":
-            return super().first_map(q1, k1, v, lam, need_weights, cache)
-        self.record_logit_max(q1, k1)
-        h = q1.shape[1]
-        out = fused_first_map_integral(q1, expand_kv(k1, h), expand_kv(v, h), self.integral_weight(lam),
-                                       self.integral_block_size)
-        return out, None, True  # (A1 + gamma A3) V: the integral is in already
-
-    def add_terms(self, out, effective, lam, q1, k1, v, out1, weights1, cache=None, fused=None):
-        gamma = self.integral_weight(lam)
-        if fused:  # first_map's pass added gamma A3 V
-            return out, effective
-        if cache is not None:  # the new rows from the column sums of A1's earlier rows, O(T) state per head
-            h = q1.shape[1]
-            integral_out, cache.state["col_sums"] = integral_rows(
-                q1, expand_kv(k1, h), expand_kv(v, h), self.integral_block_size, cache.state.get("col_sums"),
-                self.cfg.integral)
-            integral_out = integral_out.to(v.dtype)
-        elif weights1 is not None:  # eager: the full map
-            a3 = integral_map(weights1, self.cfg.integral)
-            integral_out = a3.to(v.dtype) @ expand_kv(v, a3.shape[1])
-            effective = effective + gamma * a3
-        else:  # the mean integral: G V = cumsum(A1 V) / n exactly
-            n = row_positions(out1.shape[-2], out1)
-            integral_out = out1.cumsum(dim=-2) / n
-        return out + gamma.to(out.dtype) * integral_out, effective
-
-    def single_pass(self, q1, need_weights: bool, cache) -> str | None:
-        """The Triton kernels, or on CPU the softmax integral's blocked pass with both maps in it; the mean integral
-        takes A1 V from its own SDPA call (cumsum(A1 V) / n)."""
-        path = super().single_pass(q1, need_weights, cache)
-        return path if path == "triton" or self.cfg.integral == "softmax" else None
-
-    def cpu_head(self, q1, q2, k1, k2, v, lam, path: str):
-        """(A1 - lambda A2 + gamma A3) V: the compiled kernel ("native"), or the streaming integral's pass in PyTorch
-        ops with map 2 added ("blocked"); one product with V either way."""
-        if path == "native":
-            return cpu_native.dint_head(q1, q2, k1, k2, v, lam, self.integral_weight(lam), self.integral_block_size)
-        h = q1.shape[1]
-        k1, k2, v = (expand_kv(t, h) for t in (k1, k2, v))
-        return fused_dint_head(q1, q2, k1, k2, v, lam, self.integral_weight(lam), self.integral_block_size)
-
-    def kernel_head(self, q1, q2, k1, k2, v, lam):
-        from diffexp.model.kernels.triton_diff_attention import differential_attention
-        from diffexp.model.kernels.triton_dint_integral import dint_integral
-
-        mean = self.cfg.integral == "mean"
-        out, out1, lse1 = differential_attention(q1, q2, k1, k2, v, lam, want_out1=mean)
-        integral_out = out1.cumsum(dim=-2) / row_positions(out1.shape[-2], out1) if mean else dint_integral(
-            q1, k1, v, lse1)
-        return out + self.integral_weight(lam).to(out.dtype) * integral_out
+    def forward(self, x: torch.Tensor, need_weights: bool = False, cache=None):
+        q1, q2, k1, k2, v = self.project(x, cache)
+        lam = self.lambda_()  # exp(lq1 . lk1) - exp(lq2 . lk2) + lambda_init
+        integral = Integral(self.cfg.integral, self.integral_weight(lam), self.integral_block_size)
+        # (A1 - lambda A2 + gamma A3) V
+        out, effective = self.two_map_head(q1, q2, k1, k2, v, lam, need_weights, cache, integral)
+        return self.o_proj(merge_heads(self.head_norm(out))), effective  # no (1 - lambda_init)
 
     def extra_repr(self) -> str:
         return super().extra_repr() + f", integral={self.cfg.integral}, gamma={self.cfg.gamma}"

@@ -1,42 +1,147 @@
-"""Fused attention kernels of the two-map variants.
+"""Every implementation of attention, behind two calls and one resolver.
 
-cpu_native: the compiled CPU kernel (cpu/two_map_attention.cpp), both maps, lambda and DINT's integral in one pass;
-built on first use, the default CPU path of backend sdpa.
+`attention(q, k, v, ...)`: causal softmax attention per query head (SDPA, flash-attn or the eager map).
+`two_map_head(q1, q2, k1, k2, v, lam, ...)`: the differential head (A1 - lambda A2 [+ gamma A3]) V of every
+two-map variant, run by the kernel `resolve_kernel` picks from `model.arch.backend` and the call:
 
-Triton kernels of the GPU path (`model.arch.backend: triton`), exact under Triton's CPU interpreter:
-triton_diff_attention: the two maps of a differential head, A1 V - lambda A2 V, in one pass.
-triton_dint_integral: DINT's integral term A3 V with running column sums (O(T) memory).
-Both import triton; `unavailable_reason` says, without importing them, why they cannot run.
+    eager       the maps themselves (backend eager, or maps requested)
+    per_map     one attention call per map (GPU sdpa and flash_attn; decoding with a cache)
+    cpu_native  the compiled CPU kernel: both maps, lambda and DINT's integral in one pass (cpu_native.py)
+    blocked     the same pass in PyTorch ops, where the CPU kernel cannot be built or for fp64
+    triton      the fused Triton kernels (backend triton, CUDA)
+
+A kernel that cannot compute a head (DIFF V2's lambda per token, DINT's mean integral) hands it to per_map.
 """
 
 from __future__ import annotations
 
-import importlib.util
-import os
-import sys
+import contextlib
+import warnings
+from dataclasses import dataclass
 
 import torch
 
+from diffexp.errors import invalid
+from diffexp.model.kernels import blocked_two_map, cpu_native
+from diffexp.model.kernels.dint_integral import fused_dint_head
+from diffexp.model.kernels.per_map import per_map_head, row_positions
+from diffexp.model.kernels.single_map import attend, expand_kv, flash_attn_func
+from diffexp.model.kernels.triton_support import unavailable_reason
 
-def interpreter_requested() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
+KERNELS = ("eager", "per_map", "cpu_native", "blocked", "triton")
 
 
-def _imported_compiled() -> bool:
-    """triton decides at import whether its own helpers (tl.cumsum, ...) are interpreted: too late to ask then."""
-    standard = sys.modules.get("triton.language.standard")
-    return standard is not None and type(standard.cumsum).__name__ != "InterpretedFunction"
+@dataclass(frozen=True)
+class Integral:
+    """DINT's third map, + gamma A3: kind "softmax" (the paper) or "mean"; gamma a 0-d tensor."""
+
+    kind: str
+    gamma: torch.Tensor
+    block_size: int = 32  # query rows per step of the streaming passes
 
 
-def unavailable_reason(device: torch.device | str) -> str | None:
-    """None when the kernels can run on tensors of `device`, else why not."""
-    if importlib.util.find_spec("triton") is None:
-        return "the triton package is not installed (CUDA builds of torch bring it; or pip install triton)"
-    if interpreter_requested():
-        if _imported_compiled():
-            return "TRITON_INTERPRET=1 was set after triton was imported; set it before (in the environment)"
-        return None
-    if torch.device(device).type == "cuda":
-        return None
-    return (f"the Triton kernels need CUDA tensors, got {torch.device(device).type} ones; TRITON_INTERPRET=1 (set "
-            "before triton is imported) runs them on the CPU through Triton's interpreter, for testing")
+def check_backend(backend: str, fallback: bool = True) -> str:
+    """The backend a model builds with: flash_attn without its package falls back to sdpa (or fails); triton
+    needs CUDA, or Triton's interpreter for tests."""
+    if backend == "triton":
+        reason = unavailable_reason("cuda" if torch.cuda.is_available() else "cpu")
+        if reason is not None:
+            raise invalid("model.arch.backend", backend, f"cannot run here: {reason}; use sdpa")
+    if backend == "flash_attn" and flash_attn_func is None:
+        message = "flash-attn is not installed (pip install 'diffexp[flash]' on a CUDA machine)"
+        if not fallback:
+            raise invalid("model.arch.backend", backend, f"{message}; use sdpa, or set "
+                          "model.arch.backend_fallback=true to fall back to sdpa")
+        warnings.warn(f"{message}; model.arch.backend='flash_attn' falls back to 'sdpa'", stacklevel=2)
+        return "sdpa"
+    return backend
+
+
+_FORCED: list[str] = []
+
+
+@contextlib.contextmanager
+def forced_kernel(kernel: str):
+    """Within the block, sdpa and flash_attn heads run on `kernel` where it can compute them (benchmarks)."""
+    if kernel not in KERNELS:
+        raise ValueError(f"kernel {kernel!r}: expected one of {KERNELS}")
+    if kernel == "cpu_native" and cpu_native.unavailable_reason() is not None:
+        raise RuntimeError(f"the CPU attention kernel is unavailable: {cpu_native.unavailable_reason()}")
+    _FORCED.append(kernel)
+    try:
+        yield
+    finally:
+        _FORCED.pop()
+
+
+def resolve_kernel(backend: str, q: torch.Tensor, need_weights: bool = False, decoding: bool = False,
+                   layer_lambda: bool = True, integral: str | None = None) -> str:
+    """The kernel of one two-map head call: the backend's fastest one that computes this head."""
+    if need_weights or backend == "eager":
+        return "eager"
+    if decoding:
+        return "per_map"
+    if backend == "triton":
+        preferred = "triton"
+    elif _FORCED:
+        preferred = _FORCED[-1]
+    elif q.device.type != "cpu":
+        preferred = "per_map"  # CUDA's SDPA and flash kernels
+    else:  # both beat one SDPA call per map on CPU (bench/README.md); the compiled kernel computes in fp32
+        preferred = "cpu_native" if q.dtype != torch.float64 and cpu_native.available() else "blocked"
+    # layer_lambda: lambda is one 0-d tensor (not a number, not one per token)
+    computes = {"triton": layer_lambda, "cpu_native": integral != "mean",
+                "blocked": layer_lambda and integral != "mean"}
+    return preferred if computes.get(preferred, True) else "per_map"
+
+
+def attention(q, k, v, backend: str = "sdpa", need_weights: bool = False, backend_fallback: bool = True):
+    """Causal softmax attention per query head: (out, the map when need_weights or eager, else None)."""
+    return attend(q, k, v, backend, need_weights, backend_fallback)
+
+
+def two_map_head(q1, q2, k1, k2, v, lam, *, backend: str = "sdpa", integral: Integral | None = None,
+                 cache_state: dict | None = None, need_weights: bool = False, backend_fallback: bool = True):
+    """(A1 - lambda A2 [+ gamma A3]) V with A_m = causal softmax(Q_m K_m^T / sqrt(d)).
+
+    q1, q2: (B, h, T_q, d); k1, k2: (B, h_kv, T_k, d); v: (B, h_kv, T_k, dv); head p reads kv head p // (h / h_kv).
+    lam: a number, a 0-d tensor, or (B, h, T_q, 1), one per token and head. cache_state: a layer cache's state
+    when decoding (the queries are the last T_q of T_k positions). Returns (B, h, T_q, dv) and the effective map
+    (B, h, T_q, T_k) when the kernel is eager, else None.
+    """
+    layer_lambda = torch.is_tensor(lam) and lam.dim() == 0
+    kernel = resolve_kernel(backend, q1, need_weights, cache_state is not None, layer_lambda,
+                            integral.kind if integral else None)
+    if kernel in ("eager", "per_map"):
+        return per_map_head(q1, q2, k1, k2, v, lam, integral, cache_state, kernel == "eager", backend,
+                            backend_fallback)
+    if kernel == "triton":
+        return _triton_head(q1, q2, k1, k2, v, lam, integral), None
+    if kernel == "cpu_native":
+        lam_rows = lam.squeeze(-1) if torch.is_tensor(lam) and lam.dim() > 0 else lam
+        if integral is None:
+            return cpu_native.two_map(q1, q2, k1, k2, v, lam_rows), None
+        return cpu_native.dint_head(q1, q2, k1, k2, v, lam, integral.gamma, integral.block_size), None
+    if integral is None:
+        return blocked_two_map.blocked_two_map(q1, q2, k1, k2, v, lam), None
+    h = q1.shape[1]
+    k1, k2, v = (expand_kv(t, h) for t in (k1, k2, v))
+    return fused_dint_head(q1, q2, k1, k2, v, lam, integral.gamma, integral.block_size), None
+
+
+def _triton_head(q1, q2, k1, k2, v, lam, integral):
+    from diffexp.model.kernels.triton_diff_attention import differential_attention
+
+    if integral is None:
+        return differential_attention(q1, q2, k1, k2, v, lam)[0]
+    from diffexp.model.kernels.triton_dint_integral import dint_integral
+
+    mean = integral.kind == "mean"
+    out, out1, lse1 = differential_attention(q1, q2, k1, k2, v, lam, want_out1=mean)
+    integral_out = out1.cumsum(dim=-2) / row_positions(out1.shape[-2], out1) if mean else dint_integral(
+        q1, k1, v, lse1)
+    return out + integral.gamma.to(out.dtype) * integral_out
+
+
+__all__ = ["KERNELS", "Integral", "attention", "check_backend", "forced_kernel", "resolve_kernel", "two_map_head",
+           "unavailable_reason"]

@@ -42,7 +42,7 @@ def same_strides(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.
 
 
 def check_device(x: torch.Tensor) -> None:
-    from diffexp.model.kernels import unavailable_reason
+    from diffexp.model.kernels.triton_support import unavailable_reason
 
     reason = unavailable_reason(x.device)
     if reason is not None:

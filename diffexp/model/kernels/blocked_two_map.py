@@ -12,54 +12,15 @@ Per block of queries, with c = (1, -lambda), P_m = softmax(Q_m K_m^T / sqrt(d)) 
     out = A V                                  dA = dO V^T               dV += A^T dO
     dS_m = c_m P_m * (dA - rowsum(P_m * dA))   dQ_m = dS_m K_m / sqrt(d)  dK_m += dS_m^T Q_m / sqrt(d)
     dlambda = -sum(P2 * dA)
-
-Without the compiled kernel DIFF V2 keeps SDPA: its maps are d-wide like V, so SDPA does no padded work, and this
-pass measured slower for it (2.2-2.6x the baseline's attention against SDPA's 1.9-2.0x, T 512-2048).
 """
 
 from __future__ import annotations
 
-from contextlib import contextmanager
-
 import torch
 
-from diffexp.model.attention.base import expand_kv
-from diffexp.model.kernels import cpu_native
+from diffexp.model.kernels.single_map import expand_kv
 
-#: how backends sdpa and flash_attn run both maps over whole sequences: "native", the compiled CPU kernel
-#: (kernels/cpu_native.py); "blocked", this module's single pass in PyTorch ops; or "sdpa", one attention call per map
-TWO_MAP_MODES = ("native", "blocked", "sdpa")
-
-
-_FORCED_MODES: list[str] = []
-
-
-@contextmanager
-def forced_two_map_mode(mode: str):
-    """Within the block, `two_map_mode` answers `mode` (`diffexp bench kernel --backends sdpa-per-map`)."""
-    if mode not in TWO_MAP_MODES:
-        raise ValueError(f"two-map mode {mode!r}: expected one of {TWO_MAP_MODES}")
-    if mode == "native" and cpu_native.unavailable_reason() is not None:
-        raise RuntimeError(f"the CPU attention kernel is unavailable: {cpu_native.unavailable_reason()}")
-    _FORCED_MODES.append(mode)
-    try:
-        yield
-    finally:
-        _FORCED_MODES.pop()
-
-
-def two_map_mode(q: torch.Tensor) -> str:
-    """On CPU "native" (fp32 math, so not for fp64) where the kernel builds, else "blocked": both beat one SDPA
-    call per map at every length measured (bench/README.md). "sdpa" elsewhere (CUDA has flash kernels, and backend
-    triton fuses the maps)."""
-    if _FORCED_MODES:
-        return _FORCED_MODES[-1]
-    if q.device.type != "cpu":
-        return "sdpa"
-    return "native" if q.dtype != torch.float64 and cpu_native.available() else "blocked"
-
-
-#: query rows per step; 64 measured fastest on 2 CPU cores at T 512 and 2048 (32 and 128 were 1-25% slower)
+#: query rows per step (the fastest measured on CPU, bench/README.md)
 BLOCK_ROWS = 64
 
 

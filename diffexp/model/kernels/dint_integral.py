@@ -15,10 +15,7 @@ dG[n, :] / n (plus dA itself when fused): a reverse cumulative sum, carried acro
 gamma's gradient is the sum of rowsum(A3 * dA). The prefix column sums a block needs are the saved
 totals minus the rows from that block on, peeled off as the walk goes up.
 
-The per-block work is elementwise-bound on CPU, so each pass works in place where it can and masks only
-the block's diagonal square. (torch.compile of the block functions was tried on CPU, torch 2.13: three
-graphs each for the dynamic block shapes, about a minute to compile on 2 cores, and slower than these
-eager passes.)
+Each pass works in place where it can and masks only the block's diagonal square (elementwise-bound on CPU).
 """
 
 from __future__ import annotations

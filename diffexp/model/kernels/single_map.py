@@ -1,0 +1,100 @@
+"""One causal softmax attention per query head (GQA-capable): SDPA, FlashAttention-2 or the eager map.
+
+Query head i reads kv head i // (Hq / Hk). With fewer queries than keys (decoding with a cache) the queries
+are the last positions: query i sees keys 0 .. T_k - T_q + i. The scale is 1/sqrt(d), also when V is wider.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+
+import torch
+import torch.nn.functional as F
+
+try:  # optional GPU extra
+    from flash_attn import flash_attn_func
+except ImportError:  # pragma: no cover - depends on the environment
+    flash_attn_func = None
+
+
+def expand_kv(kv: torch.Tensor, n_query_heads: int) -> torch.Tensor:
+    """Repeat each kv head for the consecutive query heads of its GQA group."""
+    return kv.repeat_interleave(n_query_heads // kv.shape[1], dim=1)
+
+
+def future_mask(t_q: int, t_k: int, device) -> torch.Tensor:
+    """True where key j lies after query i, the queries being the last t_q of t_k positions: (t_q, t_k)."""
+    return torch.ones(t_q, t_k, dtype=torch.bool, device=device).triu(t_k - t_q + 1)
+
+
+def causal_logits(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+    """q k^T / sqrt(d) per query head, in fp32 at least, future entries -inf: (B, Hq, T_q, T_k)."""
+    dtype = torch.promote_types(q.dtype, torch.float32)
+    k = expand_kv(k, q.shape[1])
+    logits = (q.to(dtype) @ k.to(dtype).transpose(-1, -2)) / math.sqrt(q.shape[-1])
+    return logits.masked_fill(future_mask(q.shape[-2], k.shape[-2], q.device), float("-inf"))
+
+
+def causal_softmax(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+    """softmax(q k^T / sqrt(d) + causal mask) per query head, in fp32 at least: (B, Hq, T, T)."""
+    return causal_logits(q, k).softmax(dim=-1)
+
+
+def flash_available(*tensors: torch.Tensor) -> bool:
+    return flash_attn_func is not None and all(t.is_cuda for t in tensors)
+
+
+#: how SDPA runs over a V wider than Q and K: "pad" Q and K to V's width, or "split" V into d-wide slices
+WIDE_V_MODES = ("pad", "split")
+
+
+def wide_v_mode(q: torch.Tensor) -> str:
+    """The faster of the two where measured (bench/README.md): one padded call on CPU, d-wide slices on GPU."""
+    return "pad" if q.device.type == "cpu" else "split"
+
+
+def attend(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, backend: str = "sdpa", need_weights: bool = False,
+    backend_fallback: bool = True, wide_v: str | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Causal attention. q: (B, Hq, T_q, d); k: (B, Hk, T_k, d); v: (B, Hk, T_k, dv), dv a multiple of d.
+
+    Returns the output (B, Hq, T_q, dv) and, when need_weights (always on the eager backend), the map.
+    wide_v: one of WIDE_V_MODES, or None for `wide_v_mode`'s choice.
+    """
+    if need_weights or backend == "eager":
+        weights = causal_softmax(q, k)
+        out = weights.to(v.dtype) @ expand_kv(v, q.shape[1])
+        return out, weights
+    if backend == "flash_attn":
+        if flash_available(q, k, v):
+            return _flash(q, k, v), None
+        if backend_fallback:
+            warnings.warn("model.arch.backend='flash_attn' needs CUDA tensors; using sdpa for these", stacklevel=2)
+        else:
+            raise RuntimeError("model.arch.backend='flash_attn' needs the flash-attn package and CUDA tensors; "
+                               "use backend 'sdpa' or set model.arch.backend_fallback=true")
+    gqa = q.shape[1] != k.shape[1]
+    t_q, t_k = q.shape[-2], k.shape[-2]
+    # SDPA's is_causal aligns the mask top-left; decoding (fewer queries than keys) needs it bottom-right
+    mask = {"is_causal": True} if t_q == t_k else {} if t_q == 1 else {"attn_mask": ~future_mask(t_q, t_k, q.device)}
+    d, dv = q.shape[-1], v.shape[-1]
+    if dv == d:
+        return F.scaled_dot_product_attention(q, k, v, enable_gqa=gqa, **mask), None
+    # SDPA's fused kernels want equal q/v head dims (a wider V falls back to the math kernel): either zero-pad
+    # Q and K to V's width (the padding adds nothing to Q K^T) or attend to d-wide slices of V; both exact
+    if (wide_v or wide_v_mode(q)) == "pad":
+        q, k = (F.pad(t, (0, dv - d)) for t in (q, k))
+        return F.scaled_dot_product_attention(q, k, v, enable_gqa=gqa, scale=d ** -0.5, **mask), None
+    parts = [F.scaled_dot_product_attention(q, k, v_part, enable_gqa=gqa, **mask) for v_part in v.split(d, dim=-1)]
+    return torch.cat(parts, dim=-1), None
+
+
+def _flash(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    # FlashAttention-2 wants (B, T, H, d) and equal q/v head dims: d-wide slices of a wider V, each the same
+    # softmax, so the concatenation is exact; its causal mask is bottom-right aligned, as decoding needs
+    q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+    d = q.shape[-1]
+    parts = [flash_attn_func(q, k, v_part, causal=True) for v_part in v.split(d, dim=-1)]
+    return torch.cat(parts, dim=-1).transpose(1, 2)
