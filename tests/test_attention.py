@@ -13,6 +13,7 @@ from diffexp import Decoder, ModelConfig
 from diffexp.model.attention import build_attention, variants
 from diffexp.model.attention.differential import depth_lambda_init
 from diffexp.model.attention.dint import DintAttention
+from tests.reference import CASES as FLAG_CASES
 from tests.reference import reference_attention
 
 SMALL = dict(vocab_size=61, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=64)
@@ -20,10 +21,10 @@ SMALL = dict(vocab_size=61, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, max
 
 
 def variant_cases() -> dict[str, dict]:
-    """Every registered variant and every value of each of its flags, from the registry entries
+    """Every registered variant and every value of each of its flags, from tests/reference.py's cases
     (GQA and plain MHA layouts both appear): "diff_v1", "diff_v1-mha", ..."""
     return {"-".join(filter(None, (v.name, suffix))): dict(overrides)
-            for v in variants() for suffix, overrides in v.cases.items()}
+            for v in variants() for suffix, overrides in FLAG_CASES[v.name].items()}
 
 
 CASES = variant_cases()

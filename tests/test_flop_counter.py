@@ -1,18 +1,10 @@
 """Each variant's FLOP count (its registry entry's `attention_flops`, summed by `Decoder.flops_per_token`)
-against the FLOPs PyTorch actually executes, counted by `torch.utils.flop_counter.FlopCounterMode`.
+against the FLOPs PyTorch executes, counted by `torch.utils.flop_counter.FlopCounterMode`.
 
-Why the eager backend, and keys = T: the count is *logical* (causal attention reads T/2 keys per query on
-average; no padding, no split or duplicated work), while FlopCounterMode counts what runs. On the SDPA
-path it credits each fused call with a full, non-causal T x T map and counts every call, so DIFF V1's two
-calls per map over V's halves (or Q/K zero-padded to 2d) would show up as extra work that the logical
-count rightly leaves out. The eager path runs exactly the logical matmuls, only over the full T x T map
-(the causal mask is applied by -inf, not by skipping work): X W for every nn.Linear, Q K^T and A V per
-map (over the 2d-wide V in the two-map variants), Shared DIFF's low-rank up-projections, DINT's A3 V.
-Softmax, norms, cumsums and masks are not matmuls; neither side counts them. So the executed count must
-equal the logical count evaluated at keys = T (`Decoder._forward_flops`); the causal count at T/2 keys
-halves the part of each entry that grows with the keys (Shared DIFF's up-projections do not).
-Training: the backward of every matmul is two matmuls of the same size (input and weight gradients),
-so forward + backward executes 3 x forward, as `flops_per_token(training=True)` counts.
+The count is logical (causal: T/2 keys per query on average); the eager backend runs exactly its matmuls over the
+full T x T map (SDPA's fused calls would be credited with a non-causal map and every split call), so what runs
+must equal the count at keys = T (`Decoder._forward_flops`). Training executes 3 x forward (a matmul's backward
+is two of the same size), as `flops_per_token(training=True)` counts.
 """
 
 from __future__ import annotations
@@ -23,9 +15,11 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from diffexp import Decoder, ModelConfig
 from diffexp.model.attention import variants
+from tests.reference import CASES as FLAG_CASES
 
 T, BATCH = 32, 2
-CASES = [(v.name, case, {**v.bench_arch, **overrides}) for v in variants() for case, overrides in v.cases.items()]
+CASES = [(v.name, case, {**v.bench_arch, **overrides}) for v in variants()
+         for case, overrides in FLAG_CASES[v.name].items()]
 
 
 def executed_flops(model: Decoder, tokens: torch.Tensor, training: bool) -> int:

@@ -23,17 +23,24 @@ import tests.test_attention as shared_cases
 from diffexp import Decoder, ModelConfig
 from diffexp.cli import main
 from diffexp.compare import compare
-from diffexp.errors import invalid
-from diffexp.model.attention import build_attention, naive, variant_names, variants
+from diffexp.errors import UserError, invalid
+from diffexp.model.attention import build_attention, variant_names, variants
 from diffexp.model.attention.base import AttentionBase, merge_heads, split_heads
+from diffexp.model.attention.differential import TWO_MAP_FLAGS
 from diffexp.model.attention.registry import Variant, register, unregister
 from diffexp.model.blocks import RMSNorm
+from diffexp.model.flags import Flag
 from diffexp.sweep.layout import TRIAL_FILE, trial_dir
 from diffexp.sweep.runs import load_curves
+from tests import reference as naive
 from tests.fixtures_compare import write_sweep
 
 REPO = Path(__file__).resolve().parents[1]
 TOY = "toy_gated"
+
+
+GATE_OFFSET = Flag("gate_offset", float, 0.0, "toy_gated: added to every head's initial gate logit",
+                   "a finite number", lambda value: abs(value) < float("inf"))
 
 
 def toy_flops(cfg, keys: float) -> float:
@@ -50,7 +57,7 @@ def toy_check(cfg) -> None:
 def toy_reference(m, x: torch.Tensor):
     cfg = m.cfg
     h, h_kv = cfg.n_heads, cfg.kv_heads
-    q = m.rope.rotate(naive.project(x, m.q_proj, h))
+    q = m.rope.rotate(naive.project(x, m.q_proj, h))  # the shared naive blocks of tests/reference.py
     k = m.rope.rotate(naive.project(x, m.k_proj, h_kv))
     v = naive.project(x, m.v_proj, h_kv).double()
     b, t = x.shape[:2]
@@ -73,11 +80,10 @@ class GatedAttention(AttentionBase):
         summary="softmax attention with a learned sigmoid gate per head (a test's toy)",
         paper="none: tests/test_variant_registry.py",
         differential=False,
-        fields=("head_norm",),
+        # a flag of its own, declared once here, and the two-map variants' head_norm, shared
+        flags=(*(f for f in TWO_MAP_FLAGS if f.name == "head_norm"), GATE_OFFSET),
         check=toy_check,
         attention_flops=toy_flops,
-        reference=toy_reference,
-        cases={"": {}, "mha": {"n_kv_heads": None}, "nonorm": {"head_norm": False}},
     )
 
     def __init__(self, cfg, layer_idx: int) -> None:
@@ -87,7 +93,8 @@ class GatedAttention(AttentionBase):
         self.k_proj = self.linear(self.d_model, h_kv * d)
         self.v_proj = self.linear(self.d_model, h_kv * d)
         self.o_proj = self.linear(h * d, self.d_model)
-        self.gate = nn.Parameter(torch.linspace(-1.0, 1.0, h))  # distinct per head, so a mix-up shows
+        # distinct per head, so a mix-up shows
+        self.gate = nn.Parameter(torch.linspace(-1.0, 1.0, h) + cfg.gate_offset)
         self.head_norm = RMSNorm(d) if cfg.head_norm else nn.Identity()
 
     def forward(self, x: torch.Tensor, need_weights: bool = False):
@@ -101,11 +108,16 @@ class GatedAttention(AttentionBase):
         return self.o_proj(merge_heads(out)), effective
 
 
+TOY_CASES = {"": {}, "mha": {"n_kv_heads": None}, "nonorm": {"head_norm": False}, "offset": {"gate_offset": 0.5}}
+
+
 @pytest.fixture
 def toy():
     register(GatedAttention)
+    naive.REFERENCES[TOY], naive.CASES[TOY] = toy_reference, TOY_CASES
     yield GatedAttention.variant
     unregister(TOY)
+    del naive.REFERENCES[TOY], naive.CASES[TOY]
 
 
 def test_unknown_until_registered_then_validated_like_any_variant(toy):
@@ -135,13 +147,42 @@ def test_flops_come_from_its_entry(toy):
     assert attn_params == 4 * 64 * 64 + h + d  # Q, K, V, O, the gates and the head-norm weight
 
 
-@pytest.mark.parametrize("case", [TOY, f"{TOY}-mha", f"{TOY}-nonorm"])
+@pytest.mark.parametrize("case", [TOY, f"{TOY}-mha", f"{TOY}-nonorm", f"{TOY}-offset"])
 def test_shared_attention_cases(toy, case):
     for backend in ("sdpa", "eager"):
         torch.manual_seed(0)
         shared_cases.test_matches_naive_reference(case, backend)
         shared_cases.test_causality(case, backend)
     shared_cases.test_fast_path_equals_eager_forward_and_gradients(case)
+
+
+def test_its_flag_is_one_declaration_plus_its_use(toy, capsys):
+    """ModelConfig, its validation, the CLI's help and the unused-flag warning all come from GATE_OFFSET."""
+    assert ModelConfig(attention=TOY, gate_offset=0.5).gate_offset == 0.5 and ModelConfig().gate_offset == 0.0
+    with pytest.raises(UserError, match=r"model.arch.gate_offset='high' is invalid: expected a finite number"):
+        ModelConfig(attention=TOY, gate_offset="high")
+    with pytest.raises(UserError, match=r"model.arch.gate_offset=inf is invalid"):
+        ModelConfig(attention=TOY, gate_offset=float("inf"))
+    assert ModelConfig(attention="baseline", gate_offset=0.5).unused_settings() == {"gate_offset": 0.5}
+    assert ModelConfig(attention=TOY, gate_offset=0.5).unused_settings() == {}
+    with pytest.raises(SystemExit):
+        main(["fit", "--help"])
+    assert "added to every head's initial gate logit" in capsys.readouterr().out
+    torch.manual_seed(0)
+    plain = build_attention(ModelConfig(attention=TOY, d_model=32, n_heads=2), 0)
+    torch.manual_seed(0)
+    offset = build_attention(ModelConfig(attention=TOY, d_model=32, n_heads=2, gate_offset=0.5), 0)
+    torch.testing.assert_close(offset.gate, plain.gate + 0.5)
+    x = torch.randn(1, 8, 32)
+    assert not torch.allclose(plain(x)[0], offset(x)[0])
+
+
+def test_an_unregistered_flag_leaves_the_config(toy):
+    unregister(TOY)
+    with pytest.raises(TypeError, match="gate_offset"):
+        ModelConfig(gate_offset=0.5)
+    register(GatedAttention)
+    assert ModelConfig(gate_offset=0.5).gate_offset == 0.5
 
 
 def test_the_gate_really_changes_the_output(toy):

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import torch
 
-from diffexp.model.attention import naive
 from diffexp.model.attention.base import AttentionBase, merge_heads, split_heads
 from diffexp.model.attention.registry import Variant, register
 
@@ -16,23 +15,6 @@ def attention_flops(cfg, keys: float) -> float:
     """h maps, each 2 d per key for Q K^T and 2 d per key for A V."""
     d = cfg.resolved_head_dim
     return cfg.n_heads * 2 * keys * (d + d)
-
-
-def reference(m, x: torch.Tensor):
-    cfg = m.cfg
-    h, h_kv = cfg.n_heads, cfg.kv_heads
-    q = m.rope.rotate(naive.project(x, m.q_proj, h))
-    k = m.rope.rotate(naive.project(x, m.k_proj, h_kv))
-    v = naive.project(x, m.v_proj, h_kv).double()
-    b, t = x.shape[:2]
-    maps = torch.zeros(b, h, t, t, dtype=torch.float64)
-    out = torch.zeros(b, h, t, v.shape[-1], dtype=torch.float64)
-    for bi in range(b):
-        for i in range(h):
-            g = i // (h // h_kv)
-            maps[bi, i] = naive.causal_softmax_rows(q[bi, i], k[bi, g])
-            out[bi, i] = maps[bi, i] @ v[bi, g]
-    return naive.output(out, m.o_proj), maps
 
 
 @register
@@ -46,8 +28,6 @@ class BaselineAttention(AttentionBase):
         differential=False,
         reference_variant=True,
         attention_flops=attention_flops,
-        reference=reference,
-        cases={"": {}, "mha": {"n_kv_heads": None}, "tied": {"tie_embeddings": True}},
     )
 
     def __init__(self, cfg, layer_idx: int) -> None:

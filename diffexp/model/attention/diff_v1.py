@@ -9,12 +9,8 @@ Everything lives in the shared two-map base; DIFF V1 is that base with plain pro
 """
 
 from diffexp.model.attention.differential import (
-    TWO_MAP_CASES,
-    TWO_MAP_FIELDS,
+    TWO_MAP_FLAGS,
     TwoMapDifferentialAttention,
-    check_two_map,
-    naive_plain_qk,
-    naive_two_map,
     two_map_flops,
 )
 from diffexp.model.attention.registry import Variant, register
@@ -29,9 +25,6 @@ class DiffV1Attention(TwoMapDifferentialAttention):
         summary="two softmax maps subtracted with a learnable lambda, per-head norm",
         paper="Ye et al. 2024, Differential Transformer, arXiv 2410.05258",
         maps_per_head=2,
-        fields=TWO_MAP_FIELDS,
-        check=check_two_map,
+        flags=TWO_MAP_FLAGS,
         attention_flops=two_map_flops,
-        reference=lambda m, x: naive_two_map(m, x, naive_plain_qk(m, x)),
-        cases={**TWO_MAP_CASES, "lam0.5": {"lambda_init": 0.5}, "lam0.8": {"lambda_init": 0.8}},
     )

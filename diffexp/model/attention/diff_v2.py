@@ -15,29 +15,29 @@ N(0, init_std^2) ("normal").
 
 from __future__ import annotations
 
+from typing import Literal
+
 import torch
 from torch import nn
 
 from diffexp.errors import invalid
-from diffexp.model.attention import naive
 from diffexp.model.attention.base import AttentionBase, merge_heads, split_heads
 from diffexp.model.attention.registry import Variant, register
 from diffexp.model.blocks import RMSNorm
+from diffexp.model.flags import Flag
 
-PAIRINGS = ("same", "cross")
-LAMBDA_MODES = ("sigmoid", "none", "raw")
-LAMBDA_PROJ_INITS = ("default", "normal")
+FLAGS = (
+    Flag("pairing", Literal["same", "cross"], "same", "DIFF V2: 'same' pairs query heads that share K/V, 'cross' "
+         "heads of different GQA groups (the blog's unstable ablation)"),
+    Flag("lambda_mode", Literal["sigmoid", "none", "raw"], "sigmoid",
+         "DIFF V2: 'sigmoid' (the blog), 'none' (attn1 - attn2) or 'raw' (no sigmoid)"),
+    Flag("pair_norm", bool, False, "DIFF V2: DIFF V1's per-head RMSNorm after the subtraction (the blog removed it)"),
+    Flag("lambda_proj_init", Literal["default", "normal"], "default", "DIFF V2: init of W_lam, 'default' (PyTorch's "
+         "nn.Linear init, the spec) or 'normal' (N(0, init_std^2) like the other linears)"),
+)
 
 
 def check(cfg) -> None:
-    if cfg.pairing not in PAIRINGS:
-        raise invalid("model.arch.pairing", cfg.pairing, "expected 'same' or 'cross'")
-    if cfg.lambda_mode not in LAMBDA_MODES:
-        raise invalid("model.arch.lambda_mode", cfg.lambda_mode, "expected 'sigmoid', 'none' or 'raw'")
-    if not isinstance(cfg.pair_norm, bool):
-        raise invalid("model.arch.pair_norm", cfg.pair_norm, "expected true or false")
-    if cfg.lambda_proj_init not in LAMBDA_PROJ_INITS:
-        raise invalid("model.arch.lambda_proj_init", cfg.lambda_proj_init, "expected 'default' or 'normal'")
     if cfg.pairing == "cross" and cfg.kv_heads < 2:  # heads p and p + h must sit in different kv groups
         raise invalid("model.arch.pairing", cfg.pairing,
                       f"with n_heads={cfg.n_heads}, n_kv_heads={cfg.kv_heads} heads p and p+h share one K/V "
@@ -50,47 +50,15 @@ def attention_flops(cfg, keys: float) -> float:
     return 2 * cfg.n_heads * 2 * keys * (d + d)
 
 
-def reference(m, x: torch.Tensor):
-    cfg = m.cfg
-    h, h_kv = cfg.n_heads, cfg.kv_heads
-    q = m.rope.rotate(naive.project(x, m.q_proj, 2 * h))
-    k = m.rope.rotate(naive.project(x, m.k_proj, h_kv))
-    v = naive.project(x, m.v_proj, h_kv).double()
-    b, t = x.shape[:2]
-    if cfg.lambda_mode == "none":
-        lam = torch.ones(b, t, h, dtype=torch.float64)
-    else:
-        lam = (x @ m.lambda_proj.weight.T).double()
-        lam = torch.sigmoid(lam) if cfg.lambda_mode == "sigmoid" else lam
-    pairs = [(2 * p, 2 * p + 1) if cfg.pairing == "same" else (p, p + h) for p in range(h)]
-    maps = torch.zeros(b, h, t, t, dtype=torch.float64)
-    out = torch.zeros(b, h, t, v.shape[-1], dtype=torch.float64)
-    for bi in range(b):
-        for p, (i1, i2) in enumerate(pairs):
-            g1, g2 = i1 // (2 * h // h_kv), i2 // (2 * h // h_kv)
-            a1 = naive.causal_softmax_rows(q[bi, i1], k[bi, g1])
-            a2 = naive.causal_softmax_rows(q[bi, i2], k[bi, g2])
-            lam_col = lam[bi, :, p].unsqueeze(-1)
-            maps[bi, p] = a1 - lam_col * a2
-            o = a1 @ v[bi, g1] - lam_col * (a2 @ v[bi, g2])
-            out[bi, p] = naive.rmsnorm(o, m.pair_norm.weight) if cfg.pair_norm else o
-    return naive.output(out, m.o_proj), maps
-
-
 @register
 class DiffV2Attention(AttentionBase):
     variant = Variant(
         name="diff_v2",
         summary="2h query heads paired inside a GQA group, token-wise sigmoid lambda, no norm",
         paper="DIFF Transformer V2 (blog, 2026)",
-        fields=("pairing", "lambda_mode", "pair_norm", "lambda_proj_init"),
+        flags=FLAGS,
         check=check,
         attention_flops=attention_flops,
-        reference=reference,
-        cases={"": {}, "mha": {"n_kv_heads": None}, "cross": {"pairing": "cross"}, "none": {"lambda_mode": "none"},
-               "raw": {"lambda_mode": "raw"}, "cross-raw": {"pairing": "cross", "lambda_mode": "raw"},
-               "pair-norm": {"pair_norm": True}, "pair-norm-cross": {"pair_norm": True, "pairing": "cross"},
-               "normal-init": {"lambda_proj_init": "normal"}},
         bench_arch={"n_kv_heads": 2},  # GQA groups, where the blog's pairing applies
     )
 

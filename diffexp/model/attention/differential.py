@@ -7,19 +7,22 @@ lambda = exp(lq1 . lk1) - exp(lq2 . lk2) + lambda_init   (one lambda per layer, 
 from __future__ import annotations
 
 import math
+from typing import Literal, Union
 
 import torch
 from torch import nn
 
-from diffexp.errors import invalid
-from diffexp.model.attention import naive
 from diffexp.model.attention.base import AttentionBase, merge_heads, split_heads
 from diffexp.model.blocks import RMSNorm
+from diffexp.model.flags import Flag
 
-#: config fields every two-map variant reads
-TWO_MAP_FIELDS = ("lambda_init", "head_norm")
-#: test cases of the family's flags, shared by its variants
-TWO_MAP_CASES = {"": {}, "mha": {"n_kv_heads": None}, "nonorm": {"head_norm": False}}
+#: the flags every two-map variant reads
+TWO_MAP_FLAGS = (
+    Flag("lambda_init", Union[Literal["depth"], float], "depth",
+         "two-map variants: 'depth' (0.8 - 0.6 exp(-0.3 l)) or a constant in (0, 1)", "'depth' or a number in (0, 1)",
+         lambda value: value == "depth" or 0.0 < value < 1.0),
+    Flag("head_norm", bool, True, "two-map variants: per-head RMSNorm after the differential map (\"GroupNorm\")"),
+)
 
 
 def depth_lambda_init(layer_idx: int) -> float:
@@ -29,15 +32,6 @@ def depth_lambda_init(layer_idx: int) -> float:
 
 def lambda_init_for(cfg, layer_idx: int) -> float:
     return depth_lambda_init(layer_idx) if cfg.lambda_init == "depth" else float(cfg.lambda_init)
-
-
-def check_two_map(cfg) -> None:
-    value = cfg.lambda_init
-    allowed = "expected 'depth' or a number in (0, 1)"
-    if value == "depth":
-        return
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 < float(value) < 1.0:
-        raise invalid("model.arch.lambda_init", value, allowed)
 
 
 def two_map_flops(cfg, keys: float) -> float:
@@ -111,42 +105,3 @@ class TwoMapDifferentialAttention(AttentionBase):
 
     def extra_repr(self) -> str:
         return super().extra_repr() + f", lambda_init={self.lambda_init:.3f}"
-
-
-# -- the family's naive reference ---------------------------------------------------------------
-def naive_plain_qk(m, x: torch.Tensor):
-    """DIFF V1's projections: interleaved maps, q1 = heads 0, 2, 4, ...; q2 = heads 1, 3, 5, ..."""
-    q = naive.project(x, m.q_proj, 2 * m.cfg.n_heads)
-    k = naive.project(x, m.k_proj, 2 * m.cfg.kv_heads)
-    return q[:, 0::2], q[:, 1::2], k[:, 0::2], k[:, 1::2]
-
-
-def naive_two_map(m, x: torch.Tensor, qk, extra_map=None, scale_by_lambda_init: bool = True,
-                  extra_weight: torch.Tensor | None = None):
-    """Final = A1 - lambda A2 (+ w * extra_map(A1), w = extra_weight, or lambda when None);
-    head = Norm(Final V) (* (1 - lambda_init))."""
-    cfg = m.cfg
-    h, h_kv = cfg.n_heads, cfg.kv_heads
-    depth = 0.8 - 0.6 * math.exp(-0.3 * m.layer_idx)  # written out again: the reference shares no code
-    lam_init = depth if cfg.lambda_init == "depth" else float(cfg.lambda_init)
-    lp = m.lambda_
-    lam = (torch.exp((lp.lambda_q1 * lp.lambda_k1).sum()) - torch.exp((lp.lambda_q2 * lp.lambda_k2).sum())
-           + lam_init).double()
-    q1, q2, k1, k2 = (m.rope.rotate(t) for t in qk)
-    v = naive.project(x, m.v_proj, h_kv).double()  # 2d wide
-    b, t = x.shape[:2]
-    maps = torch.zeros(b, h, t, t, dtype=torch.float64)
-    out = torch.zeros(b, h, t, v.shape[-1], dtype=torch.float64)
-    for bi in range(b):
-        for p in range(h):
-            g = p // (h // h_kv)
-            a1 = naive.causal_softmax_rows(q1[bi, p], k1[bi, g])
-            final = a1 - lam * naive.causal_softmax_rows(q2[bi, p], k2[bi, g])
-            if extra_map is not None:
-                final = final + (lam if extra_weight is None else extra_weight) * extra_map(a1)
-            maps[bi, p] = final
-            o = final @ v[bi, g]
-            if cfg.head_norm:
-                o = naive.rmsnorm(o, m.head_norm.weight)
-            out[bi, p] = o * (1 - lam_init) if scale_by_lambda_init else o
-    return naive.output(out, m.o_proj), maps

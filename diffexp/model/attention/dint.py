@@ -15,6 +15,7 @@ over query blocks with running column sums of A1, which decoding keeps in the ca
 from __future__ import annotations
 
 import math
+from typing import Literal, Union
 
 import torch
 from torch import nn
@@ -22,29 +23,28 @@ from torch import nn
 from diffexp.errors import invalid
 from diffexp.model.attention.base import merge_heads
 from diffexp.model.attention.differential import (
-    TWO_MAP_CASES,
-    TWO_MAP_FIELDS,
+    TWO_MAP_FLAGS,
     TwoMapDifferentialAttention,
-    check_two_map,
-    naive_plain_qk,
-    naive_two_map,
     two_map_flops,
 )
 from diffexp.model.attention.registry import Variant, register
+from diffexp.model.flags import Flag
 from diffexp.model.kernels import Integral
+
+FLAGS = (
+    Flag("integral", Literal["softmax", "mean"], "softmax",
+         "DINT: A3 is the causal softmax of the cumulative row mean G (the paper) or G itself ('mean')"),
+    Flag("gamma", Literal["lambda", "learned"], "lambda", "DINT: the integral's weight, 'lambda' (the paper: rows "
+         "sum to 1) or 'learned' (a scalar per layer: rows sum to 1 - lambda + gamma)",
+         "'lambda' (gamma = lambda, the paper) or 'learned' (a scalar per layer of its own)"),
+    Flag("gamma_init", Union[Literal["lambda_init"], float], "lambda_init", "DINT with gamma 'learned': its start, "
+         "'lambda_init' (the layer's lambda_init) or a number", "'lambda_init' (the layer's lambda_init) or a number",
+         lambda value: value == "lambda_init" or math.isfinite(value)),
+)
 
 
 def check(cfg) -> None:
-    check_two_map(cfg)
-    if cfg.integral not in ("softmax", "mean"):
-        raise invalid("model.arch.integral", cfg.integral, "expected 'softmax' or 'mean'")
-    if cfg.gamma not in ("lambda", "learned"):
-        raise invalid("model.arch.gamma", cfg.gamma, "expected 'lambda' (gamma = lambda, the paper) or 'learned' "
-                      "(a scalar per layer of its own)")
     init = cfg.gamma_init
-    if init != "lambda_init" and (isinstance(init, bool) or not isinstance(init, (int, float))
-                                  or not math.isfinite(init)):
-        raise invalid("model.arch.gamma_init", init, "expected 'lambda_init' (the layer's lambda_init) or a number")
     if cfg.gamma == "lambda" and init != "lambda_init":
         raise invalid("model.arch.gamma_init", init, "expected 'lambda_init' unless model.arch.gamma is 'learned' "
                       "(with gamma = lambda there is no gamma of its own to initialise)")
@@ -55,22 +55,6 @@ def attention_flops(cfg, keys: float) -> float:
     return two_map_flops(cfg, keys) + cfg.n_heads * 2 * keys * 2 * cfg.resolved_head_dim
 
 
-def naive_integral(a1: torch.Tensor, integral: str) -> torch.Tensor:
-    """A3 of one head, row by row: the (soft-maxed) mean of A1's rows 0..n over columns 0..n."""
-    t = a1.shape[0]
-    a3 = torch.zeros_like(a1)
-    for n in range(t):
-        g = a1[: n + 1, : n + 1].sum(dim=0) / (n + 1)
-        a3[n, : n + 1] = g if integral == "mean" else torch.softmax(g, dim=0)
-    return a3
-
-
-def reference(m, x: torch.Tensor):
-    gamma = m.gamma.double() if m.cfg.gamma == "learned" else None  # None: the integral weighs lambda
-    return naive_two_map(m, x, naive_plain_qk(m, x), extra_map=lambda a1: naive_integral(a1, m.cfg.integral),
-                         scale_by_lambda_init=False, extra_weight=gamma)
-
-
 @register
 class DintAttention(TwoMapDifferentialAttention):
     variant = Variant(
@@ -78,15 +62,9 @@ class DintAttention(TwoMapDifferentialAttention):
         summary="DIFF V1 plus an integral term from cumulative attention; rows sum to 1",
         paper="Cang et al. 2025, DINT Transformer",
         maps_per_head=2,
-        fields=(*TWO_MAP_FIELDS, "integral", "gamma", "gamma_init"),
+        flags=(*TWO_MAP_FLAGS, *FLAGS),
         check=check,
         attention_flops=attention_flops,
-        reference=reference,
-        cases={**TWO_MAP_CASES, "mean": {"integral": "mean"},
-               "mean-nonorm-lam0.5": {"integral": "mean", "head_norm": False, "lambda_init": 0.5},
-               "learned": {"gamma": "learned"},
-               "learned-init0.9": {"gamma": "learned", "gamma_init": 0.9},
-               "learned-mean-init0.9": {"gamma": "learned", "gamma_init": 0.9, "integral": "mean"}},
     )
     #: query rows per step of the streaming integral; memory is O(block_size * T) per head
     integral_block_size = 32

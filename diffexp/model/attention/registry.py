@@ -11,6 +11,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from diffexp.model.flags import Flag
+
 
 def _no_check(cfg: Any) -> None:
     return None
@@ -27,13 +29,12 @@ class Variant:
         differential: subtracts attention maps (False only for the plain softmax reference).
         maps_per_head: d-wide maps that one head of the variant spends its budget on; the default
             head_dim is d_model // (maps_per_head * n_heads), which matches the baseline's parameters.
-        fields: the ModelConfig fields it reads beyond the shared ones (sizes, RoPE, backend, init).
-        check: validates those fields; raises `diffexp.errors.UserError` via `invalid(...)`.
+        flags: the `model.arch` flags it reads beyond the shared ones (sizes, RoPE, backend, init), each
+            declared once (diffexp.model.flags.Flag); ModelConfig gains them when the variant registers.
+        check: checks across flags that their single declarations cannot (a value checks its own type
+            and range); raises `diffexp.errors.UserError` via `invalid(...)`.
         attention_flops: forward FLOPs per token of one layer that are not nn.Linear matmuls (scores,
             attention-times-V, low-rank updates), given the config and the mean number of keys per query.
-        reference: naive eager implementation, (module, x) -> (output, effective maps), in float64, that
-            reads the module's weights but none of its code paths; the tests compare the module with it.
-        cases: named config overrides that exercise every flag (the tests run them all).
         bench_arch: arch overrides of the matched benchmark (e.g. GQA groups the variant needs).
         reference_variant: the baseline that speed and quality ratios are taken against (exactly one).
     """
@@ -42,17 +43,31 @@ class Variant:
     summary: str
     paper: str
     attention_flops: Callable[[Any, float], float]
-    reference: Callable[..., tuple[Any, Any]]
     differential: bool = True
     maps_per_head: int = 1
-    fields: tuple[str, ...] = ()
+    flags: tuple[Flag, ...] = ()
     check: Callable[[Any], None] = _no_check
-    cases: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
     bench_arch: Mapping[str, Any] = field(default_factory=dict)
     reference_variant: bool = False
 
+    @property
+    def fields(self) -> tuple[str, ...]:
+        """The names of its flags."""
+        return tuple(flag.name for flag in self.flags)
+
 
 _CLASSES: dict[str, type] = {}
+_LISTENERS: list[Callable[[], None]] = []
+
+
+def on_change(listener: Callable[[], None]) -> None:
+    """Call `listener` after each register and unregister (ModelConfig adds and drops the variants' flags)."""
+    _LISTENERS.append(listener)
+
+
+def _notify() -> None:
+    for listener in _LISTENERS:
+        listener()
 
 
 def register(cls: type) -> type:
@@ -66,12 +81,19 @@ def register(cls: type) -> type:
     if entry.reference_variant and any(c.variant.reference_variant for n, c in _CLASSES.items() if n != entry.name):
         raise ValueError(f"{entry.name!r}: only one variant can be the reference")
     _CLASSES[entry.name] = cls
+    try:
+        _notify()
+    except Exception:
+        del _CLASSES[entry.name]
+        _notify()
+        raise
     return cls
 
 
 def unregister(name: str) -> None:
     """Removes a variant (for tests that register a temporary one)."""
-    _CLASSES.pop(name, None)
+    if _CLASSES.pop(name, None) is not None:
+        _notify()
 
 
 def variant_names() -> tuple[str, ...]:

@@ -17,34 +17,31 @@ zero: with B = 0 both maps would start identical and A1 - lambda A2 would be (1 
 
 from __future__ import annotations
 
+from typing import Literal
+
 import torch
 from torch import nn
 
-from diffexp.errors import invalid
 from diffexp.model.attention.differential import (
-    TWO_MAP_CASES,
-    TWO_MAP_FIELDS,
+    TWO_MAP_FLAGS,
     TwoMapDifferentialAttention,
-    check_two_map,
-    naive_two_map,
     two_map_flops,
 )
 from diffexp.model.attention.registry import Variant, register
+from diffexp.model.flags import Flag
 
-SCOPES = ("layer", "head")
-
-
-def check(cfg) -> None:
-    check_two_map(cfg)
-    if isinstance(cfg.rank, bool) or not isinstance(cfg.rank, int) or cfg.rank <= 0:
-        raise invalid("model.arch.rank", cfg.rank, "expected a positive integer")
-    if cfg.base_sharing not in ("maps", "heads"):
-        raise invalid("model.arch.base_sharing", cfg.base_sharing, "expected 'maps' or 'heads'")
-    if cfg.lowrank_scope not in SCOPES:
-        raise invalid("model.arch.lowrank_scope", cfg.lowrank_scope,
-                      "expected 'layer' (one update per map for the whole projection) or 'head' (one per head)")
-    if not cfg.lowrank_init_std >= 0:
-        raise invalid("model.arch.lowrank_init_std", cfg.lowrank_init_std, "expected a standard deviation >= 0")
+FLAGS = (
+    Flag("rank", int, 16, "Shared DIFF: rank r of the per-map low-rank updates", "a positive integer",
+         lambda value: value > 0),
+    Flag("base_sharing", Literal["maps", "heads"], "maps",
+         "Shared DIFF: 'maps' (a base per head, shared by its two maps) or 'heads' (one base for all heads and maps)"),
+    Flag("lowrank_scope", Literal["layer", "head"], "layer",
+         "Shared DIFF: 'layer' (one update per map for the whole projection, the default of every comparison) or "
+         "'head' (an update per head and map; how a checkpoint saved without the flag is read)",
+         "'layer' (one update per map for the whole projection) or 'head' (one per head)"),
+    Flag("lowrank_init_std", float, 0.02, "Shared DIFF: std of the low-rank factors; non-zero so the maps start apart",
+         "a standard deviation >= 0", lambda value: value >= 0),
+)
 
 
 def up_widths(cfg, n_heads: int) -> tuple[int, int]:
@@ -62,39 +59,6 @@ def attention_flops(cfg, keys: float) -> float:
         groups, width = up_widths(cfg, heads)
         up_weights += 2 * groups * cfg.rank * width
     return two_map_flops(cfg, keys) + 2 * up_weights
-
-
-def naive_projection(proj, x: torch.Tensor, n_heads: int, cfg):
-    """Q1, Q2 (or K1, K2) from the full d_model x (heads * d) matrices W_map = W_base + updates, built with
-    loops over heads: W_base holds each head's base (or the one shared base) in its columns; "layer" adds
-    one A B^T over all columns, "head" adds A_i B_i^T to head i's columns."""
-    r, d = cfg.rank, cfg.resolved_head_dim
-    weight = proj.base.weight.double()
-    maps = []
-    for map_idx in range(2):
-        full = torch.zeros(x.shape[-1], n_heads * d, dtype=torch.float64)
-        for i in range(n_heads):
-            rows = slice(0, d) if cfg.base_sharing == "heads" else slice(i * d, (i + 1) * d)
-            full[:, i * d:(i + 1) * d] = weight[rows].T
-        if cfg.lowrank_scope == "layer":
-            a = proj.down.weight[map_idx * r:(map_idx + 1) * r].double().T  # (d_model, r)
-            b = proj.up[map_idx, 0].double().T                             # (h d, r)
-            full = full + a @ b.T
-        else:
-            for i in range(n_heads):
-                first = (map_idx * n_heads + i) * r
-                a = proj.down.weight[first:first + r].double().T  # (d_model, r)
-                b = proj.up[map_idx, i].double().T                # (d, r)
-                full[:, i * d:(i + 1) * d] += a @ b.T
-        b_, t, _ = x.shape
-        maps.append((x.double() @ full).view(b_, t, n_heads, d).transpose(1, 2))  # (B, heads, T, d)
-    return maps
-
-
-def reference(m, x: torch.Tensor):
-    q1, q2 = naive_projection(m.q_proj, x, m.cfg.n_heads, m.cfg)
-    k1, k2 = naive_projection(m.k_proj, x, m.cfg.kv_heads, m.cfg)
-    return naive_two_map(m, x, (q1, q2, k1, k2))
 
 
 class LowRankSharedProjection(nn.Module):
@@ -128,16 +92,8 @@ class SharedDiffAttention(TwoMapDifferentialAttention):
         summary="DIFF V1 whose two maps share a base projection plus low-rank updates per map",
         paper="Cang et al., ICML 2025, Shared DIFF Transformer",
         maps_per_head=2,
-        fields=(*TWO_MAP_FIELDS, "rank", "base_sharing", "lowrank_scope", "lowrank_init_std"),
-        check=check,
+        flags=(*TWO_MAP_FLAGS, *FLAGS),
         attention_flops=attention_flops,
-        reference=reference,
-        cases={**TWO_MAP_CASES, "heads": {"base_sharing": "heads"}, "rank4": {"rank": 4},
-               "head": {"lowrank_scope": "head"}, "head-mha": {"lowrank_scope": "head", "n_kv_heads": None},
-               "layer-heads-rank2-lam0.5": {"lowrank_scope": "layer", "base_sharing": "heads", "rank": 2,
-                                            "lambda_init": 0.5},
-               "head-heads-rank2-lam0.5": {"lowrank_scope": "head", "base_sharing": "heads", "rank": 2,
-                                           "lambda_init": 0.5}},
         bench_arch={"rank": 8},
     )
 
