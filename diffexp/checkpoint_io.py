@@ -1,24 +1,9 @@
-"""Reading diffexp checkpoints safely, with errors a user can act on.
+"""Reading diffexp checkpoints safely, with errors a user can act on; and the one error for a save that found the
+disk full.
 
-Every checkpoint is read with ``torch.load(..., weights_only=True, map_location="cpu")``: diffexp
-writes only tensors and plain data, so a file that needs anything else unpickled is refused, never
-loaded unsafely. Every failure is a ``UserError`` that names the flag or key (``key``), the file and
-the problem: missing, a directory that is not a sharded (FSDP / torch.distributed.checkpoint)
-checkpoint, empty, truncated, corrupt, not a diffexp checkpoint, or needing unsafe unpickling.
-torch's own messages are not passed on: they suggest ``weights_only=False``, which runs code from
-the file.
-
-A sharded checkpoint is the directory Lightning's FSDP strategy writes (``.metadata`` and
-``*.distcp`` shards from torch.distributed.checkpoint, plus ``meta.pt`` with everything but the
-tensors); it is read into one full checkpoint on the CPU. A directory `diffexp export` wrote
-(``config.json``, the weights, the tokenizer) reads as the checkpoint it was exported from.
-
-Hyperparameters added after checkpoints were first written (``ADDED_LATER``) are filled in on reading
-with the behaviour the checkpoint was trained with, so an older checkpoint keeps meaning what it meant;
-``FILLED`` lists them (as ``model.<section>.<key>``), for the resume check and its advice.
-
-Writing: a save that finds the disk full (`save_failed_for_space`) becomes one `UserError` naming the
-checkpoint, the space it needs and the space left (`no_space_error`), whichever writer failed.
+A .ckpt file, a sharded (torch.distributed.checkpoint) directory or a `diffexp export` directory is read on the CPU
+with ``torch.load(weights_only=True)``, so a file needing anything else unpickled is refused, never run; every
+failure is a ``UserError`` naming the key, the file and the problem.
 """
 
 from __future__ import annotations
@@ -87,17 +72,18 @@ def is_sharded_checkpoint(path: os.PathLike | str) -> bool:
     return Path(path).is_dir() and (Path(path) / DCP_INDEX).is_file()
 
 
-def _head(path: Path) -> bytes:
+def _first_bytes(path: Path) -> bytes:
     with open(path, "rb") as f:
         return f.read(4)
 
 
-def _unreadable(path: Path) -> str:
-    """Why torch.load failed on a file, told from its bytes (torch's message is not passed on)."""
+def _why_unreadable(path: Path) -> str:
+    """Why torch.load failed on a file, told from its bytes (torch's own message suggests weights_only=False, which
+    would run code from the file)."""
     size = path.stat().st_size
     if size == 0:
         return "the file is empty (0 bytes): an interrupted write or copy?"
-    head = _head(path)
+    head = _first_bytes(path)
     if head == ZIP_MAGIC:
         if not zipfile.is_zipfile(path):
             return (f"the file is truncated ({size:,} bytes, the end of its zip archive is missing): an "
@@ -109,7 +95,7 @@ def _unreadable(path: Path) -> str:
 
 
 def _torch_load(path: Path, key: str, mmap: bool = False) -> Any:
-    mmap = mmap and _head(path) == ZIP_MAGIC  # torch can memory-map only the zip format
+    mmap = mmap and _first_bytes(path) == ZIP_MAGIC  # torch can memory-map only the zip format
     try:
         return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
     except pickle.UnpicklingError as err:
@@ -118,10 +104,10 @@ def _torch_load(path: Path, key: str, mmap: bool = False) -> Any:
             raise _error(key, path, f"the file needs the Python object {found.group(1)} unpickled, which a "
                                     "safe load refuses (unpickling runs code from the file). diffexp checkpoints "
                                     f"hold only tensors and plain data; {EXPECTED}") from None
-        raise _error(key, path, _unreadable(path)) from None
+        raise _error(key, path, _why_unreadable(path)) from None
     except Exception:  # noqa: BLE001
         # random or cut bytes can fail anywhere in the unpickler (IndexError, KeyError, EOFError, ...)
-        raise _error(key, path, _unreadable(path)) from None
+        raise _error(key, path, _why_unreadable(path)) from None
 
 
 def _check_diffexp(checkpoint: Any, path: Path, key: str, need_weights: bool = True) -> dict:
@@ -264,7 +250,7 @@ NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
 TORCH_WRITE_FAILED = re.compile(r"unexpected pos|file write failed|PytorchStreamWriter failed")
 
 
-def _carried(err: BaseException):
+def _errors_within(err: BaseException):
     """err and every exception it carries: its causes and contexts, and the per-rank failures
     torch.distributed.checkpoint gathers into its CheckpointException."""
     pending, seen = [err], set()
@@ -280,7 +266,7 @@ def _carried(err: BaseException):
             pending += [failure[0] for failure in failures.values() if isinstance(failure, tuple)]
 
 
-def _existing(path: Path) -> Path:
+def _nearest_existing(path: Path) -> Path:
     while not path.exists() and path.parent != path:
         path = path.parent
     return path
@@ -288,7 +274,7 @@ def _existing(path: Path) -> Path:
 
 def free_bytes(path: os.PathLike | str) -> int:
     """Free space on the file system that holds `path` (or would hold it)."""
-    return shutil.disk_usage(_existing(Path(path))).free
+    return shutil.disk_usage(_nearest_existing(Path(path))).free
 
 
 def tensor_bytes(checkpoint: Any) -> int:
@@ -316,14 +302,14 @@ def save_failed_for_space(err: BaseException, path: os.PathLike | str, needed: i
     """Whether a checkpoint save failed because the disk is full: an ENOSPC (or EDQUOT) anywhere in the
     error, or torch's bare "file write failed" while less than the checkpoint's size is free.
     Call it before removing the partial files, which would give the space back."""
-    carried = list(_carried(err))
+    carried = list(_errors_within(err))
     if any(isinstance(exc, OSError) and exc.errno in NO_SPACE for exc in carried):
         return True
     torch_write = any(isinstance(exc, RuntimeError) and TORCH_WRITE_FAILED.search(str(exc)) for exc in carried)
     return torch_write and free_bytes(path) < needed
 
 
-def _size(n_bytes: int) -> str:
+def _human_size(n_bytes: int) -> str:
     for unit, scale in (("GiB", 2**30), ("MiB", 2**20)):
         if n_bytes >= scale:
             return f"{n_bytes / scale:.1f} {unit}"
@@ -342,7 +328,7 @@ def no_space_error(path: os.PathLike | str, needed: int) -> UserError:
     else:
         kept, resume = "No checkpoint of this run was saved before this one.", "start the run again"
     return UserError(
-        f"no space left on the device to save the checkpoint {path}: it needs about {_size(needed)}, "
-        f"{_size(free_bytes(path.parent))} is free on that file system. {kept} Free space there, or set "
+        f"no space left on the device to save the checkpoint {path}: it needs about {_human_size(needed)}, "
+        f"{_human_size(free_bytes(path.parent))} is free on that file system. {kept} Free space there, or set "
         f"--checkpoint.dirpath to a directory on a disk with room, then {resume}."
     )

@@ -1,17 +1,13 @@
 """`diffexp SUBCOMMAND ...`: the one entry point; each subcommand lives in its own package.
 
-fit, validate and test are LightningCLI over DiffexpLM (diffexp.training.cli); `diffexp sweep` and
-`diffexp compare runs/<study>` run ablation grids and tabulate them (diffexp.sweep, diffexp.compare);
-`diffexp eval TASK CKPT` runs the papers' evaluations; `diffexp generate CKPT` continues a prompt
-(diffexp.generate) and `diffexp export CKPT OUT` writes a model directory (diffexp.export);
-`diffexp bench train|decode|kernel` measures each variant's cost against the reference (diffexp.bench);
-`diffexp variants` lists the attention registry;
-`diffexp params [RECIPE ...]` tabulates the recipes' parameter counts (diffexp.compare.params).
-Every subcommand runs under `diffexp.errors.guarded`: a user error is one paragraph, no traceback.
+fit, validate and test are LightningCLI over DiffexpLM (diffexp.training.cli); every other subcommand is the
+main(argv) that SUBCOMMAND_MAINS names. All run under `diffexp.errors.guarded`: a user error is one paragraph
+and exit code 2, no traceback; a subcommand's main leaves that to this guard.
 """
 
 from __future__ import annotations
 
+import importlib
 import sys
 from pathlib import Path
 
@@ -28,6 +24,7 @@ def __getattr__(name: str):
         return getattr(cli, name)
     raise AttributeError(f"module 'diffexp.cli' has no attribute {name!r}")
 
+
 SUBCOMMANDS = {
     "fit": "train a model (a recipe: --config recipes/tiny/<variant>.yaml; resume: --ckpt_path last)",
     "validate": "validation loss of a checkpoint (--config <run>/config.yaml --ckpt_path CKPT)",
@@ -41,6 +38,19 @@ SUBCOMMANDS = {
     "variants": "the attention variants: name, paper and the model.arch flags each one reads",
     "bench": "cost of each variant vs the reference, side by side: diffexp bench train|decode|kernel",
     "params": "parameter counts of recipes (total, non-embedding, attention, Q/K): diffexp params [RECIPE ...]",
+}
+
+#: the subcommands besides fit, validate, test and variants: "module:function" of each one's main(argv) -> exit
+#: code, imported when it runs (the light subcommands start without Lightning)
+SUBCOMMAND_MAINS = {
+    "data": "diffexp.data.cli:main",
+    "sweep": "diffexp.sweep.runner:main",
+    "eval": "diffexp.evals.cli:main",
+    "generate": "diffexp.generate.cli:main",
+    "export": "diffexp.export:main",
+    "compare": "diffexp.compare:main",
+    "bench": "diffexp.bench.cli:main",
+    "params": "diffexp.compare.params:main",
 }
 
 
@@ -116,38 +126,9 @@ def _main(args: list[str] | None = None) -> None:
     if argv[0] == "variants":
         sys.stdout.write(describe_variants())
         return
-    if argv[0] == "data":
-        from diffexp.data.cli import main as data_main
-
-        sys.exit(data_main(argv[1:]))
-    if argv and argv[0] == "sweep":
-        from diffexp.sweep.runner import main as sweep_main
-
-        sys.exit(sweep_main(argv[1:]))
-    if argv and argv[0] == "eval":
-        from diffexp.evals.cli import main as eval_main
-
-        sys.exit(eval_main(argv[1:]))
-    if argv and argv[0] == "generate":
-        from diffexp.generate.cli import main as generate_main
-
-        sys.exit(generate_main(argv[1:]))
-    if argv and argv[0] == "export":
-        from diffexp.export import main as export_main
-
-        sys.exit(export_main(argv[1:]))
-    if argv and argv[0] == "compare":
-        from diffexp.compare import main as compare_main
-
-        sys.exit(compare_main(argv[1:]))
-    if argv and argv[0] == "bench":
-        from diffexp.bench.cli import main as bench_main
-
-        sys.exit(bench_main(argv[1:]))
-    if argv and argv[0] == "params":
-        from diffexp.compare.params import main as params_main
-
-        sys.exit(params_main(argv[1:]))
+    if argv[0] in SUBCOMMAND_MAINS:
+        module, _, function = SUBCOMMAND_MAINS[argv[0]].partition(":")
+        sys.exit(getattr(importlib.import_module(module), function)(argv[1:]))
     from diffexp.training.cli import run_lightning_cli
 
     run_lightning_cli(args)

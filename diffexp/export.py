@@ -1,14 +1,9 @@
 """`diffexp export CKPT OUT`: one self-contained model directory from any checkpoint.
 
-CKPT is a .ckpt file or a sharded (FSDP) checkpoint directory; the shards are consolidated with
-torch.distributed.checkpoint's own loader (diffexp.checkpoint_io). OUT gets:
-
-    config.json          format, the model's hyperparameters, the data settings, the step, the source
-    model.safetensors    the weights (or model.pt with --format torch), DiffexpLM's state-dict names
-    tokenizer.json       the trained BPE, when the model was trained on one (the byte tokenizer needs none)
-
-Every `diffexp eval` task and `diffexp generate` read OUT like a checkpoint. OUT is written beside itself
-and renamed into place, and an existing OUT is never overwritten.
+OUT gets config.json (format, hyperparameters, data settings, step, source), model.safetensors (or model.pt with
+--format torch; DiffexpLM's state-dict names) and, for a model trained on a BPE, tokenizer.json. Every
+`diffexp eval` task and `diffexp generate` read OUT like a checkpoint. It is written beside itself and renamed
+into place; an existing OUT is never overwritten.
 """
 
 from __future__ import annotations
@@ -24,6 +19,7 @@ import torch
 from diffexp.checkpoint_io import EXPORT_CONFIG, EXPORT_FORMAT
 from diffexp.errors import UserError
 from diffexp.training.loading import CKPT_KEY, load_checkpoint
+from diffexp.training.values import to_builtin
 
 FORMATS = {"safetensors": "model.safetensors", "torch": "model.pt"}
 
@@ -35,17 +31,6 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--format", choices=tuple(FORMATS), default="safetensors",
                         help="the weights file: safetensors (default) or torch.save")
     return parser
-
-
-def plain(value):
-    """JSON-safe copy of hyperparameters (tuples become lists; anything else exotic, its repr)."""
-    if isinstance(value, dict):
-        return {str(k): plain(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [plain(v) for v in value]
-    if value is None or isinstance(value, (bool, int, float, str)):
-        return value
-    return repr(value)
 
 
 def untied(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -70,8 +55,8 @@ def export(checkpoint_path: str, out: str, weights_format: str = "safetensors") 
     config = {
         "format": EXPORT_FORMAT,
         "weights": FORMATS[weights_format],
-        "hyper_parameters": plain(checkpoint["hyper_parameters"]),
-        "datamodule_hyper_parameters": plain(checkpoint.get("datamodule_hyper_parameters") or {}),
+        "hyper_parameters": to_builtin(checkpoint["hyper_parameters"], json_safe=True),
+        "datamodule_hyper_parameters": to_builtin(checkpoint.get("datamodule_hyper_parameters") or {}, json_safe=True),
         "global_step": hparams["global_step"],
         "tokenizer": None if tokenizer is None else
         {"kind": tokenizer["kind"], **({"file": "tokenizer.json", "identity": tokenizer["identity"]}

@@ -1,14 +1,164 @@
-"""Test helpers: Lightning callbacks loaded by class path from subprocess runs of the CLI, tiny models and their
-checkpoints."""
+"""Helpers shared by test modules: runs of the CLI and their logs, sweep specs, tiny models and checkpoints, and the
+Lightning callbacks that subprocess runs of the CLI load by class path (tests.helpers.<Name>)."""
 
 from __future__ import annotations
 
 import json
 import os
 import signal
+import socket
+import subprocess
+import sys
+from collections import Counter
+from pathlib import Path
 
 import lightning as L
+import numpy as np
 import torch
+
+REPO = Path(__file__).resolve().parents[1]
+
+# ----------------------------------------------------------------------------- runs of `python -m diffexp`
+
+
+def subprocess_env(**extra: str) -> dict[str, str]:
+    """The environment of a `python -m diffexp` child: this checkout first on its path."""
+    path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)
+    return {**os.environ, "PYTHONPATH": path, **extra}
+
+
+def one_thread_env() -> dict[str, str]:
+    """subprocess_env for a child that shares the machine with others: one OpenMP thread."""
+    return subprocess_env(OMP_NUM_THREADS="1")
+
+
+def run_cli(args: list[str], cwd: Path, check=True) -> subprocess.CompletedProcess:
+    """`python -m diffexp ARGS` in `cwd`; with check, a non-zero exit fails the test with the end of its stderr."""
+    proc = subprocess.run([sys.executable, "-m", "diffexp", *args], cwd=cwd, env=subprocess_env(),
+                          capture_output=True, text=True, timeout=300)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"exit {proc.returncode}\n{proc.stderr[-3000:]}")
+    return proc
+
+
+def exit_code(args: list[str]) -> int:
+    """The exit code of `diffexp ARGS` run in this process (diffexp.cli.main always exits)."""
+    import pytest
+
+    from diffexp.cli import main
+
+    with pytest.raises(SystemExit) as done:
+        main(args)
+    return done.value.code
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+# ----------------------------------------------------------------------------- a tiny training recipe and its logs
+
+TINY_RUN = """
+seed_everything: 7
+trainer:
+  max_steps: {max_steps}
+  val_check_interval: 6
+  limit_val_batches: 2
+  log_every_n_steps: 2
+  enable_progress_bar: false
+  enable_model_summary: false
+  logger:
+    class_path: lightning.pytorch.loggers.TensorBoardLogger
+    init_args: {{save_dir: runs, name: {name}, default_hp_metric: false}}
+checkpoint:
+  every_n_train_steps: 4
+diagnostics:
+  every_n_steps: 4
+model:
+  arch: {{attention: {attention}, d_model: 32, n_layers: 2, n_heads: 2}}
+  optim: {{lr: 3.0e-3, warmup_steps: 2}}
+data:
+  source: stdlib
+  seq_len: 32
+  batch_size: 4
+  max_chars: 60000
+  cache_dir: {cache}
+"""
+
+
+def write_recipe(tmp_path: Path, name="run", attention="diff_v1", max_steps=12) -> Path:
+    """TINY_RUN as <tmp_path>/<name>.yaml: logs to runs/<name>/, data cached under <tmp_path>/cache."""
+    path = tmp_path / f"{name}.yaml"
+    path.write_text(TINY_RUN.format(name=name, attention=attention, max_steps=max_steps,
+                                    cache=tmp_path / "cache"))
+    return path
+
+
+def scalars(run_dir: Path) -> dict[str, list[tuple[int, float]]]:
+    """Every scalar a run logged to TensorBoard: tag -> [(step, value), ...]."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(run_dir)).Reload()
+    return {tag: [(e.step, e.value) for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
+
+
+# ----------------------------------------------------------------------------- sweeps
+
+TINY_OVERRIDES = {
+    "trainer.max_steps": 6, "trainer.val_check_interval": 3, "trainer.limit_val_batches": 2,
+    "model.arch.d_model": 32, "model.arch.n_layers": 1, "model.arch.n_heads": 2,
+    "data.seq_len": 32, "data.batch_size": 4, "data.max_chars": 50000,
+}
+
+
+def write_spec(tmp_path: Path, study: str, storage: str | None = None, **extra) -> Path:
+    """A sweep spec of two cases x two seeds of a tiny DIFF V1 (TINY_OVERRIDES) as <tmp_path>/<study>.yaml."""
+    import yaml
+
+    spec = {"study": study, "base": str(REPO / "recipes/tiny/diff_v1.yaml"), "runs_dir": str(tmp_path / "runs"),
+            "overrides": {**TINY_OVERRIDES, "data.cache_dir": str(tmp_path / "cache")},
+            "grid": {"model.arch.head_norm": [True, False]}, "seeds": [0, 1], **extra}
+    if storage:
+        spec["storage"] = storage
+    path = tmp_path / f"{study}.yaml"
+    path.write_text(yaml.safe_dump(spec))
+    return path
+
+
+def trials_by_state(url: str, study: str) -> dict[str, Counter]:
+    """Per sweep point, how many of its Optuna trials are in each state."""
+    import optuna
+
+    from diffexp.sweep.storage import open_storage
+
+    trials = optuna.load_study(study_name=study, storage=open_storage(url)).get_trials(deepcopy=False)
+    states: dict[str, Counter] = {}
+    for t in trials:
+        states.setdefault(t.user_attrs["point"], Counter())[t.state.name] += 1
+    return states
+
+
+# ----------------------------------------------------------------------------- weights and data
+
+# runs on several CPU processes sum fp32 in another order: logged values agree to about 1e-6, weights after a few
+# AdamW steps to 1e-5
+RTOL, WEIGHTS_ATOL = 1e-4, 1e-5
+
+
+def assert_same_weights(a: dict, b: dict, atol: float = WEIGHTS_ATOL) -> None:
+    assert a.keys() == b.keys()
+    for key in a:
+        torch.testing.assert_close(a[key], b[key], rtol=0, atol=atol, msg=key)
+
+
+def encode_documents(documents, tokenizer) -> np.ndarray:
+    """The reference token stream: each document's ids, then the end-of-document id."""
+    return np.array([i for text in documents for i in [*tokenizer.encode(text), tokenizer.eos_id]], dtype=np.int64)
+
+
+# ----------------------------------------------------------------------------- callbacks loaded by class path
 
 
 class RecordBatches(L.Callback):
@@ -85,16 +235,6 @@ class KillAfterCheckpoint(L.Callback):
         io.save_checkpoint = save_then_die
 
 
-def save_untrained_checkpoint(arch, path) -> None:
-    """A real diffexp checkpoint of an untrained model (a Trainer's save, no training), for checkpoint readers."""
-    from diffexp.training import DiffexpLM
-
-    module = DiffexpLM(arch)
-    trainer = L.Trainer(max_steps=0, logger=False, enable_checkpointing=False, enable_progress_bar=False)
-    trainer.strategy.connect(module)
-    trainer.save_checkpoint(path)
-
-
 class SaveWeightsAtStart(L.Callback):
     """Save the model's weights as training starts (after setup, before the first step) to `path`."""
 
@@ -104,6 +244,52 @@ class SaveWeightsAtStart(L.Callback):
     def on_train_start(self, trainer, pl_module) -> None:
         torch.save({k: v.detach().cpu().clone() for k, v in pl_module.state_dict().items()}, self.path)
 
+
+class SaveFullWeights(L.Callback):
+    """At the end of training, the model's full weights (gathered from the shards under FSDP2) to `path`."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        from diffexp.parallel import full_value
+
+        weights = {k: full_value(v).detach().cpu().clone() for k, v in pl_module.model.state_dict().items()}
+        if trainer.is_global_zero:
+            torch.save(weights, self.path)
+
+
+class KillRankZeroAtStep(L.Callback):
+    """SIGKILL the launching process (rank 0) once `step` steps are done; the other ranks lose their peer."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if trainer.global_step >= self.step and trainer.global_rank == 0:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
+class RecordStepLosses(L.Callback):
+    """Append {"step", "loss"} per optimizer step to a JSON-lines file (rank 0): the loss over the whole global
+    batch, the mean of its micro-batches' losses (each already the mean over ranks), whatever the accumulation;
+    Lightning's logged train/loss is the step's last micro-batch's."""
+
+    def __init__(self, path: str) -> None:
+        self.path, self.losses = path, []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        self.losses.append(float(pl_module.last_train_loss))
+        if len(self.losses) < trainer.accumulate_grad_batches:  # the step is not done yet
+            return
+        if trainer.is_global_zero:
+            with open(self.path, "a") as f:
+                f.write(json.dumps({"step": trainer.global_step - 1, "loss": sum(self.losses) / len(self.losses)})
+                        + "\n")
+        self.losses = []
+
+
+# ----------------------------------------------------------------------------- tiny models and checkpoints
 
 #: the sentence the `memorised` fixture's model learned (tests/conftest.py)
 PATTERN = "the cat sat on the mat. "
@@ -132,6 +318,16 @@ def save_checkpoint(module, path, datamodule=None):
     return path
 
 
+def save_untrained_checkpoint(arch, path) -> None:
+    """A real diffexp checkpoint of an untrained model (a Trainer's save, no training), for checkpoint readers."""
+    from diffexp.training import DiffexpLM
+
+    module = DiffexpLM(arch)
+    trainer = L.Trainer(max_steps=0, logger=False, enable_checkpointing=False, enable_progress_bar=False)
+    trainer.strategy.connect(module)
+    trainer.save_checkpoint(path)
+
+
 def bpe_text_checkpoint(directory, max_seq_len: int = 256):
     """(checkpoint path, data module): a small model trained one step on a 300-token BPE of 100K characters of
     the stdlib corpus (two fifths of its documents held out for validation), saved as
@@ -142,31 +338,6 @@ def bpe_text_checkpoint(directory, max_seq_len: int = 256):
                           val_fraction=0.4, cache_dir=str(directory / "cache"))  # a few validation documents
     model = small_model(vocab_size=data.tokenizer.vocab_size, max_seq_len=max_seq_len)
     return save_checkpoint(model, directory / "run" / "checkpoints" / "last.ckpt", data), data
-
-
-class SaveFullWeights(L.Callback):
-    """At the end of training, the model's full weights (gathered from the shards under FSDP2) to `path`."""
-
-    def __init__(self, path: str) -> None:
-        self.path = path
-
-    def on_train_end(self, trainer, pl_module) -> None:
-        from diffexp.parallel import full_value
-
-        weights = {k: full_value(v).detach().cpu().clone() for k, v in pl_module.model.state_dict().items()}
-        if trainer.is_global_zero:
-            torch.save(weights, self.path)
-
-
-class KillRankZeroAtStep(L.Callback):
-    """SIGKILL the launching process (rank 0) once `step` steps are done; the other ranks lose their peer."""
-
-    def __init__(self, step: int) -> None:
-        self.step = step
-
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        if trainer.global_step >= self.step and trainer.global_rank == 0:
-            os.kill(os.getpid(), signal.SIGKILL)
 
 
 def require_cpu_kernel() -> None:
@@ -182,22 +353,3 @@ def require_cpu_kernel() -> None:
         pytest.skip("no C++ compiler: the compiled CPU attention kernel cannot be built here")
     reason = cpu_native.unavailable_reason()
     assert reason is None, f"the CPU attention kernel did not build: {reason}"
-
-
-class RecordStepLosses(L.Callback):
-    """Append {"step", "loss"} per optimizer step to a JSON-lines file (rank 0): the loss over the whole global
-    batch, the mean of its micro-batches' losses (each already the mean over ranks), whatever the accumulation;
-    Lightning's logged train/loss is the step's last micro-batch's."""
-
-    def __init__(self, path: str) -> None:
-        self.path, self.losses = path, []
-
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        self.losses.append(float(pl_module.last_train_loss))
-        if len(self.losses) < trainer.accumulate_grad_batches:  # the step is not done yet
-            return
-        if trainer.is_global_zero:
-            with open(self.path, "a") as f:
-                f.write(json.dumps({"step": trainer.global_step - 1, "loss": sum(self.losses) / len(self.losses)})
-                        + "\n")
-        self.losses = []

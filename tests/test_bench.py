@@ -4,7 +4,6 @@ later run compares with, and bad flags refused before any work."""
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 import torch
@@ -15,8 +14,7 @@ from diffexp.bench.cli import main
 from diffexp.cli import main as diffexp_main
 from diffexp.model.attention import variant_names, variants
 from diffexp.model.attention.registry import reference_variant
-
-REPO = Path(__file__).resolve().parents[1]
+from tests.helpers import REPO
 
 SHAPE = ["--d-model", "32", "--n-layers", "1", "--n-heads", "2", "--vocab-size", "64", "--seq-lens", "32",
          "--batch-size", "2", "--steps", "1", "--warmup", "0", "--rounds", "2", "--threads", "1"]
@@ -120,7 +118,7 @@ def test_bench_kernel_times_each_backend(tmp_path):
 def test_bench_kernel_times_the_path_it_names(tmp_path, monkeypatch, backend, path):
     """On CPU, sdpa runs the two-map variants in the compiled kernel, sdpa-blocked in the PyTorch-ops pass and
     sdpa-per-map in one SDPA call per map: each backend runs its path and no other."""
-    from diffexp.model.attention import blocked_two_map as blocked
+    from diffexp.model.kernels import blocked_two_map as blocked
     from diffexp.model.kernels import cpu_native
     from tests.helpers import require_cpu_kernel
 

@@ -12,6 +12,7 @@ TINY = ["--model.arch.d_model", "32", "--model.arch.n_layers", "1", "--model.arc
         "--data.seq_len", "32", "--data.batch_size", "2", "--data.max_chars", "40000"]
 
 
+@pytest.mark.heavy
 def test_both_sides_train_and_the_overhead_is_their_ratio(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
     out = tmp_path / "r.json"

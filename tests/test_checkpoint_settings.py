@@ -7,7 +7,6 @@ fit goes on after one `warning: ...` line that says so.
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import pytest
@@ -15,9 +14,7 @@ import pytest
 from diffexp.cli import main
 from diffexp.training.cli import parse_config
 from diffexp.training.preflight import validate_fit_config
-
-sys.path.insert(0, str(Path(__file__).parent))
-from test_training import write_recipe  # noqa: E402
+from tests.helpers import write_recipe
 
 # (id, arguments after `diffexp fit --config RECIPE`, fragments of the message); the recipe saves every 4 steps
 REFUSED = [

@@ -5,11 +5,14 @@ from __future__ import annotations
 import csv
 import json
 import statistics
+import subprocess
+import sys
 
 import pytest
 
 from diffexp import compare
 from tests.fixtures_compare import make_study, write_sweep, write_trial
+from tests.helpers import exit_code, subprocess_env
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -204,20 +207,27 @@ def test_events_in_a_nested_version_folder(tmp_path):
 def test_bad_dir_exits_2_naming_it(tmp_path, capsys):
     empty = tmp_path / "not-a-study"
     empty.mkdir()
-    assert compare.main([str(empty)]) == 2
+    assert exit_code(["compare", str(empty)]) == 2
     err = capsys.readouterr().err
     assert str(empty) in err and "sweep.json" in err
-    assert compare.main([str(tmp_path / "nowhere")]) == 2
+    assert exit_code(["compare", str(tmp_path / "nowhere")]) == 2
     assert "nowhere" in capsys.readouterr().err
     (empty / "sweep.json").write_text("{not json")
-    assert compare.main([str(empty)]) == 2
+    assert exit_code(["compare", str(empty)]) == 2
     assert "not valid JSON" in capsys.readouterr().err
-    assert compare.main([]) == 2
+    assert exit_code(["compare"]) == 2
     assert "RUNS_DIR" in capsys.readouterr().err
 
 
+def test_module_entry_point_prints_a_user_error_as_one_paragraph(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "diffexp.compare", str(tmp_path / "nowhere")], env=subprocess_env(),
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and proc.stderr.startswith("error:") and "nowhere" in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
 def test_unknown_metric_exits_2_listing_available(study, tmp_path, capsys):
-    assert compare.main([str(study), "--out", str(tmp_path), "--metric", "val/accuracy"]) == 2
+    assert exit_code(["compare", str(study), "--out", str(tmp_path), "--metric", "val/accuracy"]) == 2
     err = capsys.readouterr().err
     assert "'val/accuracy'" in err
     for name in ("val/loss", "val/ppl", "train/loss", "val/ar_hit_loss"):
@@ -238,13 +248,13 @@ def test_optuna_storage_input(study, tmp_path, capsys):
     # runs_dir naming the parent runs/ folder works too
     optuna.create_study(study_name="parent", storage=url).set_user_attr("runs_dir", str(study.parent))
     assert compare.runs_dir_from_optuna("table6", url) == study
-    assert compare.main(["--study", "nope", "--storage", url]) == 2
+    assert exit_code(["compare", "--study", "nope", "--storage", url]) == 2
     err = capsys.readouterr().err
     assert "'nope'" in err and "'table6'" in err
     optuna.create_study(study_name="bare", storage=url)
-    assert compare.main(["--study", "bare", "--storage", url]) == 2
+    assert exit_code(["compare", "--study", "bare", "--storage", url]) == 2
     assert "runs_dir" in capsys.readouterr().err
-    assert compare.main(["--study", "table6", "--storage", str(tmp_path / "missing.db")]) == 2
+    assert exit_code(["compare", "--study", "table6", "--storage", str(tmp_path / "missing.db")]) == 2
     assert "missing.db" in capsys.readouterr().err
 
 

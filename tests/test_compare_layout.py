@@ -14,8 +14,7 @@ from diffexp import compare
 from diffexp.sweep import layout, parse_spec
 from diffexp.sweep.command import fit_args
 from tests.fixtures_compare import write_sweep, write_trial
-
-REPO = Path(__file__).resolve().parents[1]
+from tests.helpers import REPO
 
 
 def _logger_dir(args: list[str]) -> Path:

@@ -17,8 +17,8 @@ from diffexp.sweep.layout import SWEEP_FILE
 from diffexp.sweep.runs import load_study_runs
 from diffexp.sweep.spec import SpecError, parse_spec
 from tests.fixtures_compare import make_study
+from tests.helpers import REPO
 
-REPO = Path(__file__).resolve().parents[1]
 PAPER = {"source": "A paper, Table 9",
          "values": {"Transformer": {"val/loss": 3.10}, "DIFF": {"val/loss": 3.06},
                     "DIFF -GroupNorm": {"val/loss": 3.12}, "DIFF lambda 0.8": {"val/loss": 3.065}}}

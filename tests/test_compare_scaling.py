@@ -8,8 +8,7 @@ import numpy as np
 import pytest
 
 from diffexp import compare
-from diffexp.compare.scaling import CURVE_FIT, LOG_LINEAR, fit_power_law
-from diffexp.compare.scaling_study import scaling_report
+from diffexp.compare.scaling import CURVE_FIT, LOG_LINEAR, fit_power_law, scaling_report
 from tests.fixtures_compare import make_study, write_sweep, write_trial
 
 SIZES = np.array([1.0e5, 3.0e5, 1.0e6, 3.0e6, 1.0e7])

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from diffexp import compare
-from diffexp.compare.stats import Stat, t975
+from diffexp.compare.stats import Stat, t_quantile_975
 from tests.fixtures_compare import make_study
 
 
@@ -23,7 +23,7 @@ def _t_cdf(x: float, df: int) -> float:
 
 @pytest.mark.parametrize("df", [1, 2, 3, 4, 9, 29, 30, 31, 45, 60, 1000])
 def test_t_quantile(df):
-    assert _t_cdf(t975(df), df) == pytest.approx(0.975, abs=2e-6)
+    assert _t_cdf(t_quantile_975(df), df) == pytest.approx(0.975, abs=2e-6)
 
 
 def test_ci95_half_width():
@@ -38,7 +38,7 @@ def test_csv_holds_the_ci(tmp_path):
     compare.compare(study, out=tmp_path / "out", plots=False, console=_quiet())
     with open(tmp_path / "out" / "compare.csv", newline="") as f:
         records = list(csv.DictReader(f))
-    assert float(records[0]["val/loss_ci95"]) == pytest.approx(t975(2) * 0.02 / math.sqrt(3), rel=1e-4)
+    assert float(records[0]["val/loss_ci95"]) == pytest.approx(t_quantile_975(2) * 0.02 / math.sqrt(3), rel=1e-4)
     assert records[2]["val/loss_ci95"] == "" and records[2]["val/loss_n"] == "1"  # one seed: no interval
 
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import logging
 import re
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -16,9 +15,7 @@ from diffexp.data import TextDataModule
 from diffexp.data.corpus import load_stdlib_corpus, stdlib_root, stdlib_source_files
 from diffexp.data.loader import ResumableDataLoader
 from diffexp.data.tokenizer import ByteTokenizer
-
-sys.path.insert(0, str(Path(__file__).parent))
-from test_held_out_splits import encode_documents  # noqa: E402
+from tests.helpers import encode_documents
 
 SMALL = {"max_chars": 40_000, "seq_len": 31, "batch_size": 4}
 

@@ -21,13 +21,9 @@ from diffexp.cli import main
 from diffexp.data.prepared import open_prepared
 from diffexp.data.tokenizer import ByteTokenizer
 from diffexp.errors import UserError
+from tests.helpers import one_thread_env
 
-REPO = Path(__file__).resolve().parents[1]
 UNIT_MB = "0.25"  # small units: a 3 MB corpus becomes a dozen units of work
-
-
-def env() -> dict[str, str]:
-    return {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
 
 
 @pytest.fixture(scope="module")
@@ -151,11 +147,13 @@ main(sys.argv[2:])
 def test_kill_9_mid_unit_then_the_same_command_ends_byte_identical(reference, corpus, tokenizer_file, tmp_path):
     out = tmp_path / "killed"
     args = prepare_args(corpus, out, "--tokenizer", str(tokenizer_file), "--num-proc", "1")
-    killed = subprocess.run([sys.executable, "-c", KILL_AT_PIECE, "9", *args], env=env(), capture_output=True)
+    killed = subprocess.run([sys.executable, "-c", KILL_AT_PIECE, "9", *args], env=one_thread_env(),
+                            capture_output=True)
     assert killed.returncode == -signal.SIGKILL
     records = list((out / "units").glob("*.json"))
     assert 0 < len(records) < 12 and not (out / "manifest.json").exists()
-    rerun = subprocess.run([sys.executable, "-m", "diffexp", *args], env=env(), capture_output=True, text=True)
+    rerun = subprocess.run([sys.executable, "-m", "diffexp", *args], env=one_thread_env(), capture_output=True,
+                           text=True)
     assert rerun.returncode == 0, rerun.stderr
     assert f"{len(records)} already finished" in rerun.stdout
     assert_identical(reference, out)
@@ -164,7 +162,7 @@ def test_kill_9_mid_unit_then_the_same_command_ends_byte_identical(reference, co
 def test_kill_9_of_a_process_pool_then_rerun_ends_byte_identical(reference, corpus, tokenizer_file, tmp_path):
     out = tmp_path / "pool-killed"
     args = prepare_args(corpus, out, "--tokenizer", str(tokenizer_file), "--num-proc", "2")
-    proc = subprocess.Popen([sys.executable, "-m", "diffexp", *args], env=env(), stdout=subprocess.DEVNULL,
+    proc = subprocess.Popen([sys.executable, "-m", "diffexp", *args], env=one_thread_env(), stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL, start_new_session=True)
     deadline = time.monotonic() + 120
     while not list((out / "units").glob("*.json")) and time.monotonic() < deadline and proc.poll() is None:
@@ -172,7 +170,8 @@ def test_kill_9_of_a_process_pool_then_rerun_ends_byte_identical(reference, corp
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
     assert not (out / "manifest.json").exists(), "finished before the kill: the corpus is too small to test this"
-    rerun = subprocess.run([sys.executable, "-m", "diffexp", *args], env=env(), capture_output=True, text=True)
+    rerun = subprocess.run([sys.executable, "-m", "diffexp", *args], env=one_thread_env(), capture_output=True,
+                           text=True)
     assert rerun.returncode == 0, rerun.stderr
     assert_identical(reference, out)
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import shlex
 import shutil
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -14,9 +13,7 @@ import pytest
 
 from diffexp.cli import main
 from diffexp.data import TextDataModule
-
-sys.path.insert(0, str(Path(__file__).parent))
-from test_training import scalars, write_recipe  # noqa: E402
+from tests.helpers import scalars, write_recipe
 
 
 @pytest.fixture

@@ -13,7 +13,6 @@ import contextlib
 import errno
 import os
 import re
-import sys
 from pathlib import Path
 
 import pytest
@@ -24,9 +23,7 @@ from diffexp.cli import main
 from diffexp.errors import UserError
 from diffexp.training import runs
 from diffexp.training.runs import AtomicCheckpointIO
-
-sys.path.insert(0, str(Path(__file__).parent))
-from test_training import write_recipe  # noqa: E402
+from tests.helpers import write_recipe
 
 FSDP2 = ["--trainer.strategy.class_path", "diffexp.parallel.FSDP2Strategy"]
 # a save's own name: AtomicCheckpointIO's temporary file or FSDP2Strategy's staging directory

@@ -20,10 +20,7 @@ import torch
 from diffexp.data.loader import PackedRows, ResumableDataLoader
 from diffexp.errors import UserError
 from diffexp.training.global_batch import resumed_layout
-
-sys.path.insert(0, str(Path(__file__).parent))
-from test_fsdp2 import RTOL, assert_same_weights, env  # noqa: E402
-from test_training import scalars  # noqa: E402
+from tests.helpers import RTOL, assert_same_weights, one_thread_env, scalars
 
 SEED = 3
 
@@ -226,7 +223,7 @@ def run(root: Path, name: str, *args: str, ok: bool = True) -> subprocess.Comple
     recipe = root / f"{name}.yaml"
     recipe.write_text(RECIPE.format(name=name, steps=STEPS))
     proc = subprocess.run([sys.executable, "-m", "diffexp", "fit", "--config", str(recipe), *args], cwd=root,
-                          env=env(), text=True, capture_output=True, timeout=240)
+                          env=one_thread_env(), text=True, capture_output=True, timeout=240)
     if ok:
         assert proc.returncode == 0, proc.stderr[-3000:]
     return proc
@@ -264,7 +261,7 @@ def test_two_processes_stopped_then_resumed_on_one_train_like_one(root):
     assert_trained_like_the_reference(root, "two_to_one")
 
 
-@pytest.mark.slow
+@pytest.mark.heavy  # the same protocol, two processes to one, stays in the default run
 def test_one_process_killed_then_resumed_on_two_trains_like_one(root):
     # 1 process x 1 row x 4 micro-batches, killed right after the checkpoint of step 3 (12 micro-batches into the
     # epoch), then 2 processes x 1 row x 2 micro-batches (6 micro-batches into it)

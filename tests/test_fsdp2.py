@@ -11,7 +11,6 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -20,9 +19,7 @@ import pytest
 import torch
 
 from diffexp.checkpoint_io import read_checkpoint
-
-sys.path.insert(0, str(Path(__file__).parent))
-from test_training import REPO, scalars  # noqa: E402
+from tests.helpers import RTOL, assert_same_weights, free_port, one_thread_env, scalars
 
 STEPS = 8
 RECIPE = """
@@ -59,12 +56,6 @@ data:
   cache_dir: cache
 """
 FSDP2 = "{class_path: diffexp.parallel.FSDP2Strategy, init_args: {replicate_across_nodes: %s}}"
-# fp32 sums in another order: the logged values agree to about 1e-6, the weights after 8 AdamW steps to 1e-5
-RTOL, WEIGHTS_ATOL = 1e-4, 1e-5
-
-
-def env() -> dict[str, str]:
-    return {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
 
 
 def write(root: Path, name: str, devices: int, batch: int, strategy: str, steps: int = STEPS) -> Path:
@@ -74,7 +65,7 @@ def write(root: Path, name: str, devices: int, batch: int, strategy: str, steps:
 
 
 def fit(root: Path, *args: str, timeout: int = 240) -> subprocess.CompletedProcess:
-    proc = subprocess.run([sys.executable, "-m", "diffexp", "fit", *args], cwd=root, env=env(), text=True,
+    proc = subprocess.run([sys.executable, "-m", "diffexp", "fit", *args], cwd=root, env=one_thread_env(), text=True,
                           capture_output=True, timeout=timeout)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return proc
@@ -90,12 +81,6 @@ def root(tmp_path_factory) -> Path:
 
 def logged(root: Path, name: str) -> dict[str, list[tuple[int, float]]]:
     return scalars(root / "runs" / name / "version_0")
-
-
-def assert_same_weights(a: dict, b: dict, atol: float = WEIGHTS_ATOL) -> None:
-    assert a.keys() == b.keys()
-    for key in a:
-        torch.testing.assert_close(a[key], b[key], rtol=0, atol=atol, msg=key)
 
 
 def test_sharded_run_writes_one_shard_per_rank_and_consolidates_to_the_trained_weights(root):
@@ -134,7 +119,8 @@ def test_kill_of_the_launcher_then_resume_ends_on_the_uninterrupted_weights(root
     recipe = write(root, "killed", devices=2, batch=2, strategy=FSDP2 % "false")
     kill = '--trainer.callbacks+={"class_path": "tests.helpers.KillRankZeroAtStep", "init_args": {"step": 6}}'
     proc = subprocess.Popen([sys.executable, "-m", "diffexp", "fit", "--config", str(recipe), kill], cwd=root,
-                            env=env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+                            env=one_thread_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            start_new_session=True)
     assert proc.wait(timeout=240) == -signal.SIGKILL
     with contextlib.suppress(ProcessLookupError):  # rank 1 waits on its lost peer: end it, as a scheduler would
         os.killpg(proc.pid, signal.SIGKILL)
@@ -147,19 +133,13 @@ def test_kill_of_the_launcher_then_resume_ends_on_the_uninterrupted_weights(root
     assert [s for s, _ in logged(root, "killed")["train/loss"]][-1] == STEPS - 1
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_two_torchrun_nodes_on_localhost_train_together_on_an_hsdp_mesh(root):
     recipe = write(root, "nodes", devices=1, batch=2, strategy=FSDP2 % "true")
     port, torchrun = free_port(), str(Path(sys.executable).parent / "torchrun")
     nodes = [subprocess.Popen([torchrun, "--nnodes", "2", "--nproc_per_node", "1", "--node_rank", str(rank),
                                "--master_addr", "127.0.0.1", "--master_port", str(port), "-m", "diffexp", "fit",
-                               "--config", str(recipe), "--trainer.num_nodes", "2"], cwd=root, env=env(), text=True,
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT) for rank in (0, 1)]
+                               "--config", str(recipe), "--trainer.num_nodes", "2"], cwd=root, env=one_thread_env(),
+                              text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT) for rank in (0, 1)]
     outputs = [node.communicate(timeout=240)[0] for node in nodes]
     assert [node.returncode for node in nodes] == [0, 0], outputs[0][-3000:] + outputs[1][-3000:]
     assert "FSDP2 over 2 rank(s) (2 replicate x 1 shard" in outputs[0]

@@ -2,16 +2,11 @@
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 
 from diffexp.errors import UserError
 from diffexp.training.global_batch import accumulation_for
-
-sys.path.insert(0, str(Path(__file__).parent))
-from test_training import scalars, write_recipe  # noqa: E402
+from tests.helpers import scalars, write_recipe
 
 
 def test_accumulation_makes_up_the_global_batch_or_is_refused():

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from diffexp import Decoder, ModelConfig
-from diffexp.model.attention.base import flash_attn_func
+from diffexp.model.kernels.single_map import flash_attn_func
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (CI has none)")
 needs_flash = pytest.mark.skipif(flash_attn_func is None, reason="flash-attn is not installed (extra: flash)")
@@ -56,7 +56,7 @@ def test_fsdp_bf16_fit_logs_diagnostics_and_resumes_from_sharded_checkpoint(tmp_
     diagnostics observed inside the FSDP forward, then `--ckpt_path last` continues the same run."""
     import torch.distributed.checkpoint  # noqa: F401  (sharded checkpoints need it)
 
-    from tests.test_training import run_cli, scalars, write_recipe
+    from tests.helpers import run_cli, scalars, write_recipe
 
     recipe = write_recipe(tmp_path, max_steps=8)
     fsdp = ('--trainer.strategy={"class_path": "diffexp.parallel.FSDP2Strategy", '

@@ -9,11 +9,7 @@ import torch
 from diffexp.data import TextDataModule
 from diffexp.data.splits import split_of
 from diffexp.errors import UserError
-
-
-def encode_documents(documents, tokenizer) -> np.ndarray:
-    """The reference token stream: each document's ids, then the end-of-document id."""
-    return np.array([i for text in documents for i in [*tokenizer.encode(text), tokenizer.eos_id]], dtype=np.int64)
+from tests.helpers import encode_documents
 
 
 def pack_rows(stream: np.ndarray, seq_len: int) -> np.ndarray:

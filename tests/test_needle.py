@@ -9,13 +9,7 @@ import re
 import pytest
 import torch
 
-from diffexp.data.needle import NeedleDataModule
-from diffexp.data.needle_samples import (
-    MAX_SNAP,
-    is_held_out,
-    make_sample,
-    min_context_len,
-)
+from diffexp.data.needle import MAX_SNAP, NeedleDataModule, is_held_out, make_sample, min_context_len
 from diffexp.evals.needle import (
     NeedleOracle,
     eval_samples,
@@ -264,8 +258,7 @@ def test_callback_logs_during_fit_and_the_command_line_evaluates_a_checkpoint(tm
     from lightning.pytorch.loggers import TensorBoardLogger
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    from diffexp.evals.needle import NeedleEvalCallback
-    from diffexp.evals.needle_cli import main
+    from diffexp.evals.needle import NeedleEvalCallback, main
     from diffexp.training.module import DiffexpLM
 
     dm = NeedleDataModule(context_len=256, n_needles=2, n_queries=2, haystack="synthetic", batch_size=2,

@@ -10,8 +10,14 @@ import pytest
 import torch
 
 from diffexp.cli import main
-from diffexp.data.needle_samples import make_sample
-from diffexp.data.needle_text import FILLER_SENTENCES, NEEDLE_TEMPLATE, QUESTION_TEMPLATE, random_city, random_number
+from diffexp.data.needle import (
+    FILLER_SENTENCES,
+    NEEDLE_TEMPLATE,
+    QUESTION_TEMPLATE,
+    make_sample,
+    random_city,
+    random_number,
+)
 from diffexp.data.tokenizer import HFTokenizer, train_bpe
 from diffexp.evals.needle import NeedleOracle, evaluate_needles
 from tests.helpers import save_checkpoint, small_model

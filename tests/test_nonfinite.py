@@ -9,7 +9,7 @@ import torch
 
 from diffexp.cli import main
 from diffexp.training.nonfinite import NonFiniteError
-from tests.test_training import write_recipe
+from tests.helpers import write_recipe
 
 
 def all_finite(tree) -> bool:

@@ -21,8 +21,8 @@ from diffexp.cli import main
 from diffexp.compare.params import Recipe, all_recipes, expand, linked_vocab_size, model_config
 from diffexp.data.tokenizer import ByteTokenizer
 from diffexp.training.cli import parse_config
+from tests.helpers import REPO
 
-REPO = Path(__file__).resolve().parents[1]
 RECIPES = REPO / "recipes"
 GPU = RECIPES / "gpu"
 SINGLE = sorted(p for p in RECIPES.rglob("*.yaml") if GPU not in p.parents)

@@ -22,8 +22,8 @@ from diffexp import Decoder, ModelConfig
 from diffexp.cli import DiffexpCLI, main, parse_config
 from diffexp.data import TextDataModule
 from diffexp.training import DiffexpLM
+from tests.helpers import REPO
 
-REPO = Path(__file__).resolve().parents[1]
 GPU = REPO / "recipes" / "gpu"
 #: recipes that are one file each (the GPU ones are base + size + variant, below)
 RECIPES = sorted(p for p in (REPO / "recipes").rglob("*.yaml") if GPU not in p.parents)
@@ -97,18 +97,10 @@ def test_recipe_parses_and_builds(path):
 
 @pytest.mark.parametrize("size,variant", GPU_COMBOS, ids=[f"{v}-{s}" for s, v in GPU_COMBOS])
 def test_gpu_recipe_has_the_size_in_its_name(size, variant):
-    """The papers' sizes (Table 3: 830M = d_model 1536, 1.4B = d_model 2048, both 24 layers and 8 heads)
-    count every parameter, embeddings included: without them the 24 layers hold only about 0.68B / 1.21B
-    (18% / 13% under). So the count here includes the untied embedding and LM head, and must be within 12%
-    of the name. The names leave about 150M / 190M beyond the layers; the recipes' 32,768-token vocabulary
-    gives 101M / 134M (2 x 32,768 x d_model), so the parameter-matched variants (baseline, DIFF V1, DINT)
-    come out 6% / 4% under, DIFF V2 (fewer K/V heads, GQA) 9% / 7% under and Shared DIFF (one low-rank
-    update per map and layer: Q/K -31%, by design) 10% / 8% under, as the spec's 745M against DIFF's 780M.
-    A size file holding the other size's numbers is over 40% off. The comparison deltas (`<variant>-<what>`)
-    change the budget on purpose and get 20%: baseline-v2kv (a quarter of the K/V heads) is 16% / 14% under.
-
-    The larger sizes (DIFF V1's Table 3: 2.8B, 6.8B, 13.1B; its Table 1: 3B) are counted the same way; the
-    combinations their published shapes put beyond the tolerance are in BEYOND_TOLERANCE, with why."""
+    """The papers' sizes (Table 3: 830M = d_model 1536, 1.4B = d_model 2048) count every parameter, embeddings
+    and LM head included, so the recipes' counts must be within 12% of the name (a size file with the other
+    size's numbers is over 40% off); the comparison deltas (`<variant>-<what>`) change the budget on purpose and
+    get 20%. The combinations beyond the tolerance by their published shapes are in BEYOND_TOLERANCE, with why."""
     config = parse_config(gpu_args(size, variant))
     arch = ModelConfig(**config.model.arch.as_dict())
     assert arch.attention == attention_of(variant)  # the file name's variant prefix is its attention

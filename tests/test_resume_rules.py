@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import pytest
@@ -10,9 +9,7 @@ import torch
 
 from diffexp.cli import main
 from diffexp.training.module import warmup_cosine
-
-sys.path.insert(0, str(Path(__file__).parent))
-from test_training import scalars, write_recipe  # noqa: E402
+from tests.helpers import scalars, write_recipe
 
 
 @pytest.mark.slow

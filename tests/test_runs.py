@@ -16,7 +16,7 @@ from diffexp.cli import DiffexpCLI, main
 from diffexp.data import TextDataModule
 from diffexp.training import DiffexpLM
 from diffexp.training.runs import reserve_version
-from tests.test_training import run_cli, scalars, write_recipe
+from tests.helpers import run_cli, scalars, write_recipe
 
 
 def cli(args: list[str]) -> DiffexpCLI:

@@ -10,7 +10,7 @@ import yaml
 
 from diffexp.compare import main as compare_main
 from diffexp.sweep.runner import main as sweep_main
-from tests.test_sweep import REPO
+from tests.helpers import REPO
 
 FAST = {"trainer.max_steps": 4, "trainer.val_check_interval": 4, "trainer.limit_val_batches": 1,
         "data.seq_len": 32, "data.batch_size": 4, "data.max_chars": 20000}

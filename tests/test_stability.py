@@ -11,8 +11,7 @@ import yaml
 
 from diffexp.compare import main as compare_main
 from diffexp.sweep.runner import main as sweep_main
-from tests.test_sweep import REPO, TINY_OVERRIDES, trials_by_state
-from tests.test_training import scalars
+from tests.helpers import REPO, TINY_OVERRIDES, scalars, trials_by_state
 
 STABILITY_COLUMNS = ("diag/loss_spikes", "diag/grad_norm_max", "diag/context_rms", "diag/attn_sink")
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import csv
 import json
-import os
 import signal
 import statistics
 import subprocess
@@ -13,7 +12,6 @@ import time
 from collections import Counter
 from pathlib import Path
 
-import optuna
 import pytest
 import yaml
 
@@ -22,45 +20,13 @@ from diffexp.secrets import mask_url
 from diffexp.sweep import SpecError, parse_spec
 from diffexp.sweep.runner import main as sweep_main
 from diffexp.sweep.spec import load_spec
-from diffexp.sweep.storage import open_storage
-
-REPO = Path(__file__).resolve().parents[1]
-TINY_OVERRIDES = {
-    "trainer.max_steps": 6, "trainer.val_check_interval": 3, "trainer.limit_val_batches": 2,
-    "model.arch.d_model": 32, "model.arch.n_layers": 1, "model.arch.n_heads": 2,
-    "data.seq_len": 32, "data.batch_size": 4, "data.max_chars": 50000,
-}
-
-
-def write_spec(tmp_path: Path, study: str, storage: str | None = None, **extra) -> Path:
-    spec = {"study": study, "base": str(REPO / "recipes/tiny/diff_v1.yaml"), "runs_dir": str(tmp_path / "runs"),
-            "overrides": {**TINY_OVERRIDES, "data.cache_dir": str(tmp_path / "cache")},
-            "grid": {"model.arch.head_norm": [True, False]}, "seeds": [0, 1], **extra}
-    if storage:
-        spec["storage"] = storage
-    path = tmp_path / f"{study}.yaml"
-    path.write_text(yaml.safe_dump(spec))
-    return path
-
-
-def subprocess_env(**extra: str) -> dict[str, str]:
-    """The environment of a `python -m diffexp` child: this checkout first on its path."""
-    path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)
-    return {**os.environ, "PYTHONPATH": path, **extra}
+from tests.helpers import REPO, run_cli, subprocess_env, trials_by_state, write_recipe, write_spec
 
 
 def start_worker(spec: Path, cwd: Path) -> subprocess.Popen:
     env = subprocess_env()
     return subprocess.Popen([sys.executable, "-m", "diffexp", "sweep", "--config", str(spec)], cwd=cwd, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-
-
-def trials_by_state(url: str, study: str) -> dict[str, Counter]:
-    trials = optuna.load_study(study_name=study, storage=open_storage(url)).get_trials(deepcopy=False)
-    states: dict[str, Counter] = {}
-    for t in trials:
-        states.setdefault(t.user_attrs["point"], Counter())[t.state.name] += 1
-    return states
 
 
 # the journal storage runs the same protocol as sqlite: it is kept for `python -m pytest -m heavy`
@@ -302,7 +268,7 @@ def hparams_of(run_dir: Path) -> tuple[dict, list[str]]:
 
 
 def test_effective_values_look_through_init_args(tmp_path):
-    from diffexp.sweep.trial import effective_values
+    from diffexp.sweep.trial import saved_config_values as effective_values
 
     config = tmp_path / "config.yaml"
     config.write_text(yaml.safe_dump({
@@ -316,8 +282,6 @@ def test_effective_values_look_through_init_args(tmp_path):
 
 def test_trial_killed_after_its_last_checkpoint_still_records_its_result(tmp_path):
     """The resumed run starts at max_steps and validates nothing; its result comes from the checkpoint."""
-    from tests.test_training import run_cli, write_recipe
-
     recipe = write_recipe(tmp_path, max_steps=12)
     sweep_cb = {"class_path": "diffexp.sweep.trial.SweepTrialCallback",
                 "init_args": {"study": "s", "trial_id": 0, "case": "c", "seed": 7, "overrides": {}}}

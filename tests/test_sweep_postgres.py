@@ -29,7 +29,7 @@ import pytest
 from diffexp.compare import main as compare_main
 from diffexp.secrets import mask_url
 from diffexp.sweep.storage import STORAGE_URL_ENV, open_storage
-from tests.test_sweep import subprocess_env, write_spec
+from tests.helpers import subprocess_env, write_spec
 
 PASSWORD = f"pg-S3cret-{secrets.token_hex(6)}"
 

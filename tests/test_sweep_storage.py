@@ -17,7 +17,7 @@ from diffexp import compare
 from diffexp.secrets import mask_url
 from diffexp.sweep.runner import main as sweep_main
 from diffexp.sweep.storage import STORAGE_URL_ENV, resolve_url
-from tests.test_sweep import REPO, TINY_OVERRIDES, subprocess_env
+from tests.helpers import REPO, TINY_OVERRIDES, subprocess_env
 
 PASSWORD = "s3cr3t-Pw9"
 URL_FORMS = {  # every form a password takes in a SQLAlchemy/libpq URL
@@ -160,7 +160,7 @@ def test_a_trial_finished_by_another_worker_between_read_and_claim_is_skipped(tm
     real = runner.storage.get_all_trials
     monkeypatch.setattr(runner.storage, "get_all_trials",
                         lambda *a, **k: stale if k.get("states") == (TrialState.WAITING,) else real(*a, **k))
-    with pytest.raises(optuna.exceptions.UpdateFinishedTrialError):  # what the claim used to run into
+    with pytest.raises(optuna.exceptions.UpdateFinishedTrialError):  # what a naive claim of the stale trial meets
         runner.storage.set_trial_state_values(gone, state=TrialState.RUNNING)
     claimed = runner._claim()
     assert claimed is not None and claimed._trial_id != gone

@@ -3,69 +3,16 @@
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import lightning as L
 import pytest
 import torch
-from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from diffexp.cli import DiffexpCLI, main
 from diffexp.data import TextDataModule
 from diffexp.training import DiffexpLM
-
-REPO = Path(__file__).resolve().parents[1]
-
-TINY_RUN = """
-seed_everything: 7
-trainer:
-  max_steps: {max_steps}
-  val_check_interval: 6
-  limit_val_batches: 2
-  log_every_n_steps: 2
-  enable_progress_bar: false
-  enable_model_summary: false
-  logger:
-    class_path: lightning.pytorch.loggers.TensorBoardLogger
-    init_args: {{save_dir: runs, name: {name}, default_hp_metric: false}}
-checkpoint:
-  every_n_train_steps: 4
-diagnostics:
-  every_n_steps: 4
-model:
-  arch: {{attention: {attention}, d_model: 32, n_layers: 2, n_heads: 2}}
-  optim: {{lr: 3.0e-3, warmup_steps: 2}}
-data:
-  source: stdlib
-  seq_len: 32
-  batch_size: 4
-  max_chars: 60000
-  cache_dir: {cache}
-"""
-
-
-def write_recipe(tmp_path: Path, name="run", attention="diff_v1", max_steps=12) -> Path:
-    path = tmp_path / f"{name}.yaml"
-    path.write_text(TINY_RUN.format(name=name, attention=attention, max_steps=max_steps,
-                                    cache=tmp_path / "cache"))
-    return path
-
-
-def run_cli(args: list[str], cwd: Path, check=True) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
-    proc = subprocess.run([sys.executable, "-m", "diffexp", *args], cwd=cwd, env=env, capture_output=True,
-                          text=True, timeout=300)
-    if check and proc.returncode != 0:
-        raise AssertionError(f"exit {proc.returncode}\n{proc.stderr[-3000:]}")
-    return proc
-
-
-def scalars(run_dir: Path) -> dict[str, list[tuple[int, float]]]:
-    acc = EventAccumulator(str(run_dir)).Reload()
-    return {tag: [(e.step, e.value) for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
+from tests.helpers import run_cli, scalars, write_recipe
 
 
 def records(path: Path) -> dict[int, dict]:

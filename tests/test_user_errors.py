@@ -1,17 +1,11 @@
-"""Bad input, fed to the CLI as a user would: each case must
-
-1. exit nonzero before any training step (training_step and data preparation are booby-trapped),
-2. print a message that names the culprit (the key as the user writes it, the file, the value),
-3. print no traceback,
-4. leave every file of an existing run directory byte-identical, and add no run directory.
-
-Calls go through `diffexp.cli.main` in-process (a subprocess per case would cost seconds each).
+"""Bad input, fed to the CLI as a user would (in-process, through `diffexp.cli.main`): each case exits nonzero
+before any training step or data preparation, prints a message naming the culprit (the key as the user writes
+it, the file, the value) without a traceback, and leaves every file of an existing run byte-identical.
 """
 
 from __future__ import annotations
 
 import hashlib
-import sys
 from pathlib import Path
 
 import pytest
@@ -20,9 +14,7 @@ import torch
 from diffexp.cli import main
 from diffexp.data import TextDataModule
 from diffexp.training import DiffexpLM
-
-sys.path.insert(0, str(Path(__file__).parent))
-from test_training import write_recipe  # noqa: E402
+from tests.helpers import REPO, write_recipe
 
 
 @pytest.fixture(scope="module")
@@ -71,7 +63,6 @@ def no_work(monkeypatch):
     monkeypatch.setattr(TextDataModule, "setup", trap)
 
 
-REPO = Path(__file__).resolve().parents[1]
 RECIPE = "{root}/run.yaml"
 LAST = "{root}/runs/run/version_0/checkpoints/last.ckpt"
 

@@ -6,7 +6,6 @@ model were built and the run directory reserved."""
 from __future__ import annotations
 
 import importlib.util
-import sys
 from pathlib import Path
 
 import pytest
@@ -16,9 +15,7 @@ from diffexp.cli import main
 from diffexp.data import TextDataModule
 from diffexp.model.decoder import Decoder
 from diffexp.training import DiffexpLM
-
-sys.path.insert(0, str(Path(__file__).parent))
-from test_training import write_recipe  # noqa: E402
+from tests.helpers import write_recipe
 
 
 def _has(module: str) -> bool:

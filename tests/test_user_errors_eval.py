@@ -112,7 +112,7 @@ def test_eval_bad_flags_are_checked_before_anything_is_written(run_dir, capsys, 
 
 
 def test_needle_module_entry_point_is_guarded(run_dir, capsys):
-    from diffexp.evals.needle_cli import main as needle_main
+    from diffexp.evals.needle import main as needle_main
 
     with pytest.raises(SystemExit) as exit_:
         needle_main([str(run_dir / "missing.ckpt")])
@@ -124,9 +124,7 @@ def test_evals_cli_and_needle_do_not_import_each_other():
     import inspect
 
     import diffexp.evals.needle as needle
-    import diffexp.evals.needle_cli as needle_cli
 
-    for module in (needle, needle_cli):
-        imported = {node.module for node in ast.walk(ast.parse(inspect.getsource(module)))
-                    if isinstance(node, ast.ImportFrom)}
-        assert "diffexp.evals.cli" not in imported
+    imported = {node.module for node in ast.walk(ast.parse(inspect.getsource(needle)))
+                if isinstance(node, ast.ImportFrom)}
+    assert "diffexp.evals.cli" not in imported

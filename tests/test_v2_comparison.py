@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import csv
 import re
-from pathlib import Path
 
 import pytest
 import yaml
@@ -18,8 +17,8 @@ from diffexp.sweep.command import cli_value
 from diffexp.sweep.runner import main as sweep_main
 from diffexp.sweep.spec import load_spec
 from diffexp.training.cli import parse_config
+from tests.helpers import REPO
 
-REPO = Path(__file__).resolve().parents[1]
 SPEC = REPO / "sweeps/v2_comparison.yaml"
 CASES = ["Transformer", "Transformer kv=2", "Transformer 2x heads", "Transformer 1.5x heads", "DIFF V2",
          "DIFF V2 +FFN"]

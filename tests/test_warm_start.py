@@ -4,7 +4,6 @@ optimizer and schedule, and refuses a checkpoint whose architecture differs."""
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
@@ -12,9 +11,7 @@ import torch
 
 from diffexp.cli import main
 from diffexp.training.module import warmup_cosine
-
-sys.path.insert(0, str(Path(__file__).parent))
-from test_training import scalars, write_recipe  # noqa: E402
+from tests.helpers import scalars, write_recipe
 
 
 def save_weights_at_start(path: Path) -> str:

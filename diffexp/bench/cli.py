@@ -1,10 +1,7 @@
 """`diffexp bench train|decode|kernel [options]`: the cost of each attention variant relative to the reference.
 
-Every kind measures all variants side by side in one run (diffexp.bench.timing), writes a results JSON
-(default bench/results/<kind>-<timestamp>.json under the current directory), prints a table, and with
-`--compare OLD.json` how the ratios changed since an earlier run of the same kind. `diffexp bench` with
-no kind (or with options first) runs `train`, the training-step benchmark that was once the whole bench.
-Every flag is checked before any model is built; a bad one prints one paragraph and exits 2.
+Every kind measures all variants side by side in one run, writes a results JSON, prints a table and, with
+`--compare OLD.json`, how the ratios changed; every flag is checked before any model is built.
 """
 
 from __future__ import annotations
@@ -12,7 +9,6 @@ from __future__ import annotations
 import datetime as _dt
 import importlib
 import sys
-import time
 
 from diffexp.bench import options, report
 from diffexp.errors import UserError, guarded
@@ -74,18 +70,7 @@ def run_kind(kind, argv: list[str]) -> int:
     kind.validate(args)
     old = None if args.compare is None else report.load_results(args.compare, kind.NAME)
     options.output_path(args, kind.NAME)
-
-    import torch
-
-    if args.threads is not None:
-        torch.set_num_threads(args.threads)
-    env = report.environment(args.device)
-    started = time.perf_counter()
-    results = kind.run(args)
-    env["loadavg_end"] = report.loadavg()
-    # the count the whole run used: a library that resets torch's threads mid-run would show here
-    env["threads_end"] = torch.get_num_threads()
-    env["wall_s"] = round(time.perf_counter() - started, 1)
+    env, results = report.recorded_run(args.device, args.threads, lambda: kind.run(args))
     data = {
         "kind": kind.NAME,
         "created": _dt.datetime.now().isoformat(timespec="seconds"),

@@ -1,4 +1,25 @@
-"""`diffexp bench data`: the data preparation's cost on synthetic corpora generated here, against the tokenizer.
+"""`diffexp bench data`: the data preparation's cost on synthetic corpora generated here, against the tokenizer."""
+
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import json
+import os
+import random
+import re
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from diffexp.errors import UserError
+
+NAME = "data"
+ABOUT = "data preparation: peak memory and tokens/s against the tokenizer's encode_batch, loader tokens/s"
+#: the description `diffexp bench data --help` shows
+HELP = """`diffexp bench data`: the data preparation's cost on synthetic corpora generated here, against the tokenizer.
 
 For each corpus size (default 100 MB and 1 GB of JSON lines) it measures, each in a fresh process:
 
@@ -12,24 +33,6 @@ For each corpus size (default 100 MB and 1 GB of JSON lines) it measures, each i
 The corpus: documents of the Python standard library with their identifiers renamed at random per document
 (so a larger corpus is not the same text again), as {"text": ...} lines, written once under --work-dir.
 """
-
-from __future__ import annotations
-
-import argparse
-import datetime as _dt
-import json
-import os
-import random
-import re
-import subprocess
-import sys
-import time
-from pathlib import Path
-
-from diffexp.errors import UserError
-
-NAME = "data"
-ABOUT = "data preparation: peak memory and tokens/s against the tokenizer's encode_batch, loader tokens/s"
 MB = 10**6
 IDENTIFIER = re.compile(r"\b[A-Za-z_][A-Za-z0-9_]{2,}\b")
 SYLLABLES = ["ka", "lo", "mi", "ne", "ru", "ta", "vo", "zi", "pe", "su", "do", "ha", "ji", "qu", "we", "xy"]
@@ -39,7 +42,7 @@ KEEP = {"def", "class", "return", "import", "from", "for", "while", "if", "elif"
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="diffexp bench data", description=__doc__,
+    parser = argparse.ArgumentParser(prog="diffexp bench data", description=HELP,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--sizes-mb", type=int, nargs="+", default=[100, 1000], help="corpus sizes (MB)")
     parser.add_argument("--num-proc", type=int, default=None, help="preparation processes (default: every core)")
@@ -52,7 +55,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 # -- the corpus ------------------------------------------------------------------------------------------------
-def _perturbed(text: str, rng: random.Random) -> str:
+def _renamed_identifiers(text: str, rng: random.Random) -> str:
     names: dict[str, str] = {}
 
     def rename(match: re.Match) -> str:
@@ -79,7 +82,7 @@ def synthetic_corpus(path: Path, size_mb: int, seed: int = 0) -> Path:
     written = 0
     with open(tmp, "w", encoding="utf-8") as f:
         while written < size_mb * MB:
-            line = json.dumps({"text": _perturbed(rng.choice(documents), rng)}) + "\n"
+            line = json.dumps({"text": _renamed_identifiers(rng.choice(documents), rng)}) + "\n"
             f.write(line)
             written += len(line.encode("utf-8"))
     tmp.replace(path)
@@ -87,7 +90,7 @@ def synthetic_corpus(path: Path, size_mb: int, seed: int = 0) -> Path:
 
 
 # -- measuring ---------------------------------------------------------------------------------------------------
-def _tree_rss(root: int) -> int:
+def _process_tree_rss(root: int) -> int:
     """Resident bytes of a process and all its descendants."""
     children: dict[int, list[int]] = {}
     for entry in os.listdir("/proc"):
@@ -119,7 +122,7 @@ def run_measured(command: list[str], env: dict | None = None, cwd: Path | None =
                             cwd=cwd)
     peak = 0
     while proc.poll() is None:
-        peak = max(peak, _tree_rss(proc.pid))
+        peak = max(peak, _process_tree_rss(proc.pid))
         time.sleep(0.05)
     output = proc.stdout.read()
     if proc.returncode != 0:
@@ -154,7 +157,7 @@ print(json.dumps({"seconds": time.perf_counter() - started, "tokens": tokens}))
 """
 
 
-def _tokenizer(corpus: Path, vocab_size: int, work: Path) -> Path:
+def _bpe_file(corpus: Path, vocab_size: int, work: Path) -> Path:
     """One BPE for every measurement, trained on a 32 MB sample of the corpus (kept)."""
     path = work / f"bpe-{vocab_size}.json"
     if not path.is_file():
@@ -179,18 +182,18 @@ def main(argv: list[str]) -> int:
             raise UserError(f"{flag}={values} is invalid: expected positive integers")
     work = Path(args.work_dir)
     num_proc = args.num_proc or os.cpu_count() or 1
-    diffexp = [sys.executable, "-m", "diffexp"]
+    diffexp_cli = [sys.executable, "-m", "diffexp"]
     results: dict = {"num_proc": num_proc, "sizes": {}}
     sizes = sorted(args.sizes_mb)
     corpora = {size: synthetic_corpus(work / f"corpus-{size}mb.jsonl", size) for size in sizes}
-    tokenizer = _tokenizer(corpora[sizes[0]], args.bpe_vocab_size, work)
+    tokenizer = _bpe_file(corpora[sizes[0]], args.bpe_vocab_size, work)
     reference = run_measured([sys.executable, "-c", ENCODE_BATCH, str(tokenizer), str(corpora[sizes[0]])],
                              env={"RAYON_NUM_THREADS": str(num_proc)})
     encode = json.loads(reference["output"].strip().splitlines()[-1])
     results["encode_batch_tokens_per_s"] = encode["tokens"] / encode["seconds"]
     for size in sizes:
         out = work / f"prepared-{size}mb-{time.strftime('%Y%m%d-%H%M%S')}"
-        measured = run_measured([*diffexp, "data", "prepare", str(corpora[size]), str(out), "--tokenizer",
+        measured = run_measured([*diffexp_cli, "data", "prepare", str(corpora[size]), str(out), "--tokenizer",
                                  str(tokenizer), "--num-proc", str(num_proc), "--no-progress"])
         manifest = json.loads((out / "manifest.json").read_text())
         tokens = sum(split["tokens"] for split in manifest["splits"].values())
@@ -204,21 +207,17 @@ def main(argv: list[str]) -> int:
             "shard_bytes": sum(p["bytes"] for s in manifest["splits"].values() for p in s["pieces"]),
         }
         print(f"{size} MB: {json.dumps(results['sizes'][size])}", flush=True)
-        import shutil
-
         shutil.rmtree(out)
     if args.fit_mb:
         corpus = synthetic_corpus(work / f"corpus-{args.fit_mb}mb.jsonl", args.fit_mb)
         cache = (work / f"fit-{time.strftime('%Y%m%d-%H%M%S')}").resolve()  # the run's directory too
         cache.mkdir(parents=True)
-        fit = run_measured([*diffexp, "fit", "--data.source", str(corpus.resolve()), "--data.tokenizer", "bpe",
+        fit = run_measured([*diffexp_cli, "fit", "--data.source", str(corpus.resolve()), "--data.tokenizer", "bpe",
                             "--data.cache_dir", str(cache), "--trainer.max_steps", "1", "--trainer.logger", "false",
                             "--trainer.enable_checkpointing", "false", "--trainer.limit_val_batches", "0"], cwd=cache)
         results["fit"] = {"corpus_mb": args.fit_mb, "seconds": fit["seconds"], "peak_bytes": fit["peak_bytes"]}
-        import shutil
-
         shutil.rmtree(cache, ignore_errors=True)
-    _report(results, sizes)
+    _print_results(results, sizes)
     path = Path(args.json or f"bench/results/data-{time.strftime('%Y%m%d-%H%M%S')}.json")
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps({"kind": NAME, "created": _dt.datetime.now().isoformat(timespec="seconds"),
@@ -228,7 +227,7 @@ def main(argv: list[str]) -> int:
     return 0
 
 
-def _report(results: dict, sizes: list[int]) -> None:
+def _print_results(results: dict, sizes: list[int]) -> None:
     print(f"encode_batch reference ({results['num_proc']} threads): "
           f"{results['encode_batch_tokens_per_s'] / 1e6:.2f}M tokens/s")
     print(f"{'corpus':>8} {'wall s':>8} {'M tok/s':>8} {'x encode_batch':>15} {'peak MB':>8} {'loader M tok/s':>15}")

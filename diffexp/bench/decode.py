@@ -1,17 +1,7 @@
 """`diffexp bench decode`: decoding with the KV cache, every attention variant against the reference.
 
-For each context length (``--seq-lens``) and batch size (``--batch-size``, several allowed) every variant
-prefills the same random prompt once (untimed) into its cache; a timed run then decodes ``--new-tokens``
-tokens greedily, one forward of one token per step, and rewinds the cache to the prompt (so every run
-decodes at the same context). The per-token time is the run's wall time / ``--new-tokens``; tokens/s
-counts every sequence of the batch.
-
-Variants are interleaved, rotated and warmed up exactly as in the training bench (diffexp.bench.timing).
-Ratios are ``reference median / variant median`` (>1 = faster). KV cache bytes per token are measured on
-the filled cache (per sequence, every layer; a variant's extra state included). FLOPs per token are
-`Decoder.decode_flops_per_token` at the context. Peak memory is the live tensor bytes of one untimed run,
-the weights and the filled cache included. ``--kv-heads N`` gives every variant N KV heads: a decoding
-claim such as the DIFF V2 blog's compares variants at the same KV heads.
+Each variant prefills the same random prompt once; a timed run decodes ``--new-tokens`` tokens greedily and
+rewinds the cache, so every run decodes at the same context. Details: bench/README.md.
 """
 
 from __future__ import annotations
@@ -133,7 +123,7 @@ def run(args: argparse.Namespace) -> dict:
             samples, peaks = timing.measure(runners, args, progress, label, headline="decode_token_times_s")
             for v in variants:
                 r = runners[v]
-                results[key(v, context, batch)] = {
+                results[result_key(v, context, batch)] = {
                     "variant": v, "seq_len": context, "batch_size": batch, "new_tokens": args.new_tokens,
                     "kv_cache": KV_CACHE, "overrides": workload.overrides(args)[v], "params": r.params,
                     "cache_bytes_per_token": r.cache_bytes_per_token, "decode_flops_per_token": r.flops_per_token,
@@ -145,16 +135,16 @@ def run(args: argparse.Namespace) -> dict:
     return results
 
 
-def key(variant: str, context: int, batch: int) -> str:
+def result_key(variant: str, context: int, batch: int) -> str:
     return f"{variant}@{context}x{batch}"
 
 
 def summarise(results: dict, variants: list[str], shapes: list[tuple[int, int]]) -> None:
     """Per-token medians, tokens/s and the ratios to the reference, added in place."""
     for context, batch in shapes:
-        base = results[key(reference_variant().name, context, batch)]
+        base = results[result_key(reference_variant().name, context, batch)]
         for v in variants:
-            entry = results[key(v, context, batch)]
+            entry = results[result_key(v, context, batch)]
             timing.add_ratio(entry, base, "decode_token_times_s", "median_decode_token_s", "speed_ratio")
             entry["tokens_per_s"] = batch / entry["median_decode_token_s"]
             entry["cache_ratio"] = entry["cache_bytes_per_token"] / base["cache_bytes_per_token"]

@@ -1,22 +1,7 @@
 """`diffexp bench kernel`: one layer's attention module alone, per variant and backend, relative to the reference.
 
-The module is `build_attention(cfg, 0)` of each variant (the shared shape plus its registry
-`bench_arch`) on a random (batch, T, d_model) input; no embedding, norm, FFN or LM head. Per run:
-
-* forward: one forward under no_grad;
-* forward+backward: one forward and a backward of a fixed random output gradient (into the input
-  and the module's weights), gradients then dropped.
-
-Every backend available is measured (``--backends``, default: sdpa and eager, plus flash_attn when
-the package is installed and ``--device cuda``; on CPU, where sdpa runs the two-map variants in the compiled kernel,
-``sdpa-blocked`` forces its PyTorch-ops fallback and ``sdpa-per-map`` one SDPA call per map); all (variant,
-backend) pairs of one sequence length are interleaved, rotated and warmed up as in the training bench
-(diffexp.bench.timing). Ratios are taken against the reference variant on the same backend:
-``reference median / variant median``.
-FLOPs count what `Decoder.flops_per_token` counts for one layer's attention: 2 per weight of the
-module's nn.Linear layers plus the variant's registry `attention_flops` (causal, T/2 keys per query),
-x3 for forward+backward. Peak memory is the live tensor bytes of one forward+backward (weights and
-the RoPE tables included).
+A run is a forward under no_grad, then a forward and backward of a fixed output gradient, on a random
+(batch, T, d_model) input; ratios are against the reference on the same backend. Details: bench/README.md.
 """
 
 from __future__ import annotations
@@ -27,8 +12,8 @@ import contextlib
 from diffexp.bench import options, report, timing, workload
 from diffexp.bench.memory import peak_bytes, release, tensor_bytes
 from diffexp.bench.progress import ProgressReporter
-from diffexp.model.attention import blocked_two_map as blocked
 from diffexp.model.attention.registry import reference_variant
+from diffexp.model.kernels import forced_kernel
 
 NAME = "kernel"
 ABOUT = "one layer's attention module alone: forward and forward+backward per variant and backend vs the reference"
@@ -43,8 +28,8 @@ HEADERS = ["variant", "seq", "backend", "batch", "attn params", "fwd ms", "fwd v
            "fwd+bwd vs base", "ratio spread (rounds)", "peak mem MiB", "mem vs base", "TFLOP/s", "MFU"]
 
 
-#: benchmark-only backends: sdpa with the two-map variants forced onto one path (blocked_two_map.TWO_MAP_MODES)
-FORCED_PATHS = {"sdpa-blocked": "blocked", "sdpa-per-map": "sdpa"}
+#: benchmark-only backends: sdpa with the two-map variants forced onto one kernel (diffexp.model.kernels.KERNELS)
+FORCED_PATHS = {"sdpa-blocked": "blocked", "sdpa-per-map": "per_map"}
 
 
 def available_backends(device: str) -> list[str]:
@@ -106,7 +91,7 @@ class AttentionRunner:
         self.device = device
         cfg = workload.model_config(args, name, max(args.seq_lens), _model_backend(backend))
         forced = FORCED_PATHS.get(backend)
-        self.mode = (lambda: blocked.forced_two_map_mode(forced)) if forced else contextlib.nullcontext
+        self.mode = (lambda: forced_kernel(forced)) if forced else contextlib.nullcontext
         self.module = build_attention(cfg, 0).to(device).train()
         self.params = sum(p.numel() for p in self.module.parameters())
         batch, t, _ = x.shape

@@ -1,21 +1,7 @@
 """Peak memory of one run of a measured function: live tensor bytes, persistent state included.
 
-The peak is what the run allocates at its highest point plus the state that lives across runs
-(parameters, buffers, optimizer moments: the caller counts them with `tensor_bytes`):
-
-* CUDA: ``torch.cuda.max_memory_allocated`` after ``reset_peak_memory_stats``, minus what was
-  allocated before the run (the other variants' models live on the device too).
-* CPU: there is no allocator statistics API, so the run happens under ``torch.profiler`` with
-  ``profile_memory=True``; every allocation and free of the CPU allocator is an event with a
-  signed byte count, and the running sum's maximum is the run's peak. This is chosen over the
-  peak RSS of a fresh subprocess because (1) it measures the same quantity as the CUDA number
-  (live tensor bytes), so CPU and GPU memory ratios mean the same thing; (2) it is exact and
-  deterministic: it does not depend on glibc's arenas and trim thresholds, on the OpenMP/oneDNN
-  thread pools or on the ~300 MiB that importing torch maps, which would swamp a tiny model's
-  activations in RSS; (3) it needs no extra process per measurement (importing torch again costs
-  seconds on a loaded 2-core machine). What it does not see: memory that libraries allocate
-  outside PyTorch's allocator (e.g. oneDNN scratchpads), which is small and the same for all
-  variants.
+CUDA: the allocator's max_memory_allocated; CPU: the running sum of torch.profiler's allocator events, the same
+quantity and exact (why not a process's RSS: bench/README.md).
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ from pathlib import Path
 from diffexp.compare.plots import _colors, _figure
 
 
-def _series(data: dict, variant: str, key: str, invert: bool = False) -> tuple[list, list, list]:
+def _ratio_series(data: dict, variant: str, key: str, invert: bool = False) -> tuple[list, list, list]:
     """(ratio, distance down to the round minimum, up to the maximum) per sequence length; invert: 1 / ratio."""
     values, low, high = [], [], []
     for seq_len in data["config"]["seq_lens"]:
@@ -35,7 +35,7 @@ def plot_train(data: dict, path: str | Path) -> Path:
               ("flop_rate_ratio", False, "FLOP/s / reference's (1 = extra math at the reference's rate)"))
     for ax, (key, invert, title) in zip(panels, titles, strict=True):
         for variant, color in zip(variants, _colors(len(variants)), strict=True):
-            values, low, high = _series(data, variant, key, invert)
+            values, low, high = _ratio_series(data, variant, key, invert)
             ax.errorbar(seq_lens, values, yerr=[low, high], marker="o", capsize=3, color=color, label=variant)
         ax.axhline(1.0, color="grey", linewidth=0.8, linestyle=":")
         ax.set_xscale("log", base=2)

@@ -35,7 +35,7 @@ class ProgressReporter:
     def log(self, message: str) -> None:
         elapsed = time.perf_counter() - self.start
         eta = elapsed / self.done * (self.total - self.done) if self.done else float("nan")
-        line = f"[{_fmt_s(elapsed)} elapsed, ~{_fmt_s(eta)} left] {message}"
+        line = f"[{_minutes_seconds(elapsed)} elapsed, ~{_minutes_seconds(eta)} left] {message}"
         if self.bar is not None:
             self.bar.console.print(line, highlight=False)
         else:
@@ -52,7 +52,7 @@ class ProgressReporter:
         self.close()
 
 
-def _fmt_s(seconds: float) -> str:
+def _minutes_seconds(seconds: float) -> str:
     if not math.isfinite(seconds):
         return "?"
     return f"{int(seconds // 60)}:{int(seconds % 60):02d}"

@@ -9,6 +9,8 @@ import platform
 import subprocess
 import sys
 import textwrap
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -51,6 +53,23 @@ def environment(device: str) -> dict:
     else:
         env["device_name"] = platform.processor() or platform.machine()
     return env
+
+
+def recorded_run(device: str, threads: int | None, run: Callable[[], dict]) -> tuple[dict, dict]:
+    """(environment, results) of `run()` under `threads` torch threads (None: torch's default), the environment
+    completed with the load average, thread count and wall time at its end."""
+    import torch
+
+    if threads is not None:
+        torch.set_num_threads(threads)
+    env = environment(device)
+    started = time.perf_counter()
+    results = run()
+    env["loadavg_end"] = loadavg()
+    # the count the whole run used: a library that resets torch's threads mid-run would show here
+    env["threads_end"] = torch.get_num_threads()
+    env["wall_s"] = round(time.perf_counter() - started, 1)
+    return env, results
 
 
 def peak_flops(device: str, dtype: str, peak_tflops: float | None) -> float | None:
@@ -179,7 +198,7 @@ class Layout:
 ENV_KEYS = ("device", "device_name", "threads", "torch")
 
 
-def _change(a: float | None, b: float | None) -> str:
+def _change_cell(a: float | None, b: float | None) -> str:
     return "n/a" if not a or b is None else f"{(b / a - 1) * 100:+.1f}%"
 
 
@@ -194,18 +213,18 @@ def compare(old: dict, new: dict, layout: Layout, compare_path: Path) -> None:
         if a != b:
             diffs.append(f"{k}: {a} -> {b}")
     rows = []
-    for key, e in new["results"].items():
-        o = old["results"].get(key)
-        if o is None:
+    for key, entry in new["results"].items():
+        old_entry = old["results"].get(key)
+        if old_entry is None:
             continue
-        if o.get("batch_size") != e["batch_size"]:
-            diffs.append(f"batch at seq {e['seq_len']}: {o.get('batch_size')} -> {e['batch_size']}")
-        row = [str(e[field]) for _, field in layout.labels]
+        if old_entry.get("batch_size") != entry["batch_size"]:
+            diffs.append(f"batch at seq {entry['seq_len']}: {old_entry.get('batch_size')} -> {entry['batch_size']}")
+        row = [str(entry[field]) for _, field in layout.labels]
         for ratio in layout.ratios:
-            before, after = o.get(ratio.key), e.get(ratio.key)
-            row += [ratio_cell(before), ratio_cell(after), _change(before, after)]
+            before, after = old_entry.get(ratio.key), entry.get(ratio.key)
+            row += [ratio_cell(before), ratio_cell(after), _change_cell(before, after)]
             if ratio.spread:
-                row.append(spread_cell(o, ratio.key))
+                row.append(spread_cell(old_entry, ratio.key))
         rows.append(row)
     if not rows:
         print(f"\n--compare: no result in common with {compare_path}")

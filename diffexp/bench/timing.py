@@ -1,22 +1,8 @@
-"""The side-by-side timing scheme every bench kind shares.
+"""The side-by-side timing scheme every bench kind shares (bench/README.md tells why).
 
-All variants of one measurement share one run, one input and one machine state, so the ratios to
-the reference variant stay meaningful on a noisy machine:
-
-* First run: every runner runs once untimed (allocations, optimizer state, kernel selection).
-* Interleaving: inside a round the variants take turns run by run (reference, then the others in
-  registry order, then the reference again, ...), so a burst of load from another process hits
-  every variant about equally instead of one variant's whole block.
-* Rotation: round r starts the turn order at variant r, so no variant is always first (cold) or
-  last.
-* Warm-up: each round begins with ``--warmup`` untimed interleaved runs per variant.
-* Medians: a variant's time is the median of all its timed runs; its ratio is
-  ``reference median / variant median`` (>1 = faster than the reference). The spread is the
-  min..max of the same ratio computed per round (each round's median): a wide spread means the
-  machine was too noisy to trust the digits.
-
-A runner's `timed()` returns several named durations per run (e.g. a training step's wall and CPU
-seconds, or a generation's prefill and per-token decode time); each is collected per round.
+After one untimed run each, the variants take turns run by run in rounds, rotated per round and warmed up first,
+so machine noise hits every variant alike. A ratio is reference median / variant median; its spread, the range
+of the same ratio per round.
 """
 
 from __future__ import annotations

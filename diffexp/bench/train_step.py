@@ -1,24 +1,8 @@
 """`diffexp bench train`: training-step cost of every attention variant relative to the reference, side by side.
 
-One *step* is what training does per batch: forward, cross-entropy on next tokens, backward, AdamW
-step (and zero_grad). For each sequence length every variant's model is built once, takes one
-untimed first step (AdamW allocates its state), then the step time is measured in ``--rounds``
-rounds with the interleaved, rotated, warmed-up scheme of `diffexp.bench.timing`; the step time is
-the median of all timed steps, its ratio ``reference median / variant median`` (= tokens/s relative
-to the reference, as both process the same tokens per step) with its per-round spread.
-
-Peak memory is the peak of live tensor bytes during one extra, untimed step, counting the model's
-persistent state (parameters, buffers, AdamW moments) plus everything the step allocates
-(activations, gradients, optimizer temporaries); see `diffexp.bench.memory` for how (CUDA
-allocator statistics, or CPU allocator events of torch.profiler).
-
-FLOPs per step come from `Decoder.flops_per_token` (training: 3 x forward); TFLOP/s = FLOPs / median
-step time, MFU = that / the device's peak (--peak-tflops, else Lightning's table for known GPUs).
-
-Default batch: on CPU the batch is capped at ``--tokens-per-batch`` (default 2048 = 8 x 256)
-tokens, so seq 256 runs at batch 8 and seq 1024 at batch 2; this keeps the default run (every
-registered variant, seq 256 and 1024) within about 10 minutes on 2 cores. On CUDA there is no cap
-unless given. Ratios compare variants at the same batch, so the cap does not bias them.
+A step is forward, cross-entropy, backward and AdamW; its time is the median over diffexp.bench.timing's rounds,
+its peak memory that of one extra untimed step, state included. On CPU the batch is capped at
+``--tokens-per-batch`` tokens (all variants at the same batch). Details: bench/README.md.
 """
 
 from __future__ import annotations
@@ -82,7 +66,7 @@ class StepRunner:
         # model FLOPs of one training step (forward + backward, causal attention counted once)
         self.flops_per_step = tokens.shape[0] * (tokens.shape[1] - 1) * self.model.flops_per_token(
             tokens.shape[1] - 1, training=True)
-        self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-4, weight_decay=0.1)
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=1e-4, weight_decay=0.1)
         self.inputs, self.targets = tokens[:, :-1], tokens[:, 1:]
         self.autocast = lambda: workload.autocast(args, device)
         self.clock = timing.Stopwatch(device)
@@ -93,9 +77,9 @@ class StepRunner:
         loss = self.torch.nn.functional.cross_entropy(logits.float().reshape(-1, logits.shape[-1]),
                                                       self.targets.reshape(-1))
         loss.backward()
-        self.opt.step()
+        self.optimizer.step()
         # at the end, so no gradient outlives the step (the CPU memory count starts from none)
-        self.opt.zero_grad(set_to_none=True)
+        self.optimizer.zero_grad(set_to_none=True)
 
     def run(self) -> None:
         self.step()
@@ -109,7 +93,7 @@ class StepRunner:
 
     def peak_bytes(self) -> int | None:
         """Peak live tensor bytes during one (untimed) step: parameters, buffers, AdamW moments included."""
-        state = [t for s in self.opt.state.values() for t in s.values() if self.torch.is_tensor(t)]
+        state = [t for s in self.optimizer.state.values() for t in s.values() if self.torch.is_tensor(t)]
         return peak_bytes(self.step, self.device,
                           tensor_bytes([*self.model.parameters(), *self.model.buffers(), *state]))
 

@@ -1,21 +1,8 @@
 """`diffexp bench trainer`: what `diffexp fit` adds to a training step, against a plain loop of the same model.
 
-Both sides train the model `diffexp fit` would build from the same recipe (the embedded default with no
---config, plus any fit overrides after `--`), on the same data module's batches:
-
-* plain: forward, the module's loss, backward, clip_grad_norm_ (trainer.gradient_clip_val), AdamW and its
-  lr schedule, zero_grad; nothing else;
-* fit: Lightning's Trainer exactly as `diffexp fit` configures it (callbacks: checkpoints, diagnostics,
-  throughput, run report; TensorBoard logging; the progress bar), writing its run into a temporary folder.
-
-A side's step time is the mean over its timed steps (rare work inside them, such as the diagnostics every
-`diagnostics.every_n_steps`, counts at its real rate), measured from one batch's start to the next's; the run's
-end (its final checkpoint) is not a step and falls outside. Each side of each round runs in a fresh Python
-process, as a real `diffexp fit` does: in one process, later fits ran up to 5% slower than the first on the heap
-and objects the earlier rounds left. The fit's progress bar renders as in an interactive terminal
-(TTY_INTERACTIVE), the costlier case. Rounds alternate the order of the two sides; the overhead is the median
-over rounds of fit / plain - 1, with a distribution-free 95% interval of that median. `--profile` adds one more
-fit, in this process, under Lightning's SimpleProfiler and prints its slowest hooks.
+Both sides train the model `diffexp fit` builds from the same recipe, on the same batches, each side of each round
+in a fresh process; the overhead is the median over rounds of fit / plain - 1, with a distribution-free 95%
+interval. Details: bench/README.md.
 """
 
 from __future__ import annotations
@@ -129,7 +116,7 @@ _RESULT = "diffexp-bench-trainer-step-s:"
 
 
 def time_side(side: str, fit_args: list[str], steps: int, warmup: int, save_dir: str, threads: int | None) -> float:
-    """One side's mean step, measured in a fresh Python process (see the module's docstring)."""
+    """One side's mean step, measured in a fresh Python process, as a real `diffexp fit` runs (bench/README.md)."""
     spec = json.dumps({"side": side, "fit_args": fit_args, "steps": steps, "warmup": warmup, "save_dir": save_dir,
                        "threads": threads})
     env = {**os.environ, "TTY_INTERACTIVE": "1", "TTY_COMPATIBLE": "1"}  # the bar renders as in a terminal
@@ -213,16 +200,7 @@ def main(argv: list[str]) -> int:
     from diffexp.bench.options import output_path
 
     output_path(args, NAME)
-    import torch
-
-    if args.threads is not None:
-        torch.set_num_threads(args.threads)
-    env = report.environment("cpu")
-    started = time.perf_counter()
-    results = run(args, fit_args)
-    env["loadavg_end"] = report.loadavg()
-    env["threads_end"] = torch.get_num_threads()
-    env["wall_s"] = round(time.perf_counter() - started, 1)
+    env, results = report.recorded_run("cpu", args.threads, lambda: run(args, fit_args))
     data = {"kind": NAME, "command": " ".join(["diffexp", "bench", NAME, *argv]), "env": env,
             "config": {"steps": args.steps, "warmup": args.warmup, "rounds": args.rounds, "fit_args": fit_args},
             "results": results}

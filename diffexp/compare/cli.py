@@ -11,12 +11,15 @@ from diffexp.compare.harness import DEFAULT_METRIC, harness_markdown, harness_ta
 from diffexp.compare.paper import paper_checks, paper_markdown, paper_metrics, print_paper
 from diffexp.compare.plots import CURVE_TAG, plot_objective_bars, plot_val_curves
 from diffexp.compare.render import print_report, render_markdown, write_csv
-from diffexp.compare.scaling_plot import plot_scaling
-from diffexp.compare.scaling_render import print_scaling, render_scaling_markdown, write_scaling_csv
-from diffexp.compare.scaling_study import scaling_report
+from diffexp.compare.scaling import (
+    plot_scaling,
+    print_scaling,
+    render_scaling_markdown,
+    scaling_report,
+    write_scaling_csv,
+)
 from diffexp.compare.stats import CaseSummary, check_metrics, summarize
 from diffexp.compare.study import runs_dir_from_optuna
-from diffexp.errors import guarded
 from diffexp.sweep.runs import load_study_runs
 
 DEFAULT_OUT = "compare"
@@ -27,7 +30,7 @@ def compare(study_dir: str | Path, out: str | Path | None = None, metrics: Seque
             plots: bool = True, console=None, harness_metric: str = DEFAULT_METRIC) -> list[CaseSummary]:
     """Load, summarize, print, and write compare.md, compare.csv (and the PNGs) into `out`.
 
-    A study with several sizes per variant (diffexp.compare.scaling_study) also gets the scaling section:
+    A study with several sizes per variant (diffexp.compare.scaling) also gets the scaling section:
     printed, appended to compare.md, scaling.csv and scaling.png. Trials evaluated with `diffexp eval harness`
     add the LM-Eval table (diffexp.compare.harness): printed, appended to compare.md, harness.csv."""
     from rich.console import Console
@@ -96,15 +99,17 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`diffexp compare RUNS_DIR [--out DIR] [--metric NAME ...] [--no-plots]` or `--study NAME [--storage URL]`.
+    """`diffexp compare RUNS_DIR [--out DIR] [--metric NAME ...] [--no-plots]` or `--study NAME [--storage URL]`:
+    0 on success (partial studies included); bad input raises a UserError (CompareError) for the caller's guard."""
+    from rich.console import Console
 
-    Returns 0 on success (partial studies included), 2 on bad input, printed as one `error: ...` paragraph
-    (diffexp.errors.guarded; DIFFEXP_DEBUG=1 shows the traceback instead).
-    """
-    try:
-        return guarded(_main, argv)
-    except SystemExit as exc:  # a UserError (printed by guarded), or argparse's usage error or --help
-        return exc.code if isinstance(exc.code, int) else 2
+    args = build_parser().parse_args(argv)
+    console = Console()
+    if not console.is_terminal:  # piped or captured: do not squeeze the table into 80 columns
+        console = Console(width=max(console.width, PIPED_WIDTH))
+    compare(_study_dir(args), out=args.out, metrics=args.metric, plots=not args.no_plots, console=console,
+            harness_metric=args.harness_metric)
+    return 0
 
 
 def _study_dir(args: argparse.Namespace) -> Path:
@@ -125,16 +130,4 @@ def _study_dir(args: argparse.Namespace) -> Path:
         raise CompareError("--storage goes with --study NAME: --study NAME --storage URL")
     raise CompareError("expected RUNS_DIR (a study's run directory, runs/<study>/) "
                        f"or --study NAME with --storage URL (or {STORAGE_URL_ENV})")
-
-
-def _main(argv: list[str] | None) -> int:
-    from rich.console import Console
-
-    args = build_parser().parse_args(argv)
-    console = Console()
-    if not console.is_terminal:  # piped or captured: do not squeeze the table into 80 columns
-        console = Console(width=max(console.width, PIPED_WIDTH))
-    compare(_study_dir(args), out=args.out, metrics=args.metric, plots=not args.no_plots, console=console,
-            harness_metric=args.harness_metric)
-    return 0
 

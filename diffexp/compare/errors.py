@@ -6,6 +6,5 @@ from diffexp.errors import UserError
 
 
 class CompareError(UserError):
-    """Bad input to compare: unknown --metric, an unusable --out, an Optuna study without runs_dir, bad flags.
-
-    main() prints it as `error: ...` and exits 2."""
+    """Bad input to compare: unknown --metric, an unusable --out, an Optuna study without runs_dir, bad flags;
+    a UserError, so `diffexp compare` prints it as `error: ...` and exits 2."""

@@ -1,15 +1,8 @@
 """`diffexp params [RECIPE ...]`: the parameter counts of recipes, as a table.
 
-A RECIPE is a recipe file, or a directory of them. The GPU recipes are combinations (base.yaml +
-size/<size>.yaml + variant/<variant>.yaml, plus variant/<variant>/<size>.yaml where a variant has
-size-dependent values): a size file stands for that size with every variant, a variant file (or its
-folder of size parts) for that variant at every size, a size part for its one combination, and the gpu
-directory (or its base.yaml) for every combination. With no RECIPE: every recipe under recipes/ and every
-GPU combination.
-
-Models are built on the meta device (no memory, any size), with the vocabulary the data module links
-into the model at fit time (`linked_vocab_size`), so the counts are those of the trained model. Each
-recipe states the same counts in its header (`header_line`), checked by tests/test_recipe_params.py.
+Models are built on the meta device (no memory, any size) with the vocabulary the data module links into the
+model at fit time (`linked_vocab_size`), so the counts are those of the trained model; each recipe states them
+in its header (`header_line`), checked by tests/test_recipe_params.py.
 """
 
 from __future__ import annotations
@@ -24,7 +17,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from diffexp.errors import UserError, guarded
+from diffexp.errors import UserError
 
 #: the recipes of a source checkout (diffexp/compare/params.py -> the repository's recipes/)
 PACKAGE_RECIPES = Path(__file__).resolve().parents[2] / "recipes"
@@ -86,7 +79,9 @@ def _name(path: Path, root: Path) -> str:
 
 
 def expand(target: Path, root: Path) -> list[Recipe]:
-    """The models a RECIPE argument stands for (see the module's docstring)."""
+    """The models a RECIPE argument stands for. A GPU recipe is base.yaml + size/<size>.yaml + variant/<variant>.yaml
+    (+ variant/<variant>/<size>.yaml): a size file stands for that size with every variant, a variant file or folder
+    for that variant at every size, a size part for its one combination, gpu/ or its base.yaml for all of them."""
     if not target.exists():
         raise UserError(f"RECIPE {str(target)!r}: no such file or directory; expected a recipe such as "
                         "recipes/tiny/<variant>.yaml, a GPU size or variant file, or a directory of recipes")
@@ -130,7 +125,8 @@ def linked_vocab_size(config) -> int:
 
     from diffexp.data import TextDataModule
     from diffexp.data.tokenizer import ByteTokenizer, load_tokenizer_file
-    from diffexp.training.preflight import data_init_args, plain
+    from diffexp.training.preflight import data_init_args
+    from diffexp.training.values import to_builtin
 
     class_path, args = data_init_args(config)
     if args.get("vocab_size") is not None:
@@ -143,7 +139,7 @@ def linked_vocab_size(config) -> int:
             return int(json.loads((source / "manifest.json").read_text())["tokenizer"]["vocab_size"])
         if source.suffix == "" and not source.exists() and not str(source).startswith(("hf:", "stdlib")):
             # a directory to prepare before training (the GPU recipes): the size the recipe states
-            return int(plain(config.get("model") or {}).get("arch", {}).get("vocab_size") or 32768)
+            return int(to_builtin(config.get("model") or {}).get("arch", {}).get("vocab_size") or 32768)
         tokenizer = args.get("tokenizer", "byte")
         if tokenizer == "byte":
             return ByteTokenizer.vocab_size
@@ -189,11 +185,12 @@ def memory(recipe: Recipe, gpus: int):
     import torch
 
     from diffexp.parallel.memory import estimate_memory
-    from diffexp.training.preflight import data_init_args, plain
+    from diffexp.training.preflight import data_init_args
+    from diffexp.training.values import to_builtin
 
     config = parsed(recipe)
     data = data_init_args(config)[1]
-    strategy = plain(config.trainer.get("strategy"))
+    strategy = to_builtin(config.trainer.get("strategy"))
     init_args = (strategy.get("init_args") or {}) if isinstance(strategy, dict) else {}
     arch = model_config(recipe, config)
     return estimate_memory(arch, int(data.get("batch_size") or 1), int(data.get("seq_len") or arch.max_seq_len),
@@ -264,9 +261,9 @@ def params(targets: Sequence[str], headers: bool = False, console=None,
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """0 on success; a bad RECIPE is one `error: ...` paragraph on stderr and SystemExit(2)."""
+    """`diffexp params [RECIPE ...]`: 0 on success; a bad RECIPE raises a UserError for the caller's guard."""
     args = build_parser().parse_args(list(sys.argv[1:] if argv is None else argv))
     if args.memory is not None and args.memory < 1:
         raise SystemExit(f"error: --memory={args.memory}: expected a positive number of GPUs")
-    guarded(params, args.recipes, args.headers, None, args.memory)
+    params(args.recipes, args.headers, None, args.memory)
     return 0

@@ -1,20 +1,8 @@
 """The numbers of a comparison: per case, mean, sample std and 95% CI over complete seeds; what is missing.
 
-Rules:
-
-* one CaseSummary per case of sweep.json, in its order, whether or not any of its trials finished;
-* means and sample standard deviations (ddof=1) are over the *complete* trials of the case; with a
-  single complete seed the std (and CI) is None, shown as ``n/a``, never as 0;
-* pruned trials are excluded from every mean but counted (Seeds column, "pruned" section);
-* diverged trials (trial.json state "diverged": a non-finite loss or one over the divergence threshold) are
-  counted in Diverged (diverged/total) and listed with their step; they are excluded from the loss and every
-  other result mean, but the training diagnostics (`diag/*`: loss and gradient spikes, the largest gradient
-  norm, context RMS, attention sink, ...) average over the complete *and* diverged trials, since how a run
-  went unstable is what those columns are for;
-* a search sweep's draws (sweep.json's n_trials) are trials of their case like its seeds;
-* a (case, seed[, draw]) with no trial.json is missing: "running or crashed" when its run directory exists,
-  "not started" otherwise; trial.json states other than complete/pruned/diverged are listed as failed;
-* if a complete trial lacks the objective in trial.json, the last value of that tag in its events is used.
+Means are over the complete trials of a case (a single seed's std is n/a, never 0); pruned and diverged trials
+are counted but left out, except that the training diagnostics (diag/*) average over the diverged ones too,
+since how a run went unstable is what they show. A search's draws are trials of their case like its seeds.
 """
 
 from __future__ import annotations
@@ -43,7 +31,7 @@ def over_diverged_too(name: str) -> bool:
     return name.startswith(DIAGNOSTIC_PREFIX)
 
 
-def t975(df: int) -> float:
+def t_quantile_975(df: int) -> float:
     """The 97.5% quantile of Student's t with `df` degrees of freedom (df >= 1)."""
     return float(student_t.ppf(0.975, df))
 
@@ -77,7 +65,7 @@ class Stat:
     @property
     def ci95(self) -> float | None:
         """Half-width of the 95% confidence interval of the mean: t(0.975, n-1) * std / sqrt(n)."""
-        return t975(self.n - 1) * self.std / math.sqrt(self.n) if self.n > 1 else None
+        return t_quantile_975(self.n - 1) * self.std / math.sqrt(self.n) if self.n > 1 else None
 
     def format(self) -> str:
         if self.mean is None:
@@ -120,13 +108,13 @@ def _mean(values: Iterable[float | None]) -> float | None:
     return float(np.mean(values)) if values else None
 
 
-def _number(value: Any) -> float | None:
+def _as_number(value: Any) -> float | None:
     return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
 
 
-def _param(trials: Sequence[TrialRun], key: str) -> int | None:
+def _param_count(trials: Sequence[TrialRun], key: str) -> int | None:
     for trial in trials:  # the same for every seed of a case: take the first that has it
-        value = _number(((trial.record or {}).get("params") or {}).get(key))
+        value = _as_number(((trial.record or {}).get("params") or {}).get(key))
         if value is not None:
             return int(value)
     return None
@@ -154,19 +142,20 @@ def check_metrics(runs: StudyRuns, metrics: Sequence[str] | None) -> list[str]:
     return list(dict.fromkeys([runs.objective, *metrics]))
 
 
-def _values(runs: StudyRuns, trials: Sequence[TrialRun], name: str) -> list[float]:
+def _metric_values(runs: StudyRuns, trials: Sequence[TrialRun], name: str) -> list[float]:
     values = []
     for trial in trials:
         value = trial.metrics.get(name)
         if value is None and name == runs.objective and trial.curves.get(name):
-            value = trial.curves[name][-1][1]  # fallback: last logged value of the objective tag
+            value = trial.curves[name][-1][1]  # not in trial.json: the last logged value of the objective tag
         if value is not None:
             values.append(value)
     return values
 
 
 def summarize(runs: StudyRuns, metrics: Sequence[str] | None = None) -> list[CaseSummary]:
-    """One CaseSummary per case of sweep.json, in its order (see the module docstring for the rules)."""
+    """One CaseSummary per case of sweep.json, in its order, whether or not any of its trials finished; a trial
+    without trial.json is missing, one whose state is not complete, pruned or diverged failed."""
     columns = check_metrics(runs, metrics)
     rows = []
     for case in runs.cases:
@@ -181,12 +170,12 @@ def summarize(runs: StudyRuns, metrics: Sequence[str] | None = None) -> list[Cas
         rows.append(CaseSummary(
             case=case, n_expected=len(trials), complete=complete, pruned=pruned, diverged=diverged, failed=failed,
             missing=missing,
-            stats={name: Stat(_values(runs, complete + diverged if over_diverged_too(name) else complete, name))
+            stats={name: Stat(_metric_values(runs, complete + diverged if over_diverged_too(name) else complete, name))
                    for name in columns},
-            params_total=_param(ran, "total"),
-            params_non_embedding=_param(ran, "non_embedding"),
-            tokens_per_s=_mean(_number((t.record or {}).get("tokens_per_s")) for t in complete),
-            wall_s=_mean(_number((t.record or {}).get("wall_s")) for t in complete),
+            params_total=_param_count(ran, "total"),
+            params_non_embedding=_param_count(ran, "non_embedding"),
+            tokens_per_s=_mean(_as_number((t.record or {}).get("tokens_per_s")) for t in complete),
+            wall_s=_mean(_as_number((t.record or {}).get("wall_s")) for t in complete),
             variant=case_variant(case, trials),
             tracks_divergence=any("diverged_step" in (t.record or {}) for t in trials),
         ))
@@ -201,7 +190,7 @@ def best_case(runs: StudyRuns, rows: Sequence[CaseSummary]) -> CaseSummary | Non
     return pick(scored, key=lambda r: r.stats[runs.objective].mean)
 
 
-def _ago(seconds: float) -> str:
+def _duration_text(seconds: float) -> str:
     if seconds < 90:
         return f"{seconds:.0f} s"
     if seconds < 5400:
@@ -219,7 +208,7 @@ def _missing_detail(trial: TrialRun, now: float) -> str:
     if step is not None:
         detail += f"; last logged step {step}"
     if written is not None:
-        detail += f"; last write {_ago(max(0.0, now - written))} ago"
+        detail += f"; last write {_duration_text(max(0.0, now - written))} ago"
     return detail
 
 

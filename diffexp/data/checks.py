@@ -23,14 +23,14 @@ TOKENIZER_CHOICES = ("expected 'byte', 'bpe', a path to an existing tokenizer.js
                      "tokenizer name (online only)")
 
 
-def _prefix(path: Path, size: int) -> tuple[bytes, bool]:
+def _read_prefix(path: Path, size: int) -> tuple[bytes, bool]:
     """The first `size` bytes of the file, and whether that is the whole file."""
     with open(path, "rb") as f:
         data = f.read(size + 1)
     return data[:size], len(data) <= size
 
 
-def _decode(data: bytes, complete: bool) -> tuple[str | None, str | None]:
+def _decode_prefix(data: bytes, complete: bool) -> tuple[str | None, str | None]:
     """(text, None) or (None, problem) for a prefix: binary data, or text that is not UTF-8."""
     if b"\x00" in data:
         return None, "is binary, not text (it holds NUL bytes; UTF-16 text must be re-saved as UTF-8)"
@@ -133,8 +133,8 @@ def file_problem(path: Path, text_field: str) -> str | None:
         return _parquet_problem(path, text_field)
     read = _first_jsonl_record if suffix == ".jsonl" else _first_json_record
     for size in (SNIFF_BYTES, RECORD_BYTES):
-        data, complete = _prefix(path, size)
-        text, problem = _decode(data, complete)
+        data, complete = _read_prefix(path, size)
+        text, problem = _decode_prefix(data, complete)
         if problem or text is None:
             return problem
         if suffix == ".txt":
@@ -166,30 +166,6 @@ def check_files(spec: str, files: Sequence[Path], text_field: str) -> None:
         problem = file_problem(path, text_field)
         if problem:
             raise file_error(spec, path, problem)
-
-
-def first_bad_utf8(files: Sequence[Path]) -> tuple[Path, str] | None:
-    """Scan whole files for invalid UTF-8 (only on the error path, after a reader has failed)."""
-    for path in files:
-        if path.suffix.lower() == ".parquet":
-            continue
-        decoder = codecs.getincrementaldecoder("utf-8")()
-        offset = 0
-        with open(path, "rb") as f:
-            while chunk := f.read(1 << 20):
-                try:
-                    decoder.decode(chunk)
-                except UnicodeDecodeError as err:
-                    at = offset + err.start
-                    return path, (f"is not UTF-8 text (byte 0x{chunk[err.start]:02x} at offset {at}); "
-                                  "re-encode it, e.g. iconv -f latin1 -t utf-8")
-                offset += len(chunk)
-        try:
-            decoder.decode(b"", final=True)
-        except UnicodeDecodeError:
-            return path, (f"is not UTF-8 text (it ends inside a multi-byte character, at offset {offset}); "
-                          "re-encode it, e.g. iconv -f latin1 -t utf-8")
-    return None
 
 
 def tokenizer_path(spec: str) -> Path | None:

@@ -1,21 +1,6 @@
-"""A real classification dataset as a many-shot ICL task (the papers' TREC, TREC-fine, Banking-77 and
-Clinic-150, or any local (text, label) table), scored by ``diffexp.evals.icl`` exactly like the synthetic
-``ICLTask``: class-balanced nested demonstrations, held-out tests, the same prompt format and tokenization
-(``diffexp.data.icl.ClassPools``).
-
-Rows (``labelled_rows``)
-    The text column holds the inputs and the label column the classes: integer ids (a ``ClassLabel``
-    column's names are used as the label text, else the id itself, e.g. ``"3"``) or strings (used as they
-    are). Whitespace runs, newlines included, become one space, so that every demonstration is one line.
-    A text seen twice is kept once (its first row), so a test input is never also a demonstration. The
-    classes are those present in the rows, in id order (integers) or alphabetical order (strings).
-
-Pools (``ClassificationTask``)
-    Per class, the rows are shuffled (by ``seed``) and the first ceil(n_tests / K) held out as the test
-    pool; the rest are the demonstration pool. So n_tests <= K x (rows of the smallest class - 1), and the
-    most class-balanced demonstrations are K x (rows of the smallest class - ceil(n_tests / K)).
-    Labels are compared by their summed log-likelihood (as in the papers), so labels of more tokens are
-    at a disadvantage; that is the protocol, not a bug.
+"""A real (text, label) classification dataset as a many-shot ICL task (the papers' TREC, Banking-77 and
+Clinic-150, or any local table), scored by ``diffexp.evals.icl`` like the synthetic ``ICLTask``
+(``diffexp.data.icl.ClassPools``: the same prompt format and tokenization).
 """
 
 from __future__ import annotations
@@ -49,7 +34,10 @@ def one_line(text: str) -> str:
 
 def labelled_rows(spec: str, text_column: str = "text", label_column: str = "label",
                   split: str | None = None) -> LabelledRows:
-    """The (text, label) rows of a local file or Hub dataset; every problem is a UserError naming its flag."""
+    """The (text, label) rows of a local file or Hub dataset; every problem is a UserError naming its flag.
+
+    Each text becomes one line and is kept once (its first row), so a test input is never also a demonstration;
+    integer labels take a ``ClassLabel`` column's names where there are some."""
     table = open_table(spec, split)
     texts = table.column(text_column, "--text-column")
     labels = table.column(label_column, "--label-column")
@@ -85,14 +73,8 @@ def labelled_rows(spec: str, text_column: str = "text", label_column: str = "lab
 
 
 class ClassificationTask(ClassPools):
-    """Labelled rows as pools: per class, ceil(n_tests / K) held-out test rows and the rest demonstrations.
-
-    Args:
-        rows: the dataset (``labelled_rows``).
-        n_tests: the class-balanced test inputs the evaluation draws; the test pools hold just enough.
-        seed: fixes which rows are held out.
-        tokenizer: the model's tokenizer (default ``ByteTokenizer``).
-    """
+    """Labelled rows as pools: per class, ceil(n_tests / K) held-out test rows (chosen by ``seed``) and the rest
+    demonstrations; ``tokenizer`` defaults to ``ByteTokenizer``."""
 
     def __init__(self, rows: LabelledRows, n_tests: int, seed: int | Sequence[int] = 0, tokenizer: Any = None) -> None:
         self.source, self.labels, self.k_classes = rows.source, list(rows.names), len(rows.names)

@@ -1,12 +1,4 @@
-"""``diffexp data prepare | join | inspect``: prepare a corpus as token shards once, then look at it.
-
-    diffexp data prepare corpus.jsonl data/corpus --tokenizer bpe --bpe-vocab-size 32768
-    diffexp data prepare hf:HuggingFaceFW/fineweb-edu:sample-10BT data/fineweb --part 0 --of 4   # machine 0 of 4
-    diffexp data join data/fineweb        # after every part: writes manifest.json
-    diffexp data inspect data/corpus      # the manifest's figures and decoded samples of each split
-
-Training reads the result with ``--data.source data/corpus``.
-"""
+"""``diffexp data prepare | join | inspect``: prepare a corpus as token shards once, then look at it."""
 
 from __future__ import annotations
 
@@ -22,6 +14,16 @@ from diffexp.errors import UserError
 FLAG_NAMES = {"data.source": "SOURCE", "data.text_field": "--text-field", "data.tokenizer": "--tokenizer",
               "data.max_chars": "--max-chars", "data.bpe_vocab_size": "--bpe-vocab-size",
               "data.val_fraction": "--val-fraction", "data.test_fraction": "--test-fraction"}
+#: the description `diffexp data --help` shows
+HELP = """``diffexp data prepare | join | inspect``: prepare a corpus as token shards once, then look at it.
+
+    diffexp data prepare corpus.jsonl data/corpus --tokenizer bpe --bpe-vocab-size 32768
+    diffexp data prepare hf:HuggingFaceFW/fineweb-edu:sample-10BT data/fineweb --part 0 --of 4   # machine 0 of 4
+    diffexp data join data/fineweb        # after every part: writes manifest.json
+    diffexp data inspect data/corpus      # the manifest's figures and decoded samples of each split
+
+Training reads the result with ``--data.source data/corpus``.
+"""
 DEFAULTS = {"tokenizer": "byte", "bpe_vocab_size": 4096, "text_field": "text", "seed": 1234, "val_fraction": 0.05,
             "test_fraction": 0.05}  # TextDataModule's, so a prepared directory holds what `fit` would make
 
@@ -32,7 +34,7 @@ class _Parser(argparse.ArgumentParser):
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="diffexp data", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = _Parser(prog="diffexp data", description=HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
     commands = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     prepare = commands.add_parser("prepare", help="tokenize a corpus into token shards (resumable, on every core)")
     prepare.add_argument("source", metavar="SOURCE", help="'stdlib', a .txt/.jsonl/.json/.parquet file, directory or "

@@ -1,16 +1,8 @@
-"""The embedded default corpus: the Python standard library's own source code.
+"""The embedded default corpus: the Python standard library's own ``.py`` files, so a fresh checkout can train,
+test and benchmark with no download.
 
-Every machine that can run diffexp already has a CPython installation, and with it several
-megabytes of real, human-written, consistently styled text: the ``.py`` files of the standard
-library. Using them as the default corpus means a fresh checkout can train, test and benchmark
-language models with no download, no network and no data shipped in this repository.
-
-The corpus is one document per ``.py`` file under ``sysconfig.get_paths()["stdlib"]``,
-in sorted relative-path order. Third-party packages (``site-packages``), the test suites
-(``test``, ``tests``), the IDLE GUI (``idlelib``), the deprecated ``lib2to3`` and caches are
-skipped so the text is maintained library code only. The total is capped (default 8 M
-characters) so that its size does not depend much on the Python version; the last document is
-truncated to hit the cap exactly.
+Tests, IDLE, lib2to3 and third-party packages are skipped; the total is capped (8 M characters by default) so
+its size barely depends on the Python version.
 """
 
 from __future__ import annotations

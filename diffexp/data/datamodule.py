@@ -1,11 +1,7 @@
 """``TextDataModule``: token shards -> rows of ``seq_len + 1`` token ids -> batches.
 
-``data.source`` names either a directory written by ``diffexp data prepare``, read as it is, or a raw source
-(the embedded corpus, local files, a Hub dataset), which the same preparation code (``diffexp.data.prepare``)
-turns into ``cache_dir/prepared/<key>/`` the first time and which later runs reuse (key: the source's files
-with their sizes and mtimes, so an edited file is prepared anew; the text field, ``max_chars``, the split
-settings and the tokenizer). Rows are cut from a split's token stream when read, so another ``seq_len`` needs
-no new preparation. Every shard is checked against the manifest (size, SHA-256) before training.
+``data.source`` is a directory ``diffexp data prepare`` wrote, read as it is, or a raw source prepared once into
+``cache_dir/prepared/<key>/`` (keyed by its files and the preparation settings) and reused.
 """
 
 from __future__ import annotations
@@ -56,10 +52,7 @@ def launched_externally() -> int | None:
 class TextDataModule(L.LightningDataModule):
     """Language-modelling batches from a prepared directory, the stdlib corpus, local files or a Hub dataset.
 
-    Batches are ``torch.long`` tensors of shape ``(batch_size, seq_len + 1)``; the model uses
-    ``batch[:, :-1]`` as inputs and ``batch[:, 1:]`` as targets. Every document is followed by
-    the tokenizer's end-of-document id. The train loader is resumable mid-epoch (its state is
-    saved in Lightning checkpoints); validation and test read their own held-out documents, in order.
+    Batches are ``(batch_size, seq_len + 1)`` long tensors; the train loader resumes mid-epoch.
 
     Args:
         source: a directory written by `diffexp data prepare` (its manifest fixes the tokenizer and the

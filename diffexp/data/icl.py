@@ -1,39 +1,9 @@
-"""A synthetic K-class in-context classification task (an offline stand-in for TREC, Banking-77 and
-Clinic-150), and training data made of fresh tasks. The evaluation (accuracy vs demonstrations and its spread
-over orderings) is ``diffexp.evals.icl``.
+"""A synthetic K-class in-context classification task (an offline stand-in for TREC, Banking-77 and Clinic-150),
+and training data made of fresh tasks; the evaluation is ``diffexp.evals.icl``.
 
-The task (``ICLTask``)
-    K classes; class c owns a hidden group of ``group_size`` random short words (1-character "words" from
-    ``a-z0-9A-Z`` when they fit, else longer strings). An input is ``words_per_input`` distinct words of one
-    group, so the hidden rule is "which group do the words come from". Each class has a label string (a
-    3-letter word, all of equal length so that summed log-likelihoods are comparable): by default the K
-    labels are always the first K of ``LABEL_POOL`` (like a real dataset's fixed label names) and only
-    their assignment to the groups is random per task; ``random_label_names=True`` also draws the K names
-    from the pool per task (harder: the label set itself must be read from the context).
-    A prompt is demonstrations then the test input::
-
-        input: q 7 d label: owl
-        input: k a m label: fig
-        input: 7 x q label:                   <- the model must continue with "owl\\n"
-
-    Why this rule: a test input shares words with the demonstrations of its class and with no other class,
-    so the label is found by matching words in context and copying the label that followed them (a
-    retrieval circuit two attention layers can implement: gather each line's words onto its label slot,
-    then attend from the query's label slot to the slots with matching words), and accuracy grows with the
-    number of demonstrations because more of the group's words get covered. Training has to get past the
-    "label prior" plateau first: a d_model 64, 2-layer baseline trained 2,400 steps on CPU (K=4,
-    ``ICLDataModule`` with seq_len 256) reached a label-token loss of ln(4)/4 = 0.347 (uniform over the 4
-    labels of 4 tokens each) and chance accuracy; expect to need longer (GPU) runs before in-context
-    accuracy rises.
-    The words, groups and label assignment are fresh per task seed, so a model trained on other seeds
-    (``ICLDataModule``) can only succeed by learning in context, never by memorising the mapping. Within
-    a task, the inputs (as word sets) are split into a demonstration pool and a held-out test pool: no
-    test input ever appears as a demonstration.
-
-Tokens: UTF-8 bytes (``diffexp.data.tokenizer.ByteTokenizer``) by default, what ``ICLDataModule`` trains on.
-Any other tokenizer (an object with ``encode``/``decode``) can be passed to score a model trained on text;
-``ClassPools`` (shared with the dataset tasks of ``diffexp.data.classification``) says how prompts and
-labels are tokenized.
+Class c owns a hidden group of random words and an input is a few words of one group, so a label is found by
+matching words with the demonstrations in context; words, groups and labels are fresh per task seed, so a model
+succeeds only by learning in context.
 """
 
 from __future__ import annotations
@@ -59,7 +29,7 @@ LABEL_POOL = (
 )  # 3 letters each, all different first letters
 
 
-def _words(n: int, rng: np.random.Generator, word_len: int) -> list[str]:
+def _random_words(n: int, rng: np.random.Generator, word_len: int) -> list[str]:
     base = len(WORD_ALPHABET)
     codes = rng.choice(base**word_len, size=n, replace=False)
     out = []
@@ -73,18 +43,12 @@ def _words(n: int, rng: np.random.Generator, word_len: int) -> list[str]:
 
 
 class ClassPools:
-    """What the many-shot ICL evaluation needs of a classification task, synthetic or a dataset's: K label
-    names, per class a pool of demonstration inputs and a disjoint pool of held-out test inputs, the
-    prompt format and the tokenizer. Subclasses fill ``labels``, ``demo_pool``, ``test_pool`` and
-    ``tokenizer``.
+    """A classification task as the many-shot ICL evaluation needs it: K labels, per class disjoint pools of
+    demonstration and test inputs, the prompt format and the tokenizer (subclasses fill them).
 
-    Tokenization (any tokenizer): a prompt is rendered as text and encoded in one piece, so a BPE sees the
-    demonstrations as it would see that text anywhere. The scored boundary sits before the whitespace that
-    ends the query: the prompt is ``... label:`` and each label is scored as `` <name>\\n``, encoded on its
-    own. Byte-level BPEs split before a space-led word, so the prompt's ids followed by a label's ids are
-    the ids of the whole text, and every label follows the same prompt ids (its summed log-likelihood is
-    comparable). For the byte tokenizer the split changes nothing: the space's log-likelihood is the same
-    for every label. ``boundary_merges`` tells whether a tokenizer merges across that boundary anyway.
+    A prompt is encoded in one piece, without the whitespace that ends the query; each label is scored as
+    `` <name>\\n`` encoded on its own, so every label follows the same prompt ids (``boundary_merges`` finds a
+    tokenizer that merges across that boundary anyway).
     """
 
     k_classes: int
@@ -196,9 +160,7 @@ class ICLTask(ClassPools):
             (the assignment to groups is random either way).
         labels: explicit K label strings (overrides the two above); they must be distinct,
             non-empty, without whitespace, and best of equal token length (log-likelihoods are summed).
-        test_fraction: share of each class's inputs (as word sets) held out for tests. Each class has
-            C(group_size, words_per_input) inputs: by default 120, 60 of them for demonstrations (so
-            n_demos <= 60 K) and 60 for tests.
+        test_fraction: share of each class's C(group_size, words_per_input) inputs held out for tests.
         tokenizer: object with ``encode(str) -> list[int]`` and ``decode``; default ``ByteTokenizer``.
     """
 
@@ -227,7 +189,7 @@ class ICLTask(ClassPools):
         self.tokenizer = tokenizer if tokenizer is not None else ByteTokenizer()
         rng = np.random.default_rng(seed)
 
-        words = _words(n_words, rng, word_len)
+        words = _random_words(n_words, rng, word_len)
         self.groups: list[list[str]] = [words[c * group_size:(c + 1) * group_size] for c in range(k_classes)]
         self.word_class = {w: c for c, group in enumerate(self.groups) for w in group}
         if labels is None:
@@ -298,9 +260,7 @@ class ICLEpisodes(Dataset):
 
 class ICLDataModule(L.LightningDataModule):
     """Train a byte-level model to classify in context: each row is one fresh ``ICLTask`` (new words, groups
-    and label assignment) with demonstrations packed up to ``seq_len + 1`` tokens; ``loss_mask`` selects the
-    label tokens (label and newline) of every demonstration, so the model learns to infer labels from the
-    demonstrations before them. Evaluation tasks (``ICLTask(seed=<int>)``) never occur in training.
+    and labels) packed with demonstrations; the loss is on the label tokens only.
 
     Args:
         k_classes: classes per task.

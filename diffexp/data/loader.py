@@ -1,19 +1,8 @@
-"""A training DataLoader whose order is a pure function of the seed, whatever the number of processes, and that
+"""A training DataLoader whose order depends on the seed alone, whatever the number of processes, and that
 resumes mid-epoch, at another world size too.
 
-The global order: epoch ``e`` is a permutation of all N rows seeded by ``seed + e``, cut into consecutive
-**global batches** of G rows (G = data.batch_size x world size x trainer.accumulate_grad_batches: the rows of one
-optimizer step over all ranks); the last N mod G rows are dropped, so every epoch ends on a step. Within a global
-batch rank ``r`` of W takes positions r, r + W, r + 2W, ..., and its micro-batches take data.batch_size of those
-at a time. For a fixed G, a step trains on the same rows at any world size and micro-batch size.
-
-Lightning 2.x treats any train dataloader with ``state_dict``/``load_state_dict`` as stateful:
-it stores ``state_dict()`` in every checkpoint and, when it restarts inside an epoch, calls
-``load_state_dict()`` before creating that epoch's iterator (a checkpoint from an epoch's end
-may be resumed without it; then ``start_epoch`` and ``set_epoch`` place the loader).
-``ResumableDataLoader`` counts the batches its iterator has handed out *in the main process*
-(worker prefetching runs ahead but is not counted) and saves them as rows of the global order, so a
-checkpoint taken after batch ``k`` resumes with the rows that follow, at this or another world size.
+Epoch ``e`` is a permutation of the N rows seeded by ``seed + e``, cut into global batches of G rows (one
+optimizer step over all ranks; the last N mod G rows dropped); rank r of W takes positions r, r + W, ... of each.
 """
 
 from __future__ import annotations
@@ -53,14 +42,8 @@ def collate_rows(batch: torch.Tensor | list[torch.Tensor]) -> torch.Tensor:
 
 
 class EpochShuffleSampler(DistributedSampler):
-    """This rank's share of the global order: a permutation seeded by ``seed + epoch``, cut to whole global
-    batches of ``global_batch_rows``, every ``num_replicas``-th position from ``rank``, skipping a prefix.
-
-    Rank ``r`` reading positions r, r + W, ... of the whole (cut) permutation is the same as reading them global
-    batch by global batch, since W divides G. Subclassing ``DistributedSampler`` makes Lightning keep this sampler
-    under DDP (instead of wrapping it and rebuilding the loader). ``epoch`` and ``skip`` are set by
-    ``ResumableDataLoader``; Lightning's ``set_epoch`` calls are forwarded to the loader, which owns the epoch.
-    """
+    """This rank's share of the global order: positions rank, rank + W, ... of the epoch's permutation cut to whole
+    global batches, after the first ``skip``. A ``DistributedSampler``, so Lightning keeps it under DDP."""
 
     def __init__(self, dataset: Dataset, seed: int, num_replicas: int = 1, rank: int = 0,
                  global_batch_rows: int | None = None) -> None:
@@ -95,15 +78,8 @@ class EpochShuffleSampler(DistributedSampler):
 class ResumableDataLoader(DataLoader):
     """Shuffled training batches of the global order with exact mid-epoch resume, at any world size.
 
-    State is ``epoch``, ``rows_served`` (rows of that epoch's global order already handed out by all ranks
-    together) and what fixes the order (``global_batch_rows``, ``num_rows``, ``seed``). Each ``iter()`` starts the
-    next epoch once the current one has yielded anything; right after ``load_state_dict`` it instead continues the
-    saved epoch with the rows not served yet. ``set_epoch(e)`` (Lightning calls it on the sampler at every epoch
-    start, *after* creating the first iterator) moves to the start of epoch ``e`` unless the loader is already in
-    ``e``; that is why the iterator only reads the position when its first batch is requested.
-
-    ``global_batch_rows`` (G) defaults to ``batch_size x num_replicas`` (no accumulation).
-    """
+    Lightning saves its ``state_dict`` (the rows of the epoch handed out by all ranks together) in every checkpoint;
+    ``iter()`` starts the next epoch, or right after ``load_state_dict`` continues the saved one."""
 
     def __init__(
         self,
@@ -160,7 +136,8 @@ class ResumableDataLoader(DataLoader):
         return self._counted_batches(self._generation)
 
     def _counted_batches(self, generation: int) -> Iterator[torch.Tensor]:
-        # A generator: nothing below runs (no workers start) until the first batch is requested.
+        # A generator: nothing below runs (no workers start) until the first batch is requested, so a set_epoch
+        # that Lightning calls after creating the iterator still decides the epoch.
         self.sampler.epoch = self.epoch
         self.sampler.skip = self.batches_yielded * self.batch_size
         for batch in super().__iter__():

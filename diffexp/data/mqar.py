@@ -1,26 +1,8 @@
 """Multi-query associative recall (MQAR; zoology, Arora et al. 2023) as a Lightning data module.
 
-Each example follows zoology's ``multiquery_ar`` construction, as one row of ``seq_len + 1`` tokens::
-
-    k1 v1 k2 v2 ... kN vN | filler ... kq vq filler ... kq' vq' filler ...
-    `---- context: 2N ---'  `----------- query region: seq_len + 1 - 2N ---------`
-
-* keys are drawn without replacement from ``[1, vocab_size // 2)`` and values without replacement
-  from ``[vocab_size // 2, vocab_size)``; pair ``i`` is ``(k_i, v_i)``;
-* every key is queried exactly once, in the query region, at offset ``2 * gap`` after the context;
-  the ``N`` gaps are distinct and drawn from ``{0, ..., space - 1}``, ``space = (seq_len - 2N) // 2``,
-  with zoology's power law ``p(gap = i - 1) ~ power_a * i ** (power_a - 1)`` (small ``power_a``: most
-  queries sit close to the context; ``power_a = 1``: uniform);
-* each query key is followed by its value; every other query-region token is random filler from the
-  whole vocabulary (zoology's ``random_non_queries``).
-
-The model reads ``tokens[:, :-1]`` and predicts ``tokens[:, 1:]``; ``loss_mask`` is 1 exactly at the
-positions whose target is a queried value (the query keys' positions), so only the recalls are trained
-and scored. (Zoology leaves the token after a query as filler and keeps the value in the label only;
-with next-token targets the value is the next input, which is never itself scored.)
-
-Examples are generated on the fly from ``(seed, split, index)``: the same index always gives the same
-example, train and validation use different streams, and nothing is held in memory.
+A row, as zoology's ``multiquery_ar`` builds it: N key-value pairs, then every key queried once, followed by its
+value, at power-law distributed gaps among random filler. ``loss_mask`` marks the positions whose target is a
+queried value, so only the recalls are trained and scored. Examples are made on the fly from (seed, split, index).
 """
 
 from __future__ import annotations
@@ -58,7 +40,7 @@ def mqar_example(rng: np.random.Generator, vocab_size: int, seq_len: int, num_kv
     tokens[1:context:2] = values
     query_pos = context + 2 * gaps
     tokens[query_pos] = keys
-    tokens[query_pos + 1] = values
+    tokens[query_pos + 1] = values  # zoology keeps it in the label only; a next-token target reads it here
     mask = np.zeros(seq_len, dtype=bool)
     mask[query_pos] = True  # the target of position q is tokens[q + 1], the queried value
     return tokens, mask
@@ -101,9 +83,6 @@ def collate_examples(batch) -> dict[str, torch.Tensor]:
 
 class MQARDataModule(L.LightningDataModule):
     """Multi-query associative recall batches (zoology): ``{"tokens": (B, T + 1), "loss_mask": (B, T)}``.
-
-    ``loss_mask`` marks the targets that are queried values; ``DiffexpLM`` trains and validates on them
-    only, and ``diffexp.evals.mqar.evaluate_mqar`` reports the recall accuracy.
 
     Args:
         vocab_size: Token ids 0..vocab_size-1; keys come from [1, vocab_size // 2), values from

@@ -1,30 +1,493 @@
-"""Multi-needle retrieval (Needle-in-a-Haystack) as a trainable task: the Lightning data module and its
-datasets. The samples (layout, depth, held-out split, leak checks) are ``diffexp.data.needle_samples``.
+"""Multi-needle retrieval (Needle-in-a-Haystack, after LWM / Gemini 1.5) as data: the text of the task, its
+tokens under any tokenizer, the generation of one sample, and the Lightning data module that trains on it.
+
+A needle gives a city a unique number (``the magic number of Valdoren is 48213.``); N needles are hidden in a
+haystack and R of the cities are asked for at the end (``what is the magic number of Valdoren? 48213.``).
 """
 
 from __future__ import annotations
 
 import random
+import re
+import zlib
 from collections.abc import Iterator
+from dataclasses import dataclass, field
+from functools import cache
 from pathlib import Path
 from typing import Literal
 
 import lightning as L
+import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset, default_collate
 
 from diffexp.data.loader import resumable_train_loader
-from diffexp.data.needle_samples import (
-    HAYSTACKS,
-    NeedleSample,
-    check_split,
-    make_sample,
-    min_context_len,
-)
-from diffexp.data.needle_text import token_haystack
 from diffexp.data.tokenizer import ByteTokenizer, TextTokenizer, load_tokenizer_file
 from diffexp.errors import UserError
 
+# ----------------------------------------------------------------------------- the text: templates, cities, numbers
+# A city or number is held out when crc32(text) % HELD_OUT_MODULUS == 0: training samples use only the others,
+# validation and test samples only held-out ones, so evaluation asks about pairs never seen in training.
+
+NEEDLE_TEMPLATE = "the magic number of {city} is {number}."
+QUESTION_TEMPLATE = "what is the magic number of {city}? "
+SPLITS = ("train", "val", "test")
+HAYSTACKS = ("corpus", "synthetic")
+HELD_OUT_MODULUS = 5  # held out: crc32(text) % 5 == 0, i.e. about 20 % of cities and numbers
+MAX_SNAP = 16  # tokens a needle may move to start at a line / sentence boundary
+WINDOW_SEARCH = 200  # tokens after a random start searched for a line / sentence start
+CORPUS_CHARS = 2_000_000  # corpus characters used for haystacks (the first files of the stdlib corpus)
+CORPUS_TRAIN_FRACTION = 0.9
+#: per haystack: what ends a unit of the haystack text (a line, a sentence) and what separates needles
+BOUNDARY_MARKERS = {"corpus": "\n", "synthetic": ". "}
+SEPARATORS = {"corpus": "\n", "synthetic": " "}
+
+# Pronounceable synthetic city names: 2-3 syllables of onset + vowel + optional coda, capitalised.
+ONSETS = ("b", "d", "f", "g", "k", "l", "m", "n", "p", "r", "s", "t", "v", "z",
+          "br", "dr", "gr", "kr", "tr", "st", "sh", "th")
+VOWELS = ("a", "e", "i", "o", "u")
+CODAS = ("", "", "n", "r", "l", "s")
+MAX_CITY_LEN = 3 * (2 + 1 + 1)
+MIN_DIGITS, MAX_DIGITS = 4, 6
+MAX_NEEDLE_PIECE = len(NEEDLE_TEMPLATE.format(city="", number="")) + MAX_CITY_LEN + MAX_DIGITS + 1  # + separator
+MAX_QUERY_PIECE = 1 + len(QUESTION_TEMPLATE.format(city="")) + MAX_CITY_LEN + MAX_DIGITS + 1  # "\n" ... "."
+
+# Filler of the synthetic haystack (the passkey-retrieval sentences of Mohtashami & Jaggi, LWM).
+FILLER_SENTENCES = (
+    "The grass is green.", "The sky is blue.", "The sun is yellow.", "Here we go.", "There and back again.",
+    "The river flows to the sea.", "Birds sing in the morning.", "The road goes ever on.",
+)
+
+
+def is_held_out(text: str) -> bool:
+    """Whether a city name or a number (as a decimal string) belongs to the held-out split."""
+    return zlib.crc32(text.encode()) % HELD_OUT_MODULUS == 0
+
+
+def check_split(split: str) -> None:
+    if split not in SPLITS:
+        raise ValueError(f"split={split!r} is invalid: expected one of {', '.join(SPLITS)}")
+
+
+def random_city(rng: random.Random, split: str) -> str:
+    """A synthetic city name of the split (held out for "val" and "test", never held out for "train")."""
+    check_split(split)
+    while True:
+        syllables = rng.choice((2, 2, 3))
+        name = "".join(rng.choice(ONSETS) + rng.choice(VOWELS) + rng.choice(CODAS) for _ in range(syllables))
+        name = name.capitalize()
+        if is_held_out(name) == (split != "train"):
+            return name
+
+
+def random_number(rng: random.Random, split: str) -> str:
+    """A 4-6 digit number (no leading zero) of the split, as a string."""
+    check_split(split)
+    while True:
+        digits = rng.randint(MIN_DIGITS, MAX_DIGITS)
+        number = str(rng.randrange(10 ** (digits - 1), 10**digits))
+        if is_held_out(number) == (split != "train"):
+            return number
+
+
+def min_context_len(n_needles: int, n_queries: int) -> int:
+    """Smallest context_len that fits N needles and R queries (at their longest) with room to place them.
+
+    Counted in bytes: an upper bound for any tokenizer whose tokens hold at least one character each."""
+    distractor_room = MAX_NEEDLE_PIECE if n_needles > n_queries else 0
+    return 1 + n_queries * MAX_QUERY_PIECE + n_needles * MAX_NEEDLE_PIECE + distractor_room + 16
+
+
+# ----------------------------------------------------------------------------- haystack text
+
+
+@cache
+def haystack_bytes(haystack: str, split: str) -> bytes:
+    """The text haystack windows are cut from (cached per process); the corpus's first CORPUS_TRAIN_FRACTION
+    is the training split's, the rest validation's and test's."""
+    check_split(split)
+    if haystack == "synthetic":
+        rng = random.Random("needle-filler")  # same filler for both splits: it holds no needle
+        return " ".join(rng.choice(FILLER_SENTENCES) for _ in range(20_000)).encode() + b" "
+    if haystack != "corpus":
+        raise UserError(f"haystack={haystack!r} is invalid: expected one of {', '.join(HAYSTACKS)}")
+    from diffexp.data.corpus import load_stdlib_corpus
+
+    text = "\n".join(load_stdlib_corpus(CORPUS_CHARS)).encode("utf-8")
+    cut = text.index(b"\n", int(len(text) * CORPUS_TRAIN_FRACTION)) + 1
+    return text[:cut] if split == "train" else text[cut:]
+
+
+# ----------------------------------------------------------------------------- tokens with offsets
+
+
+@dataclass
+class Encoded:
+    """Token ids of a text and each token's ``[start, end)`` offsets into it."""
+
+    ids: list[int]
+    starts: list[int]
+    ends: list[int]
+
+    def overlapping(self, start: int, end: int) -> tuple[int, int]:
+        """The token span ``[first, last + 1)`` of the tokens that overlap the text ``[start, end)``."""
+        inside = [i for i, (s, e) in enumerate(zip(self.starts, self.ends)) if s < end and e > start]
+        if not inside:
+            raise ValueError(f"no token overlaps the text [{start}, {end})")
+        return inside[0], inside[-1] + 1
+
+
+def encode(tokenizer: TextTokenizer, text: str) -> Encoded:
+    """``text`` as tokens with offsets (no special tokens added): bytes for the byte tokenizer, characters for
+    a ``tokenizers`` one (the task's pieces are ASCII, where the two agree)."""
+    if isinstance(tokenizer, ByteTokenizer):
+        ids = list(text.encode("utf-8"))
+        return Encoded(ids, list(range(len(ids))), list(range(1, len(ids) + 1)))
+    inner = getattr(tokenizer, "tokenizer", None)
+    if inner is None or not hasattr(inner, "encode"):
+        raise TypeError(f"{type(tokenizer).__name__} gives no token offsets: expected a ByteTokenizer or an "
+                        "HFTokenizer")
+    encoding = inner.encode(text, add_special_tokens=False)
+    return Encoded(list(encoding.ids), [s for s, _ in encoding.offsets], [e for _, e in encoding.offsets])
+
+
+def separator_first(tokenizer: TextTokenizer) -> bool:
+    """Whether needles carry their separator in front ("\\n" + sentence, inserted right before a separator of the
+    haystack): a BPE attaches whitespace to what follows, so its token boundaries lie there. Bytes put it after."""
+    return not isinstance(tokenizer, ByteTokenizer)
+
+
+@dataclass
+class TokenHaystack:
+    """A haystack's text as tokens, with the token indices a needle may be inserted before.
+
+    ``boundaries`` (sorted) are those indices; ``markers`` the offset where the marker that makes each one a
+    boundary (the line's "\\n", the sentence's ". ") starts; ``cut_offsets[i]`` the text offset between
+    tokens i - 1 and i."""
+
+    ids: np.ndarray
+    boundaries: np.ndarray
+    markers: np.ndarray
+    cut_offsets: np.ndarray
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def boundaries_within(self, start: int, length: int) -> set[int]:
+        """Boundaries of the window ``ids[start : start + length]``, relative to it, whose marker lies inside it."""
+        lo, hi = np.searchsorted(self.boundaries, [start + 1, start + length])
+        first = self.cut_offsets[start]
+        return {int(b) - start for b, m in zip(self.boundaries[lo:hi], self.markers[lo:hi]) if m >= first}
+
+
+_token_haystacks: dict[tuple[str, str, str], TokenHaystack] = {}
+
+
+def token_haystack(haystack: str, split: str, tokenizer: TextTokenizer) -> TokenHaystack:
+    """The haystack of a split tokenized by ``tokenizer`` (cached per process and tokenizer identity)."""
+    key = (haystack, split, tokenizer.identity)
+    if key not in _token_haystacks:
+        data = haystack_bytes(haystack, split)
+        marker = BOUNDARY_MARKERS[haystack]
+        # a boundary is where a needle goes in: right after the marker, or right before its separator
+        shift = len(SEPARATORS[haystack]) if separator_first(tokenizer) else 0
+        if isinstance(tokenizer, ByteTokenizer):
+            text: bytes | str = data
+            ids = np.frombuffer(data, dtype=np.uint8).astype(np.int64)
+            cut_offsets = np.arange(len(ids) + 1)
+            pattern = re.escape(marker.encode())
+        else:
+            text = data.decode("utf-8")
+            encoded = encode(tokenizer, text)
+            ids = np.asarray(encoded.ids, dtype=np.int64)
+            # offsets of tokens that split a character may step back: keep the cut points sorted
+            cut_offsets = np.maximum.accumulate(np.asarray([0] + encoded.ends, dtype=np.int64))
+            pattern = re.escape(marker)
+        marker_starts = np.asarray([m.start() for m in re.finditer(pattern, text)], dtype=np.int64)
+        cuts = marker_starts + len(marker) - shift
+        index = np.searchsorted(cut_offsets, cuts).clip(max=len(cut_offsets) - 1)
+        at_token = (cut_offsets[index] == cuts) & (index > 0) & (index < len(ids))
+        _token_haystacks[key] = TokenHaystack(ids, index[at_token], marker_starts[at_token], cut_offsets)
+    return _token_haystacks[key]
+
+# ----------------------------------------------------------------------------- one sample
+# Layout, context_len + 1 tokens: tokens[0] is the end-of-document id, tokens[1 : 1 + H] the haystack region
+# holding every needle, tokens[1 + H :] one "\nwhat is the magic number of <city>? <number>." per query. The
+# model reads tokens[:-1]; the loss mask selects each answer's tokens (its digits and the "."). Every piece is
+# tokenized on its own, so lengths and spans are exact in tokens and a needle is the same tokens at any depth.
+# Depth: the answer needles (one block) start at round(depth * (H - block length)) of the haystack region; the
+# other needles go to random places before or after; cut points snap to a line or sentence start (MAX_SNAP).
+
+Span = tuple[int, int]
+
+
+@dataclass
+class NeedleSample:
+    """One generated sequence and where everything is. Spans are ``[start, end)`` indices into ``tokens``; lists
+    in "query order" follow the questions, those in "order of position" the needles in the haystack."""
+
+    tokens: torch.Tensor  # (context_len + 1,) long token ids; the model reads tokens[:-1]
+    answer_spans: list[Span]  # the number inside each answer needle (the tokens overlapping it), query order
+    answer_needle_spans: list[Span]  # the whole sentence of each answer needle, query order
+    needle_spans: list[Span]  # every needle sentence, order of position
+    query_start: int  # first index of the query region (its leading "\n")
+    query_spans: list[Span]  # each "what is the magic number of <city>? " (up to the answer's tokens)
+    answers: list[str]  # the answer number of each query
+    cities: list[str]  # the queried cities
+    needle_cities: list[str]  # every needle's city, order of position
+    needle_numbers: list[str]  # every needle's number, order of position
+    candidates: list[str]  # the numbers present in the context (= needle_numbers): the ranking's choices
+    # per query, the indices of the answer's tokens (its digits and the "."); [k][0] - 1 is the prompt's last row
+    answer_target_positions: list[list[int]]
+    # per query, the text the answer's tokens hold before the digits: "" for bytes, " " for a BPE that merges
+    # the space after "?" into the number
+    answer_prefixes: list[str]
+    depth: float  # the answer depth used (drawn uniformly when None was asked)
+    haystack_len: int  # H: the haystack region is tokens[1 : 1 + H]
+    split: str = "train"
+    meta: dict = field(default_factory=dict)
+
+    @property
+    def context_len(self) -> int:
+        return len(self.tokens) - 1
+
+    @property
+    def query_positions(self) -> list[int]:
+        """Per query, the position whose next-token prediction is the answer's first token."""
+        return [positions[0] - 1 for positions in self.answer_target_positions]
+
+    def loss_mask(self) -> torch.Tensor:
+        """(context_len,) float mask over the targets ``tokens[1:]``: 1 on the answers' tokens."""
+        mask = torch.zeros(self.context_len, dtype=torch.float32)
+        for positions in self.answer_target_positions:
+            mask[torch.tensor(positions) - 1] = 1.0
+        return mask
+
+    def text(self, tokenizer: TextTokenizer | None = None) -> str:
+        """The sequence as text (the end-of-document id shown as ``<eos>``); bytes unless told otherwise."""
+        return "<eos>" + (tokenizer or ByteTokenizer()).decode(self.tokens[1:].tolist())
+
+
+@dataclass
+class _Needle:
+    """A needle with its separator, tokenized; spans relative to its first token."""
+
+    ids: list[int]
+    sentence: Span
+    number: Span
+
+
+@dataclass
+class _Query:
+    """A question with its answer, tokenized; spans relative to its first token."""
+
+    ids: list[int]
+    question: Span
+    answer: Span
+    prefix: str
+    text: str
+
+
+def _tokenized_needle(tokenizer: TextTokenizer, city: str, number: str, sep: str) -> _Needle:
+    sentence = NEEDLE_TEMPLATE.format(city=city, number=number)
+    first = separator_first(tokenizer)
+    at = len(sep) if first else 0
+    encoded = encode(tokenizer, sep + sentence if first else sentence + sep)
+    number_at = at + len(sentence) - len(number) - 1  # the sentence ends with "<number>."
+    return _Needle(encoded.ids, encoded.overlapping(at, at + len(sentence)),
+                   encoded.overlapping(number_at, number_at + len(number)))
+
+
+def _tokenized_query(tokenizer: TextTokenizer, city: str, number: str) -> _Query:
+    question = "\n" + QUESTION_TEMPLATE.format(city=city)
+    text = question + number + "."
+    encoded = encode(tokenizer, text)  # one piece: "? 48213" tokenized as in running text
+    first, end = encoded.overlapping(len(question), len(text))
+    if first == 0 or end != len(encoded.ids):
+        raise ValueError(f"the tokenizer merges the question {question!r} into its answer {number!r}.")
+    prefix = text[encoded.ends[first - 1] : len(question)]  # what the answer's tokens add before the digits
+    return _Query(encoded.ids, (encoded.overlapping(1, len(question))[0], first), (first, end), prefix, question)
+
+
+def make_sample(
+    rng: random.Random,
+    context_len: int,
+    n_needles: int,
+    n_queries: int,
+    depth: float | None,
+    haystack: Literal["corpus", "synthetic"],
+    split: Literal["train", "val", "test"],
+    max_tries: int = 200,
+    tokenizer: TextTokenizer | None = None,
+) -> NeedleSample:
+    """Generate one multi-needle sequence from ``rng`` (pure: same rng state, same sample).
+
+    Args:
+        rng: the random source (``random.Random``).
+        context_len: tokens the model reads; the sample has ``context_len + 1`` tokens.
+        n_needles: N, needles in the haystack.
+        n_queries: R <= N, cities asked for at the end; their needles sit at ``depth``.
+        depth: 0..1, where in the haystack region the answer needles start; None draws it uniformly.
+        haystack: "corpus" (windows of the stdlib text) or "synthetic" (repeated filler sentences).
+        split: "train" (cities/numbers not held out), or "val" / "test" (held-out cities/numbers only).
+        max_tries: rejection-sampling attempts before giving up (a leak check failed every time).
+        tokenizer: the model's tokenizer (a ByteTokenizer or an HFTokenizer); default bytes.
+    """
+    check_split(split)
+    if haystack not in HAYSTACKS:
+        raise ValueError(f"haystack={haystack!r} is invalid: expected one of {', '.join(HAYSTACKS)}")
+    if not 1 <= n_queries <= n_needles:
+        raise ValueError(f"n_queries={n_queries} is invalid: expected 1 <= n_queries <= n_needles={n_needles}")
+    if depth is not None and not 0.0 <= depth <= 1.0:
+        raise ValueError(f"depth={depth!r} is invalid: expected a fraction in [0, 1] or None")
+    if context_len < min_context_len(n_needles, n_queries):
+        raise ValueError(f"context_len={context_len} is too short for {n_needles} needles and {n_queries} "
+                         f"queries: expected >= {min_context_len(n_needles, n_queries)}")
+    tokenizer = tokenizer or ByteTokenizer()
+    source = token_haystack(haystack, split, tokenizer)
+    for _ in range(max_tries):
+        sample = _try_sample(rng, source, tokenizer, context_len, n_needles, n_queries, depth, haystack, split)
+        if sample is not None:
+            return sample
+    raise RuntimeError(f"could not generate a leak-free needle sample in {max_tries} tries")
+
+
+def _filler_window(rng: random.Random, source: TokenHaystack, length: int, haystack: str) -> tuple[list[int], set]:
+    """``length`` haystack tokens and the boundaries inside them (relative indices)."""
+    if length == 0:
+        return [], set()
+    if len(source) < length + 1:
+        raise ValueError(f"the {haystack} haystack has {len(source)} tokens, fewer than the {length} needed")
+    start = rng.randrange(0, len(source) - length)
+    # start at a line (corpus) or sentence (synthetic) boundary when one is close
+    k = int(np.searchsorted(source.markers, source.cut_offsets[start]))
+    if k < len(source.boundaries):
+        boundary = int(source.boundaries[k])
+        if boundary <= start + WINDOW_SEARCH and boundary + length <= len(source):
+            start = boundary
+    return source.ids[start : start + length].tolist(), source.boundaries_within(start, length)
+
+
+def _snap_to_boundaries(cuts: list[int], boundaries: set, length: int) -> list[int]:
+    """Move each cut point to the nearest boundary within MAX_SNAP tokens, keeping them non-decreasing."""
+    out: list[int] = []
+    for c in cuts:
+        lo = out[-1] if out else 0
+        best = None
+        for delta in range(MAX_SNAP + 1):
+            for cand in (c - delta, c + delta):
+                if lo <= cand <= length and (cand <= 0 or cand >= length or cand in boundaries):
+                    best = cand
+                    break
+            if best is not None:
+                break
+        out.append(best if best is not None else max(c, lo))
+    return out
+
+
+def _try_sample(rng, source, tokenizer, context_len, n_needles, n_queries, depth, haystack,
+                split) -> NeedleSample | None:
+    cities: list[str] = []
+    while len(cities) < n_needles:
+        city = random_city(rng, split)
+        if all(city not in c and c not in city for c in cities):
+            cities.append(city)
+    numbers: list[str] = []
+    while len(numbers) < n_needles:
+        number = random_number(rng, split)
+        if all(number not in n and n not in number for n in numbers):
+            numbers.append(number)
+    # needles 0..R-1 are the answers (in block order); query order is a separate shuffle
+    pieces = [_tokenized_needle(tokenizer, c, n, SEPARATORS[haystack]) for c, n in zip(cities, numbers)]
+    query_order = list(range(n_queries))
+    rng.shuffle(query_order)
+
+    queries = [_tokenized_query(tokenizer, cities[k], numbers[k]) for k in query_order]
+    H = context_len - sum(len(q.ids) for q in queries)  # haystack region: tokens[1 : 1 + H]
+    answer_len = sum(len(p.ids) for p in pieces[:n_queries])
+    distractors = list(range(n_queries, n_needles))
+    rng.shuffle(distractors)
+    distractor_len = sum(len(pieces[i].ids) for i in distractors)
+    F = H - answer_len - distractor_len  # filler tokens
+    if F < 0 or (distractors and F < MAX_NEEDLE_PIECE):
+        return None
+    used_depth = rng.random() if depth is None else float(depth)
+    P = round(used_depth * (H - answer_len))  # target start of the answer block in the haystack region
+    # distractors before the block: a prefix of the shuffled list whose length fits in P and leaves
+    # the rest fitting after the block (one exists because F >= the longest piece)
+    after_room = H - answer_len - P
+    prefix = [0]
+    for i in distractors:
+        prefix.append(prefix[-1] + len(pieces[i].ids))
+    feasible = [k for k, s in enumerate(prefix) if s <= P and distractor_len - s <= after_room]
+    if not feasible:
+        return None
+    k_before = rng.choice(feasible)
+    before, after = distractors[:k_before], distractors[k_before:]
+    filler_before = P - prefix[k_before]  # filler tokens before the block
+    # random filler cut points for the distractors on each side
+    cuts_before = sorted(rng.randint(0, filler_before) for _ in before)
+    cuts_after = sorted(rng.randint(filler_before, F) for _ in after)
+    order = before + ["block"] + after
+    cuts = cuts_before + [filler_before] + cuts_after
+    filler, boundaries = _filler_window(rng, source, F, haystack)
+    cuts = _snap_to_boundaries(cuts, boundaries, F)
+
+    # assemble
+    tokens: list[int] = [tokenizer.eos_id]
+    needle_spans: dict[int, Span] = {}
+    number_spans: dict[int, Span] = {}
+    prev = 0
+    for item, cut in zip(order, cuts):
+        tokens.extend(filler[prev:cut])
+        prev = cut
+        for i in (range(n_queries) if item == "block" else [item]):
+            start = len(tokens)
+            tokens.extend(pieces[i].ids)
+            needle_spans[i] = (start + pieces[i].sentence[0], start + pieces[i].sentence[1])
+            number_spans[i] = (start + pieces[i].number[0], start + pieces[i].number[1])
+    tokens.extend(filler[prev:])
+    assert len(tokens) == 1 + H, (len(tokens), H)
+    haystack_text = tokenizer.decode(tokens[1:])
+    query_start = len(tokens)
+    query_spans, target_positions = [], []
+    for query in queries:
+        start = len(tokens)
+        query_spans.append((start + query.question[0], start + query.question[1]))
+        target_positions.append(list(range(start + query.answer[0], start + query.answer[1])))
+        tokens.extend(query.ids)
+    assert len(tokens) == context_len + 1
+
+    # leak checks: each city / number once in the haystack region, no stray "magic number"
+    if haystack_text.count("magic number") != n_needles:
+        return None
+    for c, n in zip(cities, numbers):
+        if haystack_text.count(c) != 1 or haystack_text.count(n) != 1:
+            return None
+    if any(ch.isdigit() for query in queries for ch in query.text):
+        return None
+
+    by_position = sorted(range(n_needles), key=lambda i: needle_spans[i][0])
+    return NeedleSample(
+        tokens=torch.tensor(tokens, dtype=torch.long),
+        answer_spans=[number_spans[k] for k in query_order],
+        answer_needle_spans=[needle_spans[k] for k in query_order],
+        needle_spans=[needle_spans[i] for i in by_position],
+        query_start=query_start,
+        query_spans=query_spans,
+        answers=[numbers[k] for k in query_order],
+        cities=[cities[k] for k in query_order],
+        needle_cities=[cities[i] for i in by_position],
+        needle_numbers=[numbers[i] for i in by_position],
+        candidates=[numbers[i] for i in by_position],
+        answer_target_positions=target_positions,
+        answer_prefixes=[query.prefix for query in queries],
+        depth=used_depth,
+        haystack_len=H,
+        split=split,
+    )
+
+# ----------------------------------------------------------------------------- the data module
 
 class NeedleDataset(Dataset):
     """``size`` needle samples of one split, each generated on demand from (seed, split, index).
@@ -57,13 +520,9 @@ class NeedleDataset(Dataset):
 
 
 class NeedleDataModule(L.LightningDataModule):
-    """Synthetic multi-needle retrieval batches generated on the fly (byte tokens, or a tokenizer.json's).
-
-    Batches are dicts ``{"tokens": (B, context_len + 1) long, "loss_mask": (B, context_len) float}``;
-    the mask is 1 exactly on the answer digits and the "." after each answer, so the loss trains
-    retrieval only. Training samples use cities and numbers that are not held out; validation samples
-    only held-out ones (see ``diffexp.data.needle_samples``). Per-sample metadata (spans, candidates) comes from
-    ``samples(split)``, not from the batches.
+    """Synthetic multi-needle retrieval batches generated on the fly (byte tokens, or a tokenizer.json's): dicts
+    ``{"tokens": (B, context_len + 1) long, "loss_mask": (B, context_len) float}``, the mask 1 on the answers'
+    tokens; validation uses held-out cities and numbers only. ``samples(split)`` gives each sample's spans.
 
     Args:
         context_len: Tokens the model reads per sample (rows hold context_len + 1 tokens).
@@ -83,7 +542,7 @@ class NeedleDataModule(L.LightningDataModule):
             haystack teaches copying early, which the retrieval then builds on). Validation always scores
             the answers, so val/loss means the same either way.
         tokenizer: "byte" (vocab 257), or a tokenizer.json whose tokens the samples are written in (context
-            lengths then count its tokens; see ``diffexp.data.needle_text``).
+            lengths then count its tokens).
     """
 
     def __init__(

@@ -1,15 +1,8 @@
 """``diffexp data prepare``: a corpus becomes token shards, once, in flat memory, on every core.
 
-The corpus is planned as units (``diffexp.data.units``); each unit is read, split by document, tokenized and
-written as shards by one process (``--num-proc`` of them), and recorded in ``units/<index>.json`` once its
-shards are on disk. A rerun of the same command skips the recorded units, so a killed preparation continues
-where it stopped and ends byte-identical to an uninterrupted one. ``--part i --of n`` prepares the i-th of n
-contiguous runs of units (one per machine, into one shared or later merged directory); ``join`` (run by the
-last part to finish, or by ``diffexp data join``) writes ``manifest.json`` from the records, so the result is
-the same files as a one-machine preparation.
-
-A document goes to validation or test by a keyed hash of its text (``split_of``): the choice depends on the
-document alone, never on its position, the unit layout or the machine.
+Each unit of the corpus (``diffexp.data.units``) is tokenized and written by one process and recorded once its
+shards are on disk, so a rerun continues a killed preparation and ends byte-identical; ``--part i --of n`` shares
+the units among machines, and ``join`` writes the manifest once all are done.
 """
 
 from __future__ import annotations
@@ -185,7 +178,7 @@ def prepare(plan: Plan, out: Path, num_proc: int | None = None, part: int = 0, o
     if tokenizer_json is not None and not saved_tokenizer.is_file():
         write_atomic(saved_tokenizer, tokenizer_json.encode())
     if (out / MANIFEST).is_file():
-        manifest = read_manifest(out, _rebuild(out, command))
+        manifest = read_manifest(out, _rebuild_hint(out, command))
         return Result(out, manifest, 0, len(plan.units), time.perf_counter() - started, 0.0, 0, 0)
     mine = part_units(plan.units, part, of)
     pending = [unit for unit in mine if not finished(out, unit)]
@@ -221,15 +214,16 @@ def _write_or_compare_settings(out: Path, settings: dict, command: str) -> None:
         saved = json.loads(path.read_text())
         differing = [key for key in settings if saved.get(key) != settings[key]]
         if differing:
+            difference = _first_difference(saved, settings, differing)
             raise UserError(f"OUT={str(out)!r}: holds a preparation with other settings ({', '.join(differing)} "
-                            f"differ{'s' if len(differing) == 1 else ''}: {_difference(saved, settings, differing)}); "
+                            f"differ{'s' if len(differing) == 1 else ''}: {difference}); "
                             "a preparation continues only with the command that started it: use a new directory")
         return
     out.mkdir(parents=True, exist_ok=True)
     write_json(path, settings)
 
 
-def _difference(saved: dict, wanted: dict, keys: list[str]) -> str:
+def _first_difference(saved: dict, wanted: dict, keys: list[str]) -> str:
     key = keys[0]
     if key == "units":
         return f"the source's layout: {len(saved.get(key) or [])} units there, {len(wanted[key])} now"
@@ -250,7 +244,7 @@ def _run_units(job: Job, units: list[Unit], num_proc: int | None, show: bool) ->
         try:
             for unit in units:
                 prepare_unit(unit)
-                tokens += _drain(updates, bar)
+                tokens += _apply_progress(updates, bar)
         finally:
             WORKER.clear()
             bar.close()
@@ -261,11 +255,11 @@ def _run_units(job: Job, units: list[Unit], num_proc: int | None, show: bool) ->
         try:
             pending = [pool.apply_async(prepare_unit, (unit,)) for unit in units]
             while pending:
-                tokens += _drain(updates, bar, wait=0.2)
+                tokens += _apply_progress(updates, bar, wait=0.2)
                 for result in [r for r in pending if r.ready()]:
                     result.get()  # raises a worker's error here
                     pending.remove(result)
-            tokens += _drain(updates, bar)
+            tokens += _apply_progress(updates, bar)
         finally:
             pool.terminate()
             bar.close()
@@ -282,7 +276,7 @@ def _progress_bar(units: list[Unit], show: bool):
     return bar
 
 
-def _drain(updates, bar, wait: float = 0.0) -> int:
+def _apply_progress(updates, bar, wait: float = 0.0) -> int:
     """Apply the progress the workers reported; the tokens it adds."""
     tokens = 0
     try:
@@ -324,7 +318,7 @@ def saved_command(out: Path, command: str) -> str:
         return command
 
 
-def _rebuild(out: Path, command: str) -> str:
+def _rebuild_hint(out: Path, command: str) -> str:
     return f"rebuild it: delete {out} and run {command.replace('{directory}', str(out))}"
 
 

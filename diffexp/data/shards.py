@@ -1,17 +1,9 @@
 """Token shards on disk: how a prepared corpus is written, checked and read back as training rows.
 
-A prepared directory holds
-
-* ``shards/<split>-<unit>-<piece>.bin``: raw token ids (uint16 when the vocabulary fits, else uint32), each
-  document followed by the end-of-document id; a piece holds at most ``shard_tokens`` tokens and is written
-  to a hidden temporary file, synced and renamed, so a file under its own name is always whole;
-* ``manifest.json``: per split the pieces in corpus order with their documents, tokens, bytes and SHA-256,
-  plus the tokenizer's identity, the source's fingerprint and the split rule (written last: its presence means
-  the directory is complete);
-* ``tokenizer.json`` for a `tokenizers` tokenizer.
-
-A split's tokens are its pieces concatenated; ``TokenRows`` cuts that stream into rows of ``seq_len + 1``
-tokens (the incomplete tail dropped), so the rows depend on the tokens alone, not on how they were sharded.
+A prepared directory holds ``shards/<split>-<unit>-<piece>.bin`` (raw token ids, uint16 or uint32, each document
+followed by the end-of-document id; renamed into place once whole), ``manifest.json`` (per split the pieces with
+their documents, tokens, bytes and SHA-256; written last, so it means the directory is complete) and
+``tokenizer.json`` for a `tokenizers` tokenizer.
 """
 
 from __future__ import annotations
@@ -176,15 +168,15 @@ def verify_shards(directory: Path, manifest: dict, rebuild: str, checksums: bool
     if not checksums:
         return
 
-    def digest(piece: dict) -> str:
-        h = hashlib.sha256()
+    def sha256_of(piece: dict) -> str:
+        hasher = hashlib.sha256()
         with open(directory / piece["file"], "rb") as f:
             while block := f.read(8 << 20):
-                h.update(block)
-        return h.hexdigest()
+                hasher.update(block)
+        return hasher.hexdigest()
 
     with ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1)) as pool:
-        for piece, found in zip(pieces, pool.map(digest, pieces)):
+        for piece, found in zip(pieces, pool.map(sha256_of, pieces)):
             if found != piece["sha256"]:
                 raise UserError(f"{directory / piece['file']} is corrupted or comes from another preparation: its "
                                 f"SHA-256 differs from the manifest's; {rebuild}")

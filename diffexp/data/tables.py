@@ -1,12 +1,8 @@
 """Columns of a table the evaluations read: a local .jsonl, .csv or .parquet file, or a Hugging Face Hub
-dataset (``hf:<name>[:<config>]``, or a bare name that is not a local path; needs network or the local
-Hub cache).
+dataset (``hf:<name>[:<config>]``, or a bare name that is not a local path).
 
-``open_table`` reads the whole table, so every problem (a missing file, an unknown extension, a file the
-reader refuses, a Hub dataset that cannot be loaded offline, a missing column) is a ``UserError`` naming
-the command's flag (``--dataset``, ``--split``, the column flags) before any model is built. Local files
-are read with pyarrow in memory (nothing is cached); integer columns that the data declares as a
-``datasets.ClassLabel`` (a Hub dataset, or a Parquet file written by ``datasets``) keep their class names.
+``open_table`` reads the whole table, so every problem is a ``UserError`` naming the command's flag before any
+model is built; ``ClassLabel`` columns keep their class names.
 """
 
 from __future__ import annotations

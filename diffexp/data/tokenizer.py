@@ -1,11 +1,6 @@
-"""Offline tokenizers with one small interface: ``encode``, ``decode``, ``vocab_size``, ``eos_id``.
-
-* ``ByteTokenizer``: UTF-8 bytes are ids 0..255 and id 256 is the end-of-document token,
-  so ``vocab_size == 257``. Needs no training and no files.
-* ``HFTokenizer``: wraps a Hugging Face ``tokenizers.Tokenizer``, either a byte-level BPE
-  trained here on the training split (``train_bpe``) or any local ``tokenizer.json``.
-
-``decode`` drops the end-of-document token (like ``skip_special_tokens``) in both cases.
+"""Offline tokenizers with one small interface (``encode``, ``decode``, ``vocab_size``, ``eos_id``): UTF-8 bytes
+(``ByteTokenizer``, vocab 257) or a Hugging Face ``tokenizers.Tokenizer`` (``HFTokenizer``). ``decode`` drops the
+end-of-document token.
 """
 
 from __future__ import annotations

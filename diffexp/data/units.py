@@ -1,13 +1,8 @@
 """A corpus as units of work: each unit is a piece of the source that one process reads on its own.
 
-``plan_units`` cuts a validated ``Source`` into units without reading it whole: a JSON-lines or text file into
-byte ranges that end at a record (line or paragraph) boundary, a Parquet file into runs of row groups, the
-embedded corpus into runs of files, a Hub dataset into its own shards. ``unit_documents`` streams one unit's
-documents. The plan depends only on the source's content, so every machine that prepares a part of a corpus
-(``--part i --of n``) makes the same plan, and the concatenated units are the corpus in its order.
-
-With ``max_chars`` the plan is made by reading the corpus in order up to the cap, and the unit that reaches
-it carries the characters left (its last document is truncated there).
+``plan_units`` cuts a source without reading it whole (byte ranges ending at a record boundary, runs of Parquet
+row groups or stdlib files, Hub shards); the plan depends only on the content, so every machine preparing a part
+makes the same plan.
 """
 
 from __future__ import annotations
@@ -66,7 +61,7 @@ def _next_boundary(f, offset: int, separators: tuple[bytes, ...], size: int) -> 
         base, data = base + len(data) - keep, data[len(data) - keep:]
 
 
-def _ranges(path: Path, separators: tuple[bytes, ...], unit_bytes: int) -> list[tuple[int, int]]:
+def _record_ranges(path: Path, separators: tuple[bytes, ...], unit_bytes: int) -> list[tuple[int, int]]:
     size = path.stat().st_size
     cuts = [0]
     with open(path, "rb") as f:
@@ -94,8 +89,8 @@ def _file_units(path: Path, unit_bytes: int) -> list[tuple[str, int, int, int]]:
     if suffix == ".json" and _starts_with_array(path):
         return [("json", 0, 0, path.stat().st_size)]
     if suffix == ".txt":
-        return [("paragraphs", a, b, b - a) for a, b in _ranges(path, PARAGRAPH_ENDS, unit_bytes)]
-    return [("lines", a, b, b - a) for a, b in _ranges(path, (b"\n",), unit_bytes)]
+        return [("paragraphs", a, b, b - a) for a, b in _record_ranges(path, PARAGRAPH_ENDS, unit_bytes)]
+    return [("lines", a, b, b - a) for a, b in _record_ranges(path, (b"\n",), unit_bytes)]
 
 
 def _starts_with_array(path: Path) -> bool:
@@ -128,10 +123,10 @@ def plan_units(source: Source, text_field: str, max_chars: int | None, hf_cache_
         unit_bytes = unit_bytes or unit_bytes_for(sum(p.stat().st_size for p in files))
         pieces = [(str(p), kind, a, b, size) for p in files for kind, a, b, size in _file_units(p, unit_bytes)]
     units = [Unit(i, kind, path, a, b, size) for i, (path, kind, a, b, size) in enumerate(pieces)]
-    return units if max_chars is None else _capped(units, source, text_field, max_chars, hf_cache_dir)
+    return units if max_chars is None else _capped_units(units, source, text_field, max_chars, hf_cache_dir)
 
 
-def _capped(units: list[Unit], source: Source, text_field: str, max_chars: int, hf_cache_dir: str) -> list[Unit]:
+def _capped_units(units: list[Unit], source: Source, text_field: str, max_chars: int, hf_cache_dir: str) -> list[Unit]:
     """The units up to the one where ``max_chars`` characters of documents are reached, that one carrying
     the characters left, read in order (the cap is for small corpora: reading up to it is cheap)."""
     total = 0
@@ -187,7 +182,7 @@ def _raw_documents(unit: Unit, source: Source, text_field: str, hf_cache_dir: st
             if text_field not in record:
                 raise UserError(f"data.text_field={text_field!r}: no such column in {source.spec!r} "
                                 f"(columns: {list(record)})")
-            yield _text(record[text_field], text_field, source.spec)
+            yield _text_value(record[text_field], text_field, source.spec)
     elif unit.kind == "row_groups":
         import pyarrow.parquet as pq
 
@@ -197,7 +192,7 @@ def _raw_documents(unit: Unit, source: Source, text_field: str, hf_cache_dir: st
     elif unit.kind == "json":
         records = json.loads(Path(unit.path).read_text(encoding="utf-8"))
         for number, record in enumerate(records, 1):
-            yield _field(record, text_field, source.spec, unit.path, number)
+            yield _field_text(record, text_field, source.spec, unit.path, number)
     else:
         yield from _range_documents(unit, source, text_field)
 
@@ -244,18 +239,18 @@ def _json_line(line: str, text_field: str, spec: str, path: str) -> str | None:
     except json.JSONDecodeError as err:
         raise UserError(f"data.source={spec!r}: {path} is not valid JSON lines: {err.msg} in the line "
                         f"{line[:60]!r}") from None
-    return _field(record, text_field, spec, path, None)
+    return _field_text(record, text_field, spec, path, None)
 
 
-def _field(record: object, text_field: str, spec: str, path: str, number: int | None) -> str | None:
+def _field_text(record: object, text_field: str, spec: str, path: str, number: int | None) -> str | None:
     if not isinstance(record, dict) or text_field not in record:
         where = f"record {number} of {path}" if number else f"a record of {path}"
         fields = ", ".join(map(repr, record)) if isinstance(record, dict) else type(record).__name__
         raise UserError(f"data.text_field={text_field!r}: {where} has no such field (it holds: {fields})")
-    return _text(record[text_field], text_field, spec)
+    return _text_value(record[text_field], text_field, spec)
 
 
-def _text(value: object, text_field: str, spec: str) -> str | None:
+def _text_value(value: object, text_field: str, spec: str) -> str | None:
     if value is None or isinstance(value, str):
         return value
     raise UserError(f"data.text_field={text_field!r}: records of data.source={spec!r} hold "

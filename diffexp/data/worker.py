@@ -74,7 +74,7 @@ def init_worker(job: Job, progress, single_threaded: bool) -> None:
     WORKER.update(job=job, encode=encode, progress=progress)
 
 
-def _tokens(texts: list[str], encode, eos_id: int, dtype: np.dtype) -> np.ndarray:
+def _token_ids(texts: list[str], encode, eos_id: int, dtype: np.dtype) -> np.ndarray:
     """The documents' ids, each followed by ``eos_id``, as one array."""
     if encode is None:  # the byte tokenizer: UTF-8 bytes are the ids
         encoded = [text.encode("utf-8") for text in texts]
@@ -105,7 +105,7 @@ def prepare_unit(unit: Unit) -> dict:
         tokens = 0
         for split, texts in batch.items():
             if texts:
-                ids = _tokens(texts, encode, job.eos_id, dtype)
+                ids = _token_ids(texts, encode, job.eos_id, dtype)
                 writers[split].write(ids)
                 tokens += len(ids)
         release_memory()

@@ -1,24 +1,6 @@
-"""Attention to the answer vs attention noise (Table 5 of the DIFF/DINT papers) and negative attention.
-
-Both work on the *effective* attention maps of ``Decoder.forward(idx, need_weights=True)``: one
-(B, heads, T, T) tensor per layer, rows summing to 1 (plain softmax, DINT) or 1 - lambda (the other
-two-map variants), with possibly negative entries (differential variants).
-
-Allocation of a query row ``a = map[b, h, q, :q + 1]`` (the causal part of the row of position q):
-
-* every entry is taken by magnitude and the row is normalised by its absolute sum,
-  ``w_j = |a_j| / sum_{i <= q} |a_i|``, so shares lie in [0, 1] and add up to 1 whatever the sign of
-  the entries (for non-negative rows this is the usual renormalised attention);
-* ``answer`` = sum of ``w_j`` over the answer span(s) of that query;
-* ``query`` = sum of ``w_j`` over the query itself: positions ``query_start .. q`` (the question text,
-  and for later queries of a multi-query prompt the earlier questions and answers too); just ``q``
-  when no ``query_start`` is given;
-* ``noise`` = everything else: ``1 - answer - query``, i.e. the haystack, including the first token
-  (end-of-document / attention sink) and the needles that do not answer this query;
-* ``distractor`` (when needle spans are given) = the part of ``noise`` that lies on other needles.
-
-Shares are averaged over heads, over query rows and over the batch; ``overall`` averages the layers.
-A row whose absolute sum is 0 is skipped.
+"""Attention to the answer vs attention noise (Table 5 of the DIFF/DINT papers) and negative attention, on the
+effective maps of ``Decoder.forward(idx, need_weights=True)``: one (B, heads, T, T) map per layer, whose entries
+may be negative (the differential variants).
 """
 
 from __future__ import annotations
@@ -66,18 +48,16 @@ def attention_allocation(
     query_starts: Sequence[int] | None = None,
     needle_spans: Sequence[Sequence[Span]] | None = None,
 ) -> AttentionAllocation:
-    """Shares of the effective attention from the query rows (see the module docstring for the definitions).
+    """Per-layer shares of the effective attention of each query row q, by magnitude
+    (``w_j = |a_j| / sum_{i <= q} |a_i|``), averaged over heads, query rows and samples (a row of no weight skipped).
 
     Args:
         maps: per layer, the effective attention (B, heads, T, T).
         query_positions: per sample, the query row(s) ``q`` (ints or lists of ints).
-        answer_spans: per sample, one ``[start, end)`` span per query row: that query's answer.
-        query_starts: per sample, the first position of the query region (default: each row's ``q``).
-        needle_spans: per sample, every needle's span, to report the share on the distractor needles.
-
-    Returns:
-        per-layer ``answer``, ``noise``, ``query`` (and ``distractor``) shares averaged over heads,
-        query rows and samples; ``.overall()`` averages the layers.
+        answer_spans: per sample, one ``[start, end)`` span per query row: ``answer`` is the share on it.
+        query_starts: per sample, where the query region starts: ``query`` is the share on ``query_start .. q``
+            (default: ``q`` alone); ``noise`` is 1 - answer - query.
+        needle_spans: per sample, every needle's span: ``distractor`` is the part of noise on the other needles.
     """
     if len(maps) == 0:
         raise ValueError("maps: expected at least one layer")
@@ -183,19 +163,10 @@ def attention_by_depth(
     device: str | torch.device = "cpu",
     batch_size: int = 8,
 ) -> list[dict]:
-    """Answer / noise shares per answer depth and layer, from every query row of needle samples.
-
-    Args:
-        model: a Decoder (or DiffexpLM) whose forward accepts ``need_weights=True``.
-        samples_by_depth: depth -> NeedleSamples (``diffexp.data.needle_samples``) of one context length.
-        span: what counts as the answer: "needle" (the whole answer sentence) or "number" (its digits).
-        device: where the model runs.
-        batch_size: samples per forward pass.
-
-    Returns:
-        rows ``{"depth", "layer", "answer", "noise", "query", "distractor"}``, ``layer`` an int or "all"
-        (the layer mean); format them with ``attention_table``.
-    """
+    """Answer / noise shares per answer depth and layer, from every query row of needle samples
+    (``samples_by_depth``: depth -> NeedleSamples of one context length); ``span`` "needle" takes the whole answer
+    sentence as the answer, "number" its digits. Rows ``{"depth", "layer", "answer", "noise", "query",
+    "distractor"}``, ``layer`` an int or "all" (the layer mean), as ``attention_table`` formats them."""
     if span not in ("needle", "number"):
         raise ValueError(f"span={span!r} is invalid: expected 'needle' or 'number'")
     decoder = getattr(model, "model", model)

@@ -51,19 +51,19 @@ def usage() -> str:
     return "\n".join(lines)
 
 
-def _parser(task: str, description: str) -> argparse.ArgumentParser:
+def _task_parser(task: str, description: str) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog=f"diffexp eval {task}", description=description)
     parser.add_argument("checkpoint", metavar=CKPT_KEY,
                         help="a .ckpt file, a sharded checkpoint directory or a `diffexp export` directory")
     return parser
 
 
-def _device_and_out(parser: argparse.ArgumentParser) -> None:
+def _add_device_and_out(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--out", default=None, help="default: <run>/eval/")
 
 
-def _tokenizer_flag(parser: argparse.ArgumentParser) -> None:
+def _add_tokenizer_flag(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tokenizer", default=None,
                         help="'byte' or a tokenizer.json, for checkpoints saved without their tokenizer")
 
@@ -121,7 +121,7 @@ def icl_main(argv: list[str]) -> int:
     """Many-shot in-context classification: accuracy vs demonstrations, spread over orderings."""
     from diffexp.evals.icl import ORDERINGS, evaluate_icl
 
-    parser = _parser("icl", icl_main.__doc__)
+    parser = _task_parser("icl", icl_main.__doc__)
     synthetic = parser.add_argument_group("the synthetic task (the default)")
     synthetic.add_argument("--k-classes", type=int, default=None,
                            help="default: the checkpoint's ICLDataModule setting, else 4 (also for the next three)")
@@ -142,8 +142,8 @@ def icl_main(argv: list[str]) -> int:
     parser.add_argument("--n-orderings", type=int, default=5)
     parser.add_argument("--n-tests", type=int, default=50)
     parser.add_argument("--seed", type=int, default=0)
-    _tokenizer_flag(parser)
-    _device_and_out(parser)
+    _add_tokenizer_flag(parser)
+    _add_device_and_out(parser)
     args = parser.parse_args(argv)
     # everything is checked before the model is built and before any output exists
     checkpoint, hparams = load_checkpoint(args.checkpoint)
@@ -184,12 +184,12 @@ def mqar_main(argv: list[str]) -> int:
     from diffexp.data.mqar import MQARDataModule
     from diffexp.evals.mqar import evaluate_mqar
 
-    parser = _parser("mqar", mqar_main.__doc__)
+    parser = _task_parser("mqar", mqar_main.__doc__)
     parser.add_argument("--seq-len", type=int, default=256, help="tokens the model sees per sequence")
     parser.add_argument("--num-kv-pairs", type=int, default=16)
     parser.add_argument("--samples", type=int, default=1000)
     parser.add_argument("--seed", type=int, default=1234)
-    _device_and_out(parser)
+    _add_device_and_out(parser)
     args = parser.parse_args(argv)
     checkpoint, hparams = load_checkpoint(args.checkpoint)
     positive("--seq-len", args.seq_len)
@@ -219,7 +219,7 @@ def nll_main(argv: list[str]) -> int:
     from diffexp.data import documents
     from diffexp.evals.nll import NLLResults, token_nlls
 
-    parser = _parser("nll", nll_main.__doc__)
+    parser = _task_parser("nll", nll_main.__doc__)
     given = parser.add_mutually_exclusive_group()
     given.add_argument("--text-file", nargs="+", default=None, metavar="FILE",
                        help="UTF-8 text files, one document each (default: the validation documents of the "
@@ -235,8 +235,8 @@ def nll_main(argv: list[str]) -> int:
     parser.add_argument("--documents", type=int, default=32,
                         help="documents to average over: the first ones long enough, in order (default 32)")
     parser.add_argument("--batch-size", type=int, default=4, help="documents per forward (default 4)")
-    _tokenizer_flag(parser)
-    _device_and_out(parser)
+    _add_tokenizer_flag(parser)
+    _add_device_and_out(parser)
     args = parser.parse_args(argv)
     checkpoint, hparams = load_checkpoint(args.checkpoint)
     trained = min(hparams["data"].get("seq_len") or hparams["arch"]["max_seq_len"], hparams["arch"]["max_seq_len"])
@@ -271,7 +271,7 @@ def _run(argv: list[str]) -> int:
         raise UserError(f"diffexp eval TASK: got {given}; expected one of {', '.join(TASKS)} "
                         "(`diffexp eval --help` describes them)")
     if argv[0] == "needle":
-        from diffexp.evals.needle_cli import needle_main
+        from diffexp.evals.needle import needle_main
 
         return needle_main(argv[1:])
     if argv[0] == "harness":

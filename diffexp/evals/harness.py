@@ -1,14 +1,8 @@
 """`diffexp eval harness CKPT --tasks ...`: EleutherAI LM-Eval harness tasks on a trained checkpoint.
 
-The harness runs through its Python API (``lm_eval.simple_evaluate``) with the checkpoint wrapped as an
-``lm_eval`` model (diffexp.evals.harness_lm); the harness itself is not forked. ``--tasks table2`` is the
-papers' zero-shot Table 2 (ARC-C, ARC-E, BoolQ, HellaSwag, OBQA, PIQA, WinoGrande): those datasets load
-from the Hugging Face hub, so they need hub access (or the hub's datasets cache). ``--include-path DIR``
-adds local task YAMLs (a task over a local data file runs offline).
-
-Output: ``harness.json`` (per task, every metric the harness reports, and its settings) in <run>/eval/
-(or --out), which `diffexp compare` gathers into a table across a sweep's runs, and the scalars
-``harness/<task>/<metric>`` in the run's TensorBoard at the checkpoint's step.
+``--tasks table2`` is the papers' zero-shot Table 2 (its datasets load from the Hugging Face hub). The metrics go
+to ``harness.json`` in <run>/eval/ (or --out), which `diffexp compare` gathers, and to ``harness/<task>/<metric>``
+in the run's TensorBoard at the checkpoint's step.
 """
 
 from __future__ import annotations
@@ -31,7 +25,7 @@ PRESETS = {"table2": TABLE2_TASKS}
 RESULTS_FILE = "harness.json"
 
 
-def _lm_eval():
+def _import_lm_eval():
     try:
         import lm_eval
     except ImportError:
@@ -80,7 +74,7 @@ def task_manager(include_paths: tuple[str, ...] = ()):
 def check_tasks(tasks: list[str], include_paths: list[str]):
     """The TaskManager that knows every task, once each name and local task has been checked (datasets
     loaded) - before the model is built."""
-    lm_eval = _lm_eval()
+    lm_eval = _import_lm_eval()
     from lm_eval.tasks import TaskManager
 
     for path in include_paths:

@@ -1,24 +1,5 @@
-"""A diffexp model as an EleutherAI LM-Eval harness model (``lm_eval.api.model.LM``).
-
-The harness hands over text; this adapter tokenizes it with the checkpoint's own tokenizer and answers the
-three request types:
-
-``loglikelihood`` (context, continuation) -> (log p(continuation | context), is it the greedy continuation)
-    Tokenized as the harness's Hugging Face models do: trailing spaces of the context move to the
-    continuation, the pair is encoded whole and the continuation is the tokens past the context's own
-    encoding, so a BPE merge across the boundary is scored as the model would read the text. An empty
-    context is the end-of-document token. Rows longer than the model drop their first tokens.
-``loglikelihood_rolling`` (text,) -> log p(text)
-    Perplexity tasks: the text in disjoint windows of at most ``max_seq_len`` predicted tokens, each with
-    as much preceding context as fits (``lm_eval.utils.get_rolling_token_windows``), the first one
-    conditioned on the end-of-document token.
-``generate_until`` (context, generation kwargs) -> text
-    Decoding with the KV cache until a stop string of ``until``, the end-of-document token, or
-    ``max_gen_toks``; greedy unless the task asks to sample. A prompt too long for the model loses its first
-    tokens, only as many as leave room for ``max_gen_toks`` (at most half the model's length). Greedy prompts
-    of any lengths share batches (``scoring.greedy_continuations``); sampled ones, prompts of equal length.
-
-Scoring batches rows by length through ``diffexp.evals.scoring.continuation_scores``.
+"""A diffexp model as an EleutherAI LM-Eval harness model (``lm_eval.api.model.LM``): the checkpoint's own
+tokenizer, batched scoring through ``diffexp.evals.scoring`` and decoding with the KV cache.
 """
 
 from __future__ import annotations
@@ -54,6 +35,8 @@ class DiffexpHarnessLM(LM):
 
     # -- log-likelihoods -------------------------------------------------------------------------------
     def encode_pair(self, context: str, continuation: str) -> tuple[list[int], list[int]]:
+        """(context ids, continuation ids) as the harness's Hugging Face models make them: the context's trailing
+        spaces move to the continuation and the pair is encoded whole, so a merge across the boundary is kept."""
         spaces = len(context) - len(context.rstrip())
         if spaces:
             context, continuation = context[:-spaces], context[-spaces:] + continuation
@@ -63,7 +46,7 @@ class DiffexpHarnessLM(LM):
         context_ids = self.tokenizer.encode(context)
         return context_ids, whole[len(context_ids):]
 
-    def _scores(self, pairs: list[tuple[list[int], list[int]]], what: str) -> tuple[torch.Tensor, list[bool]]:
+    def _score_pairs(self, pairs: list[tuple[list[int], list[int]]], what: str) -> tuple[torch.Tensor, list[bool]]:
         if not pairs:
             return torch.empty(0, dtype=torch.float64), []
         with torch.inference_mode():
@@ -73,20 +56,22 @@ class DiffexpHarnessLM(LM):
 
     def loglikelihood(self, requests, disable_tqdm: bool = False) -> list[tuple[float, bool]]:
         pairs = [self.encode_pair(*request.args) for request in requests]
-        scores, greedy = self._scores(pairs, "loglikelihood")
+        scores, greedy = self._score_pairs(pairs, "loglikelihood")
         results = [(float(score), is_greedy) for score, is_greedy in zip(scores.tolist(), greedy)]
         for request, result in zip(requests, results):
             self.cache_hook.add_partial("loglikelihood", request.args, result)
         return results
 
     def loglikelihood_rolling(self, requests, disable_tqdm: bool = False) -> list[float]:
+        """log p(text) from disjoint windows of at most max_seq_len predicted tokens, each with as much preceding
+        context as fits (the first after the end-of-document token)."""
         windows, owner = [], []
         for index, request in enumerate(requests):
             ids = self.tokenizer.encode(request.args[0])
             for window in get_rolling_token_windows(ids, self.eot_token_id, self.max_length, 1):
                 windows.append(make_disjoint_window(window))
                 owner.append(index)
-        scores, _ = self._scores(windows, "loglikelihood_rolling")
+        scores, _ = self._score_pairs(windows, "loglikelihood_rolling")
         totals = [0.0] * len(requests)
         for index, score in zip(owner, scores.tolist()):
             totals[index] += score
@@ -96,6 +81,7 @@ class DiffexpHarnessLM(LM):
 
     # -- generation ------------------------------------------------------------------------------------
     def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
+        """Decoding until a stop string, the end-of-document token or max_gen_toks; greedy unless a task samples."""
         prompts, limits = [], []
         groups: dict[tuple, list[int]] = defaultdict(list)  # one decoding call per group
         for index, request in enumerate(requests):
@@ -120,18 +106,18 @@ class DiffexpHarnessLM(LM):
             work = tqdm(work, desc="generate_until", unit="group")
         for (until, sampling, shape), indices in work:
             if shape is None:
-                texts = self._greedy([prompts[i] for i in indices], [limits[i] for i in indices], until)
+                texts = self._greedy_texts([prompts[i] for i in indices], [limits[i] for i in indices], until)
             else:
                 texts = []
                 for first in range(0, len(indices), self.batch_size):
                     chunk = indices[first : first + self.batch_size]
-                    texts += self._sample([prompts[i] for i in chunk], limits[chunk[0]], sampling, until)
+                    texts += self._sampled_texts([prompts[i] for i in chunk], limits[chunk[0]], sampling, until)
             for index, text in zip(indices, texts):
                 outputs[index] = text
                 self.cache_hook.add_partial("generate_until", requests[index].args, text)
         return outputs
 
-    def _greedy(self, prompts: list[list[int]], limits: list[int], until: tuple[str, ...]) -> list[str]:
+    def _greedy_texts(self, prompts: list[list[int]], limits: list[int], until: tuple[str, ...]) -> list[str]:
         def reached(tokens: list[int]) -> bool:
             return any(stop in self.tokenizer.decode(tokens) for stop in until)
 
@@ -142,7 +128,8 @@ class DiffexpHarnessLM(LM):
                 for ids in generated]
 
     @torch.inference_mode()
-    def _sample(self, prompts: list[list[int]], max_new: int, sampling: Sampling, until: tuple[str, ...]) -> list[str]:
+    def _sampled_texts(self, prompts: list[list[int]], max_new: int, sampling: Sampling,
+                       until: tuple[str, ...]) -> list[str]:
         prompt = torch.tensor(prompts, device=self._device)
         generated: list[list[int]] = [[] for _ in prompts]
         done = [False] * len(prompts)

@@ -1,26 +1,9 @@
 """Many-shot in-context classification (a synthetic K-class task or a real dataset), and its robustness to
 demonstration order.
 
-The papers measure accuracy as the number of demonstrations grows (TREC, Banking-77, Clinic-150) and its
-spread over orderings of the same demonstrations. ``ICLTask`` is an offline synthetic stand-in that a tiny
-byte-level model can learn; ``diffexp.data.classification.ClassificationTask`` makes the same task of any
-(text, label) table, those datasets included.
-
-The synthetic task, ``ICLTask`` (hidden word groups, label strings, demonstration and test pools), the prompt
-format and its tokenization (``ClassPools``), and the training data made of fresh tasks, ``ICLDataModule``,
-are in ``diffexp.data.icl``; the log-likelihoods come from ``diffexp.evals.scoring`` and the figure from
-``diffexp.evals.plots``.
-
-Evaluation (``evaluate_icl``)
-    For each n in ``n_demos_list``: one class-balanced demonstration set (nested: the set for a smaller n
-    is contained in the set for a larger n), the SAME set presented in ``n_orderings`` orders per ordering
-    scheme ("random": shuffles; "alternating": round-robin over classes in a random class order, each
-    class's items shuffled; "grouped": all of one class, then the next), scored on the same ``n_tests``
-    class-balanced held-out test inputs. Prediction is constrained to the K labels: each label's
-    log-likelihood given the prompt (summed over its tokens: the space before it, the label, the closing
-    newline) is computed and the best one is chosen; nothing is decoded freely. Accuracies are reported per
-    (n, ordering) as mean, std (population, over orderings), min and max. An n whose prompt plus label does
-    not fit the model's ``max_seq_len`` is skipped and listed in ``results.skipped``.
+For each number of demonstrations, one class-balanced set (nested: a smaller n's set is part of a larger one's) is
+shown in several orders per ordering scheme; each test input's prediction is the label, among the K, of highest
+summed log-likelihood after the prompt. The task and its prompt format are in ``diffexp.data.icl``.
 """
 
 from __future__ import annotations
@@ -220,14 +203,9 @@ def evaluate_icl(model: nn.Module | Scorer, task: ClassPools, n_demos_list: Sequ
                  batch_size: int = 16, name: str = "icl", source: str = "the synthetic task") -> ICLResults:
     """Accuracy as the number of demonstrations grows, and its spread over orders of the same demonstrations.
 
-    model: an ``nn.Module`` mapping ``idx (B, T) -> logits (B, T, V)`` (``Decoder``, ``DiffexpLM``), put in
-        eval mode and moved to ``device`` for the evaluation (both restored afterwards); or a scorer
-        ``(prompts: list[list[int]], candidates: list[list[int]]) -> (P, K) scores``.
-    task: the synthetic ``ICLTask`` or a dataset's ``diffexp.data.classification.ClassificationTask``; its
-        tokenizer encodes the prompts and labels (``ClassPools`` says how).
-    max_seq_len: the context limit; default: the model's ``max_seq_len`` (none for a bare scorer).
-    seed: fixes the demonstration sets, the test inputs and the orders.
-    name, source: the results' name (tags, files) and what they describe (see ``ICLResults``).
+    ``model``: an ``nn.Module`` (idx -> logits; its mode and device restored afterwards) or a scorer
+    ``(prompts, candidates) -> (P, K) scores``. An n whose prompt does not fit ``max_seq_len`` (default: the
+    model's) is skipped; ``seed`` fixes the demonstrations, the test inputs and the orders.
     """
     for n in n_demos_list:
         if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 1:
@@ -293,9 +271,7 @@ def oracle_scorer(task: ICLTask) -> Scorer:
 # -- training-time hook ---------------------------------------------------------------------------
 class ICLEval(L.Callback):
     """Run ``evaluate_icl`` on a held-out task and log ``icl/<ordering>/n<n>`` (and spreads) to the logger;
-    writes ``icl.csv``, ``icl.png`` and ``icl.txt`` under ``<log_dir>/icl/step<step>/``. Runs on global rank 0
-    only, through the unwrapped module: fine for one device and DDP; under FSDP it stops at setup (use
-    ``diffexp eval icl CKPT``).
+    files go to ``<log_dir>/icl/step<step>/``. Rank 0 only; under FSDP it refuses at setup.
 
     Args:
         k_classes: classes of the evaluation task.

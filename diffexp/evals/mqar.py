@@ -1,11 +1,5 @@
-"""MQAR recall accuracy (zoology): argmax accuracy over the queried values of ``MQARDataModule`` batches.
-
-A batch is ``{"tokens": (B, T + 1), "loss_mask": (B, T)}``; the model sees ``tokens[:, :-1]`` and its
-logits ``(B, T, V)`` are scored against ``tokens[:, 1:]`` where ``loss_mask`` is set.
-
-* ``mqar_accuracy(logits, batch)``: accuracy of one batch;
-* ``evaluate_mqar(model, datamodule_or_loader)``: ``{"mqar/accuracy", "mqar/n"}`` over a loader;
-* ``MQARAccuracy``: a Lightning callback logging ``val/mqar_accuracy`` after every validation.
+"""MQAR recall accuracy (zoology): argmax accuracy over the queried values of ``MQARDataModule`` batches, per batch
+(``mqar_accuracy``), over a loader (``evaluate_mqar``) or after every validation (the ``MQARAccuracy`` callback).
 """
 
 from __future__ import annotations
@@ -20,7 +14,7 @@ from diffexp.evals import refuse_sharded_model
 from diffexp.evals.scoring import argmax_matches, evaluating
 
 
-def _split(batch) -> tuple[torch.Tensor, torch.Tensor]:
+def _tokens_and_mask(batch) -> tuple[torch.Tensor, torch.Tensor]:
     if isinstance(batch, dict):
         tokens = batch["tokens"]
         mask = batch.get("loss_mask")
@@ -33,7 +27,7 @@ def _split(batch) -> tuple[torch.Tensor, torch.Tensor]:
 
 def mqar_counts(logits: torch.Tensor, batch) -> tuple[int, int]:
     """(correct, scored) argmax predictions over the masked targets of one batch."""
-    tokens, mask = _split(batch)
+    tokens, mask = _tokens_and_mask(batch)
     targets = tokens[:, 1:]
     if logits.shape[:2] != targets.shape:
         raise ValueError(f"logits {tuple(logits.shape)} do not match targets {tuple(targets.shape)} "
@@ -47,7 +41,7 @@ def mqar_accuracy(logits: torch.Tensor, batch) -> float:
     return correct / total if total else float("nan")
 
 
-def _loader(data) -> Iterable:
+def _val_batches(data) -> Iterable:
     if isinstance(data, L.LightningDataModule):
         return data.val_dataloader()
     return data
@@ -63,10 +57,10 @@ def evaluate_mqar(model: nn.Module, data, device: str | torch.device | None = No
         device = next(model.parameters()).device
     correct = total = 0
     with evaluating(model):
-        for i, batch in enumerate(_loader(data)):
+        for i, batch in enumerate(_val_batches(data)):
             if max_batches is not None and i >= max_batches:
                 break
-            tokens, mask = _split(batch)
+            tokens, mask = _tokens_and_mask(batch)
             logits = model(tokens[:, :-1].to(device))
             c, t = mqar_counts(logits, {"tokens": tokens, "loss_mask": mask})
             correct, total = correct + c, total + t

@@ -1,48 +1,30 @@
-"""Multi-needle retrieval grid (the papers' Needle-in-a-Haystack figure and N/R table), zero-shot on any
-tokenizer.
-
-For every cell (context length, answer depth, N needles, R queries), ``samples`` sequences are drawn
-from ``diffexp.data.needle_samples.make_sample`` with held-out cities and numbers (split "val"), rendered
-as text and tokenized with the model's tokenizer (bytes by default; lengths count its tokens), and each
-asked city is scored two ways:
-
-* ``greedy``: the model decodes greedily (with its KV cache) after the question prompt (``... what is the
-  magic number of <city>? `` up to the answer's first token: with a BPE that merges the space into the
-  number, up to ``?``) until the decoded text holds a ``.`` (a BPE may merge it into a longer token), at
-  most one token per character of the expected continuation (anything longer is wrong); exact match of
-  the text before the ``.`` with the answer (and the space the answer's tokens start with). With R > 1,
-  the prompt of query k holds the earlier questions with their correct answers.
-* ``rank``: the log-likelihood (summed over the tokens of ``<number>.``) of every number present in the
-  context as the continuation of the prompt; correct when the answer scores highest. Chance is 1/N.
-  Each candidate's continuation (``" 48213."`` when the answer's tokens start with the space) is tokenized
-  on its own, not together with the prompt: that way every candidate follows the very same prompt tokens
-  (a joint tokenization could merge the prompt's last token with the candidate and change the prompt per
-  candidate), and for tokenizers that split text before a number (GPT-2 style pre-tokenizers: ``?`` |
-  `` 48213`` | ``.``) it is the tokenization the number would have in running text.
-
-Accuracy per cell is the mean over samples and asked cities. ``model`` may be a ``Decoder``, a
-``DiffexpLM`` or any callable ``(idx: LongTensor (B, T)) -> logits (B, T, vocab)`` that is causal
-(the logits at t depend on idx[:, : t + 1] only); ``NeedleOracle`` is such a callable that copies
-the answer from the context (it scores 1.0 with both methods). ``diffexp eval needle`` is
-``diffexp.evals.needle_cli``.
+"""Multi-needle retrieval (the papers' Needle-in-a-Haystack figure and N/R table), zero-shot on any tokenizer:
+the grid of (context length, answer depth, N needles, R queries) cells on held-out cities and numbers, scored
+by greedy decoding and by ranking the numbers in the context; its results, the training-time callback, and
+`diffexp eval needle CKPT`. The samples are diffexp.data.needle's.
 """
 
 from __future__ import annotations
 
+import argparse
 import bisect
+import csv
 import itertools
+import math
 import random
 import re
+import sys
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import lightning as L
 import torch
 
-from diffexp.data.needle_samples import NeedleSample, make_sample, min_context_len
+from diffexp.data.needle import NeedleSample, make_sample, min_context_len
 from diffexp.data.tokenizer import ByteTokenizer, TextTokenizer
-from diffexp.evals import refuse_sharded_model
-from diffexp.evals.needle_results import METHODS, NeedleResults
+from diffexp.errors import UserError, guarded
+from diffexp.evals import common, plots, refuse_sharded_model
 from diffexp.evals.scoring import (
     as_logits_fn,
     best_candidates,
@@ -51,9 +33,111 @@ from diffexp.evals.scoring import (
     greedy_continuations,
     model_max_seq_len,
 )
+from diffexp.generate.cli import check_vocab, resolve_tokenizer
 
+METHODS = ("greedy", "rank")  # exact match of the greedy answer; the best-ranked number in the context
 DEFAULT_DEPTHS = (0.0, 0.25, 0.5, 0.75, 1.0)
 DEFAULT_NR = ((1, 1), (2, 2), (4, 2), (6, 2))
+
+
+# ----------------------------------------------------------------------------- results
+
+
+@dataclass
+class NeedleResults:
+    """Accuracies per cell and method (long format) plus the per-question records.
+
+    ``rows``: one dict per (context_len, depth, n_needles, n_queries, method) with ``accuracy``,
+    ``correct``, ``asked`` (questions scored), ``samples`` and ``chance``.
+    ``records``: one dict per (cell, sample, query): the answer, the greedy output and the ranked choice.
+    """
+
+    rows: list[dict] = field(default_factory=list)
+    records: list[dict] = field(default_factory=list)
+
+    @property
+    def context_lens(self) -> list[int]:
+        return sorted({r["context_len"] for r in self.rows})
+
+    @property
+    def depths(self) -> list[float]:
+        return sorted({r["depth"] for r in self.rows})
+
+    @property
+    def nr(self) -> list[tuple[int, int]]:
+        return sorted({(r["n_needles"], r["n_queries"]) for r in self.rows})
+
+    @property
+    def methods(self) -> list[str]:
+        return [m for m in METHODS if any(r["method"] == m for r in self.rows)]
+
+    def accuracy(self, method: str, context_len: int, depth: float, n: int, r: int) -> float:
+        for row in self.rows:
+            if (row["method"], row["context_len"], row["depth"], row["n_needles"], row["n_queries"]) == (
+                    method, context_len, depth, n, r):
+                return row["accuracy"]
+        raise KeyError((method, context_len, depth, n, r))
+
+    def mean_by_nr(self) -> dict[tuple[str, int, int], float]:
+        """Mean accuracy over every (context length, depth) cell, per (method, N, R)."""
+        out: dict[tuple[str, int, int], float] = {}
+        for method in self.methods:
+            for n, r in self.nr:
+                cells = [row["accuracy"] for row in self.rows
+                         if row["method"] == method and (row["n_needles"], row["n_queries"]) == (n, r)]
+                out[(method, n, r)] = sum(cells) / len(cells)
+        return out
+
+    def grid(self, method: str, n: int, r: int) -> list[list[float]]:
+        """Accuracy matrix: rows are context lengths, columns depths (NaN where not evaluated)."""
+        values = {(row["context_len"], row["depth"]): row["accuracy"] for row in self.rows
+                  if row["method"] == method and (row["n_needles"], row["n_queries"]) == (n, r)}
+        return [[values.get((c, d), math.nan) for d in self.depths] for c in self.context_lens]
+
+    def table(self) -> str:
+        """Markdown table like the papers': mean accuracy per (N, R), one row per method."""
+        means = self.mean_by_nr()
+        header = "| method | " + " | ".join(f"N={n},R={r}" for n, r in self.nr) + " |"
+        lines = [header, "|---" * (len(self.nr) + 1) + "|"]
+        for method in self.methods:
+            cells = " | ".join(f"{means[(method, n, r)]:.2f}" for n, r in self.nr)
+            lines.append(f"| {method} | {cells} |")
+        return "\n".join(lines)
+
+    def to_csv(self, path: str | Path) -> Path:
+        """Write ``rows`` (long format, one line per cell and method)."""
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        columns = ["method", "context_len", "depth", "n_needles", "n_queries", "accuracy", "correct", "asked",
+                   "samples", "chance"]
+        with path.open("w", newline="") as f:
+            writer = csv.DictWriter(f, fieldnames=columns)
+            writer.writeheader()
+            for row in self.rows:
+                writer.writerow({k: row[k] for k in columns})
+        return path
+
+    def figures(self) -> dict[tuple[str, int, int], object]:
+        """One matplotlib heatmap figure (context length x depth) per (method, N, R)."""
+        return plots.needle_heatmaps(self)
+
+    def heatmaps(self, path_prefix: str | Path) -> list[Path]:
+        """Write ``<prefix>_<method>_N<n>R<r>.png`` per (method, N, R); returns the paths."""
+        prefix = Path(path_prefix)
+        return [plots.save_figure(fig, prefix.with_name(f"{prefix.name}_{method}_N{n}R{r}.png"), dpi=110)
+                for (method, n, r), fig in self.figures().items()]
+
+    def log_to_tensorboard(self, logger_or_writer, step: int = 0) -> None:
+        """Heatmaps as images ``needle_heatmap/<method>/N<n>R<r>``, means as scalars ``needle/<method>/N<n>R<r>``.
+
+        Accepts a ``SummaryWriter`` or a Lightning ``TensorBoardLogger`` (its ``experiment``).
+        """
+        writer = getattr(logger_or_writer, "experiment", logger_or_writer)
+        for (method, n, r), fig in self.figures().items():
+            writer.add_figure(f"needle_heatmap/{method}/N{n}R{r}", fig, global_step=step, close=True)
+        for (method, n, r), value in self.mean_by_nr().items():
+            writer.add_scalar(f"needle/{method}/N{n}R{r}", value, global_step=step)
+        writer.flush()
 
 
 # ----------------------------------------------------------------------------- oracle
@@ -128,7 +212,11 @@ def greedy_answers(model, prompts: list[list[int]], max_new: list[int], device="
 
 def score_samples(model, samples: Sequence[NeedleSample], methods: Sequence[str] = METHODS, device="cpu",
                   batch_size: int = 16, tokenizer: TextTokenizer | None = None) -> list[dict]:
-    """Score every asked city of every sample (made with ``tokenizer``); one record per (sample, query)."""
+    """Score every asked city of every sample (made with ``tokenizer``); one record per (sample, query).
+
+    greedy: the decoded text up to its "." equals the answer with the prefix its tokens start with. rank: of every
+    number in the context, the answer has the highest log-likelihood as the continuation ``<prefix><number>.``,
+    each tokenized on its own so that every candidate follows the very same prompt tokens (chance: 1/N)."""
     tokenizer = tokenizer or ByteTokenizer()
     logits_fn, max_len = as_logits_fn(model), model_max_seq_len(model)
     prompts, answers, prefixes, meta = [], [], [], []
@@ -263,17 +351,8 @@ def _tensorboard_writer(trainer):
 
 
 class NeedleEvalCallback(L.Callback):
-    """Run the retrieval grid (and the attention-noise table) at the end of validation and log it.
-
-    Configure it under ``trainer.callbacks`` with ``class_path: diffexp.evals.needle.NeedleEvalCallback``.
-    Logs the scalars ``needle/<method>/N<n>R<r>``, the heatmaps ``needle_heatmap/...`` and, with
-    ``attention``, ``attention/answer``, ``attention/noise`` (mean over layers and depths, from
-    (N, R) = ``nr[-1]`` at ``context_lens[-1]``) and ``attention/negative_fraction``; writes
-    ``needles-step<N>.csv`` into the run directory. Runs on global rank 0 only, calling the unwrapped
-    model: fine for single-device and DDP runs; under FSDP it stops at setup and names the checkpoint
-    command instead (``diffexp eval needle CKPT``).
-    The samples are tokenized with the data module's tokenizer (bytes when it has none), so a run trained
-    on text with a BPE is scored zero-shot as well as one trained on the needle task.
+    """The retrieval grid (and the attention-noise table) at the end of validation, logged as needle/<method>/N<n>R<r>,
+    heatmaps and attention/* and written as needles-step<N>.csv; rank 0 only, with the data module's tokenizer.
 
     Args:
         context_lens: context lengths of the grid (each <= model.arch.max_seq_len).
@@ -353,4 +432,87 @@ class NeedleEvalCallback(L.Callback):
         if trainer.log_dir is not None:
             (Path(trainer.log_dir) / f"needles-step{step:06d}.md").write_text(text + "\n")
 
+# ----------------------------------------------------------------------------- diffexp eval needle CKPT
 
+
+def _parse_nr(pairs: Sequence[str]) -> list[tuple[int, int]]:
+    nr = []
+    for pair in pairs:
+        try:
+            n, r = (int(x) for x in pair.split(","))
+        except ValueError:
+            raise UserError(f"--nr={pair!r} is invalid: expected N,R pairs such as 4,2") from None
+        if not 1 <= r <= n:
+            raise UserError(f"--nr={pair!r} is invalid: expected 1 <= R <= N")
+        nr.append((n, r))
+    return nr
+
+
+def needle_main(argv: list[str]) -> int:
+    """Multi-needle retrieval grid (context length x depth x N,R) and the attention-to-answer table."""
+    parser = argparse.ArgumentParser(prog="diffexp eval needle", description=needle_main.__doc__)
+    parser.add_argument("checkpoint", metavar=common.CKPT_KEY,
+                        help="a .ckpt file, a sharded checkpoint directory or a `diffexp export` directory")
+    parser.add_argument("--context-lens", type=int, nargs="+", default=[512],
+                        help="context lengths in the model's tokens (default 512)")
+    parser.add_argument("--depths", type=float, nargs="+", default=list(DEFAULT_DEPTHS))
+    parser.add_argument("--nr", nargs="+", default=[f"{n},{r}" for n, r in DEFAULT_NR], help="N,R pairs")
+    parser.add_argument("--samples", type=int, default=50)
+    parser.add_argument("--haystack", choices=("corpus", "synthetic"), default="corpus")
+    parser.add_argument("--batch-size", type=int, default=16)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--tokenizer", default=None,
+                        help="'byte' or a tokenizer.json, for checkpoints saved without their tokenizer")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--out", default=None, help="directory for needles.csv, heatmaps and attention.md "
+                        "(default: <run>/eval/ beside the checkpoint's checkpoints/)")
+    args = parser.parse_args(argv)
+    # everything is checked before the model is built and before any output exists
+    checkpoint, hparams = common.load_checkpoint(args.checkpoint)
+    nr = _parse_nr(args.nr)
+    common.positive("--samples", args.samples)
+    common.positive("--batch-size", args.batch_size)
+    common.positive("--context-lens", args.context_lens)
+    common.at_most_max_seq_len("--context-lens", args.context_lens, hparams["arch"])
+    for context_len, (n, r) in itertools.product(args.context_lens, nr):
+        if context_len < min_context_len(n, r):
+            raise UserError(f"--context-lens={context_len} is invalid: too short for N={n}, R={r} (--nr); "
+                            f"expected >= {min_context_len(n, r)}")
+    for depth in args.depths:
+        if not 0.0 <= depth <= 1.0:
+            raise UserError(f"--depths={depth} is invalid: expected fractions in [0, 1]")
+    tokenizer = resolve_tokenizer(checkpoint, hparams, args.tokenizer)
+    check_vocab(tokenizer, hparams["arch"])
+    common.check_device(args.device)
+    common.check_out(args.out)
+    from diffexp.evals.attention import attention_by_depth, attention_table
+
+    model = common.load_model(checkpoint, args.checkpoint, args.device)
+    print(f"tokenizer: {tokenizer.identity} ({tokenizer.vocab_size} ids); --context-lens count its tokens")
+    results = evaluate_needles(model, args.context_lens, args.depths, nr, args.samples, args.haystack, args.seed,
+                               args.device, batch_size=args.batch_size, tokenizer=tokenizer)
+    print(results.table())
+    n, r = nr[-1]
+    by_depth = samples_by_depth(args.context_lens[-1], args.depths, n, r, min(args.samples, 16), args.haystack,
+                                args.seed, tokenizer)
+    table = attention_table(attention_by_depth(model, by_depth, device=args.device), model.arch.attention)
+    print(f"\nattention from the query (context {args.context_lens[-1]}, N={n}, R={r}):\n{table}")
+    out, writer, step = common.eval_output(args.checkpoint, args.out, hparams["global_step"])
+    results.to_csv(out / "needles.csv")
+    results.heatmaps(out / "needles")
+    (out / "attention.md").write_text(table + "\n")
+    (out / "needles.md").write_text(results.table() + "\n")
+    if writer is not None:  # into the run's own TensorBoard, at the checkpoint's step
+        results.log_to_tensorboard(writer, step)
+        writer.close()
+    print(f"wrote {out}/needles.csv, needles.md, needles_*.png, attention.md")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m diffexp.evals.needle CKPT ...``: the same as ``diffexp eval needle CKPT ...``."""
+    return guarded(needle_main, sys.argv[1:] if argv is None else argv)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

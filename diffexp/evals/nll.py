@@ -1,15 +1,7 @@
 """Negative log-likelihood by token position on long documents (DIFF V1's long-context figure).
 
-Each document is cut to ``context_len + 1`` tokens ``t_0 .. t_L`` and read in one forward. The loss at
-position p (1 <= p <= L) is ``-log P(t_p | t_0 .. t_{p-1})``: the prediction made after seeing p tokens.
-Reported, averaged over documents:
-
-* ``per_position[p]``: the mean loss at position p (noisy: one token per document);
-* ``cumulative[p]``: the mean over documents of each document's average loss over positions 1..p, the
-  curve DIFF V1 plots (a model that uses a longer context keeps it falling).
-
-No end-of-document token is put before a document: position 1 predicts its second token from its first.
-The documents come from ``diffexp.data.documents``; the figure from ``diffexp.evals.plots``.
+The loss at position p is ``-log P(t_p | t_0 .. t_{p-1})``, no end-of-document token before t_0; ``cumulative[p]``
+is the mean over documents of each one's average loss over positions 1..p, the curve DIFF V1 plots.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 unless one is already chosen): the ICL accuracy curve, the needle retrieval heatmaps and the loss by position.
 
 The drawing functions read the results objects (``diffexp.evals.icl.ICLResults``,
-``diffexp.evals.needle_results.NeedleResults``, ``diffexp.evals.nll.NLLResults``) by attribute only; this
+``diffexp.evals.needle.NeedleResults``, ``diffexp.evals.nll.NLLResults``) by attribute only; this
 module imports none, so the results modules can import it without a loop."""
 
 from __future__ import annotations

@@ -1,27 +1,8 @@
 """Scoring shared by the evaluations: what a causal language model says about given token spans, and where
 its attention goes.
 
-Everything here works on tensors, token-id lists and a *logits function*, never on an evaluation's own
-dataclasses, so any task (needle, ICL, MQAR, a tokenizer-agnostic harness adapter) can reuse it.
-
-Conventions
-    A logits function maps token ids ``idx (B, T)`` to ``logits (B, T, V)`` and is causal: ``logits[:, t]``
-    depends on ``idx[:, : t + 1]`` only and predicts token ``t + 1``. That is why rows of different lengths
-    can share a right-padded batch: the padding comes after every position that is read.
-    A span is ``(start, end)``, the positions ``start .. end - 1`` of a sequence.
-
-Likelihood
-    ``span_logprobs`` (from logits already computed), ``continuation_logprobs`` (prompt/continuation pairs,
-    batched through a model; ``continuation_scores`` adds whether each is the greedy continuation),
-    ``candidate_logprobs`` (every candidate after every prompt).
-Choice and exact match
-    ``best_candidates`` (argmax of candidate scores), ``argmax_matches`` (next-token argmax against targets),
-    ``greedy_continuations`` (greedy decoding with the KV cache, for exact match of generated text).
-Attention
-    ``span_mask``, ``attention_shares`` (share of a query row's attention on regions of key positions),
-    ``attention_to_span``.
-Models
-    ``as_logits_fn``, ``model_max_seq_len``, ``evaluating`` (eval mode and device, restored afterwards).
+Everything works on tensors, token-id lists and a logits function ``idx (B, T) -> logits (B, T, V)``, causal (so
+rows of different lengths can share a right-padded batch); a span ``(start, end)`` is positions start .. end - 1.
 """
 
 from __future__ import annotations
@@ -99,15 +80,8 @@ def pad_rows(rows: Sequence[Sequence[int]], pad_id: int = 0) -> torch.Tensor:
 
 
 def span_logprobs(logits: torch.Tensor, tokens: torch.Tensor, spans: Sequence[Span]) -> torch.Tensor:
-    """(B,) float64: per row b, log p(tokens[b, start:end] | tokens[b, :start]), the sum over the span of
-    ``log_softmax(logits[b, t - 1])[tokens[b, t]]``.
-
-    Args:
-        logits: (B, T, V), ``logits[:, t]`` predicting ``tokens[:, t + 1]`` (the model's output on
-            ``tokens[:, :T]``).
-        tokens: (B, >= T + 1) or (B, T) token ids; only the spans' tokens are read.
-        spans: one ``(start, end)`` per row, ``1 <= start <= end <= T + 1`` (an empty span scores 0).
-    """
+    """(B,) float64: per row b, log p(tokens[b, start:end] | tokens[b, :start]) for its span ``(start, end)``,
+    ``1 <= start <= end <= T + 1`` (empty: 0), where ``logits`` (B, T, V) is the model's output on ``tokens[:, :T]``."""
     if len(spans) != logits.shape[0]:
         raise ValueError(f"spans: expected one span per row ({logits.shape[0]}), got {len(spans)}")
     logp = logits.float().log_softmax(dim=-1)
@@ -208,14 +182,9 @@ def argmax_matches(logits: torch.Tensor, targets: torch.Tensor, mask: torch.Tens
 def greedy_continuations(model: Any, prompts: Sequence[Sequence[int]], max_new: Sequence[int],
                          stop_id: int | None = None, device: str | torch.device = "cpu", batch_size: int = 16,
                          pad_id: int = 0, stop: Callable[[list[int]], bool] | None = None) -> list[list[int]]:
-    """Greedy decoding: per prompt, the argmax tokens that follow it, up to ``max_new[i]`` tokens, through the
-    first ``stop_id`` or the first token after which ``stop(tokens so far)`` holds (kept as the last token).
-
-    A ``Decoder`` (or a ``DiffexpLM``) decodes with its KV cache: prompts sorted by length share a batch, the
-    shortest is prefilled at once, and the longer ones feed their remaining prompt tokens one step at a time
-    while the shorter ones already generate. Any other causal logits function, or a variant without cached
-    decoding, re-reads each right-padded prefix at every step; both give the same tokens.
-    """
+    """Greedy decoding: per prompt, up to ``max_new[i]`` argmax tokens, through the first ``stop_id`` or the first
+    token after which ``stop(tokens so far)`` holds. A ``Decoder`` decodes with its KV cache, prompts of different
+    lengths in one batch; any other logits function re-reads each prefix per step, to the same tokens."""
     if len(prompts) != len(max_new):
         raise ValueError(f"{len(prompts)} prompts but {len(max_new)} max_new: expected one limit per prompt")
 
@@ -244,6 +213,8 @@ def greedy_continuations(model: Any, prompts: Sequence[Sequence[int]], max_new: 
 
 
 def _greedy_cached(decoder, rows: list[list[int]], limits: list[int], stops, device, pad_id: int) -> list[list[int]]:
+    """Prefill up to the shortest prompt; longer rows then feed their remaining prompt tokens one per step while
+    the shorter ones already generate."""
     generated: list[list[int]] = [[] for _ in rows]
     active = [limit > 0 for limit in limits]
     if not any(active):
@@ -299,17 +270,9 @@ def span_mask(length: int, spans: Sequence[Span], device: str | torch.device | N
 
 
 def attention_shares(rows: torch.Tensor, query_position: int, regions: Sequence[torch.Tensor]) -> torch.Tensor:
-    """(..., R): the share of each attention row that falls on each region of key positions.
-
-    Args:
-        rows: (..., T) attention of query position ``query_position`` over the T keys (e.g. one row per
-            head); entries may be negative (differential attention).
-        query_position: q; only the causal keys ``0 .. q`` count.
-        regions: R (T,) bool masks over the keys.
-
-    Entries are taken by magnitude and each row is normalised by its absolute causal sum, so shares lie in
-    [0, 1] whatever the signs (for non-negative rows: the renormalised attention). NaN where that sum is 0.
-    """
+    """(..., R): the share of each attention row ``rows`` (..., T) of query ``query_position`` on each of the R
+    (T,) key masks ``regions``: by magnitude over the causal keys 0..q, normalised by their sum, so in [0, 1]
+    whatever the signs (NaN where that sum is 0)."""
     T = rows.shape[-1]
     causal = torch.arange(T, device=rows.device) <= query_position
     weights = rows.detach().float().abs() * causal

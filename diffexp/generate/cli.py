@@ -1,9 +1,7 @@
 """`diffexp generate CKPT --prompt TEXT`: continue a prompt with a trained model, streaming the text.
 
-The prompt comes from --prompt, --prompt-file or standard input. The tokenizer is the checkpoint's own
-(saved with it since decoding existed), else what its data settings name (the byte tokenizer), else
---tokenizer. Decoding stops at --max-new-tokens or at the end-of-document token. Every flag, the prompt and
-the checkpoint are checked before the model is built.
+The prompt comes from --prompt, --prompt-file or standard input; the tokenizer is --tokenizer, else the
+checkpoint's own, else what its data settings name. Everything is checked before the model is built.
 """
 
 from __future__ import annotations

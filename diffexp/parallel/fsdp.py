@@ -1,16 +1,8 @@
 """FSDP2 for diffexp: one sharded training path for GPUs (NCCL, bf16) and CPU processes (gloo, fp32).
 
-`FSDP2Strategy` is Lightning's ModelParallelStrategy with diffexp's settings as recipe keys; the sharding
-itself is `shard_decoder`, which DiffexpLM.configure_model applies, as torchtitan does: `fully_shard` on
-every decoder block, then on the root (embedding, final norm, LM head). Parameters become DTensors sharded
-along their first dimension; a block's weights are gathered for its forward and backward only.
-
-    trainer.strategy:
-      class_path: diffexp.parallel.FSDP2Strategy
-      init_args: {mixed_precision: auto, activation_checkpointing: false, replicate_across_nodes: false}
-
-Mixed precision is FSDP2's MixedPrecisionPolicy (parameters gathered and computed in bf16, gradients
-reduced in fp32, the optimizer on fp32 shards), so trainer.precision stays 32-true.
+`FSDP2Strategy` (trainer.strategy.class_path: diffexp.parallel.FSDP2Strategy) is Lightning's
+ModelParallelStrategy with diffexp's settings as init_args; `shard_decoder` applies FSDP2's `fully_shard` to every
+decoder block, then to the root, as torchtitan does.
 """
 
 from __future__ import annotations
@@ -90,7 +82,7 @@ class FSDP2Strategy(ModelParallelStrategy):
         all of them, rather than leaving the others waiting at the next collective; the staging directory is
         removed and the previous checkpoint stays as it was."""
         if not self._save_distributed_checkpoint:  # one file, written by rank 0 (AtomicCheckpointIO)
-            failure = _attempt(super().save_checkpoint, checkpoint, filepath, storage_options)
+            failure = _save_error(super().save_checkpoint, checkpoint, filepath, storage_options)
             if self.reduce_boolean_decision(failure is not None, all=False):
                 _raise_on_every_rank(failure, Path(filepath))
             return
@@ -98,7 +90,7 @@ class FSDP2Strategy(ModelParallelStrategy):
         token = self.broadcast(secrets.token_hex(4))
         staging = target.with_name(f".{target.name}.{token}.tmp")  # diffexp.training.runs removes orphans
         needed = tensor_bytes(checkpoint)  # before Lightning moves the tensors out of the dict
-        failure = _attempt(super().save_checkpoint, checkpoint, staging, storage_options)
+        failure = _save_error(super().save_checkpoint, checkpoint, staging, storage_options)
         no_space = failure is not None and save_failed_for_space(failure, staging, needed)  # before space is freed
         if self.reduce_boolean_decision(failure is not None, all=False):
             if self.is_global_zero:
@@ -139,7 +131,7 @@ class FSDP2Strategy(ModelParallelStrategy):
         shard_decoder(decoder, self.device_mesh, self.compute_dtype, self.activation_checkpointing)
 
 
-def _attempt(save, *args: Any) -> BaseException | None:
+def _save_error(save, *args: Any) -> BaseException | None:
     """Call save; its error instead of raising it, so that the ranks can decide together."""
     from torch.distributed.checkpoint.api import CheckpointException
 

@@ -1,21 +1,8 @@
 """Memory per rank of an FSDP2 run, computed from the model before any weight exists.
 
-The activations are measured, not modelled: a 1-layer and a 2-layer copy of the decoder run forward (and the
-loss) on the meta device, where tensors have shapes but no storage, and every tensor autograd saves for the
-backward is counted once per storage. The attention call is replaced by a stand-in that saves what a fused
-kernel (FlashAttention, SDPA's flash/efficient paths) keeps: q, k, v, the output and the row log-sum-exp,
-never the T x T map (on the meta device `attend` takes the GPU's way over DIFF's 2d-wide V: V split per map).
-Two layers minus one gives a block; one layer minus a block gives the embedding, final
-norm, LM head and loss. The sharded states follow from the parameter count:
-
-* parameters: the fp32 shard, plus the compute-dtype copies gathered at once (the root, kept gathered
-  through the step, and two blocks: the one running and the one prefetched);
-* gradients: the fp32 shard, plus one block's unsharded fp32 gradients before their reduce-scatter;
-* optimizer: AdamW's two fp32 moments of the shard;
-* activations: every layer's saved tensors, or with activation checkpointing each block's input plus one
-  block recomputed; plus the head's, plus the logits' gradient that the backward starts with.
-
-It leaves out the CUDA context and the allocator's fragmentation (FIT_FRACTION leaves room for them).
+Activations are measured, not modelled: 1- and 2-layer copies run forward on the meta device, counting what
+autograd saves (attention as a fused kernel saves it: q, k, v, output, log-sum-exp), and their difference is a
+block. The sharded states follow from the parameter count (`estimate_memory`).
 """
 
 from __future__ import annotations
@@ -77,7 +64,7 @@ def _fused_attention_stand_in():
         F.scaled_dot_product_attention = original
 
 
-def _measure(arch, n_layers: int, micro_batch: int, seq_len: int, dtype: torch.dtype) -> tuple[int, int, int]:
+def _measure_layers(arch, n_layers: int, micro_batch: int, seq_len: int, dtype: torch.dtype) -> tuple[int, int, int]:
     """(parameters, bytes saved for the backward, largest logits) of an n_layers copy, on the meta device."""
     from diffexp.model import Decoder
 
@@ -86,14 +73,14 @@ def _measure(arch, n_layers: int, micro_batch: int, seq_len: int, dtype: torch.d
         model = Decoder(cfg).to(dtype)
     saved: dict[int, int] = {}
 
-    def pack(tensor: torch.Tensor) -> torch.Tensor:
+    def count_saved(tensor: torch.Tensor) -> torch.Tensor:
         if not (tensor.is_leaf and tensor.requires_grad):  # parameters are counted as parameters
             storage = tensor.untyped_storage()
             saved[storage._cdata] = max(saved.get(storage._cdata, 0), storage.nbytes())
         return tensor
 
     tokens = torch.zeros(micro_batch, seq_len + 1, dtype=torch.long, device="meta")
-    with _fused_attention_stand_in(), torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+    with _fused_attention_stand_in(), torch.autograd.graph.saved_tensors_hooks(count_saved, lambda tensor: tensor):
         logits = model(tokens[:, :-1])
         F.cross_entropy(logits.float().flatten(0, 1), tokens[:, 1:].flatten())  # as DiffexpLM's loss
     parameters = sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
@@ -105,22 +92,24 @@ def estimate_memory(arch, micro_batch: int, seq_len: int, shard_size: int,
                     activation_checkpointing: bool = False) -> MemoryEstimate:
     """Bytes per rank for `arch` (a ModelConfig) trained on micro-batches of micro_batch x seq_len tokens,
     its states sharded over shard_size ranks (the world size, or the GPUs of a node under HSDP)."""
-    params_1, saved_1, logits = _measure(arch, 1, micro_batch, seq_len, compute_dtype)
-    params_2, saved_2, _ = _measure(arch, 2, micro_batch, seq_len, compute_dtype)
+    params_1, saved_1, logits = _measure_layers(arch, 1, micro_batch, seq_len, compute_dtype)
+    params_2, saved_2, _ = _measure_layers(arch, 2, micro_batch, seq_len, compute_dtype)
     block_params, block_saved = params_2 - params_1, saved_2 - saved_1
     root_params, root_saved = params_1 - block_params, saved_1 - block_saved
     total_params = root_params + arch.n_layers * block_params
     compute_bytes = torch.finfo(compute_dtype).bits // 8
-    if activation_checkpointing:
+    if activation_checkpointing:  # each block keeps its input; one block's activations are recomputed at a time
         block_input = micro_batch * seq_len * arch.d_model * compute_bytes
         layers = arch.n_layers * block_input + block_saved
     else:
         layers = arch.n_layers * block_saved
     return MemoryEstimate(
+        # the fp32 shard, plus compute-dtype copies gathered at once: the root and two blocks (running, prefetched)
         parameters=4 * total_params // shard_size + compute_bytes * (root_params + 2 * block_params),
+        # the fp32 shard, plus one block's unsharded gradients before their reduce-scatter
         gradients=4 * total_params // shard_size + 4 * block_params,
-        optimizer=8 * total_params // shard_size,
-        activations=layers + root_saved + 4 * logits,
+        optimizer=8 * total_params // shard_size,  # AdamW's two fp32 moments of the shard
+        activations=layers + root_saved + 4 * logits,  # + the logits' gradient the backward starts with
     )
 
 

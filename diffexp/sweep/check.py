@@ -1,10 +1,7 @@
 """Every trial of a sweep spec, checked the way `diffexp fit` will check it, before anything is created.
 
-A row of the table (case x grid point, with the shared overrides) is turned into the arguments its
-trials' `diffexp fit` gets, parsed (diffexp.training.cli.parse_config) and checked (diffexp.training.preflight), without
-building a model or touching data. Search spaces are checked at both ends (low and high) and at every
-categorical choice. Each distinct set of overrides is checked once. All the bad rows are reported
-together, in one SpecError, so the spec can be fixed in one go; today's trials never start.
+Each distinct set of overrides (search spaces at both bounds and at every choice) is parsed and preflighted
+without building a model; all the bad rows are reported together in one SpecError.
 """
 
 from __future__ import annotations
@@ -82,9 +79,9 @@ def _search_corners(search: dict[str, dict[str, Any]]) -> list[tuple[dict[str, A
     """Values for the search keys such that each key takes its low and high bound (or each choice) once."""
     if not search:
         return [({}, [])]
-    n = max([2] + [len(space["choices"]) for space in search.values() if space["type"] == "categorical"])
+    count = max([2] + [len(space["choices"]) for space in search.values() if space["type"] == "categorical"])
     corners = []
-    for i in range(n):
+    for i in range(count):
         values, described = {}, []
         for key, space in search.items():
             if space["type"] == "categorical":

@@ -1,12 +1,8 @@
-"""Where a sweep's trials live on disk: the one naming of run directories, for the runner (which writes
-them) and diffexp.sweep.runs (which reads them for compare).
+"""Where a sweep's trials live on disk: the one naming of run directories, for the runner and diffexp.sweep.runs.
 
     runs/<study>/sweep.json                          the table: cases, seeds, draws, objective
-    runs/<study>/<case_slug>/seed<k>/                a trial (the only one of its case and seed)
+    runs/<study>/<case_slug>/seed<k>/                a trial (search draw 0)
     runs/<study>/<case_slug>/seed<k>-draw<d>/        search draw d > 0 of that case and seed
-
-Draw 0 has no suffix, so a study without search spaces reads `seed<k>` only. A crashed run moved aside
-(`seed<k>.crashed-<time>`) does not parse as a trial directory.
 """
 
 from __future__ import annotations

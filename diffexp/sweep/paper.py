@@ -2,14 +2,9 @@
 
     paper:
       source: "DINT (Cang et al. 2025), Table 6: 1.4B models"
-      values:
-        DIFF: {val/loss: 3.062, val/ar_hit_loss: 0.880}
-        DINT: {val/loss: 3.055, val/ar_hit_loss: 0.875}
+      values: {DIFF: {val/loss: 3.062}, DINT: {val/loss: 3.055}}   # table row -> {metric: value}
 
-`values` maps a row of the sweep's table (a case name, or "case, key=value" with a grid) to metric values.
-They do not change what runs (the study's fingerprint ignores them); `compare` prints them beside the
-measured numbers and checks the direction of each difference between rows.
-"""
+They change nothing that runs; `compare` prints them beside the measured numbers."""
 
 from __future__ import annotations
 

@@ -1,11 +1,7 @@
 """`diffexp sweep --config sweeps/<name>.yaml`: run a spec's trials through an Optuna study.
 
-Each trial is one `diffexp fit` in its own process (a crash or OOM kills only that trial). Work is
-shared through the storage: every point of the table is enqueued once, and a worker claims a waiting
-trial with a compare-and-set on its state (under a file lock for a local storage file), so several
-workers never run the same point. Workers
-write a heartbeat into their running trials; a trial whose heartbeat is older than stale_after_s
-(its worker was killed) is failed and its point enqueued again, up to max_attempts.
+Each trial is one `diffexp fit` process. Workers claim waiting trials under a lock, so none runs a point twice;
+a trial whose heartbeat is older than stale_after_s is failed and its point enqueued again, up to max_attempts.
 """
 
 from __future__ import annotations
@@ -33,7 +29,7 @@ from diffexp.sweep import layout
 from diffexp.sweep.check import check_trials
 from diffexp.sweep.command import cli_value, fit_args
 from diffexp.sweep.spec import Point, SpecError, SweepSpec, load_spec, slugify
-from diffexp.sweep.storage import STORAGE_URL_ENV, open_storage, resolve_url, local_lock, translated_errors
+from diffexp.sweep.storage import STORAGE_URL_ENV, local_lock, open_storage, resolve_url, translated_errors
 from diffexp.sweep.trial import STORAGE_ENV, write_json_atomic
 
 HEARTBEAT = "diffexp_heartbeat"
@@ -43,7 +39,7 @@ DUPLICATE = "duplicate of a claimed point"  # a copy enqueued by racing workers,
 console = Console(stderr=True)
 
 
-def say(text: str, style: str | None = None) -> None:
+def print_line(text: str, style: str | None = None) -> None:
     """One plain line on stderr (above the progress bars): never wrapped inside a path, URL or case name."""
     console.print(text, style=style, soft_wrap=True, markup=False, highlight=False)
 
@@ -216,8 +212,8 @@ class SweepRunner:
             tail = log_path.read_text()[-1500:]
             self.storage.set_trial_user_attr(trial._trial_id, "failure", f"exit code {proc.returncode}")
             self.study.tell(trial, state=TrialState.FAIL)
-            say(f"trial {point.key} failed (exit {proc.returncode}); log: {log_path}", style="red")
-            say(tail)
+            print_line(f"trial {point.key} failed (exit {proc.returncode}); log: {log_path}", style="red")
+            print_line(tail)
             return "failed"
         for key, value in record.get("metrics", {}).items():
             trial.set_user_attr(f"metric:{key}", value)
@@ -225,8 +221,8 @@ class SweepRunner:
             trial.set_user_attr("outcome", "diverged")
             trial.set_user_attr("diverged_step", record.get("diverged_step"))
             self.study.tell(trial, state=TrialState.PRUNED)
-            say(f"trial {point.key} diverged at step {record.get('diverged_step')} ({record.get('divergence')}); "
-                "recorded as diverged, not retried", style="yellow")
+            print_line(f"trial {point.key} diverged at step {record.get('diverged_step')} "
+                       f"({record.get('divergence')}); recorded as diverged, not retried", style="yellow")
             return "diverged"
         if record["state"] == "pruned":
             self.study.tell(trial, state=TrialState.PRUNED)
@@ -234,7 +230,7 @@ class SweepRunner:
         value = record["metrics"].get(self.spec.objective_metric)
         if value is None:
             self.study.tell(trial, state=TrialState.FAIL)
-            say(f"trial {point.key} recorded no {self.spec.objective_metric}", style="red")
+            print_line(f"trial {point.key} recorded no {self.spec.objective_metric}", style="red")
             return "failed"
         self.study.tell(trial, value)
         return "complete"
@@ -242,10 +238,10 @@ class SweepRunner:
     # -- the worker loop ----------------------------------------------------------------------------
     def run(self) -> int:
         spec = self.spec
-        say(f"sweep {spec.study}: {len(self.points)} trials "
-                      f"({len(spec.rows())} rows x {len(spec.seeds)} seeds"
-                      + (f" x {spec.n_trials} draws" if spec.n_trials > 1 else "")
-                      + f"), storage {mask_url(self.url)}, runs in {spec.study_dir}/, worker {self.worker}")
+        print_line(f"sweep {spec.study}: {len(self.points)} trials "
+                   f"({len(spec.rows())} rows x {len(spec.seeds)} seeds"
+                   + (f" x {spec.n_trials} draws" if spec.n_trials > 1 else "")
+                   + f"), storage {mask_url(self.url)}, runs in {spec.study_dir}/, worker {self.worker}")
         columns = [TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn()]
         with Progress(*columns, console=console, transient=False) as progress:
             overall = progress.add_task("trials done", total=len(self.points))
@@ -269,13 +265,12 @@ class SweepRunner:
                 value = self.study._storage.get_trial(trial._trial_id).values
                 shown = f"{spec.objective_metric}={value[0]:.4f}" if value else ""
                 # a line per trial as well, for logs and terminals without live bars
-                say(f"{outcome}: {point.case}, seed {point.seed} {shown} "
-                                       f"({time.time() - started:.0f} s)")
+                print_line(f"{outcome}: {point.case}, seed {point.seed} {shown} ({time.time() - started:.0f} s)")
         finished, failed, _, total = self._counts()
         diverged = sum(t.user_attrs.get("outcome") == "diverged" for t in self.study.get_trials(deepcopy=False))
-        say(f"sweep {spec.study}: {finished}/{total} trials finished"
-            + (f" ({diverged} diverged, recorded as such)" if diverged else "")
-            + f", {failed} failed for good. Compare with: diffexp compare {spec.study_dir}")
+        print_line(f"sweep {spec.study}: {finished}/{total} trials finished"
+                   + (f" ({diverged} diverged, recorded as such)" if diverged else "")
+                   + f", {failed} failed for good. Compare with: diffexp compare {spec.study_dir}")
         return 0 if failed == 0 else 1
 
 

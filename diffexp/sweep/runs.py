@@ -127,19 +127,27 @@ def load_curves(trial_dir: str | Path) -> dict[str, list[tuple[int, float]]]:
     folders = sorted({p.parent for p in trial_dir.rglob("events.out.tfevents*") if p.is_file()})
     if not folders:
         return {}
-    from tensorboard.backend.event_processing import event_accumulator as ea
+    from tensorboard.backend.event_processing.event_accumulator import (
+        AUDIO,
+        COMPRESSED_HISTOGRAMS,
+        HISTOGRAMS,
+        IMAGES,
+        SCALARS,
+        TENSORS,
+        EventAccumulator,
+    )
     from tensorboard.util import tensor_util
 
-    sizes = {ea.SCALARS: 0, ea.TENSORS: 0, ea.HISTOGRAMS: 1, ea.IMAGES: 1, ea.AUDIO: 1, ea.COMPRESSED_HISTOGRAMS: 1}
+    sizes = {SCALARS: 0, TENSORS: 0, HISTOGRAMS: 1, IMAGES: 1, AUDIO: 1, COMPRESSED_HISTOGRAMS: 1}
     raw: dict[str, list[tuple[float, int, float]]] = {}
     for folder in folders:
-        acc = ea.EventAccumulator(str(folder), size_guidance=sizes)
-        acc.Reload()
-        tags = acc.Tags()
-        for tag in tags.get(ea.SCALARS, []):
-            raw.setdefault(tag, []).extend((e.wall_time, e.step, float(e.value)) for e in acc.Scalars(tag))
-        for tag in tags.get(ea.TENSORS, []):  # new-style scalar summaries: a 0-d tensor per event
-            for e in acc.Tensors(tag):
+        accumulator = EventAccumulator(str(folder), size_guidance=sizes)
+        accumulator.Reload()
+        tags = accumulator.Tags()
+        for tag in tags.get(SCALARS, []):
+            raw.setdefault(tag, []).extend((e.wall_time, e.step, float(e.value)) for e in accumulator.Scalars(tag))
+        for tag in tags.get(TENSORS, []):  # new-style scalar summaries: a 0-d tensor per event
+            for e in accumulator.Tensors(tag):
                 array = tensor_util.make_ndarray(e.tensor_proto)
                 if array.ndim == 0 and array.dtype.kind in "fiu":
                     raw.setdefault(tag, []).append((e.wall_time, e.step, float(array)))
@@ -152,7 +160,7 @@ def load_curves(trial_dir: str | Path) -> dict[str, list[tuple[int, float]]]:
     return curves
 
 
-def effective_values(config_path: Path, keys: list[str]) -> dict[str, Any]:
+def saved_config_values(config_path: Path, keys: list[str]) -> dict[str, Any]:
     """The value of each dotted key in a run's saved config; `init_args` levels are looked through, so
     `data.seq_len` finds `data.init_args.seq_len`. Keys the config does not hold are left out."""
     import yaml
@@ -181,7 +189,7 @@ def trial_variant(record: dict[str, Any] | None, trial_dir: Path) -> str | None:
     overrides = (record or {}).get("overrides")
     value = overrides.get(ATTENTION_KEY) if isinstance(overrides, dict) else None
     if value is None:
-        value = effective_values(trial_dir / CONFIG_FILE, [ATTENTION_KEY]).get(ATTENTION_KEY)
+        value = saved_config_values(trial_dir / CONFIG_FILE, [ATTENTION_KEY]).get(ATTENTION_KEY)
     return str(value) if value is not None else None
 
 

@@ -1,22 +1,7 @@
-"""Sweep specs: ablation tables as data.
+"""Sweep specs: ablation tables as data (the format: docs/sweeps.md, examples: sweeps/*.yaml).
 
-A spec names a base recipe, the rows of a table (`cases`, each a set of dotted overrides) and/or a
-`grid` (the product of values of dotted keys), `seeds`, optional TPE `search` spaces, the objective
-and shared `overrides`. Every (case x grid point x seed x search draw) is one trial: one `fit` run.
-A case may name its own recipe with a `base` key (the spec's `base` is the default): a table of
-variants can then start each row from that variant's own recipe and override only what it varies.
-
-    study: table6
-    base: recipes/tiny/<variant>.yaml
-    overrides: {trainer.max_steps: 200}
-    cases:
-      DIFF: {}
-      DIFF -GroupNorm: {model.arch.head_norm: false}
-      Other variant: {base: recipes/tiny/<other variant>.yaml}
-    grid: {model.arch.lambda_init: [depth, 0.8]}
-    seeds: [0, 1]
-    search: {model.optim.lr: {type: float, low: 1.0e-4, high: 1.0e-2, log: true}}
-    objective: {metric: val/loss, direction: minimize}
+Every (case x grid point x seed x search draw) is one trial, one `fit` run; a case may name its own recipe
+with a `base` key.
 """
 
 from __future__ import annotations
@@ -117,7 +102,7 @@ class SweepSpec:
             for values in grid_points:
                 assignment = dict(zip(keys, values))
                 parts = [case] if case else []  # a grid-only spec has one unnamed case
-                label = ", ".join(parts + [f"{k.split('.')[-1]}={_fmt(v)}" for k, v in assignment.items()])
+                label = ", ".join(parts + [f"{k.split('.')[-1]}={_label_value(v)}" for k, v in assignment.items()])
                 table.append((label, case, assignment, {**case_overrides, **assignment}))
         return table
 
@@ -150,7 +135,7 @@ class SweepSpec:
         return hashlib.sha256(json.dumps(payload, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
-def _fmt(value: Any) -> str:
+def _label_value(value: Any) -> str:
     return json.dumps(value) if not isinstance(value, str) else value
 
 

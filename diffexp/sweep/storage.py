@@ -43,17 +43,18 @@ def resolve_url(flag: str | None, spec_value: str | None = None) -> tuple[str | 
 
 def journal_path(url: str) -> Path | None:
     """`journal:<path>` or a path ending in .log/.journal names a journal file."""
-    if url.startswith("journal:"):
-        return Path(url[len("journal:"):])
-    if "://" not in url and url.endswith((".log", ".journal")):
-        return Path(url)
-    return None
+    return _file_path(url, "journal:", (".log", ".journal"))
 
 
 def sqlite_path(url: str) -> Path | None:
-    if url.startswith("sqlite:///"):
-        return Path(url[len("sqlite:///"):])
-    if "://" not in url and url.endswith(SQLITE_SUFFIXES):  # a bare path to a SQLite file
+    """`sqlite:///<path>` or a bare path ending in .db/.sqlite/.sqlite3 names a SQLite file."""
+    return _file_path(url, "sqlite:///", SQLITE_SUFFIXES)
+
+
+def _file_path(url: str, prefix: str, suffixes: tuple[str, ...]) -> Path | None:
+    if url.startswith(prefix):
+        return Path(url[len(prefix):])
+    if "://" not in url and url.endswith(suffixes):
         return Path(url)
     return None
 
@@ -68,26 +69,28 @@ def open_storage(url: str, origin: str = "storage", create: bool = True) -> optu
     what = describe(url, origin)
     path = journal_path(url)
     if path is not None:
-        if not create and not path.is_file():
-            raise StorageError(f"{what}: no such journal file {str(path)!r}")
-        if create:
-            path.parent.mkdir(parents=True, exist_ok=True)
+        _local_file(path, what, "journal file", create)
         return JournalStorage(JournalFileBackend(str(path)))
     db = sqlite_path(url)
     if db is not None:
-        if not create and not db.is_file():
-            raise StorageError(f"{what}: no such SQLite file {str(db)!r}")
-        if create:
-            db.parent.mkdir(parents=True, exist_ok=True)
+        _local_file(db, what, "SQLite file", create)
         # several worker processes on one file: wait for the lock instead of failing at once
         rdb_url = url if "://" in url else f"sqlite:///{db.resolve()}"
-        return _rdb(rdb_url, url, what, engine_kwargs={"connect_args": {"timeout": 60}})
+        return _open_rdb(rdb_url, url, what, engine_kwargs={"connect_args": {"timeout": 60}})
     if "://" not in url:
         raise StorageError(f"{what} is not a storage: expected {FORMS}")
-    return _rdb(url, url, what)
+    return _open_rdb(url, url, what)
 
 
-def _rdb(url: str, given: str, what: str, **kwargs) -> RDBStorage:
+def _local_file(path: Path, what: str, kind: str, create: bool) -> None:
+    """A storage file's folder made (create), or the file found (reading a study)."""
+    if not create and not path.is_file():
+        raise StorageError(f"{what}: no such {kind} {str(path)!r}")
+    if create:
+        path.parent.mkdir(parents=True, exist_ok=True)
+
+
+def _open_rdb(url: str, given: str, what: str, **kwargs) -> RDBStorage:
     from sqlalchemy.exc import IntegrityError, ProgrammingError
 
     for attempt in range(4):

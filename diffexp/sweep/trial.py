@@ -1,11 +1,7 @@
 """The callback a sweep adds to each trial's `fit`: progress, pruning reports, HParams, trial.json.
 
-A run that diverges (diffexp.training.diagnostics: a non-finite loss or gradient norm, which stops it with
-an error, or a loss over the divergence threshold, which stops it early) is recorded with the state
-"diverged" and its `diverged_step`: a result of the study, which the runner does not retry.
-
-It runs inside the trial process. The storage URL comes through the environment, never through the
-command line or the saved config, so a password in it is not written anywhere.
+A diverged run is recorded with the state "diverged", a result the runner does not retry. The storage URL
+comes through the environment, so a password in it is written nowhere.
 """
 
 from __future__ import annotations
@@ -21,7 +17,7 @@ import lightning as L
 import optuna
 
 from diffexp.sweep.layout import TRIAL_FILE
-from diffexp.sweep.runs import CONFIG_FILE, effective_values
+from diffexp.sweep.runs import CONFIG_FILE, saved_config_values
 from diffexp.training.diagnostics import diverged_at
 
 STORAGE_ENV = "DIFFEXP_SWEEP_STORAGE"
@@ -165,7 +161,7 @@ class SweepTrialCallback(L.Callback):
         run_dir = self._run_dir(trainer)
         record["case_slug"] = run_dir.parent.name
         if trainer.logger is not None:  # the HParams dashboard: one row per trial
-            values = {**effective_values(run_dir / CONFIG_FILE, self.hparam_keys), **self.overrides}
+            values = {**saved_config_values(run_dir / CONFIG_FILE, self.hparam_keys), **self.overrides}
             hparams = {"case": self.case, "seed": self.seed, "params/total": params.get("total", 0),
                        **{k: _hparam_value(v) for k, v in values.items()}}
             hp_metrics = {f"hparams/{k}": v for k, v in metrics.items() if k.startswith(("val/", "train/loss"))}

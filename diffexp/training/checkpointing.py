@@ -1,20 +1,9 @@
-"""A run's checkpoints: last.ckpt to resume from, and the best by the monitored metric.
+"""A run's checkpoints (RunCheckpoint, the CLI's `checkpoint.*`): the best by the monitored metric, and last.ckpt.
 
-Lightning's ModelCheckpoint ranks its top-k whenever its step trigger fires; at a training step the
-monitored val/loss is the previous validation's, so the "best" file held other weights than the ones
-that scored, under that older score. RunCheckpoint (the CLI's `checkpoint.*`) splits the two duties:
-
-* the best (top-k by `monitor`): saved at the end of every validation during fit, ranked and named by
-  that validation's value, for the weights it scored;
-* last.ckpt: every `every_n_train_steps` (or `train_time_interval` / `every_n_epochs`) and at the end
-  of training. When a validation runs right after the step, the save waits for its end, so a run
-  resumed from it neither skips nor repeats that validation. The last step (max_steps) is always
-  validated inside fit, so its validation too competes for the best file.
-
-Everything logged before a checkpoint is on disk when its file appears: the loggers are flushed first,
-and the step's own metrics (which Lightning sends to the loggers only after the callbacks'
-on_train_batch_end, where a step save happens) travel inside last.ckpt and are logged by the run that
-resumes from it. On a fit's start, temporary files of a save a kill interrupted are removed.
+Lightning ranks its top-k when its step trigger fires, when val/loss is still the previous validation's; here the
+best files are saved at the end of each validation, for the weights that scored. last.ckpt follows the step, time
+or epoch trigger and the end of training, after the validation that follows its step. The loggers are flushed
+before a checkpoint appears; the step's metrics Lightning has not logged yet travel inside last.ckpt.
 """
 
 from __future__ import annotations
@@ -123,8 +112,8 @@ def validation_follows(trainer: L.Trainer) -> bool:
 
 class RunCheckpoint(ModelCheckpoint):
     """ModelCheckpoint whose best files are saved at validation end and whose last.ckpt follows the
-    step, epoch or time trigger (see the module docstring). Takes ModelCheckpoint's arguments;
-    `save_last="link"` is refused, since last.ckpt is mostly written at steps that have no best file."""
+    step, epoch or time trigger. Takes ModelCheckpoint's arguments; `save_last="link"` is refused, since
+    last.ckpt is mostly written at steps that have no best file."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)

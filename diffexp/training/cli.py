@@ -26,11 +26,12 @@ from diffexp.training.construction import check_buildable, trainer_build_errors
 from diffexp.training.diagnostics import Diagnostics
 from diffexp.training.global_batch import GlobalBatch
 from diffexp.training.module import DiffexpLM
-from diffexp.training.preflight import check_resume, data_init_args, plain, validate_fit_config
+from diffexp.training.preflight import check_resume, data_init_args, validate_fit_config
 from diffexp.training.progress import use_step_progress_bar
 from diffexp.training.report import RunReport, print_summary
 from diffexp.training.runs import AtomicCheckpointIO, resolve_resume, run_logger
 from diffexp.training.throughput import Throughput
+from diffexp.training.values import to_builtin
 from diffexp.training.warm_start import check_init_from
 
 TRAINER_DEFAULTS = {
@@ -113,8 +114,8 @@ class DiffexpCLI(LightningCLI):
     def instantiate_classes(self) -> None:
         """What this machine cannot build is refused first, before data and model exist (check_buildable).
         jsonargparse wraps a class's own UserError in a union error with a Namespace dump: unwrap it."""
-        check_buildable(plain(self._get(self.config, "trainer", default={})),
-                        plain(self._get(self.config, "model", default={})))
+        check_buildable(to_builtin(self._get(self.config, "trainer", default={})),
+                        to_builtin(self._get(self.config, "model", default={})))
         try:
             super().instantiate_classes()
         except Exception as err:
@@ -127,7 +128,7 @@ class DiffexpCLI(LightningCLI):
 
     def instantiate_trainer(self, **kwargs):
         trainer_config = self._get(self.config, "trainer", default={})
-        with trainer_build_errors(plain(trainer_config)):
+        with trainer_build_errors(to_builtin(trainer_config)):
             trainer = super().instantiate_trainer(**kwargs)
         # a new run's own version_<k>, reserved once the trainer is built, so a refused build leaves no directory;
         # validate/test log into the evaluated run's eval/ (fast_dev_run logs nowhere)
@@ -171,7 +172,7 @@ class DiffexpCLI(LightningCLI):
         config = self.config[subcommand]
         arch = validate_fit_config(config, subcommand)
         ckpt_path = config.get("ckpt_path")
-        init_from = (plain(config.get("model") or {})).get("init_from")
+        init_from = (to_builtin(config.get("model") or {})).get("init_from")
         if subcommand == "fit" and init_from and not ckpt_path:  # a resume takes its weights from ckpt_path
             check_init_from(init_from, asdict(arch), data_init_args(config)[1])
         if not ckpt_path:
@@ -243,16 +244,10 @@ class _StderrHandler(logging.StreamHandler):
         pass
 
 
-def run_lightning_cli(args: list[str]) -> None:
-    """`diffexp fit | validate | test ...` (args start with the subcommand)."""
-    quiet_third_party_noise()
-    log = logging.getLogger("diffexp")
-    if not log.handlers:  # data preparation messages ("preparing ...", "reusing prepared ...")
-        handler = _StderrHandler()
-        handler.setFormatter(logging.Formatter("%(message)s"))
-        log.addHandler(handler)
-        log.setLevel(logging.INFO)
-    DiffexpCLI(
+def make_cli(args: list[str], cli_class: type[DiffexpCLI] = DiffexpCLI, run: bool = True) -> DiffexpCLI:
+    """The LightningCLI of `diffexp fit | validate | test` over ARGS (they start with the subcommand unless run
+    is False), with diffexp's parser, defaults and run directories."""
+    return cli_class(
         DiffexpLM,
         L.LightningDataModule,
         parser_class=DiffexpArgumentParser,
@@ -262,8 +257,21 @@ def run_lightning_cli(args: list[str]) -> None:
         trainer_defaults=TRAINER_DEFAULTS,
         save_config_kwargs={"overwrite": False},
         auto_configure_optimizers=False,  # DiffexpLM.configure_optimizers follows the papers
+        run=run,
         args=args,
     )
+
+
+def run_lightning_cli(args: list[str]) -> None:
+    """`diffexp fit | validate | test ...` (args start with the subcommand)."""
+    quiet_third_party_noise()
+    log = logging.getLogger("diffexp")
+    if not log.handlers:  # data preparation messages ("preparing ...", "reusing prepared ...")
+        handler = _StderrHandler()
+        handler.setFormatter(logging.Formatter("%(message)s"))
+        log.addHandler(handler)
+        log.setLevel(logging.INFO)
+    make_cli(args)
 
 
 def build_fit(args: list[str]):
@@ -271,10 +279,7 @@ def build_fit(args: list[str]):
     quiet_third_party_noise()
     argv, sys.argv = sys.argv, sys.argv[:1]  # ARGS is the command line (LightningCLI warns when both are given)
     try:
-        cli = DiffexpCLI(DiffexpLM, L.LightningDataModule, parser_class=DiffexpArgumentParser,
-                         parser_kwargs={"prog": "diffexp"}, subclass_mode_data=True, seed_everything_default=1234,
-                         trainer_defaults=TRAINER_DEFAULTS, save_config_kwargs={"overwrite": False},
-                         auto_configure_optimizers=False, run=False, args=args)
+        cli = make_cli(args, run=False)
     finally:
         sys.argv = argv
     return cli.model, cli.datamodule, cli.trainer
@@ -302,9 +307,7 @@ def parse_config(args: list[str], subcommand: str = "fit") -> Namespace:
     reads_checkpoint = any(arg.startswith("--ckpt_path") for arg in args)  # LightningCLI re-parses with its hparams
     if _PARSER and not reads_checkpoint:
         return _PARSER[0].parse_args([subcommand, *args])[subcommand]
-    cli = _ParseOnlyCLI(DiffexpLM, L.LightningDataModule, parser_class=DiffexpArgumentParser,
-                        parser_kwargs={"prog": "diffexp"}, subclass_mode_data=True, seed_everything_default=1234,
-                        trainer_defaults=TRAINER_DEFAULTS, auto_configure_optimizers=False, args=[subcommand, *args])
+    cli = make_cli([subcommand, *args], cli_class=_ParseOnlyCLI)
     if not _PARSER:
         _PARSER.append(cli.parser)
     return cli.config[subcommand]

@@ -1,12 +1,9 @@
 """What this machine cannot build from a config (the accelerator, the strategy, the precision, the attention
 backend), refused as one `UserError` before any data, model or run directory exists.
 
-Lightning builds the accelerator, the devices, the strategy and the precision when the Trainer is made, and
-LightningCLI makes the Trainer after the data module and the model: a model of the papers' size is built for
-minutes on a machine that lacks the GPU it asks for, then a traceback. `check_buildable` builds a Trainer from
-the trainer.* config alone first (and resolves the attention backend of model.arch), then throws it away.
-`build_error` turns what Lightning raises for a trainer.* value into a UserError that names the key and keeps
-Lightning's reason; anything else, a bug included, keeps its traceback.
+LightningCLI makes the Trainer (where Lightning checks these) only after the data module and the model, which
+can take minutes: `check_buildable` builds a throw-away Trainer from trainer.* alone first. `build_error` turns
+what Lightning raises for a trainer.* value into a UserError naming the key; anything else keeps its traceback.
 """
 
 from __future__ import annotations
@@ -62,7 +59,7 @@ def check_buildable(trainer: dict[str, Any], model: dict[str, Any]) -> None:
         converted = build_error(err, trainer)
         if converted is not None:
             raise converted from err  # DIFFEXP_DEBUG=1 shows Lightning's traceback
-        # anything else is left to the real build, which raises it again, as it did before this check
+        # anything else is left to the real build, which raises it again
     check_attention_backend(model.get("arch") or {})
 
 
@@ -135,11 +132,11 @@ def build_trainer_alone(trainer: dict[str, Any]) -> None:
 
 def check_attention_backend(arch: dict[str, Any]) -> None:
     """model.arch.backend can run here (triton needs CUDA, flash_attn without fallback its package)."""
-    from diffexp.model.attention.base import resolve_backend
+    from diffexp.model.kernels import check_backend
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the fallback's warning comes when the model is built
-        resolve_backend(arch.get("backend", "sdpa"), arch.get("backend_fallback", True))
+        check_backend(arch.get("backend", "sdpa"), arch.get("backend_fallback", True))
 
 
 def _raised_by_diffexp(err: BaseException) -> bool:
@@ -149,7 +146,7 @@ def _raised_by_diffexp(err: BaseException) -> bool:
     return tb is not None and Path(tb.tb_frame.f_code.co_filename).resolve().is_relative_to(PACKAGE)
 
 
-def _shown(value: Any) -> Any:
+def _as_written(value: Any) -> Any:
     return value.get("class_path", value) if isinstance(value, dict) else value
 
 
@@ -166,7 +163,7 @@ def build_error(err: BaseException, trainer: dict[str, Any]) -> UserError | None
     keys = [key for key in mentioned if key in user_set] or mentioned or user_set
     if not keys:
         return UserError(f"the trainer cannot be built from this config: {reason}")
-    settings = " with ".join(f"trainer.{key}={_shown(trainer.get(key, BUILD_KEYS.get(key)))!r}" for key in keys)
+    settings = " with ".join(f"trainer.{key}={_as_written(trainer.get(key, BUILD_KEYS.get(key)))!r}" for key in keys)
     return UserError(f"{settings} is invalid: {reason}")
 
 

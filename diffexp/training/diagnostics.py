@@ -1,16 +1,9 @@
 """Training diagnostics the DIFF papers and blog discuss, cheap enough to leave on.
 
-Every `every_n_steps`, the training step's own forward is observed (hooks, no extra forward, so it works
-unchanged under FSDP and activation checkpointing) on the first `sample_rows` rows of the batch, per layer:
-the largest |activation| and the kurtosis of the hidden states (outliers, DIFF V1 section 3.8), the
-largest attention logit, the context RMS (the o_proj input, diffexp.training.stability) and statistics a
-variant records (DIFF V2: its token-wise lambda). At the same steps the attention-sink score takes one
-extra forward without gradients on those rows (effective maps, eager attention; skipped under FSDP1 and
-DeepSpeed). Every optimizer step, gradient-norm spikes (norm above `spike_factor` x the running mean of the
-previous norms), loss spikes (loss above `loss_spike_factor` x the median of the previous
-`loss_spike_window` losses), the largest gradient norm so far, and divergence (a loss above
-`divergence_factor` x ln(vocab_size): the run stops, recorded as diverged) are tracked. Lambda traces are
-logged by the LightningModule.
+Every `every_n_steps`, hooks on the training step's own forward (no extra forward: it works under FSDP and
+activation checkpointing) record per layer the largest |activation|, the hidden states' kurtosis, the largest
+attention logit, the context RMS and what a variant records; the attention-sink score takes one extra forward
+without gradients. Every optimizer step: gradient-norm and loss spikes, the largest gradient norm, divergence.
 """
 
 from __future__ import annotations

@@ -1,12 +1,9 @@
 """`global_batch.rows`: the sequences per optimizer step over all ranks, kept whatever the number of processes.
 
-Lightning's step is data.batch_size x ranks x trainer.accumulate_grad_batches rows, so the same recipe on 4 GPUs
-instead of 8 would silently train on half the tokens per step. With global_batch.rows set, the accumulation is
-derived at launch from the world size, and a world size that cannot make up the global batch is refused.
-
-The training order is cut into the same global batches at any world size (diffexp.data.loader), so a run may
-resume with another world size or data.batch_size as long as the global batch stays: `resumed_layout` checks
-that and moves Lightning's batch counters, which count this process's micro-batches, to the new micro-batch.
+Lightning's step is data.batch_size x ranks x trainer.accumulate_grad_batches rows, so a recipe on 4 GPUs instead
+of 8 would silently train on half the tokens per step; with global_batch.rows the accumulation follows from the
+world size. The training order is cut into the same global batches at any world size, so a resume may change the
+world size or data.batch_size while the global batch stays (`resumed_layout` moves Lightning's batch counters).
 """
 
 from __future__ import annotations

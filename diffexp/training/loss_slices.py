@@ -1,15 +1,9 @@
-"""AR-Hit / Others split of the validation loss (Table 6 of the Shared DIFF and DINT papers; zoology).
+"""AR-Hit / Others split of the validation loss (Table 6 of the Shared DIFF and DINT papers, after zoology).
 
-A target x_i is an AR-Hit when the bigram (x_{i-1}, x_i) already occurred earlier in the same
-sequence: some j < i with x_{j-1} = x_{i-1} and x_j = x_i (the set of seen bigrams is updated only
-after scoring i, so a bigram's first occurrence is never a hit), and the bigram is not frequent in the
-training data (the papers' "Others" are tokens "either frequent or not recalled from the context",
-after zoology). Frequent bigrams count as Others.
-
-Frequent: by default the top DEFAULT_TOP_PERCENT % of the distinct bigrams of the training split, by
-count; or a count threshold. Bigrams are counted within rows, over at most MAX_COUNTED_TOKENS tokens
-of evenly spaced training rows (the whole split when smaller), so that the count costs seconds and
-O(sample) memory at any corpus size and vocabulary (no vocab^2 table).
+A target x_i is an AR-Hit when its bigram (x_{i-1}, x_i) already occurred earlier in the same sequence (a
+bigram's first occurrence never is) and is not frequent in the training split; every other target is Others.
+Frequent: the top DEFAULT_TOP_PERCENT % of the distinct training bigrams by count, or a count threshold, counted
+over at most MAX_COUNTED_TOKENS tokens of evenly spaced rows (seconds, no vocab^2 table, at any corpus size).
 """
 
 from __future__ import annotations

@@ -60,6 +60,14 @@ def _batch_size(batch) -> int:
     return _tokens(batch).shape[0]
 
 
+def _masked_mean(losses: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    """The mean of the per-target losses over the targets the mask selects (all of them without a mask)."""
+    if mask is None:
+        return losses.mean()
+    mask = mask.to(losses.dtype)
+    return (losses * mask).sum() / mask.sum().clamp_min(1.0)
+
+
 class DiffexpLM(L.LightningModule):
     """Causal language model around `Decoder`; batches are (B, T + 1) token ids.
 
@@ -147,11 +155,7 @@ class DiffexpLM(L.LightningModule):
     def _loss(self, batch: torch.Tensor | dict[str, torch.Tensor]) -> torch.Tensor:
         """Next-token loss. A batch is (B, T + 1) token ids, or a dict with "tokens" and an optional
         (B, T) "loss_mask" that selects the targets that count (synthetic tasks score answers only)."""
-        losses, mask = self._token_losses(batch)
-        if mask is None:
-            return losses.mean()
-        mask = mask.to(losses.dtype)
-        return (losses * mask).sum() / mask.sum().clamp_min(1.0)
+        return _masked_mean(*self._token_losses(batch))
 
     def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
         loss = self._loss(batch)
@@ -168,7 +172,7 @@ class DiffexpLM(L.LightningModule):
     def _log_step_extras(self, batch) -> None:
         """tokens/s, logged here rather than at batch end so that it is among the step's metrics a last.ckpt
         of this step carries (see training.checkpointing). Only at the steps Lightning writes to the loggers:
-        a self.log costs about as much as a small model's whole step takes in Python."""
+        a self.log is costly next to a small model's step."""
         now, logs = time.perf_counter(), logs_this_step(self.trainer)
         if self._last_step_time is not None:  # the whole steps since the last reading, callbacks included
             self._tokens_since_log += _batch_size(batch) * (_tokens(batch).shape[1] - 1) * self.trainer.world_size
@@ -189,13 +193,9 @@ class DiffexpLM(L.LightningModule):
 
     def validation_step(self, batch: torch.Tensor, batch_idx: int) -> None:
         losses, mask = self._token_losses(batch)
-        if mask is None:
-            loss = losses.mean()
-            if self.ar_hit.enabled:
-                self._accumulate_ar_hit(batch, losses.detach())
-        else:
-            mask = mask.to(losses.dtype)
-            loss = (losses * mask).sum() / mask.sum().clamp_min(1.0)
+        loss = _masked_mean(losses, mask)
+        if mask is None and self.ar_hit.enabled:
+            self._accumulate_ar_hit(batch, losses.detach())
         self.log("val/loss", loss, prog_bar=True, sync_dist=True, batch_size=_batch_size(batch))
 
     def _accumulate_ar_hit(self, tokens: torch.Tensor, losses: torch.Tensor) -> None:
@@ -308,9 +308,9 @@ class DiffexpLM(L.LightningModule):
         result as clip_grad_norm_, one pass over the gradients less); sharded, fp16-scaled or value clipping go
         through Lightning."""
         norm, self._unclipped_norm = getattr(self, "_unclipped_norm", None), None
-        plain = getattr(self.trainer.precision_plugin, "scaler", None) is None and not isinstance(
+        clips_here = getattr(self.trainer.precision_plugin, "scaler", None) is None and not isinstance(
             self.trainer.strategy, FSDP2Strategy) and gradient_clip_algorithm in (None, "norm")
-        if not gradient_clip_val or norm is None or not plain:
+        if not gradient_clip_val or norm is None or not clips_here:
             return super().configure_gradient_clipping(optimizer, gradient_clip_val, gradient_clip_algorithm)
         params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
         torch.nn.utils.clip_grads_with_norm_(params, gradient_clip_val, norm)

@@ -1,13 +1,9 @@
 """Stop at the first non-finite loss or gradient norm, before it reaches the weights or a checkpoint.
 
-DiffexpLM checks train/loss before backward and train/grad_norm before clipping and the optimizer step.
-At that moment the weights and the optimizer state are still the finite ones the step started from:
-they are saved as checkpoints/last-finite-step<N>.ckpt, and the run stops with NonFiniteError, whose
-message says what to change and how to resume. The data position saved with them is after the failing
-step's batch: the same weights on the same batch would give the same value again.
-
-The stop is a divergence: `diag/diverged_step` is logged at that step, and the error carries
-{"step", "reason"} (`NonFiniteError.divergence`), which a sweep trial records as the state "diverged".
+DiffexpLM checks train/loss before backward and train/grad_norm before the optimizer step, while the weights and
+optimizer state are still the step's finite ones: they are saved as checkpoints/last-finite-step<N>.ckpt and the
+run stops with NonFiniteError, which says what to change and how to resume, and carries {"step", "reason"}
+(`NonFiniteError.divergence`) for a sweep trial to record as "diverged".
 """
 
 from __future__ import annotations

@@ -64,7 +64,7 @@ class ARHitConfig:
             the papers). Frequent means, unless min_count or top_percent says otherwise, the top 1 % of the
             distinct bigrams of the training split by count (counted over at most 2^25 tokens of evenly
             spaced training rows). false: every repeated bigram is a hit (min_count and top_percent must be
-            null); what diffexp did before this option, and what a checkpoint saved without it did.
+            null), as in checkpoints saved without this option.
         min_count: instead of the top 1 %: a bigram seen at least this often in the training split is frequent.
         top_percent: instead of the top 1 %: the top_percent % most frequent distinct training bigrams.
     """

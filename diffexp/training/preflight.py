@@ -22,12 +22,14 @@ from diffexp.parallel.launch import check_launch, requested_world_size
 from diffexp.training.checkpointing import check_checkpoint_settings
 from diffexp.training.construction import check_build_config
 from diffexp.training.global_batch import GLOBAL_BATCH, accumulation_for
+from diffexp.training.values import to_builtin
 
 # data module settings that do not change what is trained (where files live, how many loader processes)
 DATA_KEYS_FREE_ON_RESUME = {"num_workers", "cache_dir"}
 TOKENIZER_KEYS = ("tokenizer", "bpe_vocab_size")
-HONOURED_ON_RESUME = ("  model.optim.lr:", "  model.optim.betas:", "  model.optim.eps:", "  model.optim.weight_decay:",
-                      "  model.optim.warmup_steps:", "  model.optim.min_lr_ratio:", "  trainer.gradient_clip_val:")
+# optimizer settings a resumed run applies from its first step on (DiffexpLM._apply_configured_optim)
+HONOURED_ON_RESUME = {"model.optim.lr", "model.optim.betas", "model.optim.eps", "model.optim.weight_decay",
+                      "model.optim.warmup_steps", "model.optim.min_lr_ratio", "trainer.gradient_clip_val"}
 # trainer settings that shape the optimization (a checkpoint records them in "diffexp_run")
 RESUME_TRAINER_KEYS = ("max_steps", "accumulate_grad_batches", "gradient_clip_val")
 # the processes a run trains on: each reads its own share of every global batch
@@ -39,22 +41,11 @@ LAYOUT_KEYS = ("data.batch_size", WORLD_SIZE, ACCUMULATE)
 AR_HIT_RESUME_KEYS = ("exclude_frequent", "min_count", "top_percent")
 
 
-def plain(value: Any) -> Any:
-    """A jsonargparse Namespace (nested) as plain dicts and lists."""
-    if hasattr(value, "as_dict"):
-        return value.as_dict()
-    if isinstance(value, dict):
-        return {k: plain(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [plain(v) for v in value]
-    return value
-
-
 def model_sections(config) -> tuple[ModelConfig, Any, Any]:
     """Build the model's config dataclasses from a parsed config; their own checks raise UserError."""
     from diffexp.training.module import ARHitConfig, OptimConfig
 
-    model = plain(config.get("model") or {})
+    model = to_builtin(config.get("model") or {})
     arch = ModelConfig(**(model.get("arch") or {}))
     optim = OptimConfig(**(model.get("optim") or {}))
     ar_hit = ARHitConfig(**(model.get("ar_hit") or {}))
@@ -63,7 +54,7 @@ def model_sections(config) -> tuple[ModelConfig, Any, Any]:
 
 def data_init_args(config) -> tuple[str | None, dict[str, Any]]:
     """(class path, init args) of the data module section."""
-    data = plain(config.get("data") or {})
+    data = to_builtin(config.get("data") or {})
     if "class_path" in data:
         return data["class_path"], dict(data.get("init_args") or {})
     return None, dict(data)
@@ -137,7 +128,7 @@ def validate_fit_config(config, subcommand: str = "fit") -> ModelConfig:
     if isinstance(seq_len, int) and seq_len > arch.max_seq_len:
         raise invalid("data.seq_len", seq_len, f"expected at most model.arch.max_seq_len={arch.max_seq_len} "
                       "(RoPE is precomputed up to it); raise model.arch.max_seq_len or lower data.seq_len")
-    trainer = plain(config.get("trainer") or {})
+    trainer = to_builtin(config.get("trainer") or {})
     check_trainer(trainer, subcommand)
     check_launch(trainer)
     check_build_config(trainer, arch)
@@ -146,7 +137,7 @@ def validate_fit_config(config, subcommand: str = "fit") -> ModelConfig:
     check_writable("trainer.default_root_dir", trainer.get("default_root_dir"))
     for key, save_dir in logger_save_dirs(trainer):
         check_writable(key, save_dir)
-    checkpoint = plain(config.get("checkpoint") or {})
+    checkpoint = to_builtin(config.get("checkpoint") or {})
     check_writable("checkpoint.dirpath", checkpoint.get("dirpath"))
     check_checkpoint_settings(checkpoint, trainer, subcommand)
     warn_unused_settings(arch)
@@ -155,10 +146,10 @@ def validate_fit_config(config, subcommand: str = "fit") -> ModelConfig:
 
 def derived_accumulation(config) -> int | None:
     """trainer.accumulate_grad_batches as global_batch.rows makes it, where the config alone says (else None)."""
-    rows = plain(config.get("global_batch") or {}).get("rows")
+    rows = to_builtin(config.get("global_batch") or {}).get("rows")
     if rows is None:
         return None
-    trainer = plain(config.get("trainer") or {})
+    trainer = to_builtin(config.get("trainer") or {})
     if trainer.get("accumulate_grad_batches") not in (None, 1):
         raise UserError(f"global_batch.rows={rows} and trainer.accumulate_grad_batches="
                         f"{trainer['accumulate_grad_batches']}: give one of them; with global_batch.rows the "
@@ -180,15 +171,17 @@ def warn_unused_settings(arch: ModelConfig) -> None:
 
 
 # -- resume ------------------------------------------------------------------------------------------------
-def _flat(prefix: str, values: dict[str, Any]) -> dict[str, Any]:
+def _dotted(prefix: str, values: dict[str, Any]) -> dict[str, Any]:
+    """Each key as `prefix.key`, the way a config names it (tuples as lists)."""
     return {f"{prefix}.{k}": (list(v) if isinstance(v, tuple) else v) for k, v in values.items()}
 
 
-def _same(a: Any, b: Any) -> bool:
+def _same_value(a: Any, b: Any) -> bool:
+    """Numbers by value (8 and 8.0 are the same), anything else as built-in types."""
     if isinstance(a, (int, float)) and isinstance(b, (int, float)) and not isinstance(a, bool) \
             and not isinstance(b, bool):
         return float(a) == float(b)
-    return plain(a) == plain(b)
+    return to_builtin(a) == to_builtin(b)
 
 
 def _filled_unread(checkpoint: dict[str, Any]) -> set[str]:
@@ -208,22 +201,22 @@ def saved_run_values(checkpoint: dict[str, Any], model_only: bool) -> dict[str, 
     """The dotted keys a checkpoint pins, as the user writes them."""
     hparams = checkpoint.get("hyper_parameters") or {}
     arch = {k: v for k, v in (hparams.get("arch") or {}).items() if k != "vocab_size"}
-    values = {k: v for k, v in _flat("model.arch", arch).items() if k not in _filled_unread(checkpoint)}
+    values = {k: v for k, v in _dotted("model.arch", arch).items() if k not in _filled_unread(checkpoint)}
     data_hparams = checkpoint.get("datamodule_hyper_parameters") or {}
     if model_only:  # evaluating: the same network, and the tokenizer its embeddings were trained with
-        return {**values, **_flat("data", {k: v for k, v in data_hparams.items() if k in TOKENIZER_KEYS})}
+        return {**values, **_dotted("data", {k: v for k, v in data_hparams.items() if k in TOKENIZER_KEYS})}
     optim = dict(hparams.get("optim") or {})
     optim.pop("schedule_steps", None)  # compared below, resolved against max_steps
-    values.update(_flat("model.optim", optim))
+    values.update(_dotted("model.optim", optim))
     # what counts as an AR-Hit: a resume must log the same metric (turning it on or off changes no value)
     ar_hit = {k: v for k, v in (hparams.get("ar_hit") or {}).items() if k in AR_HIT_RESUME_KEYS}
-    values.update(_flat("model.ar_hit", ar_hit))
+    values.update(_dotted("model.ar_hit", ar_hit))
     data_class = (checkpoint.get("diffexp_run") or {}).get("data_class") or data_hparams.get("_class_path")
     if data_class:
         values["data.class_path"] = data_class
     # keys with a leading underscore are LightningCLI's bookkeeping (_class_path, _instantiator)
     data = {k: v for k, v in data_hparams.items() if k not in DATA_KEYS_FREE_ON_RESUME and not k.startswith("_")}
-    values.update(_flat("data", data))
+    values.update(_dotted("data", data))
     run = checkpoint.get("diffexp_run") or {}
     for key in RESUME_TRAINER_KEYS:
         if key in run:
@@ -237,15 +230,15 @@ def requested_run_values(config, keys: set[str]) -> dict[str, Any]:
     """The same dotted keys, from the parsed config (data keys looked up under init_args)."""
     from diffexp.training.module import ARHitConfig
 
-    model = plain(config.get("model") or {})
+    model = to_builtin(config.get("model") or {})
     arch = asdict(ModelConfig(**(model.get("arch") or {})))
     optim_section = dict(model.get("optim") or {})
     ar_hit = asdict(ARHitConfig(**(model.get("ar_hit") or {})))
-    values = {**_flat("model.arch", arch), **_flat("model.optim", optim_section), **_flat("model.ar_hit", ar_hit)}
+    values = {**_dotted("model.arch", arch), **_dotted("model.optim", optim_section), **_dotted("model.ar_hit", ar_hit)}
     data_class, data_args = data_init_args(config)
     values["data.class_path"] = data_class
-    values.update(_flat("data", data_args))
-    trainer = plain(config.get("trainer") or {})
+    values.update(_dotted("data", data_args))
+    trainer = to_builtin(config.get("trainer") or {})
     for key in RESUME_TRAINER_KEYS:
         values[f"trainer.{key}"] = trainer.get(key)
     values[WORLD_SIZE] = requested_world_size(trainer)
@@ -259,7 +252,7 @@ def _schedule_difference(checkpoint: dict[str, Any], config) -> str | None:
     if saved_total is None:
         return None
     _, optim, _ = model_sections(config)
-    max_steps = plain(config.get("trainer") or {}).get("max_steps")
+    max_steps = to_builtin(config.get("trainer") or {}).get("max_steps")
     total = optim.schedule_steps if optim.schedule_steps is not None else max_steps
     if total == saved_total:
         return None
@@ -309,24 +302,26 @@ def check_resume(config, checkpoint: dict[str, Any], ckpt_path: Path, subcommand
     if "data.class_path" in saved and requested.get("data.class_path"):  # by class name: modules re-export
         saved["data.class_path"] = saved["data.class_path"].rsplit(".", 1)[-1]
         requested["data.class_path"] = requested["data.class_path"].rsplit(".", 1)[-1]
-    if plain(config.get("global_batch") or {}).get("rows") is not None and not model_only:
+    if to_builtin(config.get("global_batch") or {}).get("rows") is not None and not model_only:
         requested[ACCUMULATE] = derived_accumulation(config)  # what the launch will set (None: known once launched)
     global_batch = _global_batch_difference(saved, requested) if not model_only else None
     for key in (WORLD_SIZE, ACCUMULATE):  # known only once launched: DiffexpLM.on_load_checkpoint checks them
         if requested.get(key) is None:
             saved.pop(key, None)
-    differing = [f"  {key}: checkpoint {saved[key]!r}, this config {requested[key]!r}"
-                 for key in sorted(saved) if not _same(saved[key], requested[key])]
-    differing += [global_batch] if global_batch else []
-    if not model_only and (checkpoint.get("diffexp_run") or {}).get("schedule_steps") is not None:
-        # max_steps may change when the lr schedule stays the same (pinned by model.optim.schedule_steps)
-        differing = [line for line in differing if not line.startswith("  trainer.max_steps:")]
-        schedule = _schedule_difference(checkpoint, config)
-        differing += [schedule] if schedule else []
-    # optimizer settings a resumed run applies from its first step on (DiffexpLM._apply_configured_optim),
+    schedule_pinned = not model_only and (checkpoint.get("diffexp_run") or {}).get("schedule_steps") is not None
+    differing_keys = [key for key in sorted(saved) if not _same_value(saved[key], requested[key])
+                      and not (schedule_pinned and key == "trainer.max_steps")]  # the lr schedule decides instead
     # e.g. the lower lr a non-finite stop advises: honoured and announced, never silent
-    honoured = [line for line in differing if line.startswith(HONOURED_ON_RESUME)] if not model_only else []
-    differing = [line for line in differing if line not in honoured]
+    honoured_keys = [key for key in differing_keys if key in HONOURED_ON_RESUME] if not model_only else []
+
+    def line(key: str) -> str:
+        return f"  {key}: checkpoint {saved[key]!r}, this config {requested[key]!r}"
+
+    differing = [line(key) for key in differing_keys if key not in honoured_keys]
+    differing += [global_batch] if global_batch else []
+    schedule = _schedule_difference(checkpoint, config) if schedule_pinned else None
+    differing += [schedule] if schedule else []
+    honoured = [line(key) for key in honoured_keys]
     if not differing:
         if honoured:
             print("resuming with changed optimization settings, applied from the checkpoint's step on:\n"

@@ -53,9 +53,8 @@ class StepProgressBar(RichProgressBar):
         return f"{f'Epoch {current_epoch}':{width}}"
 
 
-#: redraws per second of the bar Lightning adds by default. Lightning's own default (100) redraws after every
-#: step, on a thread that takes a core from training: against it, 2 measured 2.1-2.4 ms (1.2%) faster per step of
-#: the embedded default on 2 cores, and small models gain far more; twice a second is enough to read.
+#: redraws per second of the bar Lightning adds by default: Lightning's own (100) redraws after every step, on a
+#: thread that takes a core from training; twice a second is enough to read.
 DEFAULT_REFRESH_RATE = 2
 
 

@@ -55,7 +55,7 @@ class RunReport(L.Callback):
         return statistics.median(self.tokens_per_s) if self.tokens_per_s else None
 
 
-def _number(value) -> str:
+def _number_text(value) -> str:
     return "-" if value is None else f"{float(value):.4f}"
 
 
@@ -76,8 +76,8 @@ def print_summary(trainer: L.Trainer) -> None:
         f"run directory   {run_dir or '-'}",
         f"best checkpoint {best or '-'}" + (f" (val/loss {float(best_score):.4f})" if best_score is not None else ""),
         f"last checkpoint {last or '-'}",
-        f"final loss      train {_number(report.train_loss if report else None)}, "
-        f"val {_number(trainer.callback_metrics.get('val/loss'))} "
+        f"final loss      train {_number_text(report.train_loss if report else None)}, "
+        f"val {_number_text(trainer.callback_metrics.get('val/loss'))} "
         f"(step {trainer.global_step})",
         f"tokens/s        {tokens:,.0f} (median over steps)" if tokens else "tokens/s        -",
         f"wall time       {wall / 60:.1f} min" if wall is not None else "wall time       -",

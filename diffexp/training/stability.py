@@ -1,16 +1,9 @@
 """The DIFF V2 blog's stability quantities, measured generically (no attention variant is named here).
 
-* Context RMS (blog, "Softmax Magnitude Constraint"): the RMS over the feature dimension of one head's
-  attention output c_i before the output projection W_O, i.e. of the `o_proj` input viewed as
-  (..., T, n_heads, d_head), averaged over the observed tokens: one value per head. The blog bounds it in
-  [1/sqrt(n), 1) for softmax attention and in (0, sqrt(2)) for DIFF V2, for values of RMS 1.
-* Attention-sink score: the attention mass on the first token of the effective (net) map each variant
-  returns with need_weights, averaged over heads and over query rows i >= 1 (row 0 can only attend to
-  token 0): mean(map[..., 1:, 0]).
-* Loss spikes: a step whose train loss exceeds `factor` times the median of the previous `window` finite
-  train losses (fewer while the first `window` steps fill it; none counted before `warmup` of them).
-* Divergence: a non-finite train loss or gradient norm (diffexp.training.nonfinite), or a train loss above
-  `divergence_factor` x ln(vocab_size), that is that many times the loss of a uniform guess.
+Context RMS: per head, the RMS of the attention output before W_O (the `o_proj` input); the blog bounds it in
+[1/sqrt(n), 1) for softmax attention and in (0, sqrt(2)) for DIFF V2. Attention sink: the mass on token 0 of the
+effective map, over query rows i >= 1. Loss spikes: a train loss above `factor` x the median of the previous
+`window` ones. Divergence: a non-finite loss or gradient norm, or a loss above `factor` x ln(vocab_size).
 """
 
 from __future__ import annotations

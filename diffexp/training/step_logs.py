@@ -19,13 +19,9 @@ def logs_this_step(trainer) -> bool:
 def write_to_loggers(trainer, metrics: dict[str, float]) -> None:
     """Write `metrics` to the loggers now, at the step index Lightning gives this training step's own metrics.
 
-    For values measured now and then, dozens at a time (per layer, per head): through `self.log` each costs
-    about 0.2 ms, every key logged stays in Lightning's result collection, which each later step walks again
-    (the progress bar's metrics, `callback_metrics`), and Lightning writes a value logged off its logging
-    steps at the next one, then again at every one after. Values written here are not in
-    `trainer.callback_metrics`. They are on disk before a checkpoint of this step is (RunCheckpoint flushes the
-    loggers first), so a resumed run has them without a replay.
-    """
+    For values measured now and then, dozens at a time (per layer, per head): every key `self.log` takes stays in
+    Lightning's result collection, walked again at each later step, and is written again at every logging step.
+    They are not in `trainer.callback_metrics`, and are on disk before a checkpoint of this step is."""
     if not metrics:
         return
     step = trainer.fit_loop.epoch_loop._batches_that_stepped  # increments after the step's metrics are logged

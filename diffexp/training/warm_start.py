@@ -1,13 +1,9 @@
-"""Starting a new run from another run's weights (`model.init_from`): long-context extension.
+"""Starting a new run from another run's weights (`model.init_from`): the papers' long-context extension.
 
-The papers extend a pretrained model to longer contexts by training on from its weights with a longer
-`max_seq_len` and a larger RoPE base (`rope_theta`). Only the weights are taken: the optimizer, the lr
-schedule and the step count start fresh, and the new run gets its own run directory, as any new run.
-
-The checkpoint must describe the same network. Every architecture field its variant reads must be equal,
-except the ones that change no weight: the sequence length and RoPE base (the point of the extension),
-the attention backend, and initialisation settings (the loaded weights replace the initialisation). A
-difference is refused before any work, naming each field.
+Only the weights are taken (the optimizer, lr schedule and step count start fresh, in a run directory of its own).
+The checkpoint must describe the same network: every architecture field its variant reads must be equal but those
+that change no weight (FREE_ON_INIT: max_seq_len and rope_theta, the point of the extension, the backend and the
+initialisation), and a difference is refused before any work, naming each field.
 """
 
 from __future__ import annotations

@@ -1,0 +1,22 @@
+"""Parsed configs and checkpoint hyperparameters as Python's built-in types (dicts, lists, scalars)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+JSON_SCALARS = (bool, int, float, str)
+
+
+def to_builtin(value: Any, json_safe: bool = False) -> Any:
+    """`value` with jsonargparse Namespaces and dicts as dicts and tuples as lists, recursively.
+
+    json_safe: also keys as strings and any other value JSON cannot hold as its repr (for a config.json)."""
+    if hasattr(value, "as_dict"):
+        return value.as_dict()
+    if isinstance(value, dict):
+        return {(str(k) if json_safe else k): to_builtin(v, json_safe) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [to_builtin(v, json_safe) for v in value]
+    if json_safe and not (value is None or isinstance(value, JSON_SCALARS)):
+        return repr(value)
+    return value
