@@ -13,11 +13,10 @@ import sys
 import pytest
 import yaml
 
-from diffexp import compare
 from diffexp.secrets import mask_url
 from diffexp.sweep.runner import main as sweep_main
 from diffexp.sweep.storage import STORAGE_URL_ENV, resolve_url
-from tests.helpers import REPO, TINY_OVERRIDES, subprocess_env
+from tests.helpers import REPO, TINY_OVERRIDES, exit_code, subprocess_env
 
 PASSWORD = "s3cr3t-Pw9"
 URL_FORMS = {  # every form a password takes in a SQLAlchemy/libpq URL
@@ -84,7 +83,7 @@ def test_compare_on_an_unreachable_storage_fails_cleanly_without_the_password(mo
         args += ["--storage", url]
     else:
         monkeypatch.setenv(STORAGE_URL_ENV, url)
-    assert compare.main(args) == 2
+    assert exit_code(["compare", *args]) == 2
     out, err = capsys.readouterr()
     assert PASSWORD not in out + err
     assert err.startswith("error: ") and "Traceback" not in err
@@ -93,7 +92,7 @@ def test_compare_on_an_unreachable_storage_fails_cleanly_without_the_password(mo
 
 def test_compare_study_needs_a_storage(monkeypatch, capsys):
     monkeypatch.delenv(STORAGE_URL_ENV, raising=False)
-    assert compare.main(["--study", "table6"]) == 2
+    assert exit_code(["compare", "--study", "table6"]) == 2
     err = capsys.readouterr().err
     assert "--study 'table6' needs the study's storage" in err and STORAGE_URL_ENV in err
 
