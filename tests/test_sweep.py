@@ -267,17 +267,17 @@ def hparams_of(run_dir: Path) -> tuple[dict, list[str]]:
     return values, [info.name.tag for info in experiment.metric_infos]
 
 
-def test_effective_values_look_through_init_args(tmp_path):
-    from diffexp.sweep.trial import saved_config_values as effective_values
+def test_saved_config_values_look_through_init_args(tmp_path):
+    from diffexp.sweep.trial import saved_config_values
 
     config = tmp_path / "config.yaml"
     config.write_text(yaml.safe_dump({
         "trainer": {"max_steps": 300}, "model": {"arch": {"attention": "diff_v1", "n_kv_heads": None}},
         "data": {"class_path": "diffexp.data.TextDataModule", "init_args": {"seq_len": 128}}}))
     keys = ["model.arch.attention", "model.arch.n_kv_heads", "data.seq_len", "trainer.max_steps", "model.arch.nope"]
-    assert effective_values(config, keys) == {"model.arch.attention": "diff_v1", "model.arch.n_kv_heads": None,
+    assert saved_config_values(config, keys) == {"model.arch.attention": "diff_v1", "model.arch.n_kv_heads": None,
                                               "data.seq_len": 128, "trainer.max_steps": 300}
-    assert effective_values(tmp_path / "missing.yaml", keys) == {}
+    assert saved_config_values(tmp_path / "missing.yaml", keys) == {}
 
 
 def test_trial_killed_after_its_last_checkpoint_still_records_its_result(tmp_path):
