@@ -79,8 +79,8 @@ def test_a_forced_kernel_applies_to_sdpa_where_it_computes_the_head(kernel_build
 ])
 def test_each_variant_runs_the_resolved_kernel(monkeypatch, arch, dtype, want):
     """A full forward, then maps requested, then a cached decode step: the kernels the layers asked for."""
-    if kernels.cpu_native.unavailable_reason() is not None:
-        pytest.skip(f"the CPU kernel cannot be built here: {kernels.cpu_native.unavailable_reason()}")
+    if want == "cpu_native" and kernels.cpu_native.unavailable_reason() is not None:
+        want = "blocked" if arch["attention"] != "diff_v2" else "per_map"  # the fallbacks, without a compiler
     seen = []
     resolve = kernels.resolve_kernel
     monkeypatch.setattr(kernels, "resolve_kernel", lambda *a, **k: seen.append(resolve(*a, **k)) or seen[-1])
