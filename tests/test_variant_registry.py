@@ -167,7 +167,8 @@ def test_its_flag_is_one_declaration_plus_its_use(toy, capsys):
     assert ModelConfig(attention=TOY, gate_offset=0.5).unused_settings() == {}
     with pytest.raises(SystemExit):
         main(["fit", "--help"])
-    assert "added to every head's initial gate logit" in capsys.readouterr().out
+    help_text = " ".join(capsys.readouterr().out.split())  # wrapped at any terminal width
+    assert "added to every head's initial gate logit" in help_text
     torch.manual_seed(0)
     plain = build_attention(ModelConfig(attention=TOY, d_model=32, n_heads=2), 0)
     torch.manual_seed(0)
