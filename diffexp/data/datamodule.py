@@ -6,12 +6,14 @@
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import logging
 import os
 import shlex
 import sys
+from contextlib import contextmanager
 from functools import cached_property
 from pathlib import Path
 
@@ -194,8 +196,12 @@ class TextDataModule(L.LightningDataModule):
                 "launcher (torchrun, srun) started: preparing it here would hold every other process at a barrier. "
                 f"Prepare it once, then launch again:\n  {self.prepare_command()}\n(or prepare into a directory of "
                 "your choice with `diffexp data prepare` and train with --data.source DIR)")
-        log.info("preparing %s with tokenizer %s into %s", self.source.spec, self.tokenizer_spec, directory)
-        prepare(self._plan(), directory, progress=True, command=self.prepare_command("{directory}"))
+        with _cache_entry_lock(directory):  # runs sharing a cache (a sweep's trials) prepare it once
+            self.prepared_from_cache = (directory / MANIFEST).is_file()
+            if self.prepared_from_cache:
+                return
+            log.info("preparing %s with tokenizer %s into %s", self.source.spec, self.tokenizer_spec, directory)
+            prepare(self._plan(), directory, progress=True, command=self.prepare_command("{directory}"))
         self.tokenizer_trained = self.tokenizer_spec == "bpe"
 
     @cached_property
@@ -342,3 +348,19 @@ class TextDataModule(L.LightningDataModule):
             pin_memory=torch.cuda.is_available(),
             persistent_workers=self.num_workers > 0,
         )
+
+
+@contextmanager
+def _cache_entry_lock(directory: Path):
+    """Hold the cache entry's lock file; another process preparing the same entry is waited for, and said so."""
+    directory.parent.mkdir(parents=True, exist_ok=True)
+    with open(directory.with_name(directory.name + ".lock"), "a") as handle:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            log.info("waiting for another process preparing %s", directory)
+            fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
