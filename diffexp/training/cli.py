@@ -2,7 +2,7 @@
 `test`), with diffexp's checks before any work, its run directories, checkpoints and run report.
 
 With no --config, `fit` trains the tiny default (the defaults of every class) on the embedded corpus.
-Every run logs to TensorBoard under runs/<name>/<version>/.
+Every run logs to TensorBoard under runs/<name>/<version>/; a fit is also a row of the HParams tab (hparams.py).
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ from diffexp.training.checkpointing import RunCheckpoint
 from diffexp.training.construction import check_buildable, trainer_build_errors
 from diffexp.training.diagnostics import Diagnostics
 from diffexp.training.global_batch import GlobalBatch
+from diffexp.training.hparams import RunHParams
 from diffexp.training.module import DiffexpLM
 from diffexp.training.preflight import check_resume, data_init_args, validate_fit_config
 from diffexp.training.progress import use_step_progress_bar
@@ -142,6 +143,8 @@ class DiffexpCLI(LightningCLI):
         configured = self._get(self.config_init, "trainer", default={}).get("callbacks") or []
         use_step_progress_bar(trainer, configured if isinstance(configured, list) else [configured])
         trainer.callbacks.append(RunReport())
+        if self.subcommand == "fit":  # its row in TensorBoard's HParams tab; first, so the checkpoints saved at a
+            trainer.callbacks.insert(0, RunHParams())  # validation's end hold the val/loss it has just recorded
         return trainer
 
     def _instantiate_trainer(self, config: dict, callbacks: list) -> L.Trainer:

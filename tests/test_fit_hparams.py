@@ -1,0 +1,162 @@
+"""Every `diffexp fit` is a row of TensorBoard's HParams tab (diffexp.training.hparams), read back the way
+TensorBoard reads it: its event files, and its hparams plugin's own experiment and session-group handlers."""
+
+from __future__ import annotations
+
+import statistics
+from pathlib import Path
+
+import pytest
+import torch
+
+from diffexp.cli import main
+from diffexp.model import Decoder
+from diffexp.model.config import ModelConfig
+from diffexp.training.hparams import BEST_VAL_LOSS, FINAL_VAL_LOSS, METRICS, TOKENS_PER_S, TRAIN_LOSS, hparam_value
+from tests.helpers import scalars, write_recipe
+
+
+def hparams_tab(logdir: Path) -> tuple[list[str], dict[str, dict]]:
+    """What TensorBoard's HParams tab shows for `tensorboard --logdir LOGDIR`: the metric tags, and per run
+    (session group) its hparams and metric values."""
+    from tensorboard import context
+    from tensorboard.backend.event_processing import data_provider, plugin_event_multiplexer
+    from tensorboard.plugins import base_plugin
+    from tensorboard.plugins.hparams import api_pb2, backend_context, get_experiment, list_session_groups
+
+    multiplexer = plugin_event_multiplexer.EventMultiplexer()
+    multiplexer.AddRunsFromDirectory(str(logdir))
+    multiplexer.Reload()
+    provider = data_provider.MultiplexerDataProvider(multiplexer, str(logdir))
+    backend = backend_context.Context(base_plugin.TBContext(logdir=str(logdir), multiplexer=multiplexer,
+                                                            data_provider=provider))
+    request = context.RequestContext()
+    experiment = get_experiment.Handler(request, backend, "",
+                                        api_pb2.GetExperimentRequest(include_metrics=True)).run()
+    columns = [api_pb2.ColParams(hparam=h.name) for h in experiment.hparam_infos]
+    columns += [api_pb2.ColParams(metric=m.name) for m in experiment.metric_infos]
+    groups = list_session_groups.Handler(request, backend, "", api_pb2.ListSessionGroupsRequest(
+        start_index=0, slice_size=100, include_metrics=True, col_params=columns,
+        allowed_statuses=[api_pb2.STATUS_UNKNOWN, api_pb2.STATUS_SUCCESS, api_pb2.STATUS_FAILURE,
+                          api_pb2.STATUS_RUNNING])).run().session_groups
+    rows = {group.name: {"hparams": {k: getattr(v, v.WhichOneof("kind")) for k, v in group.hparams.items()},
+                         "metrics": {m.name.tag: m.value for m in group.metric_values}} for group in groups}
+    return [m.name.tag for m in experiment.metric_infos], rows
+
+
+def hparams_summaries(run_dir: Path) -> dict[str, int]:
+    """How many of each hparams plugin summary the run's event files hold (TensorBoard reads only the first)."""
+    from tensorboard.backend.event_processing.event_file_loader import EventFileLoader
+    from tensorboard.plugins.hparams import metadata
+
+    counts: dict[str, int] = {}
+    for path in sorted(run_dir.glob("events.out.tfevents.*")):
+        for event in EventFileLoader(str(path)).Load():
+            for value in event.summary.value:
+                if value.metadata.plugin_data.plugin_name == metadata.PLUGIN_NAME:
+                    counts[value.tag] = counts.get(value.tag, 0) + 1
+    return counts
+
+
+def fit(tmp_path: Path, *args: str, attention: str = "diff_v1", max_steps: int = 8) -> None:
+    main(["fit", "--config", str(write_recipe(tmp_path, name="cmp", attention=attention, max_steps=max_steps)),
+          *args])
+
+
+@pytest.fixture(scope="module")
+def two_fits(tmp_path_factory) -> Path:
+    """runs/cmp/ of a baseline fit (version_0) and a DIFF V1 fit (version_1), 8 steps each, validated at 6 and 8."""
+    tmp_path = tmp_path_factory.mktemp("fits")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.chdir(tmp_path)
+        for attention in ("baseline", "diff_v1"):
+            fit(tmp_path, attention=attention)
+    return tmp_path / "runs/cmp"
+
+
+@pytest.mark.slow
+def test_two_fits_compare_side_by_side_with_the_variant_as_a_column(two_fits):
+    metrics, rows = hparams_tab(two_fits)
+    assert metrics == list(METRICS)
+    assert {name: row["hparams"]["variant"] for name, row in rows.items()} == {"version_0": "baseline",
+                                                                               "version_1": "diff_v1"}
+    for name, row in rows.items():
+        logged = scalars(two_fits / name)
+        val_losses = [value for _, value in logged["val/loss"]]
+        assert len(val_losses) == 2
+        assert row["metrics"][FINAL_VAL_LOSS] == pytest.approx(val_losses[-1], rel=1e-6)
+        assert row["metrics"][BEST_VAL_LOSS] == pytest.approx(min(val_losses), rel=1e-6)
+        assert row["metrics"][TRAIN_LOSS] == pytest.approx(logged["train/loss"][-1][1], rel=1e-6)  # the last step's
+        tokens_per_s = statistics.median(value for _, value in logged["train/tokens_per_s"])  # as the summary's
+        assert row["metrics"][TOKENS_PER_S] == pytest.approx(tokens_per_s, rel=1e-6)
+        assert [step for step, _ in logged[FINAL_VAL_LOSS]] == [8]  # one reading, at the run's last step
+
+
+@pytest.mark.slow
+def test_each_run_records_its_variant_flags_and_parameter_counts(two_fits):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    from tensorboard.plugins.hparams import metadata
+
+    headers = []
+    for run_dir, attention in ((two_fits / "version_0", "baseline"), (two_fits / "version_1", "diff_v1")):
+        assert hparams_summaries(run_dir) == {metadata.EXPERIMENT_TAG: 1, metadata.SESSION_START_INFO_TAG: 1}
+        content = EventAccumulator(str(run_dir)).Reload().PluginTagToContent(metadata.PLUGIN_NAME)
+        experiment = metadata.parse_experiment_plugin_data(content[metadata.EXPERIMENT_TAG])
+        assert [m.name.tag for m in experiment.metric_infos] == list(METRICS)
+        headers.append(sorted((h.name, h.type) for h in experiment.hparam_infos))
+        start = metadata.parse_session_start_info_plugin_data(content[metadata.SESSION_START_INFO_TAG])
+        row = {k: getattr(v, v.WhichOneof("kind")) for k, v in start.hparams.items()}
+        arch = torch.load(run_dir / "checkpoints/last.ckpt", weights_only=True)["hyper_parameters"]["arch"]
+        assert row["variant"] == attention == arch["attention"]
+        flags = {k: v for k, v in arch.items() if k != "attention"}
+        assert sorted(k for k in row if k.startswith("model.arch.")) == sorted(f"model.arch.{k}" for k in flags)
+        for name, value in flags.items():  # a number, or the text a recipe writes
+            recorded = row[f"model.arch.{name}"]
+            assert recorded == (value if isinstance(recorded, float) else hparam_value(value, as_text=True)), name
+        assert (row["model.arch.d_model"], row["model.arch.n_heads"], row["model.arch.vocab_size"]) == (32, 2, 257)
+        assert (row["model.arch.n_kv_heads"], row["model.arch.head_norm"]) == ("null", "true")  # one type a column
+        report = Decoder(ModelConfig(**arch)).parameter_report()
+        assert {k: v for k, v in row.items() if k.startswith("params/")} == {f"params/{k}": v
+                                                                             for k, v in report.items()}
+    assert headers[0] == headers[1]  # whichever run TensorBoard reads the header of, the columns are the same
+
+
+@pytest.mark.slow
+def test_a_resumed_run_keeps_its_one_row_and_ends_it_with_its_new_results(tmp_path, monkeypatch):
+    from tensorboard.plugins.hparams import metadata
+
+    monkeypatch.chdir(tmp_path)
+    fit(tmp_path)
+    fit(tmp_path, "--ckpt_path", "last", "--model.optim.schedule_steps", "8", max_steps=12)  # 4 steps more
+    run_dir = tmp_path / "runs/cmp/version_0"
+    assert hparams_summaries(run_dir) == {metadata.EXPERIMENT_TAG: 1, metadata.SESSION_START_INFO_TAG: 1}
+    _, rows = hparams_tab(tmp_path / "runs/cmp")
+    assert list(rows) == ["version_0"]
+    val_losses = [value for _, value in scalars(run_dir)["val/loss"]]
+    assert len(val_losses) == 3  # after 6 and 8 steps, then 12
+    assert rows["version_0"]["metrics"][FINAL_VAL_LOSS] == pytest.approx(val_losses[-1], rel=1e-6)
+    assert rows["version_0"]["metrics"][BEST_VAL_LOSS] == pytest.approx(min(val_losses), rel=1e-6)  # both parts
+    assert [step for step, _ in scalars(run_dir)[BEST_VAL_LOSS]] == [8, 12]
+
+
+@pytest.mark.slow
+def test_fits_without_a_logger_or_with_autolog_off_write_no_row(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    fit(tmp_path, "--trainer.logger", "false", max_steps=2)
+    assert not (tmp_path / "runs").exists()
+    fit(tmp_path, "--trainer.enable_autolog_hparams", "false", max_steps=2)  # as a sweep's trials (their own row)
+    assert hparams_summaries(tmp_path / "runs/cmp/version_0") == {}
+    assert not any(tag.startswith("hparams/") for tag in scalars(tmp_path / "runs/cmp/version_0"))
+
+
+def test_values_become_what_tensorboard_accepts_and_passwords_never_reach_it():
+    from torch.utils.tensorboard.summary import hparams
+
+    values = {"none": None, "list": [0.9, 0.95], "nested": {"a": {"b": 1}}, "flag": True, "word": "depth", "int": 3,
+              "float": 0.5, "url": "postgresql://me:hunter22@db/optuna", "object": object}
+    row = {k: hparam_value(v) for k, v in values.items()}
+    assert row == {"none": "null", "list": "[0.9, 0.95]", "nested": '{"a": {"b": 1}}', "flag": "true",
+                   "word": "depth", "int": 3, "float": 0.5, "url": "postgresql://me:***@db/optuna",
+                   "object": "<class 'object'>"}
+    assert hparam_value(2, as_text=True) == "2"
+    hparams(row, {FINAL_VAL_LOSS: 0.0})  # TensorBoard's own writer takes every value (it raises on others)
