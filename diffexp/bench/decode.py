@@ -15,30 +15,38 @@ from diffexp.errors import UserError
 from diffexp.model.attention.registry import reference_variant
 
 NAME = "decode"
-ABOUT = "decoding with the KV cache: tokens/s and cache bytes per token after a prefill, vs the reference"
+ABOUT = "decoding with the KV cache, eager and compiled: tokens/s and bytes read per step, vs the reference"
 KV_CACHE = True
+MODES = ("eager", "compiled")
 LAYOUT = report.Layout(
-    labels=(("variant", "variant"), ("context", "seq_len"), ("batch", "batch_size")),
+    labels=(("variant", "variant"), ("mode", "mode"), ("context", "seq_len"), ("batch", "batch_size")),
     ratios=(report.Ratio("speed_ratio", "old tok/s ratio", "new tok/s ratio", "change", "old spread"),
             report.Ratio("cache_ratio", "old cache ratio", "new cache ratio", "cache change"),
             report.Ratio("mem_ratio", "old mem ratio", "new mem ratio", "mem change")),
     config_keys=("dtype", "backend", "d_model", "n_layers", "n_heads", "vocab_size", "variant_overrides",
-                 "new_tokens", "kv_cache"),
+                 "new_tokens", "kv_cache", "kv_heads"),
 )
-HEADERS = ["variant", "context", "batch", "params (non-emb)", "KV cache KiB/token", "cache vs base",
-           "ms/token", "tok/s", "tok/s vs base", "ratio spread (rounds)", "peak mem MiB", "mem vs base",
-           "TFLOP/s"]
+HEADERS = ["variant", "mode", "context", "batch", "KV cache KiB/token", "cache vs base", "ms/token", "tok/s",
+           "tok/s vs base", "ratio spread (rounds)", "MiB read/step", "GB/s", "of bound", "peak mem MiB"]
+#: HBM bandwidth in bytes/s by GPU name, for the fraction of the memory bound a step reaches
+PEAK_BANDWIDTH = {"H200": 4.8e12, "H100 PCIe": 2.0e12, "H100": 3.35e12, "A100-SXM4-80GB": 2.039e12,
+                  "A100-SXM4-40GB": 1.555e12, "A100 80GB PCIe": 1.935e12, "L40S": 0.864e12, "L4": 0.3e12}
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = options.build_parser(NAME, "Per-token decoding time with the KV cache and cache bytes per token of each "
-                                   "attention variant, after a prefill of the context, relative to the reference "
-                                   "variant measured in the same run.",
+    p = options.build_parser(NAME, "Per-token decoding time with the KV cache of each attention variant after a "
+                                   "prefill of the context, eager and with the compiled decoding step, relative "
+                                   "to the reference variant measured in the same run.",
                              batch_size=[1, 8], seq_lens=[1024, 2048, 4096, 8192],
                              seq_lens_help="context lengths (the prompt prefilled before decoding)")
     p.add_argument("--new-tokens", type=int, default=16, help="tokens decoded per timed run, one forward each")
     p.add_argument("--kv-heads", type=int, default=None, metavar="N",
                    help="KV heads of every variant (default: each variant's benchmark setting, `diffexp variants`)")
+    p.add_argument("--modes", nargs="+", choices=MODES, default=None, metavar="MODE",
+                   help="eager (a growing cache, one forward per token) and/or compiled (a static cache and "
+                        "the torch.compile'd step; CUDA graphs on a GPU); default: both where torch.compile runs")
+    p.add_argument("--peak-bandwidth", type=float, default=None, metavar="GB_PER_S",
+                   help="memory bandwidth for the 'of bound' column (default: the GPU's from a table; none on CPU)")
     options.add_backend(p)
     return p
 
@@ -48,8 +56,29 @@ def validate(args: argparse.Namespace) -> None:
         raise UserError(f"--new-tokens: expected a positive integer, got {args.new_tokens}")
     if args.kv_heads is not None and args.kv_heads <= 0:
         raise UserError(f"--kv-heads: expected a positive integer, got {args.kv_heads}")
+    if args.peak_bandwidth is not None and not args.peak_bandwidth > 0:
+        raise UserError(f"--peak-bandwidth: expected a positive number of GB/s, got {args.peak_bandwidth}")
     args.batch_size = sorted(dict.fromkeys(args.batch_size))
     workload.check_configs(args, max_seq_len(args), [args.backend])
+    args.modes = choose_modes(args)
+
+
+def choose_modes(args: argparse.Namespace) -> list[str]:
+    """The modes asked for; compiled only where torch.compile runs (an error when asked for, else a note)."""
+    import torch
+
+    from diffexp.model.compile import compile_unavailable
+
+    wanted = list(dict.fromkeys(args.modes or MODES))
+    if "compiled" not in wanted:
+        return wanted
+    reason = compile_unavailable(torch.device(args.device))
+    if reason is None:
+        return wanted
+    if args.modes:
+        raise UserError(f"--modes compiled: torch.compile cannot run here ({reason}); use --modes eager")
+    print(f"note: measuring eager decoding only; torch.compile cannot run here ({reason})", flush=True)
+    return [m for m in wanted if m != "compiled"]
 
 
 def max_seq_len(args: argparse.Namespace) -> int:
@@ -58,38 +87,60 @@ def max_seq_len(args: argparse.Namespace) -> int:
 
 def config(args: argparse.Namespace) -> dict:
     return {**workload.common_config(args), "backend": args.backend, "new_tokens": args.new_tokens,
-            "kv_heads": args.kv_heads, "kv_cache": KV_CACHE}
+            "kv_heads": args.kv_heads, "kv_cache": KV_CACHE, "modes": args.modes,
+            "peak_bandwidth": peak_bandwidth(args)}
+
+
+def peak_bandwidth(args: argparse.Namespace) -> float | None:
+    """Bytes/s of --peak-bandwidth, else of the GPU's entry in PEAK_BANDWIDTH, else None."""
+    if args.peak_bandwidth is not None:
+        return args.peak_bandwidth * 1e9
+    if args.device != "cuda":
+        return None
+    import torch
+
+    name = torch.cuda.get_device_name()
+    return next((bw for key, bw in PEAK_BANDWIDTH.items() if key in name), None)
 
 
 class DecodeRunner:
-    """One variant's model and its cache filled with the prompt; `run` decodes --new-tokens tokens."""
+    """One variant's model and its cache filled with the prompt; `run` decodes --new-tokens tokens, eagerly or
+    through the compiled step (static cache)."""
 
-    def __init__(self, args: argparse.Namespace, name: str, prompt, device) -> None:
+    def __init__(self, args: argparse.Namespace, name: str, prompt, device, mode: str) -> None:
         import torch
 
         from diffexp.model import Decoder
 
         torch.manual_seed(workload.SEED)
-        self.torch, self.device = torch, device
+        self.torch, self.device, self.mode = torch, device, mode
         self.model = Decoder(workload.model_config(args, name, max_seq_len(args), args.backend)).to(device).eval()
         self.params = self.model.parameter_report()
         self.new_tokens = args.new_tokens
         self.autocast = lambda: workload.autocast(args, device)
-        self.cache = self.model.new_cache()
+        batch, context = prompt.shape
+        compiled = mode == "compiled"
+        self.cache = self.model.new_cache(context + args.new_tokens if compiled else None, static=compiled)
         with torch.inference_mode(), self.autocast():
             self.first = self.model(prompt, cache=self.cache)[:, -1:].argmax(-1)
-        batch, context = prompt.shape
         self.cache_bytes_per_token = self.cache.bytes() / (batch * context)  # per sequence
+        self.bytes_per_step = step_bytes(self.model, self.cache.bytes(), batch)
         self.prompt_mark = self.cache.mark()
         self.flops_per_token = batch * self.model.decode_flops_per_token(context)
         self.clock = timing.Stopwatch(device)
+        self.compile_s = None
+        if compiled:
+            self.model.compile_decoding()
+            self.clock.start()
+            self.decode()  # compiles
+            self.compile_s = self.clock.lap()[0]
 
     def decode(self) -> None:
         self.cache.rewind(self.prompt_mark)
         token = self.first
         with self.torch.inference_mode(), self.autocast():
             for _ in range(self.new_tokens):
-                token = self.model(token, cache=self.cache)[:, -1:].argmax(-1)
+                token = self.model.decode_step(token, self.cache).argmax(-1, keepdim=True)
 
     def run(self) -> None:
         self.decode()
@@ -106,50 +157,77 @@ class DecodeRunner:
         return peak_bytes(self.decode, self.device, held)
 
 
+def step_bytes(model, cache_bytes: int, batch: int) -> int:
+    """Bytes one decoding step must read: every weight once (of the embedding table only the batch's rows) and
+    the whole cache."""
+    weights = {id(p): p for p in model.parameters()}
+    embedding = model.embed.weight
+    total = sum(p.numel() * p.element_size() for p in weights.values())
+    if model.lm_head.weight is not embedding:
+        total -= embedding.numel() * embedding.element_size() - batch * embedding[0].numel() * embedding.element_size()
+    return total + cache_bytes
+
+
 def run(args: argparse.Namespace) -> dict:
     import torch
 
     device = torch.device(args.device)
-    variants = args.variants
+    variants, modes = args.variants, args.modes
     per_variant = timing.runs_per_variant(args)
     results: dict[str, dict] = {}
     shapes = [(context, batch) for context in args.seq_lens for batch in args.batch_size]
-    with ProgressReporter(total=len(shapes) * len(variants) * per_variant) as progress:
+    with ProgressReporter(total=len(shapes) * len(variants) * len(modes) * per_variant) as progress:
         for context, batch in shapes:
             label = f"context {context} batch {batch}"
             prompt = workload.random_tokens(args, batch, context, context, device)
-            progress.log(f"{label}: prefilling {len(variants)} models, then {args.new_tokens} tokens per run")
-            runners = {v: DecodeRunner(args, v, prompt, device) for v in variants}
+            progress.log(f"{label}: prefilling {len(variants)} models ({', '.join(modes)}), then {args.new_tokens} "
+                         "tokens per run" + (" (compiling each step first)" if "compiled" in modes else ""))
+            torch._dynamo.reset()  # one compiled step per model; the previous shape's models are gone
+            runners = {f"{v} {mode}": DecodeRunner(args, v, prompt, device, mode) for mode in modes for v in variants}
             samples, peaks = timing.measure(runners, args, progress, label, headline="decode_token_times_s")
-            for v in variants:
-                r = runners[v]
-                results[result_key(v, context, batch)] = {
-                    "variant": v, "seq_len": context, "batch_size": batch, "new_tokens": args.new_tokens,
-                    "kv_cache": KV_CACHE, "overrides": workload.overrides(args)[v], "params": r.params,
-                    "cache_bytes_per_token": r.cache_bytes_per_token, "decode_flops_per_token": r.flops_per_token,
-                    **samples[v], "peak_bytes": peaks[v],
+            for key, r in runners.items():
+                v, mode = key.split()
+                results[result_key(v, mode, context, batch)] = {
+                    "variant": v, "mode": mode, "seq_len": context, "batch_size": batch,
+                    "new_tokens": args.new_tokens, "kv_cache": KV_CACHE, "overrides": workload.overrides(args)[v],
+                    "params": r.params, "cache_bytes_per_token": r.cache_bytes_per_token,
+                    "bytes_per_step": r.bytes_per_step, "decode_flops_per_token": r.flops_per_token,
+                    "compile_s": r.compile_s, **samples[key], "peak_bytes": peaks[key],
                 }
             del runners, prompt
             release(device)
-    summarise(results, variants, shapes)
+    summarise(results, variants, modes, shapes, peak_bandwidth(args))
     return results
 
 
-def result_key(variant: str, context: int, batch: int) -> str:
-    return f"{variant}@{context}x{batch}"
+def result_key(variant: str, mode: str, context: int, batch: int) -> str:
+    return f"{variant}@{context}x{batch}" + ("" if mode == "eager" else f":{mode}")
 
 
-def summarise(results: dict, variants: list[str], shapes: list[tuple[int, int]]) -> None:
-    """Per-token medians, tokens/s and the ratios to the reference, added in place."""
-    for context, batch in shapes:
-        base = results[result_key(reference_variant().name, context, batch)]
-        for v in variants:
-            entry = results[result_key(v, context, batch)]
-            timing.add_ratio(entry, base, "decode_token_times_s", "median_decode_token_s", "speed_ratio")
-            entry["tokens_per_s"] = batch / entry["median_decode_token_s"]
-            entry["cache_ratio"] = entry["cache_bytes_per_token"] / base["cache_bytes_per_token"]
-            timing.throughput(entry, "decode_flops_per_token", "median_decode_token_s", None)
-            timing.add_mem_ratio(entry, base)
+def summarise(results: dict, variants: list[str], modes: list[str], shapes: list[tuple[int, int]],
+              bandwidth: float | None) -> None:
+    """Per-token medians, tokens/s, bytes/s and the ratios to the reference in the same mode, added in place."""
+    for mode in modes:
+        for context, batch in shapes:
+            base = results[result_key(reference_variant().name, mode, context, batch)]
+            for v in variants:
+                entry = results[result_key(v, mode, context, batch)]
+                timing.add_ratio(entry, base, "decode_token_times_s", "median_decode_token_s", "speed_ratio")
+                entry["tokens_per_s"] = batch / entry["median_decode_token_s"]
+                entry["cache_ratio"] = entry["cache_bytes_per_token"] / base["cache_bytes_per_token"]
+                entry["bytes_per_s"] = entry["bytes_per_step"] / entry["median_decode_token_s"]
+                entry["bandwidth_fraction"] = entry["bytes_per_s"] / bandwidth if bandwidth else None
+                timing.throughput(entry, "decode_flops_per_token", "median_decode_token_s", None)
+                timing.add_mem_ratio(entry, base)
+
+
+def lowest_ratios(results: dict) -> dict[tuple[str, str], float]:
+    """The lowest tok/s ratio to the reference over the grid, per (variant, mode)."""
+    lowest: dict[tuple[str, str], float] = {}
+    for e in results.values():
+        key = (e["variant"], e.get("mode", "eager"))
+        lowest[key] = min(lowest.get(key, float("inf")), e["speed_ratio"])
+    return lowest
 
 
 def table(data: dict) -> tuple[str, list[str], list[list[str]], str]:
@@ -158,22 +236,32 @@ def table(data: dict) -> tuple[str, list[str], list[list[str]], str]:
     ref = cfg["variants"][0]  # the reference variant
     rows = []
     for e in data["results"].values():
+        fraction = e.get("bandwidth_fraction")
         rows.append([
-            e["variant"], str(e["seq_len"]), str(e["batch_size"]), f"{e['params']['non_embedding']:,}",
+            e["variant"], e.get("mode", "eager"), str(e["seq_len"]), str(e["batch_size"]),
             f"{e['cache_bytes_per_token'] / 1024:.2f}", report.ratio_cell(e["cache_ratio"]),
             f"{e['median_decode_token_s'] * 1e3:.2f}", f"{e['tokens_per_s']:.0f}", report.ratio_cell(e["speed_ratio"]),
-            report.spread_cell(e, "speed_ratio"), report.mib_cell(e["peak_bytes"]),
-            report.ratio_cell(e["mem_ratio"]), f"{e['tflops_per_s']:.3g}",
+            report.spread_cell(e, "speed_ratio"), report.mib_cell(e.get("bytes_per_step")),
+            f"{e['bytes_per_s'] / 1e9:.1f}" if "bytes_per_s" in e else "n/a",
+            "n/a" if fraction is None else f"{fraction:.0%}", report.mib_cell(e["peak_bytes"]),
         ])
     kv = f"{cfg['kv_heads']} KV heads for every variant" if cfg.get("kv_heads") else "each variant's own KV heads"
     title = (f"Decoding with the KV cache vs {ref}: {env['device']} ({env['device_name']}), {cfg['dtype']}, "
              f"backend {cfg['backend']}, {env['threads']} threads, d_model {cfg['d_model']}, {cfg['n_layers']} "
              f"layers, {cfg['n_heads']} heads, {kv}; {cfg['new_tokens']} tokens per run; {cfg['rounds']} rounds x "
              f"{cfg['steps']} runs")
-    caption = (f"After one prefill of the context, each run decodes {cfg['new_tokens']} tokens (one forward of one "
-               "token each) and rewinds the cache. ms/token = run time / tokens; tok/s counts the whole batch; vs "
-               f"base = {ref} median / variant median (>1 = faster than {ref}); spread = min-max of that ratio per "
-               "round. KV cache = bytes the filled cache holds per token of one sequence, all layers (a "
-               "variant's extra state included). peak mem = live tensor bytes of one run, weights and cache included; "
-               "TFLOP/s = Decoder.decode_flops_per_token x batch / time per token.")
+    lowest = lowest_ratios(data["results"])
+    worst = "; ".join(f"{v} {mode} {ratio:.2f}x" for (v, mode), ratio in sorted(lowest.items()) if v != ref)
+    compile_times = [e["compile_s"] for e in data["results"].values() if e.get("compile_s")]
+    compiled = (f" Compiling one step took {min(compile_times):.0f}-{max(compile_times):.0f} s per model."
+                if compile_times else "")
+    caption = (f"After one prefill of the context, each run decodes {cfg['new_tokens']} tokens (one step of one "
+               "token each) and rewinds the cache. eager: a growing cache, one forward per step; compiled: a static "
+               "cache of the context's size and the torch.compile'd step (CUDA graphs on a GPU). ms/token = run "
+               f"time / tokens; tok/s counts the whole batch; vs base = {ref} median / variant median in the same "
+               f"mode (>1 = faster); spread = min-max of that ratio per round. KV cache = bytes the filled cache "
+               "holds per token of one sequence, all layers (a variant's extra state included). MiB read/step = "
+               "the weights and the whole cache, what one step must read; GB/s = that / time per token; of bound "
+               f"= GB/s over the device's memory bandwidth (GPU only).{compiled} Lowest ratio over the grid: "
+               f"{worst}.")
     return title, HEADERS, rows, caption

@@ -12,11 +12,12 @@ from collections.abc import Iterable
 from pathlib import Path
 
 from diffexp.errors import UserError
-from diffexp.training.loading import CKPT_KEY, check_device, load_checkpoint, load_model
+from diffexp.training.loading import CKPT_KEY, check_compile, check_device, load_checkpoint, load_model
 
 # loading lives in diffexp.training.loading (generate uses it too); the tasks import it from here
 __all__ = [
     "CKPT_KEY",
+    "check_compile",
     "check_device",
     "load_checkpoint",
     "load_model",

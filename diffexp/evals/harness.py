@@ -52,6 +52,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--tokenizer", default=None,
                         help="'byte' or a tokenizer.json, for checkpoints saved without their tokenizer")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--compile", action="store_true",
+                        help="generate through the torch.compile'd decoding step (CUDA graphs on a GPU)")
     parser.add_argument("--out", default=None, help=f"directory for {RESULTS_FILE} (default: <run>/eval/)")
     return parser
 
@@ -156,6 +158,8 @@ def harness_main(argv: list[str]) -> int:
                         f"{hparams['arch']['vocab_size']}; expected the tokenizer the model was trained with")
     common.check_device(args.device)
     common.check_out(args.out)
+    if args.compile:
+        common.check_compile(args.device)
     tasks = expand_tasks(args.tasks)
     manager = check_tasks(tasks, args.include_path)
 
@@ -164,7 +168,7 @@ def harness_main(argv: list[str]) -> int:
     from diffexp.evals.harness_lm import DiffexpHarnessLM
 
     model = common.load_model(checkpoint, args.checkpoint, args.device)
-    lm = DiffexpHarnessLM(model, tokenizer, args.batch_size, args.device, args.seed)
+    lm = DiffexpHarnessLM(model, tokenizer, args.batch_size, args.device, args.seed, compile=args.compile)
     limit = int(args.limit) if args.limit is not None and args.limit >= 1 else args.limit
     raw = simple_evaluate(model=lm, tasks=tasks, num_fewshot=args.num_fewshot, limit=limit,
                           bootstrap_iters=args.bootstrap_iters, task_manager=manager, log_samples=False,

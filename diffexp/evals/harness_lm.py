@@ -21,9 +21,10 @@ class DiffexpHarnessLM(LM):
     """``model``: a diffexp ``Decoder`` (or a ``DiffexpLM``); ``tokenizer``: a diffexp ``TextTokenizer``."""
 
     def __init__(self, model, tokenizer, batch_size: int = 16, device: str = "cpu", seed: int = 0,
-                 progress: bool = True) -> None:
+                 progress: bool = True, compile: bool = False) -> None:
         super().__init__()
         self.model = getattr(model, "model", model).to(device).eval()
+        self.compile = compile  # generate through the compiled decoding step
         self.tokenizer, self.batch_size, self.progress = tokenizer, batch_size, progress
         self._device = torch.device(device)
         self.max_length = self.model.cfg.max_seq_len
@@ -123,7 +124,7 @@ class DiffexpHarnessLM(LM):
 
         with torch.inference_mode():
             generated = greedy_continuations(self.model, prompts, limits, self.eot_token_id, self._device,
-                                             self.batch_size, self.eot_token_id, reached)
+                                             self.batch_size, self.eot_token_id, reached, compile=self.compile)
         return [_cut_at_stops(self.tokenizer.decode([t for t in ids if t != self.eot_token_id]), until)
                 for ids in generated]
 
@@ -133,7 +134,8 @@ class DiffexpHarnessLM(LM):
         prompt = torch.tensor(prompts, device=self._device)
         generated: list[list[int]] = [[] for _ in prompts]
         done = [False] * len(prompts)
-        for tokens in generate(self.model, prompt, max_new, sampling, self.eot_token_id, self.generator):
+        for tokens in generate(self.model, prompt, max_new, sampling, self.eot_token_id, self.generator,
+                               compile=self.compile):
             for row, token in enumerate(tokens.tolist()):
                 if done[row]:
                     continue

@@ -8,12 +8,15 @@ rows of different lengths can share a right-padded batch); a span ``(start, end)
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
 import torch
 from torch import nn
+
+from diffexp.generate.decode import static_capacity
 
 LogitsFn = Callable[[torch.Tensor], torch.Tensor]
 Span = tuple[int, int]
@@ -181,10 +184,12 @@ def argmax_matches(logits: torch.Tensor, targets: torch.Tensor, mask: torch.Tens
 @torch.no_grad()
 def greedy_continuations(model: Any, prompts: Sequence[Sequence[int]], max_new: Sequence[int],
                          stop_id: int | None = None, device: str | torch.device = "cpu", batch_size: int = 16,
-                         pad_id: int = 0, stop: Callable[[list[int]], bool] | None = None) -> list[list[int]]:
+                         pad_id: int = 0, stop: Callable[[list[int]], bool] | None = None,
+                         compile: bool = False) -> list[list[int]]:
     """Greedy decoding: per prompt, up to ``max_new[i]`` argmax tokens, through the first ``stop_id`` or the first
     token after which ``stop(tokens so far)`` holds. A ``Decoder`` decodes with its KV cache, prompts of different
-    lengths in one batch; any other logits function re-reads each prefix per step, to the same tokens."""
+    lengths in one batch (through the compiled step with ``compile``); any other logits function re-reads each
+    prefix per step, to the same tokens."""
     if len(prompts) != len(max_new):
         raise ValueError(f"{len(prompts)} prompts but {len(max_new)} max_new: expected one limit per prompt")
 
@@ -196,7 +201,7 @@ def greedy_continuations(model: Any, prompts: Sequence[Sequence[int]], max_new: 
     if isinstance(decoder, nn.Module) and hasattr(decoder, "new_cache"):
         try:
             decoder.new_cache()
-            decode = _greedy_cached
+            decode = functools.partial(_greedy_cached, compile=compile)
         except ValueError:  # the variant has no cached decoding
             decoder = as_logits_fn(decoder)
     else:
@@ -212,14 +217,19 @@ def greedy_continuations(model: Any, prompts: Sequence[Sequence[int]], max_new: 
     return outputs
 
 
-def _greedy_cached(decoder, rows: list[list[int]], limits: list[int], stops, device, pad_id: int) -> list[list[int]]:
+def _greedy_cached(decoder, rows: list[list[int]], limits: list[int], stops, device, pad_id: int,
+                   compile: bool = False) -> list[list[int]]:
     """Prefill up to the shortest prompt; longer rows then feed their remaining prompt tokens one per step while
     the shorter ones already generate."""
     generated: list[list[int]] = [[] for _ in rows]
     active = [limit > 0 for limit in limits]
     if not any(active):
         return generated
-    cache = decoder.new_cache()
+    needed = min(max(len(row) + limit for row, limit in zip(rows, limits)), decoder.cfg.max_seq_len)
+    if compile and decoder.compile_decoding() is None:
+        cache = decoder.new_cache(static_capacity(needed, decoder.cfg.max_seq_len), static=True)
+    else:
+        cache = decoder.new_cache(needed)
     position = min(len(row) for row in rows)  # the position the logits predict
     logits = decoder(torch.tensor([row[:position] for row in rows], device=device), cache=cache)[:, -1]
     while True:
@@ -236,7 +246,7 @@ def _greedy_cached(decoder, rows: list[list[int]], limits: list[int], stops, dev
                 feed.append(pad_id)
         if not any(active):
             return generated
-        logits = decoder(torch.tensor(feed, device=device)[:, None], cache=cache)[:, -1]
+        logits = decoder.decode_step(torch.tensor(feed, device=device)[:, None], cache)
         position += 1
 
 

@@ -16,7 +16,7 @@ from diffexp.data.tokenizer import ByteTokenizer, TextTokenizer, load_tokenizer_
 from diffexp.errors import UserError
 from diffexp.generate.decode import generate
 from diffexp.generate.sampling import Sampling
-from diffexp.training.loading import CKPT_KEY, check_device, load_checkpoint, load_model
+from diffexp.training.loading import CKPT_KEY, check_compile, check_device, load_checkpoint, load_model
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -35,6 +35,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="'byte' or a tokenizer.json, for checkpoints saved without their tokenizer")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
                         help="cpu, cuda or cuda:<index> (default: cuda when available)")
+    parser.add_argument("--compile", action="store_true",
+                        help="decode through the torch.compile'd step on a static cache (CUDA graphs on a GPU); "
+                             "compiling takes a while, so it pays off on long generations")
     return parser
 
 
@@ -134,11 +137,13 @@ def main(argv: list[str]) -> int:
         raise UserError("the prompt encodes to no tokens: the model needs at least one token to continue")
     check_fits(tokenizer, hparams["arch"], prompt_ids, args.max_new_tokens)
     check_device(args.device)
+    if args.compile:
+        check_compile(args.device)
     model = load_model(checkpoint, args.checkpoint, args.device).model
     generator = torch.Generator(device=args.device).manual_seed(args.seed)
     ids = torch.tensor([prompt_ids], device=args.device)
     stream = TextStream(tokenizer)
-    for token in generate(model, ids, args.max_new_tokens, sampling, tokenizer.eos_id, generator):
+    for token in generate(model, ids, args.max_new_tokens, sampling, tokenizer.eos_id, generator, args.compile):
         if int(token) == tokenizer.eos_id:
             break
         stream.add(int(token))

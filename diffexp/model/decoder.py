@@ -16,6 +16,7 @@ from torch import nn
 from diffexp.model.attention import build_attention, variant
 from diffexp.model.blocks import DecoderBlock, RMSNorm
 from diffexp.model.cache import DecoderCache
+from diffexp.model.compile import compile_unavailable
 from diffexp.model.config import ModelConfig
 
 
@@ -59,7 +60,13 @@ class Decoder(nn.Module):
         if cache is not None:
             if need_weights:
                 raise ValueError("need_weights reads whole maps: run a full forward, without a cache")
-            cache.check_room(idx.shape[1])
+            cache.begin(idx.shape[0], idx.shape[1], idx.device)
+            logits = self._logits(idx, cache)
+            cache.advance(idx.shape[1])
+            return logits
+        return self._logits(idx, need_weights=need_weights)
+
+    def _logits(self, idx: torch.Tensor, cache: DecoderCache | None = None, need_weights: bool = False):
         x = self.embed(idx)
         maps = []
         recompute = self.checkpoint_activations and torch.is_grad_enabled() and cache is None and not need_weights
@@ -72,13 +79,45 @@ class Decoder(nn.Module):
         logits = self.lm_head(self.final_norm(x))
         return (logits, maps) if need_weights else logits
 
-    def new_cache(self) -> DecoderCache:
-        """An empty decoding cache for this model (any batch size; it takes the batch of the first call)."""
+    def new_cache(self, capacity: int | None = None, static: bool = False) -> DecoderCache:
+        """An empty decoding cache for this model (any batch size; it takes the batch of the first call).
+        capacity: the positions it can hold (default max_seq_len); static: allocate them all at once, and
+        decoding steps read the whole capacity (fixed shapes, as a compiled step needs)."""
         attention = type(self.blocks[0].attn)
         if "cache" not in inspect.signature(attention.forward).parameters:
             raise ValueError(f"attention {self.cfg.attention!r} ({attention.__name__}) has no decoding with a cache: "
                              "its forward takes no `cache` argument")
-        return DecoderCache(self.cfg.n_layers, self.cfg.max_seq_len)
+        return DecoderCache(self.cfg.n_layers, self.cfg.max_seq_len, capacity, static)
+
+    def decode_step(self, token: torch.Tensor, cache: DecoderCache) -> torch.Tensor:
+        """Logits (B, vocab) of one token per row (B, 1) after the cache: each row at its own position, through
+        the compiled step after `compile_decoding` when the cache is static."""
+        cache.begin(token.shape[0], 1, token.device, step=True)
+        compiled = self._compiled_step is not None and cache.static  # a growing cache would recompile each step
+        logits = (self._compiled_step if compiled else self._step_logits)(token, cache)
+        cache.advance(1)
+        return logits
+
+    def _step_logits(self, token: torch.Tensor, cache: DecoderCache) -> torch.Tensor:
+        return self._logits(token, cache)[:, -1]
+
+    _compiled_step = None
+    _compiled_mode: str | None = None
+
+    def compile_decoding(self, mode: str | None = None) -> str | None:
+        """Compile `decode_step` with torch.compile (inductor; CUDA graphs on a GPU with mode "reduce-overhead",
+        the default there); use it with static caches. Returns why it cannot run here, else None."""
+        device = next(self.parameters()).device
+        if mode is None:
+            mode = "reduce-overhead" if device.type == "cuda" else "default"
+        if self._compiled_mode == mode:
+            return None
+        reason = compile_unavailable(device)
+        if reason is not None:
+            return reason
+        self._compiled_step = torch.compile(self._step_logits, mode=mode, dynamic=False, fullgraph=True)
+        self._compiled_mode = mode
+        return None
 
     def num_parameters(self, exclude_embeddings: bool = False) -> int:
         params = {id(p): p for p in self.parameters()}

@@ -18,13 +18,18 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos", angles.cos(), persistent=False)
         self.register_buffer("sin", angles.sin(), persistent=False)
 
-    def rotate(self, x: torch.Tensor, start: int = 0) -> torch.Tensor:
-        """Rotate positions start .. start + T - 1 (start > 0: new tokens after a cache of `start`)."""
-        end = start + x.shape[-2]
-        if end > self.cos.shape[0]:
-            raise ValueError(f"sequence length {end} exceeds model.max_seq_len={self.cos.shape[0]}")
-        cos = self.cos[start:end].to(x.dtype)
-        sin = self.sin[start:end].to(x.dtype)
+    def rotate(self, x: torch.Tensor, start: int | torch.Tensor = 0) -> torch.Tensor:
+        """Rotate positions start .. start + T - 1 (start > 0: new tokens after a cache of `start`); a tensor
+        start (B,) gives each row of a one-token step its own position."""
+        if torch.is_tensor(start):
+            shape = (-1, *[1] * (x.dim() - 2), x.shape[-1])
+            cos, sin = self.cos[start].view(shape).to(x.dtype), self.sin[start].view(shape).to(x.dtype)
+        else:
+            end = start + x.shape[-2]
+            if end > self.cos.shape[0]:
+                raise ValueError(f"sequence length {end} exceeds model.max_seq_len={self.cos.shape[0]}")
+            cos = self.cos[start:end].to(x.dtype)
+            sin = self.sin[start:end].to(x.dtype)
         x1, x2 = x.chunk(2, dim=-1)
         rotated = torch.cat([-x2, x1], dim=-1)
         return x * cos + rotated * sin

@@ -32,6 +32,16 @@ def check_device(device: str) -> str:
     return device
 
 
+def check_compile(device: str) -> None:
+    """--compile: torch.compile must run on the device (a C++ compiler on CPU, Triton on CUDA)."""
+    from diffexp.model.compile import compile_unavailable
+
+    reason = compile_unavailable(torch.device(device))
+    if reason is not None:
+        raise UserError(f"--compile is invalid here: torch.compile cannot run on {device} ({reason}); "
+                        "leave out --compile to decode eagerly")
+
+
 def load_model(checkpoint: dict, path: str, device: str):
     """The DiffexpLM of a checkpoint, in eval mode on `device` (what `load_from_checkpoint` does, from the
     dict read_checkpoint already holds: the file is read once)."""

@@ -62,9 +62,12 @@ class AttentionBase(nn.Module):
     stats_rows: int | None = None
 
     @staticmethod
-    def start_of(cache) -> int:
-        """The position of x's first token: 0, or the number of cached positions."""
-        return 0 if cache is None else cache.length
+    def start_of(cache) -> int | torch.Tensor:
+        """The position of x's first token: 0, the number of cached positions, or in a decoding step each row's
+        own position (B,)."""
+        if cache is None:
+            return 0
+        return cache.positions if cache.stepping else cache.length
 
     @staticmethod
     def cached(cache, **new: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -78,10 +81,11 @@ class AttentionBase(nn.Module):
                 logit_max = causal_logits(q[: self.stats_rows], k[: self.stats_rows]).max().item()
             self.stats["attn_logit_max"] = max(self.stats.get("attn_logit_max", float("-inf")), logit_max)
 
-    def attend(self, q, k, v, need_weights: bool = False):
+    def attend(self, q, k, v, need_weights: bool = False, cache=None):
         """Causal softmax attention per query head on this layer's backend (RoPE already applied)."""
         self.record_logit_max(q, k)
-        return attention(q, k, v, self.backend, need_weights, self.cfg.backend_fallback)
+        key_mask = None if cache is None else cache.key_mask(k.shape[-2])
+        return attention(q, k, v, self.backend, need_weights, self.cfg.backend_fallback, key_mask)
 
     def two_map_head(self, q1, q2, k1, k2, v, lam, need_weights: bool = False, cache=None,
                      integral: Integral | None = None):
@@ -89,7 +93,7 @@ class AttentionBase(nn.Module):
         self.record_logit_max(q1, k1)
         self.record_logit_max(q2, k2)
         return two_map_head(q1, q2, k1, k2, v, lam, backend=self.backend, integral=integral,
-                            cache_state=None if cache is None else cache.state, need_weights=need_weights,
+                            cache=cache, need_weights=need_weights,
                             backend_fallback=self.cfg.backend_fallback)
 
     def extra_repr(self) -> str:

@@ -43,5 +43,5 @@ class BaselineAttention(AttentionBase):
         q = self.rope.rotate(split_heads(self.q_proj(x), self.n_heads), start)
         k = self.rope.rotate(split_heads(self.k_proj(x), self.n_kv_heads), start)
         k, v = self.cached(cache, k=k, v=split_heads(self.v_proj(x), self.n_kv_heads))
-        out, weights = self.attend(q, k, v, need_weights)
+        out, weights = self.attend(q, k, v, need_weights, cache)
         return self.o_proj(merge_heads(out)), weights

@@ -5,7 +5,8 @@
 two-map variant, run by the kernel `resolve_kernel` picks from `model.arch.backend` and the call:
 
     eager       the maps themselves (backend eager, or maps requested)
-    per_map     one attention call per map (GPU sdpa and flash_attn; decoding with a cache)
+    per_map     one attention call per map (GPU sdpa and flash_attn; a chunk after a cache)
+    cached_step one decoding step: both maps against the cache, V read once (cached_step.py)
     cpu_native  the compiled CPU kernel: both maps, lambda and DINT's integral in one pass (cpu_native.py)
     blocked     the same pass in PyTorch ops, where the CPU kernel cannot be built or for fp64
     triton      the fused Triton kernels (backend triton, CUDA)
@@ -23,12 +24,13 @@ import torch
 
 from diffexp.errors import invalid
 from diffexp.model.kernels import blocked_two_map, cpu_native
+from diffexp.model.kernels.cached_step import two_map_step
 from diffexp.model.kernels.dint_integral import fused_dint_head
 from diffexp.model.kernels.per_map import per_map_head, row_positions
 from diffexp.model.kernels.single_map import attend, expand_kv, flash_attn_func
 from diffexp.model.kernels.triton_support import unavailable_reason
 
-KERNELS = ("eager", "per_map", "cpu_native", "blocked", "triton")
+KERNELS = ("eager", "per_map", "cached_step", "cpu_native", "blocked", "triton")
 
 
 @dataclass(frozen=True)
@@ -74,9 +76,12 @@ def forced_kernel(kernel: str):
         _FORCED.pop()
 
 
-def resolve_kernel(backend: str, q: torch.Tensor, need_weights: bool = False, decoding: bool = False,
+def resolve_kernel(backend: str, q: torch.Tensor, need_weights: bool = False, decoding: str | None = None,
                    layer_lambda: bool = True, integral: str | None = None) -> str:
-    """The kernel of one two-map head call: the backend's fastest one that computes this head."""
+    """The kernel of one two-map head call: the backend's fastest one that computes this head.
+    decoding: None (no cache), "chunk" (positions after a cache) or "step" (one token per row)."""
+    if decoding == "step":
+        return "cached_step"
     if need_weights or backend == "eager":
         return "eager"
     if decoding:
@@ -95,25 +100,31 @@ def resolve_kernel(backend: str, q: torch.Tensor, need_weights: bool = False, de
     return preferred if computes.get(preferred, True) else "per_map"
 
 
-def attention(q, k, v, backend: str = "sdpa", need_weights: bool = False, backend_fallback: bool = True):
-    """Causal softmax attention per query head: (out, the map when need_weights or eager, else None)."""
-    return attend(q, k, v, backend, need_weights, backend_fallback)
+def attention(q, k, v, backend: str = "sdpa", need_weights: bool = False, backend_fallback: bool = True,
+              key_mask: torch.Tensor | None = None):
+    """Causal softmax attention per query head: (out, the map when need_weights or eager, else None).
+    key_mask: a decoding step's (B, 1, 1, T_k), True where a row may read a key."""
+    return attend(q, k, v, backend, need_weights, backend_fallback, key_mask=key_mask)
 
 
 def two_map_head(q1, q2, k1, k2, v, lam, *, backend: str = "sdpa", integral: Integral | None = None,
-                 cache_state: dict | None = None, need_weights: bool = False, backend_fallback: bool = True):
+                 cache=None, need_weights: bool = False, backend_fallback: bool = True):
     """(A1 - lambda A2 [+ gamma A3]) V with A_m = causal softmax(Q_m K_m^T / sqrt(d)).
 
     q1, q2: (B, h, T_q, d); k1, k2: (B, h_kv, T_k, d); v: (B, h_kv, T_k, dv); head p reads kv head p // (h / h_kv).
-    lam: a number, a 0-d tensor, or (B, h, T_q, 1), one per token and head. cache_state: a layer cache's state
-    when decoding (the queries are the last T_q of T_k positions). Returns (B, h, T_q, dv) and the effective map
-    (B, h, T_q, T_k) when the kernel is eager, else None.
+    lam: a number, a 0-d tensor, or (B, h, T_q, 1), one per token and head. cache: the layer's LayerCache when
+    decoding (the keys hold the cached positions; in a chunk the queries are the last T_q of T_k). Returns
+    (B, h, T_q, dv) and the effective map (B, h, T_q, T_k) when the kernel is eager, else None.
     """
     layer_lambda = torch.is_tensor(lam) and lam.dim() == 0
-    kernel = resolve_kernel(backend, q1, need_weights, cache_state is not None, layer_lambda,
-                            integral.kind if integral else None)
+    decoding = None if cache is None else "step" if cache.stepping else "chunk"
+    kernel = resolve_kernel(backend, q1, need_weights, decoding, layer_lambda, integral.kind if integral else None)
+    if kernel == "cached_step":
+        col_sums = None if integral is None else cache.sums("col_sums", q1)
+        mask = cache.key_mask(k1.shape[-2])
+        return two_map_step(q1, q2, k1, k2, v, lam, mask, integral, col_sums, cache.positions), None
     if kernel in ("eager", "per_map"):
-        return per_map_head(q1, q2, k1, k2, v, lam, integral, cache_state, kernel == "eager", backend,
+        return per_map_head(q1, q2, k1, k2, v, lam, integral, cache, kernel == "eager", backend,
                             backend_fallback)
     if kernel == "triton":
         return _triton_head(q1, q2, k1, k2, v, lam, integral), None

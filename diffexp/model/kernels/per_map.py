@@ -26,11 +26,11 @@ def integral_map(a1: torch.Tensor, integral: str) -> torch.Tensor:
     return g.masked_fill(future, float("-inf")).softmax(dim=-1)
 
 
-def per_map_head(q1, q2, k1, k2, v, lam, integral, cache_state, eager: bool, backend: str, backend_fallback: bool):
+def per_map_head(q1, q2, k1, k2, v, lam, integral, cache, eager: bool, backend: str, backend_fallback: bool):
     """(A1 - lambda A2 [+ gamma A3]) V and, when eager, the effective map; arguments as `two_map_head`."""
     h = q1.shape[1]
     call = dict(backend=backend, need_weights=eager, backend_fallback=backend_fallback)
-    fuse_integral = integral is not None and integral.kind == "softmax" and not eager and cache_state is None
+    fuse_integral = integral is not None and integral.kind == "softmax" and not eager and cache is None
     if fuse_integral:  # (A1 + gamma A3) V in one streaming pass
         out1, weights1 = fused_first_map_integral(q1, expand_kv(k1, h), expand_kv(v, h), integral.gamma,
                                                   integral.block_size), None
@@ -42,9 +42,12 @@ def per_map_head(q1, q2, k1, k2, v, lam, integral, cache_state, eager: bool, bac
         if weights1 is not None else None
     if integral is None or fuse_integral:
         return out, effective
-    if cache_state is not None:  # the new rows from the column sums of A1's earlier rows: O(T) state per head
-        integral_out, cache_state["col_sums"] = integral_rows(
-            q1, expand_kv(k1, h), expand_kv(v, h), integral.block_size, cache_state.get("col_sums"), integral.kind)
+    if cache is not None:  # the new rows from the column sums of A1's earlier rows: O(T) state per head
+        sums = cache.sums("col_sums", q1)
+        keys, first = k1.shape[-2], k1.shape[-2] - q1.shape[-2]
+        integral_out, sums[..., :keys] = integral_rows(
+            q1, expand_kv(k1, h), expand_kv(v, h), integral.block_size, sums[..., :first] if first else None,
+            integral.kind)
         integral_out = integral_out.to(v.dtype)
     elif weights1 is not None:
         a3 = integral_map(weights1, integral.kind)
