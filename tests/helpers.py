@@ -1,8 +1,10 @@
-"""Helpers shared by test modules: runs of the CLI and their logs, sweep specs, tiny models and checkpoints, and the
-Lightning callbacks that subprocess runs of the CLI load by class path (tests.helpers.<Name>)."""
+"""Helpers shared by test modules: runs of the CLI and their logs, sweep specs, tiny models and checkpoints, the
+Lightning callbacks that subprocess runs of the CLI load by class path (tests.helpers.<Name>), and every variant's
+numerics cases with the checks that run them."""
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import signal
@@ -15,6 +17,10 @@ from pathlib import Path
 import lightning as L
 import numpy as np
 import torch
+import torch.nn.functional as F
+
+from tests.reference import CASES as FLAG_CASES
+from tests.reference import reference_attention
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -353,3 +359,110 @@ def require_cpu_kernel() -> None:
         pytest.skip("no C++ compiler: the compiled CPU attention kernel cannot be built here")
     reason = cpu_native.unavailable_reason()
     assert reason is None, f"the CPU attention kernel did not build: {reason}"
+
+
+# ----------------------------------------------------------------------------- every variant's numerics cases
+
+#: the size of the models the attention cases build
+SMALL = dict(vocab_size=61, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=64)
+
+
+def variant_cases() -> dict[str, dict]:
+    """Every registered variant and every value of each of its flags, from tests/reference.py's cases
+    (GQA and plain MHA layouts both appear): "diff_v1", "diff_v1-mha", ..."""
+    from diffexp.model.attention import variants
+
+    return {"-".join(filter(None, (v.name, suffix))): dict(overrides)
+            for v in variants() for suffix, overrides in FLAG_CASES[v.name].items()}
+
+
+#: the cases of the variants registered at import, for parametrize (tests/test_attention.py, test_kv_cache.py)
+CASES = variant_cases()
+
+
+def make_config(case: str, **extra):
+    """The SMALL ModelConfig of a case of variant_cases(), with `extra` on top."""
+    from diffexp.model.attention import variants
+    from diffexp.model.config import ModelConfig
+
+    cases = variant_cases()  # also variants registered after collection (tests/test_variant_registry.py)
+    name = next(v.name for v in variants() if case == v.name or case.startswith(v.name + "-"))
+    return ModelConfig(attention=name, **{**SMALL, **cases[case], **extra})
+
+
+def small_blocks(model: torch.nn.Module) -> None:
+    """Force DINT's streaming integral over several query blocks even at test lengths."""
+    from diffexp.model.attention.dint import DintAttention
+
+    for module in model.modules():
+        if isinstance(module, DintAttention):
+            module.integral_block_size = 5
+
+
+def with_backend(model, backend: str):
+    """A copy of the Decoder `model` whose attention runs on `backend`."""
+    twin = copy.deepcopy(model)
+    for block in twin.blocks:
+        block.attn.backend = backend
+    return twin
+
+
+def check_matches_naive_reference(case: str, backend: str) -> None:
+    """A case's attention module (fast and eager paths) against its naive float64 reference of tests/reference.py."""
+    from diffexp.model.attention import build_attention
+
+    cfg = make_config(case, backend=backend)
+    attn = build_attention(cfg, layer_idx=2).double()  # layer 2: lambda_init 0.471 under "depth"
+    small_blocks(attn)
+    x = torch.randn(2, 13, cfg.d_model, dtype=torch.float64)
+    with torch.no_grad():
+        out, _ = attn(x)
+        out_eager, maps = attn(x, need_weights=True)
+        ref_out, ref_maps = reference_attention(attn, x)
+    torch.testing.assert_close(out, ref_out, rtol=1e-9, atol=1e-9)
+    torch.testing.assert_close(out_eager, ref_out, rtol=1e-9, atol=1e-9)
+    torch.testing.assert_close(maps.double(), ref_maps, rtol=1e-6, atol=1e-6)  # maps are fp32
+
+
+def check_fast_path_equals_eager(case: str) -> None:
+    """A case's Decoder on sdpa and on eager: the same logits and the same gradient for every parameter."""
+    from diffexp.model import Decoder
+
+    model = Decoder(make_config(case, backend="sdpa"))
+    small_blocks(model)
+    eager = with_backend(model, "eager")
+    idx = torch.randint(0, 61, (2, 24))
+    target = torch.randint(0, 61, (2, 24))
+    losses = []
+    for m in (model, eager):
+        logits = m(idx)
+        loss = F.cross_entropy(logits.flatten(0, 1), target.flatten())
+        loss.backward()
+        losses.append((logits, loss))
+    torch.testing.assert_close(losses[0][0], losses[1][0], rtol=1e-5, atol=1e-5)
+    for (name, p_fast), (_, p_eager) in zip(model.named_parameters(), eager.named_parameters()):
+        assert p_fast.grad is not None, name
+        torch.testing.assert_close(p_fast.grad, p_eager.grad, rtol=1e-4, atol=1e-6, msg=name)
+
+
+def check_causality(case: str, backend: str) -> None:
+    """Changing the tokens after position t changes neither the outputs nor the maps up to t."""
+    from diffexp.model import Decoder
+
+    model = Decoder(make_config(case, backend=backend)).eval()
+    small_blocks(model)
+    idx = torch.randint(0, 61, (2, 20))
+    t = 11
+    changed = idx.clone()
+    changed[:, t + 1:] = torch.randint(0, 61, changed[:, t + 1:].shape)
+    assert not torch.equal(changed, idx)
+    with torch.no_grad():
+        before, maps_before = model(idx, need_weights=True)
+        after, maps_after = model(changed, need_weights=True)
+        fast_before, fast_after = model(idx), model(changed)
+    torch.testing.assert_close(before[:, : t + 1], after[:, : t + 1], rtol=0, atol=1e-6)
+    torch.testing.assert_close(fast_before[:, : t + 1], fast_after[:, : t + 1], rtol=0, atol=1e-6)
+    assert not torch.allclose(before[:, t + 1:], after[:, t + 1:])
+    for m_before, m_after in zip(maps_before, maps_after):
+        assert torch.all(m_before.triu(1) == 0), "weight on a future token"
+        torch.testing.assert_close(m_before[:, :, : t + 1], m_after[:, :, : t + 1], rtol=0, atol=1e-6)

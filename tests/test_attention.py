@@ -10,44 +10,17 @@ import torch
 import torch.nn.functional as F
 
 from diffexp import Decoder, ModelConfig
-from diffexp.model.attention import build_attention, variants
+from diffexp.model.attention import build_attention
 from diffexp.model.attention.differential import depth_lambda_init
-from diffexp.model.attention.dint import DintAttention
-from tests.reference import CASES as FLAG_CASES
-from tests.reference import reference_attention
-
-SMALL = dict(vocab_size=61, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=64)
-
-
-
-def variant_cases() -> dict[str, dict]:
-    """Every registered variant and every value of each of its flags, from tests/reference.py's cases
-    (GQA and plain MHA layouts both appear): "diff_v1", "diff_v1-mha", ..."""
-    return {"-".join(filter(None, (v.name, suffix))): dict(overrides)
-            for v in variants() for suffix, overrides in FLAG_CASES[v.name].items()}
-
-
-CASES = variant_cases()
-
-
-def make_config(case: str, **extra) -> ModelConfig:
-    cases = variant_cases()  # also variants registered after collection (tests/test_variant_registry.py)
-    name = next(v.name for v in variants() if case == v.name or case.startswith(v.name + "-"))
-    return ModelConfig(attention=name, **{**SMALL, **cases[case], **extra})
-
-
-def small_blocks(model: torch.nn.Module) -> None:
-    """Force DINT's streaming integral over several query blocks even at test lengths."""
-    for module in model.modules():
-        if isinstance(module, DintAttention):
-            module.integral_block_size = 5
-
-
-def with_backend(model: Decoder, backend: str) -> Decoder:
-    twin = copy.deepcopy(model)
-    for block in twin.blocks:
-        block.attn.backend = backend
-    return twin
+from tests.helpers import (  # noqa: F401  make_config, small_blocks: test_kv_cache.py's, for now
+    CASES,
+    SMALL,
+    check_causality,
+    check_fast_path_equals_eager,
+    check_matches_naive_reference,
+    make_config,
+    small_blocks,
+)
 
 
 @pytest.fixture(autouse=True)
@@ -58,58 +31,18 @@ def _seed():
 @pytest.mark.parametrize("case", list(CASES))
 @pytest.mark.parametrize("backend", ["sdpa", "eager"])
 def test_matches_naive_reference(case, backend):
-    cfg = make_config(case, backend=backend)
-    attn = build_attention(cfg, layer_idx=2).double()  # layer 2: lambda_init 0.471 under "depth"
-    small_blocks(attn)
-    x = torch.randn(2, 13, cfg.d_model, dtype=torch.float64)
-    with torch.no_grad():
-        out, _ = attn(x)
-        out_eager, maps = attn(x, need_weights=True)
-        ref_out, ref_maps = reference_attention(attn, x)
-    torch.testing.assert_close(out, ref_out, rtol=1e-9, atol=1e-9)
-    torch.testing.assert_close(out_eager, ref_out, rtol=1e-9, atol=1e-9)
-    torch.testing.assert_close(maps.double(), ref_maps, rtol=1e-6, atol=1e-6)  # maps are fp32
+    check_matches_naive_reference(case, backend)
 
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_fast_path_equals_eager_forward_and_gradients(case):
-    model = Decoder(make_config(case, backend="sdpa"))
-    small_blocks(model)
-    eager = with_backend(model, "eager")
-    idx = torch.randint(0, 61, (2, 24))
-    target = torch.randint(0, 61, (2, 24))
-    losses = []
-    for m in (model, eager):
-        logits = m(idx)
-        loss = F.cross_entropy(logits.flatten(0, 1), target.flatten())
-        loss.backward()
-        losses.append((logits, loss))
-    torch.testing.assert_close(losses[0][0], losses[1][0], rtol=1e-5, atol=1e-5)
-    for (name, p_fast), (_, p_eager) in zip(model.named_parameters(), eager.named_parameters()):
-        assert p_fast.grad is not None, name
-        torch.testing.assert_close(p_fast.grad, p_eager.grad, rtol=1e-4, atol=1e-6, msg=name)
+    check_fast_path_equals_eager(case)
 
 
 @pytest.mark.parametrize("case", list(CASES))
 @pytest.mark.parametrize("backend", ["sdpa", "eager"])
 def test_causality(case, backend):
-    model = Decoder(make_config(case, backend=backend)).eval()
-    small_blocks(model)
-    idx = torch.randint(0, 61, (2, 20))
-    t = 11
-    changed = idx.clone()
-    changed[:, t + 1:] = torch.randint(0, 61, changed[:, t + 1:].shape)
-    assert not torch.equal(changed, idx)
-    with torch.no_grad():
-        before, maps_before = model(idx, need_weights=True)
-        after, maps_after = model(changed, need_weights=True)
-        fast_before, fast_after = model(idx), model(changed)
-    torch.testing.assert_close(before[:, : t + 1], after[:, : t + 1], rtol=0, atol=1e-6)
-    torch.testing.assert_close(fast_before[:, : t + 1], fast_after[:, : t + 1], rtol=0, atol=1e-6)
-    assert not torch.allclose(before[:, t + 1:], after[:, t + 1:])
-    for m_before, m_after in zip(maps_before, maps_after):
-        assert torch.all(m_before.triu(1) == 0), "weight on a future token"
-        torch.testing.assert_close(m_before[:, :, : t + 1], m_after[:, :, : t + 1], rtol=0, atol=1e-6)
+    check_causality(case, backend)
 
 
 def test_lambda_init_depth_schedule():

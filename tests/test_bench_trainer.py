@@ -7,6 +7,7 @@ import json
 import pytest
 
 from diffexp.bench.cli import main
+from tests.helpers import exit_code
 
 TINY = ["--model.arch.d_model", "32", "--model.arch.n_layers", "1", "--model.arch.n_heads", "2",
         "--data.seq_len", "32", "--data.batch_size", "2", "--data.max_chars", "40000"]
@@ -31,8 +32,7 @@ def test_both_sides_train_and_the_overhead_is_their_ratio(tmp_path, monkeypatch,
 @pytest.mark.parametrize("args, message", [(["--steps", "0"], "--steps"), (["--warmup", "0"], "--warmup"),
                                            (["--threads", "0"], "--threads")])
 def test_bad_flags_stop_before_any_work(args, message, capsys):
-    with pytest.raises(SystemExit):
-        main(["trainer", *args])
+    assert exit_code(["bench", "trainer", *args]) == 2
     assert message in capsys.readouterr().err
 
 
@@ -41,8 +41,7 @@ def test_a_bad_fit_argument_stops_before_any_round(tmp_path, monkeypatch, capsys
 
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(trainer, "time_side", lambda *a, **k: pytest.fail("a round ran"))
-    with pytest.raises(SystemExit):
-        main(["trainer", "--steps", "2", "--", "--model.arch.d_model", "abc"])
+    assert exit_code(["bench", "trainer", "--steps", "2", "--", "--model.arch.d_model", "abc"]) == 2
     assert "model.arch.d_model" in capsys.readouterr().err
 
 

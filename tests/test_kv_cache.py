@@ -9,7 +9,7 @@ import torch
 
 from diffexp import Decoder
 from diffexp.model.cache import DecoderCache
-from tests.test_attention import CASES, make_config, small_blocks
+from tests.helpers import CASES, make_config, small_blocks
 
 T = 13  # prompt + decoded positions; DINT's integral walks several query blocks (small_blocks: 5 rows)
 

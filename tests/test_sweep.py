@@ -20,7 +20,7 @@ from diffexp.secrets import mask_url
 from diffexp.sweep import SpecError, parse_spec
 from diffexp.sweep.runner import main as sweep_main
 from diffexp.sweep.spec import load_spec
-from tests.helpers import REPO, run_cli, subprocess_env, trials_by_state, write_recipe, write_spec
+from tests.helpers import REPO, exit_code, run_cli, subprocess_env, trials_by_state, write_recipe, write_spec
 
 
 def start_worker(spec: Path, cwd: Path) -> subprocess.Popen:
@@ -147,7 +147,7 @@ def test_bad_spec_fails_before_any_trial(tmp_path, change, message, capsys):
     assert message in str(err.value)
     path = tmp_path / "bad.yaml"
     path.write_text(yaml.safe_dump(raw))
-    assert sweep_main(["--config", str(path)]) == 2
+    assert exit_code(["sweep", "--config", str(path)]) == 2
     assert message in capsys.readouterr().err  # whole: never wrapped, whatever the terminal width
     assert not (tmp_path / "runs").exists()
 
@@ -159,7 +159,7 @@ def test_every_bad_row_is_reported_before_anything_is_created(tmp_path, capsys):
         "Shared r0": {"model.arch.attention": "shared_diff", "model.arch.rank": 0},
         "typo": {"model.arch.nope": 1},
         "no steps": {"trainer.max_steps": 0}})
-    assert sweep_main(["--config", str(spec)]) == 2
+    assert exit_code(["sweep", "--config", str(spec)]) == 2
     err = capsys.readouterr().err
     assert err.startswith(f"error: {spec}: 7 of 8 trial configurations would be refused by `diffexp fit`")
     lines = [line for line in err.splitlines() if line.startswith("  - ")]
@@ -178,7 +178,7 @@ def test_search_bounds_and_choices_are_checked(tmp_path, capsys):
     spec = write_spec(tmp_path, "bounds", grid={}, cases={"DIFF": {}}, n_trials=3, search={
         "model.arch.n_layers": {"type": "int", "low": 0, "high": 2},
         "model.arch.integral": {"type": "categorical", "choices": ["softmax", "mean", "sideways"]}})
-    assert sweep_main(["--config", str(spec)]) == 2
+    assert exit_code(["sweep", "--config", str(spec)]) == 2
     err = capsys.readouterr().err
     assert "2 of 3 trial configurations would be refused" in err
     low = next(line for line in err.splitlines() if "search model.arch.n_layers low=0" in line)
@@ -209,7 +209,7 @@ def test_duplicate_case_names_are_refused_with_their_lines(tmp_path, capsys):
     first, second = [i + 1 for i, line in enumerate(lines) if line.startswith("  DIFF:")]
     with pytest.raises(SpecError, match="duplicate key 'DIFF' in cases"):
         load_spec(path)
-    assert sweep_main(["--config", str(path)]) == 2
+    assert exit_code(["sweep", "--config", str(path)]) == 2
     err = capsys.readouterr().err
     assert f"duplicate key 'DIFF' in cases at line {second} (first at line {first})" in err
     assert not (tmp_path / "runs").exists()

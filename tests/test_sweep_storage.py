@@ -14,7 +14,6 @@ import pytest
 import yaml
 
 from diffexp.secrets import mask_url
-from diffexp.sweep.runner import main as sweep_main
 from diffexp.sweep.storage import STORAGE_URL_ENV, resolve_url
 from tests.helpers import REPO, TINY_OVERRIDES, exit_code, subprocess_env
 
@@ -63,7 +62,7 @@ def test_sweep_on_an_unreachable_storage_fails_cleanly_without_the_password(tmp_
         args += ["--storage", url]
     elif via == STORAGE_URL_ENV:
         monkeypatch.setenv(STORAGE_URL_ENV, url)
-    assert sweep_main(args) == 2
+    assert exit_code(["sweep", *args]) == 2
     out, err = capsys.readouterr()
     assert PASSWORD not in out + err
     assert err.startswith("error: ") and "Traceback" not in err

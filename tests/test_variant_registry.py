@@ -19,7 +19,6 @@ import torch
 from rich.console import Console
 from torch import nn
 
-import tests.test_attention as shared_cases
 from diffexp import Decoder, ModelConfig
 from diffexp.cli import main
 from diffexp.compare import compare
@@ -34,6 +33,7 @@ from diffexp.sweep.layout import TRIAL_FILE, trial_dir
 from diffexp.sweep.runs import load_curves
 from tests import reference as naive
 from tests.fixtures_compare import write_sweep
+from tests.helpers import check_causality, check_fast_path_equals_eager, check_matches_naive_reference
 
 REPO = Path(__file__).resolve().parents[1]
 TOY = "toy_gated"
@@ -151,9 +151,9 @@ def test_flops_come_from_its_entry(toy):
 def test_shared_attention_cases(toy, case):
     for backend in ("sdpa", "eager"):
         torch.manual_seed(0)
-        shared_cases.test_matches_naive_reference(case, backend)
-        shared_cases.test_causality(case, backend)
-    shared_cases.test_fast_path_equals_eager_forward_and_gradients(case)
+        check_matches_naive_reference(case, backend)
+        check_causality(case, backend)
+    check_fast_path_equals_eager(case)
 
 
 def test_its_flag_is_one_declaration_plus_its_use(toy, capsys):

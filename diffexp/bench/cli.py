@@ -37,15 +37,11 @@ def usage() -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """0 on success; a bad flag is one `error: ...` paragraph on stderr and SystemExit(2) (diffexp.errors)."""
+    """0 on success; a bad flag raises UserError before any work (diffexp.cli prints it and exits 2)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] in (["-h"], ["--help"], ["help"]):
         sys.stdout.write(usage())
         return 0
-    return guarded(_run, argv)
-
-
-def _run(argv: list[str]) -> int:
     if not argv or argv[0].startswith("-"):
         return run_kind(kind_module(DEFAULT_KIND), argv)
     if argv[0] == "trainer":  # not per variant: its own flags (diffexp.bench.trainer)
@@ -91,5 +87,5 @@ def run_kind(kind, argv: list[str]) -> int:
     return 0
 
 
-if __name__ == "__main__":
-    sys.exit(main())
+if __name__ == "__main__":  # `python -m diffexp.bench.cli` bypasses diffexp.cli and its guard: guarded once here
+    sys.exit(guarded(main))

@@ -14,10 +14,12 @@ from pathlib import Path
 from diffexp.errors import UserError
 from diffexp.model.attention import variant_names
 from diffexp.model.attention.registry import reference_variant
+from diffexp.model.config import SHARED_FLAGS
 
 DEFAULT_SHAPE = {"d_model": 128, "n_layers": 4, "n_heads": 4, "vocab_size": 256}
 DEFAULT_CPU_TOKENS_PER_BATCH = 2048
-BACKENDS = ("sdpa", "eager", "flash_attn", "triton")
+#: the attention backends: the choices of model.arch.backend, as diffexp.model.config declares it
+BACKENDS = next(flag for flag in SHARED_FLAGS if flag.name == "backend").choices
 RESULTS_DIR = Path("bench") / "results"
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from diffexp.compare.plots import _colors, _figure
+from diffexp.compare.plots import new_figure, series_colors
 
 
 def _ratio_series(data: dict, variant: str, key: str, invert: bool = False) -> tuple[list, list, list]:
@@ -29,12 +29,12 @@ def plot_train(data: dict, path: str | Path) -> Path:
     """Two panels (step time / reference's, FLOP/s / reference's) against sequence length; returns the path."""
     cfg = data["config"]
     seq_lens, variants = cfg["seq_lens"], cfg["variants"]
-    fig = _figure(11, 4.2)
+    fig = new_figure(11, 4.2)
     panels = fig.subplots(1, 2)
     titles = (("speed_ratio", True, "step time / reference's (lower is faster)"),
               ("flop_rate_ratio", False, "FLOP/s / reference's (1 = extra math at the reference's rate)"))
     for ax, (key, invert, title) in zip(panels, titles, strict=True):
-        for variant, color in zip(variants, _colors(len(variants)), strict=True):
+        for variant, color in zip(variants, series_colors(len(variants)), strict=True):
             values, low, high = _ratio_series(data, variant, key, invert)
             ax.errorbar(seq_lens, values, yerr=[low, high], marker="o", capsize=3, color=color, label=variant)
         ax.axhline(1.0, color="grey", linewidth=0.8, linestyle=":")

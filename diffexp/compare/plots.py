@@ -19,7 +19,8 @@ CURVE_TAG = "val/loss"
 PLOT_DPI = 120
 
 
-def _colors(n: int) -> list:
+def series_colors(n: int) -> list:
+    """n distinct colors, one per plotted series: tab10, tab20, then samples of turbo."""
     from matplotlib import colormaps
 
     name = "tab10" if n <= 10 else "tab20" if n <= 20 else "turbo"
@@ -27,7 +28,8 @@ def _colors(n: int) -> list:
     return [cmap(i) if n <= 20 else cmap(i / max(1, n - 1)) for i in range(n)]
 
 
-def _figure(width: float, height: float):
+def new_figure(width: float, height: float):
+    """An Agg matplotlib Figure of width x height inches at PLOT_DPI, with a constrained layout."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
@@ -53,9 +55,9 @@ def plot_val_curves(runs: StudyRuns, rows: Sequence[CaseSummary], path: str | Pa
     curves = [(row, c) for row, c in curves if c[0]]
     if not curves:
         return False
-    fig = _figure(13, 5.2 + 0.25 * math.ceil(len(curves) / 3))
+    fig = new_figure(13, 5.2 + 0.25 * math.ceil(len(curves) / 3))
     full, zoom = fig.subplots(1, 2)
-    colors = dict(zip([row.case.slug for row in rows], _colors(len(rows))))
+    colors = dict(zip([row.case.slug for row in rows], series_colors(len(rows))))
     last_step = max(c[0][-1] for _, c in curves)
     zoom_from = last_step / 2
     zoom_values = []
@@ -90,7 +92,7 @@ def plot_objective_bars(runs: StudyRuns, rows: Sequence[CaseSummary], path: str 
     metric = runs.objective
     best = best_case(runs, rows)
     n = len(rows)
-    fig = _figure(9, max(2.6, 0.5 * n + 1.6))
+    fig = new_figure(9, max(2.6, 0.5 * n + 1.6))
     ax = fig.subplots()
     ys = list(range(n))[::-1]
     scored = [(y, row) for y, row in zip(ys, rows) if row.stats[metric].mean is not None]

@@ -1,10 +1,7 @@
 """The comparison as text: the terminal report (rich tables), compare.md and compare.csv.
 
-Metric columns: the objective first, then val/*, test/*, train/*, the rest (StudyRuns.metric_names).
-A "Variant" column (the attention variant each case ran) appears when the runs record one, and a
-"Diverged" column (diverged/total trials) when they record whether they diverged (trial.json's
-`diverged_step`). Training diagnostics (diag/*) get readable labels: "Loss spikes", "Max grad norm",
-"Context RMS", "Attn sink", ...
+Metric columns come in StudyRuns.metric_names' order (the objective, val/*, test/*, train/*, the rest), diag/* under
+_DIAGNOSTIC_LABELS; "Variant" and "Diverged" (from trial.json's `diverged_step`) only where the runs record them.
 """
 
 from __future__ import annotations

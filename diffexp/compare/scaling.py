@@ -15,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
-from diffexp.compare.plots import PLOT_DPI, _colors, _figure
+from diffexp.compare.plots import PLOT_DPI, new_figure, series_colors
 from diffexp.compare.render import format_params
 from diffexp.compare.stats import EMPTY, NA, Stat, format_number
 from diffexp.sweep.runs import StudyRuns, TrialRun
@@ -400,9 +400,9 @@ def write_scaling_csv(path: str | Path, report: ScalingReport) -> None:
 # ----------------------------------------------------------------------------- the figure: scaling.png
 
 def plot_scaling(report: ScalingReport, study: str, path: str | Path) -> None:
-    fig = _figure(9, 5.6)
+    fig = new_figure(9, 5.6)
     ax = fig.subplots()
-    colors = _colors(len(report.rows))
+    colors = series_colors(len(report.rows))
     for color, row in zip(colors, report.rows):
         series, fit = row.series, row.fit
         ax.scatter([p.n for p in series.points], [p.loss for p in series.points], s=10, color=color, alpha=0.35,

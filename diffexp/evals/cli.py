@@ -1,8 +1,8 @@
 """`diffexp eval <task> CKPT ...`: the papers' evaluations on a trained checkpoint.
 
 Results go to files (default <run>/eval/) and into the run's own TensorBoard at the checkpoint's step.
-Every task runs under `guarded`: a bad checkpoint or flag prints one paragraph and exits 2, and is found
-before the model is built or any output exists (diffexp.evals.common).
+A bad checkpoint or flag is a UserError, found before the model is built or any output exists
+(diffexp.evals.common); diffexp.cli's guard prints it as one paragraph and exits 2.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import sys
 
 import torch
 
-from diffexp.errors import UserError, guarded
+from diffexp.errors import UserError
 from diffexp.evals.common import (
     CKPT_KEY,
     as_flags,
@@ -265,7 +265,11 @@ def nll_main(argv: list[str]) -> int:
     return 0
 
 
-def _run(argv: list[str]) -> int:
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] in (["-h"], ["--help"]):
+        print(usage())
+        return 0
     if not argv or argv[0] not in TASKS:
         given = f"{argv[0]!r}" if argv else "no task"
         raise UserError(f"diffexp eval TASK: got {given}; expected one of {', '.join(TASKS)} "
@@ -279,11 +283,3 @@ def _run(argv: list[str]) -> int:
 
         return harness_main(argv[1:])
     return {"icl": icl_main, "mqar": mqar_main, "nll": nll_main}[argv[0]](argv[1:])
-
-
-def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] in (["-h"], ["--help"]):
-        print(usage())
-        return 0
-    return guarded(_run, argv)

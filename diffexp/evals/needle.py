@@ -144,13 +144,11 @@ class NeedleResults:
 
 
 class NeedleOracle:
-    """A causal "model" that answers every needle question by copying the number from the context.
+    """A causal "model" that answers every needle question by copying the number from the needle earlier in the row.
 
-    After ``what is the magic number of <city>?`` (the prompt: the tokens that end by the answer's digits,
-    so the space after "?" too for bytes) and after each correct token so far, it puts ``confidence`` on
-    the next token of the continuation ``<number>.`` (tokenized on its own, with whatever the prompt left
-    before the digits) read from the needle ``the magic number of <city> is <number>.`` earlier in the
-    row; everywhere else the logits are 0. Rows are read as text through ``tokenizer`` (default bytes).
+    After a question's prompt (up to the answer's digits: for bytes, the space after "?" too) and after each correct
+    token, ``confidence`` goes on the next token of ``<number>.`` (tokenized on its own, after whatever the prompt
+    left before the digits); all other logits are 0. Rows are read as text through ``tokenizer`` (default bytes).
     """
 
     _question = re.compile(r"what is the magic number of (\w+)\?")

@@ -23,7 +23,6 @@ from optuna.trial import TrialState
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from diffexp.errors import guarded
 from diffexp.secrets import mask_url
 from diffexp.sweep import layout
 from diffexp.sweep.check import check_trials
@@ -316,16 +315,9 @@ def main(argv: list[str] | None = None) -> int:
     """`diffexp sweep --config SPEC [--storage URL] [--runs-dir DIR]`.
 
     Returns 0 when every trial finished (a diverged trial is finished: its divergence is its result), 1 when
-    some failed for good, 2 on a user error (a bad spec or storage), printed as one `error: ...` paragraph
-    (diffexp.errors.guarded) before anything is created.
+    some failed for good. A bad spec or storage raises UserError before anything is created (diffexp.cli prints
+    it as one `error: ...` paragraph and exits 2).
     """
-    try:
-        return guarded(_main, argv)
-    except SystemExit as exc:  # a UserError (printed by guarded), or argparse's usage error or --help
-        return exc.code if isinstance(exc.code, int) else 2
-
-
-def _main(argv: list[str] | None) -> int:
     parser = argparse.ArgumentParser(prog="diffexp sweep", description=__doc__.splitlines()[0])
     parser.add_argument("--config", required=True, help="sweep spec, e.g. sweeps/table6.yaml")
     parser.add_argument("--storage", help=f"Optuna storage (sqlite:///..., journal:<path>, RDB URL); default: "
