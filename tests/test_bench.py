@@ -14,12 +14,13 @@ from diffexp.bench.cli import main
 from diffexp.cli import main as diffexp_main
 from diffexp.model.attention import variant_names, variants
 from diffexp.model.attention.registry import reference_variant
-from tests.helpers import REPO
+from diffexp.model.compile import compile_unavailable
+from tests.helpers import REPO, exit_code
 
 SHAPE = ["--d-model", "32", "--n-layers", "1", "--n-heads", "2", "--vocab-size", "64", "--seq-lens", "32",
          "--batch-size", "2", "--steps", "1", "--warmup", "0", "--rounds", "2", "--threads", "1"]
 TINY = ["train", *SHAPE]
-TINY_DECODE = ["decode", *SHAPE, "--batch-size", "1", "--new-tokens", "2"]
+TINY_DECODE = ["decode", *SHAPE, "--batch-size", "1", "--new-tokens", "2", "--modes", "eager"]
 TINY_KERNEL = ["kernel", *SHAPE]
 
 
@@ -88,6 +89,30 @@ def test_bench_decode_uses_the_kv_cache(tmp_path, capsys):
         assert entry["cache_bytes_per_token"] > 0
     assert main([*TINY_DECODE, "--no-memory", "--json", str(tmp_path / "again.json"), "--compare", str(path)]) == 0
     assert "old tok/s ratio" in capsys.readouterr().out
+
+
+@pytest.mark.skipif(compile_unavailable(torch.device("cpu")) is not None, reason="torch.compile cannot run here")
+def test_bench_decode_compiled_mode_times_the_compiled_step(tmp_path, capsys):
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    path = tmp_path / "decode.json"
+    args = [*TINY_DECODE[:-1], "compiled", "eager", "--variants", "diff_v2", "--no-memory", "--json", str(path)]
+    assert main(args) == 0
+    results = json.loads(path.read_text())["results"]
+    assert set(results) == {f"{v}@32x1{m}" for v in ("baseline", "diff_v2") for m in ("", ":compiled")}
+    for key, entry in results.items():
+        compiled = key.endswith(":compiled")
+        assert entry["mode"] == ("compiled" if compiled else "eager") and (entry["compile_s"] is not None) == compiled
+        # every weight once (of the embedding only the batch's row) and the whole cache
+        model = Decoder(ModelConfig(attention=entry["variant"], vocab_size=64, d_model=32, n_layers=1, n_heads=2,
+                                    max_seq_len=34, **entry["overrides"]))
+        weights = 4 * (model.num_parameters() - model.embed.weight.numel() + 32)
+        assert entry["bytes_per_step"] == weights + 32 * entry["cache_bytes_per_token"]
+        assert entry["bandwidth_fraction"] is None  # no bandwidth bound on CPU
+    assert results["baseline@32x1:compiled"]["speed_ratio"] == pytest.approx(1.0)
+    assert "Lowest ratio over the grid: diff_v2 compiled" in " ".join(capsys.readouterr().out.split())
+    torch._dynamo.reset()
 
 
 def test_bench_decode_kv_heads_puts_v2_on_the_baselines_cache(tmp_path):
@@ -160,9 +185,7 @@ def test_bench_records_the_threads_it_ran_with(kind, tmp_path):
     (["fastest", *SHAPE], "diffexp bench KIND: got 'fastest'; expected one of train, decode, kernel"),
 ])
 def test_bench_rejects_bad_flags_before_any_work(args, message, tmp_path, capsys):
-    with pytest.raises(SystemExit) as exit_info:
-        main([*args, "--json", str(tmp_path / "sub" / "out.json")])
-    assert exit_info.value.code == 2
+    assert exit_code(["bench", *args, "--json", str(tmp_path / "sub" / "out.json")]) == 2
     err = capsys.readouterr().err
     assert message in err and "Traceback" not in err
     assert not (tmp_path / "sub").exists()  # nothing was created

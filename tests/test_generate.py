@@ -12,6 +12,7 @@ from diffexp.data.tokenizer import ByteTokenizer
 from diffexp.generate import Sampling, generate
 from diffexp.generate.cli import TextStream
 from diffexp.generate.sampling import next_token
+from diffexp.model.compile import compile_unavailable
 from tests.helpers import PATTERN, save_checkpoint, small_model
 
 
@@ -118,6 +119,24 @@ def test_prompt_from_a_file_and_stdin(memorised, capsys, tmp_path, monkeypatch):
     code, from_stdin, _ = run_generate([str(memorised), "--temperature", "0", "--max-new-tokens", "8",
                                         "--device", "cpu"], capsys)
     assert code == 0 and from_stdin == from_file
+
+
+@pytest.mark.skipif(compile_unavailable(torch.device("cpu")) is not None, reason="torch.compile cannot run here")
+def test_compile_gives_the_same_text(memorised, capsys):
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    args = [str(memorised), "--prompt", "the cat", "--temperature", "0", "--max-new-tokens", "30", "--device", "cpu"]
+    code, compiled, _ = run_generate([*args, "--compile"], capsys)
+    assert code == 0 and compiled == run_generate(args, capsys)[1] == (PATTERN * 2)[7:37] + "\n"
+    torch._dynamo.reset()
+
+
+def test_compile_where_it_cannot_run_is_one_clear_error(memorised, capsys, monkeypatch):
+    monkeypatch.setattr("diffexp.model.compile.compile_unavailable", lambda device: "no C++ compiler found")
+    code, out, err = run_generate([str(memorised), "--prompt", "the", "--compile", "--max-new-tokens", "5",
+                                   "--device", "cpu"], capsys)
+    assert code == 2 and "--compile is invalid here" in err and "no C++ compiler found" in err and out == ""
 
 
 def test_sampling_is_reproducible_by_seed(memorised, capsys):

@@ -93,6 +93,7 @@ class Decoder(nn.Module):
         """Logits (B, vocab) of one token per row (B, 1) after the cache: each row at its own position, through
         the compiled step after `compile_decoding` when the cache is static."""
         cache.begin(token.shape[0], 1, token.device, step=True)
+        token = token.contiguous()  # one layout for the compiled step, whatever tensor the ids were sliced from
         compiled = self._compiled_step is not None and cache.static  # a growing cache would recompile each step
         logits = (self._compiled_step if compiled else self._step_logits)(token, cache)
         cache.advance(1)

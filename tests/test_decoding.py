@@ -1,0 +1,187 @@
+"""Decoding at the baseline's cost: the one-token step (eager and torch.compile'd on a static cache) gives the
+logits of a full forward for every variant; rows of different lengths decode together as each would alone."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from diffexp import Decoder
+from diffexp.generate.decode import generate as sample, prompt_rows, static_capacity
+from diffexp.generate.sampling import Sampling
+from diffexp.model.cache import DecoderCache
+from diffexp.model.compile import compile_unavailable
+from tests.helpers import CASES, make_config, small_blocks
+
+VARIANTS = ["baseline", "diff_v1", "diff_v2", "shared_diff", "dint"]
+COMPILE_MISSING = compile_unavailable(torch.device("cpu"))
+
+
+def generate(model, prompt, max_new_tokens: int, **options):
+    """Greedy tokens."""
+    return sample(model, prompt, max_new_tokens, Sampling(temperature=0.0), **options)
+
+
+def build(case: str, **extra) -> Decoder:
+    torch.manual_seed(0)
+    model = Decoder(make_config(case, **extra)).eval()
+    small_blocks(model)
+    return model
+
+
+def step_through(model, idx, prefill: int, cache) -> torch.Tensor:
+    """Logits (B, T - prefill, vocab) of idx's tokens after `prefill`, one decode_step each."""
+    with torch.no_grad():
+        model(idx[:, :prefill], cache=cache)
+        return torch.stack([model.decode_step(idx[:, t:t + 1], cache) for t in range(prefill, idx.shape[1])], 1)
+
+
+@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("static", [False, True], ids=["growing", "static"])
+def test_a_step_gives_the_full_forwards_logits(case, static):
+    """Static: the step reads the whole capacity and masks the positions not written yet."""
+    model = build(case)
+    idx = torch.randint(0, model.cfg.vocab_size, (2, 12))
+    with torch.no_grad():
+        full = model(idx)[:, 5:]
+    stepped = step_through(model, idx, 5, model.new_cache(capacity=20, static=static))
+    torch.testing.assert_close(stepped, full, rtol=0, atol=1e-5)
+
+
+def ragged_rows(vocab: int) -> list[torch.Tensor]:
+    return [torch.randint(0, vocab, (n,)) for n in (3, 9, 6)]
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_rows_of_different_lengths_decode_as_each_alone(case):
+    model = build(case)
+    rows = ragged_rows(model.cfg.vocab_size)
+    together = torch.stack(list(generate(model, rows, 6)), 1)
+    for i, row in enumerate(rows):
+        alone = torch.stack(list(generate(model, row[None], 6)), 1)
+        assert torch.equal(together[i], alone[0]), (case, i)
+
+
+def test_a_ragged_step_matches_each_rows_full_forward():
+    """Logits, not only argmaxes: each row at its own position, its own keys masked, DINT's n its own."""
+    for name in ("baseline", "dint", "diff_v2"):
+        model = build(name)
+        rows = ragged_rows(model.cfg.vocab_size)
+        nexts = torch.randint(0, model.cfg.vocab_size, (3, 1))
+        caches = []
+        with torch.no_grad():
+            for row in rows:
+                caches.append(model.new_cache(capacity=16))
+                model(row[None], cache=caches[-1])
+            logits = model.decode_step(nexts, DecoderCache.stack(caches))
+            for i, row in enumerate(rows):
+                full = model(torch.cat([row, nexts[i]])[None])[0, -1]
+                torch.testing.assert_close(logits[i], full, rtol=0, atol=1e-5)
+
+
+def test_a_ragged_cache_refuses_a_chunk():
+    model = build("baseline")
+    cache = DecoderCache.stack([model.new_cache(16), model.new_cache(16)])
+    cache.lengths = [3, 5]
+    with pytest.raises(ValueError, match="decode one token at a time"):
+        model(torch.zeros(2, 2, dtype=torch.long), cache=cache)
+
+
+def test_a_cache_refuses_positions_past_its_capacity():
+    model = build("diff_v1")
+    cache = model.new_cache(capacity=6)
+    with torch.no_grad():
+        model(torch.zeros(1, 6, dtype=torch.long), cache=cache)
+        with pytest.raises(ValueError, match="capacity=6"):
+            model.decode_step(torch.zeros(1, 1, dtype=torch.long), cache)
+    with pytest.raises(ValueError, match="capacity=65"):
+        model.new_cache(capacity=model.cfg.max_seq_len + 1)
+
+
+def test_a_static_cache_holds_its_capacity_from_the_first_write():
+    model = build("dint")
+    cache, growing = model.new_cache(capacity=20, static=True), model.new_cache(capacity=20)
+    with torch.no_grad():
+        for c in (cache, growing):
+            model(torch.zeros(2, 3, dtype=torch.long), cache=c)
+    layer = cache.layers[0]
+    assert all(b.shape[-2] == 20 for b in layer._buffers.values()) and layer.state["col_sums"].shape[-1] == 20
+    assert growing.layers[0].state["col_sums"].shape[-1] < 20
+    assert cache.bytes() == growing.bytes() > 0  # what the written positions hold, not the spare capacity
+
+
+def test_static_capacity_buckets_lengths():
+    assert [static_capacity(n, 64) for n in (1, 2, 3, 17, 64)] == [1, 2, 4, 32, 64]
+    assert static_capacity(40, 48) == 48
+
+
+def test_prompt_rows_are_checked():
+    with pytest.raises(ValueError, match="non-empty"):
+        prompt_rows([[1, 2], []])
+    with pytest.raises(ValueError, match="batch, T"):
+        prompt_rows(torch.zeros(3, dtype=torch.long))
+
+
+@pytest.fixture
+def fresh_dynamo():
+    """Compiled steps of earlier tests count against torch.compile's per-function limit: start from none."""
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    yield torch._dynamo.utils.counters
+    torch._dynamo.reset()
+
+
+@pytest.mark.skipif(COMPILE_MISSING is not None, reason=f"torch.compile cannot run here: {COMPILE_MISSING}")
+@pytest.mark.parametrize("name", VARIANTS)
+def test_the_compiled_step_equals_the_eager_step(name, fresh_dynamo):
+    """Inductor on CPU: one compiled graph per model, reused at every position and by rows of different lengths."""
+    model = build(name)
+    idx = torch.randint(0, model.cfg.vocab_size, (3, 12))
+    eager = step_through(model, idx, 5, model.new_cache(capacity=16, static=True))
+    assert model.compile_decoding() is None
+    compiled = step_through(model, idx, 5, model.new_cache(capacity=16, static=True))
+    torch.testing.assert_close(compiled, eager, rtol=0, atol=1e-5)
+    graphs = fresh_dynamo["stats"]["unique_graphs"]
+    rows = ragged_rows(model.cfg.vocab_size)
+    with torch.no_grad():
+        alone = [torch.stack(list(generate(model, row[None], 5)), 1)[0] for row in rows]  # eager: growing caches
+        caches = [model.new_cache(capacity=16, static=True) for _ in rows]
+        firsts = [model(row[None], cache=c)[:, -1].argmax(-1) for row, c in zip(rows, caches)]
+        cache, token, together = DecoderCache.stack(caches), torch.cat(firsts)[:, None], [torch.cat(firsts)]
+        for _ in range(4):
+            token = model.decode_step(token, cache).argmax(-1, keepdim=True)
+            together.append(token[:, 0])
+    assert torch.equal(torch.stack(together, 1), torch.stack(alone))
+    assert fresh_dynamo["stats"]["unique_graphs"] == graphs  # no recompiles for other positions or rows
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA GPU; none here")
+@pytest.mark.parametrize("name", VARIANTS)
+def test_the_cuda_graph_step_equals_the_eager_step(name, fresh_dynamo):
+    model = build(name).cuda()
+    idx = torch.randint(0, model.cfg.vocab_size, (2, 12), device="cuda")
+    eager = step_through(model, idx, 5, model.new_cache(capacity=16, static=True))
+    assert model.compile_decoding("reduce-overhead") is None
+    compiled = step_through(model, idx, 5, model.new_cache(capacity=16, static=True))
+    torch.testing.assert_close(compiled, eager, rtol=0, atol=1e-4)
+
+
+@pytest.mark.skipif(COMPILE_MISSING is not None, reason=f"torch.compile cannot run here: {COMPILE_MISSING}")
+def test_generate_with_compile_gives_the_eager_tokens(fresh_dynamo):
+    model = build("dint")
+    rows = ragged_rows(model.cfg.vocab_size)
+    eager = torch.stack(list(generate(model, rows, 6)), 1)
+    compiled = torch.stack(list(generate(model, rows, 6, compile=True)), 1)
+    assert torch.equal(compiled, eager) and fresh_dynamo["frames"]["ok"] >= 1
+
+
+def test_generate_warns_and_decodes_eagerly_where_compile_cannot_run(monkeypatch):
+    import diffexp.model.decoder as decoder_module
+
+    monkeypatch.setattr(decoder_module, "compile_unavailable", lambda device: "no C++ compiler")
+    model = build("baseline")
+    with pytest.warns(UserWarning, match="no C\\+\\+ compiler"):
+        tokens = list(generate(model, torch.zeros(1, 3, dtype=torch.long), 3, compile=True))
+    assert len(tokens) == 3
