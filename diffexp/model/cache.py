@@ -51,10 +51,10 @@ class LayerCache:
         owner = self.owner
         if owner.stepping:
             full = []
+            rows = owner.row_index
             for name, tensor in new.items():
                 buffer = self._buffer(name, tensor)
-                index = owner.positions.view(-1, *[1] * (tensor.dim() - 1)).expand_as(tensor)
-                buffer.scatter_(-2, index, tensor)
+                buffer[rows, :, owner.positions] = tensor[:, :, 0]  # row b's token at its own position
                 full.append(buffer[..., : owner.read_length, :])
             return tuple(full)
         start, end = owner.length, owner.length + next(iter(new.values())).shape[-2]
@@ -115,6 +115,7 @@ class DecoderCache:
         self.layers = [LayerCache(self) for _ in range(n_layers)]
         self.lengths: list[int] = []  # set by the first call, which fixes the batch
         self.positions: torch.Tensor | None = None
+        self.row_index: torch.Tensor | None = None
         self.stepping = False
         self.read_length = 0  # positions a step reads
 
@@ -152,6 +153,7 @@ class DecoderCache:
             positions = torch.tensor(self.lengths, dtype=torch.long, device=device)
             if self.positions is None or self.positions.shape != positions.shape:
                 self.positions = self.pinned(positions)
+                self.row_index = torch.arange(batch, device=device)
             else:
                 self.positions.copy_(positions)
 

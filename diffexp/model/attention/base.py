@@ -84,8 +84,7 @@ class AttentionBase(nn.Module):
     def attend(self, q, k, v, need_weights: bool = False, cache=None):
         """Causal softmax attention per query head on this layer's backend (RoPE already applied)."""
         self.record_logit_max(q, k)
-        key_mask = None if cache is None else cache.key_mask(k.shape[-2])
-        return attention(q, k, v, self.backend, need_weights, self.cfg.backend_fallback, key_mask)
+        return attention(q, k, v, self.backend, need_weights, self.cfg.backend_fallback, cache)
 
     def two_map_head(self, q1, q2, k1, k2, v, lam, need_weights: bool = False, cache=None,
                      integral: Integral | None = None):

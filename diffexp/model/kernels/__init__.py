@@ -24,7 +24,7 @@ import torch
 
 from diffexp.errors import invalid
 from diffexp.model.kernels import blocked_two_map, cpu_native
-from diffexp.model.kernels.cached_step import two_map_step
+from diffexp.model.kernels.cached_step import single_map_step, two_map_step
 from diffexp.model.kernels.dint_integral import fused_dint_head
 from diffexp.model.kernels.per_map import per_map_head, row_positions
 from diffexp.model.kernels.single_map import attend, expand_kv, flash_attn_func
@@ -100,11 +100,12 @@ def resolve_kernel(backend: str, q: torch.Tensor, need_weights: bool = False, de
     return preferred if computes.get(preferred, True) else "per_map"
 
 
-def attention(q, k, v, backend: str = "sdpa", need_weights: bool = False, backend_fallback: bool = True,
-              key_mask: torch.Tensor | None = None):
-    """Causal softmax attention per query head: (out, the map when need_weights or eager, else None).
-    key_mask: a decoding step's (B, 1, 1, T_k), True where a row may read a key."""
-    return attend(q, k, v, backend, need_weights, backend_fallback, key_mask=key_mask)
+def attention(q, k, v, backend: str = "sdpa", need_weights: bool = False, backend_fallback: bool = True, cache=None):
+    """Causal softmax attention per query head: (out, the map when need_weights or eager, else None). cache: the
+    layer's LayerCache when decoding; a one-token step reads K and V once per GQA group (cached_step.py)."""
+    if cache is not None and cache.stepping:
+        return single_map_step(q, k, v, cache.key_mask(k.shape[-2])), None
+    return attend(q, k, v, backend, need_weights, backend_fallback)
 
 
 def two_map_head(q1, q2, k1, k2, v, lam, *, backend: str = "sdpa", integral: Integral | None = None,

@@ -56,20 +56,18 @@ def wide_v_mode(q: torch.Tensor) -> str:
 
 def attend(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, backend: str = "sdpa", need_weights: bool = False,
-    backend_fallback: bool = True, wide_v: str | None = None, key_mask: torch.Tensor | None = None,
+    backend_fallback: bool = True, wide_v: str | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Causal attention. q: (B, Hq, T_q, d); k: (B, Hk, T_k, d); v: (B, Hk, T_k, dv), dv a multiple of d.
 
     Returns the output (B, Hq, T_q, dv) and, when need_weights (always on the eager backend), the map.
-    wide_v: one of WIDE_V_MODES, or None for `wide_v_mode`'s choice. key_mask: a decoding step's (B, 1, 1, T_k),
-    True where a row may read a key (rows at different positions).
+    wide_v: one of WIDE_V_MODES, or None for `wide_v_mode`'s choice.
     """
     if need_weights or backend == "eager":
-        logits = causal_logits(q, k)
-        weights = (logits if key_mask is None else logits.masked_fill(~key_mask, float("-inf"))).softmax(dim=-1)
+        weights = causal_softmax(q, k)
         out = weights.to(v.dtype) @ expand_kv(v, q.shape[1])
         return out, weights
-    if backend == "flash_attn" and key_mask is None:
+    if backend == "flash_attn":
         if flash_available(q, k, v):
             return _flash(q, k, v), None
         if backend_fallback:
@@ -80,10 +78,7 @@ def attend(
     gqa = q.shape[1] != k.shape[1]
     t_q, t_k = q.shape[-2], k.shape[-2]
     # SDPA's is_causal aligns the mask top-left; decoding (fewer queries than keys) needs it bottom-right
-    if key_mask is not None:
-        mask = {"attn_mask": key_mask}
-    else:
-        mask = {"is_causal": True} if t_q == t_k else {} if t_q == 1 else {"attn_mask": ~future_mask(t_q, t_k, q.device)}
+    mask = {"is_causal": True} if t_q == t_k else {} if t_q == 1 else {"attn_mask": ~future_mask(t_q, t_k, q.device)}
     d, dv = q.shape[-1], v.shape[-1]
     if dv == d:
         return F.scaled_dot_product_attention(q, k, v, enable_gqa=gqa, **mask), None
