@@ -98,7 +98,7 @@ def test_cache_bytes_per_token(name):
 def test_at_matched_parameters_every_two_map_cache_equals_the_baselines():
     """The V2 blog's decoding argument is about reads, not size: at the same n_kv_heads, DIFF V2 caches the
     baseline's K and V, and DIFF V1's K1, K2 (d/2 wide each, its per-map dim) and 2d-wide V add up to the same
-    bytes; V1 reads that V twice (two attention calls), which `diffexp bench decode` measures."""
+    bytes; a decoding step reads each once (tests/test_decoding.py), and `diffexp bench decode` times it."""
     sizes = {}
     for name in ("baseline", "diff_v2", "diff_v1"):
         model = build(name, n_kv_heads=2)
