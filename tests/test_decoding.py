@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from diffexp import Decoder
-from diffexp.generate.decode import generate as sample, prompt_rows, static_capacity
+from diffexp.generate.decode import generate as sample
+from diffexp.generate.decode import prompt_rows, static_capacity
 from diffexp.generate.sampling import Sampling
 from diffexp.model.cache import DecoderCache
 from diffexp.model.compile import compile_unavailable

@@ -196,7 +196,7 @@ class DecoderCache:
         joined.allocated = max(cache.allocated for cache in caches)
         joined.lengths = [length for cache in caches for length in cache.lengths]
         for i, layer in enumerate(joined.layers):
-            for name, like in caches[0].layers[i]._buffers.items():
+            for name in caches[0].layers[i]._buffers:
                 parts = [_padded(cache.layers[i]._buffers[name], joined.allocated, -2) for cache in caches]
                 layer._buffers[name] = joined.pinned(torch.cat(parts))
             for name in caches[0].layers[i].state:
