@@ -6,6 +6,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import inspect
 import math
 
@@ -20,37 +21,49 @@ from diffexp.model.compile import compile_unavailable
 from diffexp.model.config import ModelConfig
 
 
+def named_seed(seed: int, name: str) -> int:
+    """A seed for the weights of module `name` in a run seeded `seed` (stable across processes and machines)."""
+    return int.from_bytes(hashlib.sha256(f"{seed}/{name}".encode()).digest()[:8], "little") >> 1
+
+
 class Decoder(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         cfg.validate()
         self.cfg = cfg
-        self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
-        self.blocks = nn.ModuleList(
-            DecoderBlock(cfg.d_model, cfg.resolved_ffn_hidden, cfg.norm_eps, build_attention(cfg, i))
-            for i in range(cfg.n_layers))
-        self.final_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
-        self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        with torch.random.fork_rng(devices=[]):  # building draws nothing from the run's random stream
+            self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
+            self.blocks = nn.ModuleList(
+                DecoderBlock(cfg.d_model, cfg.resolved_ffn_hidden, cfg.norm_eps, build_attention(cfg, i))
+                for i in range(cfg.n_layers))
+            self.final_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+            self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         self.checkpoint_activations = False  # recompute each block in the backward (set by diffexp.parallel)
         if cfg.tie_embeddings:
             self.lm_head.weight = self.embed.weight
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
-        """N(0, init_std) for embeddings and linears; residual outputs scaled by 1/sqrt(2 n_layers).
+        """Each module's weights from a generator seeded by the run's seed and the module's name: variants built
+        under one seed start equal wherever they share a weight by name and shape (a paired comparison), and the
+        run's random stream is left as it was.
 
-        A linear marked `keep_default_init` by its variant (`AttentionBase.linear(..., default_init=True)`)
-        gets PyTorch's nn.Linear init instead (kaiming-uniform, bound 1/sqrt(fan_in)), drawn in its turn.
+        N(0, init_std) for embeddings and linears; residual outputs scaled by 1/sqrt(2 n_layers). A linear marked
+        `keep_default_init` (`AttentionBase.linear(..., default_init=True)`) keeps PyTorch's nn.Linear init; other
+        modules with a `reset_parameters` (DIFF's lambda vectors, Shared DIFF's low-rank factors) draw their own.
         """
-        std = self.cfg.init_std
-        for module in self.modules():
-            if isinstance(module, nn.Linear) and getattr(module, "keep_default_init", False):
-                module.reset_parameters()
-            elif isinstance(module, (nn.Linear, nn.Embedding)):
-                nn.init.normal_(module.weight, 0.0, std)
-        for block in self.blocks:
-            for residual_out in (block.attn.o_proj, block.ffn.down_proj):
-                nn.init.normal_(residual_out.weight, 0.0, std / math.sqrt(2 * self.cfg.n_layers))
+        seed, std = torch.initial_seed(), self.cfg.init_std
+        residual_outs = {id(m) for block in self.blocks for m in (block.attn.o_proj, block.ffn.down_proj)}
+        for name, module in self.named_modules():
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(named_seed(seed, name))
+                if isinstance(module, nn.Linear) and getattr(module, "keep_default_init", False):
+                    module.reset_parameters()
+                elif isinstance(module, (nn.Linear, nn.Embedding)):
+                    scale = math.sqrt(2 * self.cfg.n_layers) if id(module) in residual_outs else 1.0
+                    nn.init.normal_(module.weight, 0.0, std / scale)
+                elif module is not self and callable(getattr(module, "reset_parameters", None)):
+                    module.reset_parameters()
 
     def forward(self, idx: torch.Tensor, need_weights: bool = False, cache: DecoderCache | None = None):
         """Logits (B, T, vocab); with need_weights also each layer's effective map (B, h, T, T).

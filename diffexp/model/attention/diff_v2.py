@@ -7,10 +7,10 @@ then pairs of heads are subtracted with a token-wise, head-wise lambda:
     out_p = attn[p]  - sigmoid(x W_lam)_p * attn[p + h]         pairing="cross" (blog's ablation)
 
 With pairing "same" a pair shares K and V: a two-map head (diffexp.model.kernels), whose CPU kernel makes one pass
-with one product with V, also in a decoding step. No per-head norm, no lambda_init. lambda_mode "none" drops W_lam (attn1 - attn2);
-"raw" drops the sigmoid. pair_norm puts DIFF V1's per-head RMSNorm back on out_p (the blog removed it as destabilising).
-W_lam keeps PyTorch's nn.Linear init (lambda_proj_init "default", the spec) or takes the decoder's
-N(0, init_std^2) ("normal").
+with one product with V, also in a decoding step. No per-head norm, no lambda_init. lambda_mode "none" drops W_lam
+(attn1 - attn2); "raw" drops the sigmoid. pair_norm puts DIFF V1's per-head RMSNorm back on out_p (the blog
+removed it as destabilising). W_lam keeps PyTorch's nn.Linear init (lambda_proj_init "default", the spec) or
+takes the decoder's N(0, init_std^2) ("normal").
 """
 
 from __future__ import annotations

@@ -46,10 +46,15 @@ class ReparamLambda(nn.Module):
     def __init__(self, head_dim: int, lambda_init: float) -> None:
         super().__init__()
         self.lambda_init = lambda_init
-        self.lambda_q1 = nn.Parameter(torch.zeros(head_dim, dtype=torch.float32).normal_(0, 0.1))
-        self.lambda_k1 = nn.Parameter(torch.zeros(head_dim, dtype=torch.float32).normal_(0, 0.1))
-        self.lambda_q2 = nn.Parameter(torch.zeros(head_dim, dtype=torch.float32).normal_(0, 0.1))
-        self.lambda_k2 = nn.Parameter(torch.zeros(head_dim, dtype=torch.float32).normal_(0, 0.1))
+        self.lambda_q1 = nn.Parameter(torch.zeros(head_dim, dtype=torch.float32))
+        self.lambda_k1 = nn.Parameter(torch.zeros(head_dim, dtype=torch.float32))
+        self.lambda_q2 = nn.Parameter(torch.zeros(head_dim, dtype=torch.float32))
+        self.lambda_k2 = nn.Parameter(torch.zeros(head_dim, dtype=torch.float32))
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        for vector in (self.lambda_q1, self.lambda_k1, self.lambda_q2, self.lambda_k2):
+            nn.init.normal_(vector, 0.0, 0.1)
 
     def forward(self) -> torch.Tensor:
         dtype = torch.promote_types(self.lambda_q1.dtype, torch.float32)  # fp32 even under bf16 training

@@ -74,7 +74,13 @@ class LowRankSharedProjection(nn.Module):
         width = head_dim if per_head else n_heads * head_dim
         self.base = nn.Linear(d_model, (1 if share_across_heads else n_heads) * head_dim, bias=False)
         self.down = nn.Linear(d_model, 2 * self.groups * rank, bias=False)  # A for (map, group)
-        self.up = nn.Parameter(torch.empty(2, self.groups, rank, width).normal_(0, up_init_std))  # B^T
+        self.up = nn.Parameter(torch.empty(2, self.groups, rank, width))  # B^T
+        self.up_init_std = up_init_std
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """B (the factors that are not an nn.Linear) from N(0, lowrank_init_std^2)."""
+        nn.init.normal_(self.up, 0.0, self.up_init_std)
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         b, t, _ = x.shape
