@@ -93,3 +93,17 @@ def make_study(root: Path, name: str = "table6") -> Path:
                 params=989_000, tokens_per_s=9_100)
     write_events(study / "diff-groupnorm" / "seed1", {"val/loss": val_curve(2.0)[:2], "train/loss": [(250, 2.2)]})
     return study
+
+
+def write_loss_table(study_dir: Path, losses: dict[tuple[str, str], dict[int, float | None]], seeds: list[int],
+                     metric: str = "val/loss", direction: str = "minimize") -> Path:
+    """A study whose case (name, slug) has, per seed, the given final `metric` (a complete trial), None (a pruned
+    trial) or nothing (no trial yet): for tests that need exact per-seed values, such as paired differences."""
+    write_sweep(study_dir, list(losses), seeds, metric=metric, direction=direction)
+    for (name, slug), per_seed in losses.items():
+        for seed, loss in per_seed.items():
+            if loss is None:
+                write_trial(study_dir, name, slug, seed, {metric: 9.9}, state="pruned", global_step=200)
+            else:
+                write_trial(study_dir, name, slug, seed, {metric: loss})
+    return study_dir

@@ -24,11 +24,16 @@ def kernel_builds(monkeypatch):
     ("sdpa", CPU32, dict(need_weights=True), "eager"),
     ("triton", GPU, dict(need_weights=True), "eager"),
     ("eager", CPU32, {}, "eager"),
-    ("eager", GPU, dict(decoding=True), "eager"),
-    # decoding with a cache: new queries over the cached keys, one call per map
-    ("sdpa", CPU32, dict(decoding=True), "per_map"),
-    ("triton", GPU, dict(decoding=True), "per_map"),
-    ("flash_attn", GPU, dict(decoding=True, integral="softmax"), "per_map"),
+    ("eager", GPU, dict(decoding="chunk"), "eager"),
+    # a chunk after a cache: new queries over the cached keys, one call per map
+    ("sdpa", CPU32, dict(decoding="chunk"), "per_map"),
+    ("triton", GPU, dict(decoding="chunk"), "per_map"),
+    ("flash_attn", GPU, dict(decoding="chunk", integral="softmax"), "per_map"),
+    # a decoding step, one token per row: both maps against the cache, V read once, on every backend
+    ("sdpa", CPU32, dict(decoding="step"), "cached_step"),
+    ("eager", CPU32, dict(decoding="step"), "cached_step"),
+    ("triton", GPU, dict(decoding="step", integral="mean"), "cached_step"),
+    ("sdpa", CPU64, dict(decoding="step", layer_lambda=False), "cached_step"),
     # whole sequences
     ("sdpa", CPU32, {}, "cpu_native"),
     ("sdpa", CPU64, {}, "blocked"),  # the compiled kernel computes in fp32
@@ -56,7 +61,8 @@ def test_a_forced_kernel_applies_to_sdpa_where_it_computes_the_head(kernel_build
         assert resolve_kernel("sdpa", CPU32) == forced
         assert resolve_kernel("sdpa", GPU) == forced
         assert resolve_kernel("sdpa", CPU32, need_weights=True) == "eager"
-        assert resolve_kernel("sdpa", CPU32, decoding=True) == "per_map"
+        assert resolve_kernel("sdpa", CPU32, decoding="chunk") == "per_map"
+        assert resolve_kernel("sdpa", CPU32, decoding="step") == "cached_step"
         assert resolve_kernel("triton", GPU) == "triton"
         assert resolve_kernel("sdpa", CPU32, layer_lambda=False) == ("per_map" if forced == "blocked" else forced)
     assert resolve_kernel("sdpa", CPU32) == "cpu_native"
@@ -78,7 +84,7 @@ def test_a_forced_kernel_applies_to_sdpa_where_it_computes_the_head(kernel_build
     (dict(attention="baseline"), torch.float32, None),
 ])
 def test_each_variant_runs_the_resolved_kernel(monkeypatch, arch, dtype, want):
-    """A full forward, then maps requested, then a cached decode step: the kernels the layers asked for."""
+    """A full forward, then maps requested, then a prefill and a decoding step: the kernels the layers asked for."""
     if want == "cpu_native" and kernels.cpu_native.unavailable_reason() is not None:
         want = "blocked" if arch["attention"] != "diff_v2" else "per_map"  # the fallbacks, without a compiler
     seen = []
@@ -97,5 +103,5 @@ def test_each_variant_runs_the_resolved_kernel(monkeypatch, arch, dtype, want):
     layers = [] if want is None else [want] * 2
     assert full == layers
     assert maps == ([] if want is None else ["eager"] * 2)
-    assert seen == ([] if want is None else ["per_map"] * 4)
+    assert seen == ([] if want is None else ["per_map"] * 2 + ["cached_step"] * 2)
     assert set(full + maps + seen) <= set(KERNELS)

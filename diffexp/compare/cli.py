@@ -8,8 +8,9 @@ from pathlib import Path
 
 from diffexp.compare.errors import CompareError
 from diffexp.compare.harness import DEFAULT_METRIC, harness_markdown, harness_table, print_harness, write_harness_csv
+from diffexp.compare.paired import LEVEL, check_level, paired_report
 from diffexp.compare.paper import paper_checks, paper_markdown, paper_metrics, print_paper
-from diffexp.compare.plots import CURVE_TAG, plot_objective_bars, plot_val_curves
+from diffexp.compare.plots import CURVE_TAG, plot_objective_bars, plot_paired_diffs, plot_val_curves
 from diffexp.compare.render import print_report, render_markdown, write_csv
 from diffexp.compare.scaling import (
     plot_scaling,
@@ -27,8 +28,13 @@ PIPED_WIDTH = 200  # piped or captured output is read in an editor, not a termin
 
 
 def compare(study_dir: str | Path, out: str | Path | None = None, metrics: Sequence[str] | None = None,
-            plots: bool = True, console=None, harness_metric: str = DEFAULT_METRIC) -> list[CaseSummary]:
+            plots: bool = True, console=None, harness_metric: str = DEFAULT_METRIC, reference: str | None = None,
+            level: float = LEVEL) -> list[CaseSummary]:
     """Load, summarize, print, and write compare.md, compare.csv (and the PNGs) into `out`.
+
+    Every case is set against the reference case (`reference`, a case's name or slug; default the baseline)
+    seed by seed (diffexp.compare.paired): the mean difference, its `level` interval and verdict, and the
+    power statement; paired_diffs.png plots them.
 
     A study with several sizes per variant (diffexp.compare.scaling) also gets the scaling section:
     printed, appended to compare.md, scaling.csv and scaling.png. Trials evaluated with `diffexp eval harness`
@@ -36,21 +42,23 @@ def compare(study_dir: str | Path, out: str | Path | None = None, metrics: Seque
     from rich.console import Console
 
     console = console or Console()
+    level = check_level(level)
     runs = load_study_runs(study_dir, curves=plots)
     columns = check_metrics(runs, metrics)
     recorded = runs.metric_names()
     rows = summarize(runs, columns + [m for m in paper_metrics(runs) if m not in columns and m in recorded])
+    paired = paired_report(runs, rows, reference, level)
     out = Path(out) if out is not None else runs.study_dir / DEFAULT_OUT
     try:
         out.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
         raise CompareError(f"--out {str(out)!r}: cannot create the directory ({exc.strerror or exc})") from exc
-    print_report(console, runs, rows, columns)
+    print_report(console, runs, rows, columns, paired)
     checks = paper_checks(runs, rows)
     print_paper(console, runs, checks)
     scaling = scaling_report(runs)
     written = [out / "compare.md", out / "compare.csv"]
-    markdown = render_markdown(runs, rows, columns) + paper_markdown(runs, checks)
+    markdown = render_markdown(runs, rows, columns, paired) + paper_markdown(runs, checks)
     if scaling is not None:
         print_scaling(console, scaling)
         markdown += "\n" + render_scaling_markdown(scaling)
@@ -63,7 +71,7 @@ def compare(study_dir: str | Path, out: str | Path | None = None, metrics: Seque
         write_harness_csv(out / "harness.csv", harness)
         written.append(out / "harness.csv")
     (out / "compare.md").write_text(markdown)
-    write_csv(out / "compare.csv", runs, rows, columns)
+    write_csv(out / "compare.csv", runs, rows, columns, paired)
     if plots:
         if plot_val_curves(runs, rows, out / "val_loss_curves.png"):
             written.append(out / "val_loss_curves.png")
@@ -72,6 +80,8 @@ def compare(study_dir: str | Path, out: str | Path | None = None, metrics: Seque
                           soft_wrap=True, markup=False, highlight=False)
         plot_objective_bars(runs, rows, out / "objective_bars.png")
         written.append(out / "objective_bars.png")
+        if plot_paired_diffs(runs, rows, paired, out / "paired_diffs.png"):
+            written.append(out / "paired_diffs.png")
         if scaling is not None:
             plot_scaling(scaling, runs.study, out / "scaling.png")
             written.append(out / "scaling.png")
@@ -82,8 +92,9 @@ def compare(study_dir: str | Path, out: str | Path | None = None, metrics: Seque
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="diffexp compare",
-        description="Compare the cases of a sweep: mean ± std over seeds per case, as a table (printed, "
-                    "compare.md, compare.csv) and plots.")
+        description="Compare the cases of a sweep: mean ± std over seeds per case, and each case's paired "
+                    "difference to a reference case seed by seed (mean, confidence interval, verdict), as a "
+                    "table (printed, compare.md, compare.csv) and plots.")
     parser.add_argument("runs_dir", nargs="?", metavar="RUNS_DIR",
                         help="the study's run directory (runs/<study>/, holding sweep.json)")
     parser.add_argument("--study", help="Optuna study name (with --storage) instead of RUNS_DIR")
@@ -95,20 +106,28 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
     parser.add_argument("--harness-metric", default=DEFAULT_METRIC,
                         help="the LM-Eval metric of the harness table (default acc; e.g. acc_norm)")
+    parser.add_argument("--reference", metavar="CASE",
+                        help="the case every other is set against, seed by seed (name or slug; default: the "
+                             "first case running the reference variant, else the first case)")
+    parser.add_argument("--level", default=str(LEVEL), metavar="P",
+                        help=f"confidence level of the paired intervals and verdicts, between 0 and 1 "
+                             f"(default {LEVEL})")
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`diffexp compare RUNS_DIR [--out DIR] [--metric NAME ...] [--no-plots]` or `--study NAME [--storage URL]`:
-    0 on success (partial studies included); bad input raises a UserError (CompareError) for the caller's guard."""
+    """`diffexp compare RUNS_DIR [--out DIR] [--metric NAME ...] [--no-plots] [--reference CASE] [--level P]` or
+    `--study NAME [--storage URL]`: 0 on success (partial studies included); bad input raises a UserError
+    (CompareError) for the caller's guard."""
     from rich.console import Console
 
     args = build_parser().parse_args(argv)
+    level = check_level(args.level)  # a bad level fails before the study is read
     console = Console()
     if not console.is_terminal:  # piped or captured: do not squeeze the table into 80 columns
         console = Console(width=max(console.width, PIPED_WIDTH))
     compare(_study_dir(args), out=args.out, metrics=args.metric, plots=not args.no_plots, console=console,
-            harness_metric=args.harness_metric)
+            harness_metric=args.harness_metric, reference=args.reference, level=level)
     return 0
 
 

@@ -1,4 +1,5 @@
-"""The comparison's figures: validation loss vs step per case, and the objective per case as bars.
+"""The comparison's figures: validation loss vs step per case, the objective per case as bars, and each case's
+paired difference to the reference case with its interval.
 
 matplotlib is imported inside the functions (compare --no-plots never loads it) and drawn on Agg
 figures, without touching pyplot's global backend.
@@ -12,6 +13,7 @@ from pathlib import Path
 
 import numpy as np
 
+from diffexp.compare.paired import TOO_FEW, PairedReport
 from diffexp.compare.stats import CaseSummary, best_case
 from diffexp.sweep.runs import StudyRuns, TrialRun
 
@@ -128,3 +130,44 @@ def plot_objective_bars(runs: StudyRuns, rows: Sequence[CaseSummary], path: str 
     ax.set_title(f"{runs.study}: {metric}, mean ± sample std over complete seeds (dots: seeds; best in orange)",
                  fontsize=10)
     fig.savefig(path, dpi=PLOT_DPI)
+
+
+def plot_paired_diffs(runs: StudyRuns, rows: Sequence[CaseSummary], paired: PairedReport, path: str | Path) -> bool:
+    """Per case (table order, top to bottom; the reference left out): the mean paired difference to the reference,
+    its interval as error bars, each seed's difference as a dot, the verdict beside it, and a zero line.
+    False when the study has no case besides the reference."""
+    others = [row for row in rows if paired.of(row) is not None]
+    if not others:
+        return False
+    colors = dict(zip([row.case.slug for row in rows], series_colors(len(rows))))  # as in val_loss_curves.png
+    fig = new_figure(9, max(2.6, 0.5 * len(others) + 1.8))
+    ax = fig.subplots()
+    ys = list(range(len(others)))[::-1]
+    extents = [0.0]
+    for y, row in zip(ys, others):
+        diff = paired.of(row)
+        if diff.n == 0:
+            continue
+        color = colors[row.case.slug]
+        ax.errorbar(diff.mean, y, xerr=diff.half_width, fmt="o", color=color, ecolor=color, capsize=5, lw=1.6,
+                    ms=7, zorder=3)
+        ax.scatter(diff.diffs, [y] * diff.n, s=14, color="black", alpha=0.6, zorder=4)
+        right = max(diff.high if diff.n > 1 else diff.mean, *diff.diffs)
+        ax.annotate(diff.verdict, xy=(right, y), xytext=(7, 0), textcoords="offset points", va="center", fontsize=9)
+        extents += [diff.low if diff.n > 1 else diff.mean, right, *diff.diffs]
+    lo, hi = min(extents), max(extents)
+    pad = (hi - lo) * 0.12 or 0.01
+    ax.set_xlim(lo - pad, hi + pad * 3)  # room for the verdicts
+    for y, row in zip(ys, others):
+        if paired.of(row).n == 0:
+            ax.text(lo - pad * 0.9, y, TOO_FEW, va="center", fontsize=9, color="gray", style="italic")
+    ax.axvline(0.0, color="black", lw=1, ls="--")
+    ax.set_ylim(-0.7, len(others) - 0.3)
+    ax.set_yticks(ys, [f"{row.case.name}  ({paired.of(row).n} paired)" for row in others])
+    better = "left" if runs.direction == "minimize" else "right"
+    ax.set_xlabel(f"{runs.objective}: case − {paired.reference.case.name} ({runs.direction}; {better} of 0 is better)")
+    ax.grid(True, axis="x", alpha=0.3)
+    ax.set_title(f"{runs.study}: paired difference to {paired.reference.case.name}, mean and "
+                 f"{paired.level * 100:g}% CI (Student t; dots: seeds)", fontsize=10)
+    fig.savefig(path, dpi=PLOT_DPI)
+    return True

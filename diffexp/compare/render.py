@@ -2,6 +2,9 @@
 
 Metric columns come in StudyRuns.metric_names' order (the objective, val/*, test/*, train/*, the rest), diag/* under
 _DIAGNOSTIC_LABELS; "Variant" and "Diverged" (from trial.json's `diverged_step`) only where the runs record them.
+With a PairedReport (diffexp.compare.paired), each case's paired difference to the reference case, its interval
+and verdict: columns after the objective in compare.md and compare.csv, a table of their own in the terminal
+(the main table is wide already), with the power statement below.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from diffexp.compare.paired import POWER_DELTAS, REFERENCE, TOO_FEW, PairedDiff, PairedReport
 from diffexp.compare.stats import DIAGNOSTIC_PREFIX, EMPTY, CaseSummary, best_case, issues
 from diffexp.sweep import layout
 from diffexp.sweep.runs import StudyRuns
@@ -84,36 +88,118 @@ def shows_divergence(rows: Sequence[CaseSummary]) -> bool:
     return any(row.tracks_divergence or row.diverged for row in rows)
 
 
+# -- paired differences ---------------------------------------------------------------------------------
+VERDICT_STYLES = {"better": "green", "worse": "red", TOO_FEW: "yellow", REFERENCE: "bold"}
+
+
+def level_text(level: float) -> str:
+    """0.95 -> '95%', 0.975 -> '97.5%'."""
+    return f"{level * 100:g}%"
+
+
+def format_diff(x: float | None) -> str:
+    """A signed difference: '+0.0612', '-0.0040'; EMPTY for none."""
+    if x is None:
+        return EMPTY
+    return f"{x:+,.1f}" if abs(x) >= 1000 else f"{x:+.4f}"
+
+
+def paired_headers(paired: PairedReport) -> list[str]:
+    return [f"Δ vs {paired.reference.case.name}", f"{level_text(paired.level)} CI", "Paired seeds", "Verdict"]
+
+
+def paired_cells(diff: PairedDiff | None) -> list[str]:
+    """Δ (mean), interval, paired seeds, verdict of one case; the reference case (no diff) says so."""
+    if diff is None:
+        return [EMPTY, EMPTY, EMPTY, REFERENCE]
+    interval = EMPTY if diff.n < 2 else f"[{format_diff(diff.low)}, {format_diff(diff.high)}]"
+    return [format_diff(diff.mean), interval, str(diff.n), diff.verdict]
+
+
+def paired_note(runs: StudyRuns, paired: PairedReport) -> str:
+    """How to read the paired columns, and which case is the reference and why."""
+    ref, better = paired.reference.case.name, "below" if runs.direction == "minimize" else "above"
+    return (f"Δ: case − {ref} in {runs.objective} on each seed both finished (paired: the same initial weights "
+            f"and batches per seed), mean and {level_text(paired.level)} confidence interval (Student t, n − 1 "
+            f"df); better / worse: the interval excludes 0 ({better} 0 is better: {runs.objective} is "
+            f"{runs.direction}d); within seed noise: it holds 0; too few seeds: fewer than 2 paired seeds. "
+            f"Reference: {ref}, " + ("given by --reference." if paired.chosen_by == "--reference" else
+                                     f"{paired.chosen_by} (--reference CASE picks another)."))
+
+
+def power_lines(runs: StudyRuns, paired: PairedReport) -> list[str]:
+    """The power statement: what the study's seed count resolves and what some differences need."""
+    power = paired.power
+    if power is None:
+        return ["Power: no case has 2 paired seeds yet, so the spread of the differences (and the seeds a "
+                "difference needs) is unknown."]
+    unit = " nats" if runs.objective.endswith("loss") else ""
+    needs = ", ".join(f"{delta:g}{unit} needs {power.seeds_for(delta)} seeds" for delta in POWER_DELTAS)
+    quantile = f"{0.5 + power.level / 2:g}"
+    return [f"Power: with {power.seeds} seed{'s' if power.seeds != 1 else ''} this study resolves differences "
+            f"of {power.resolvable():.3g}{unit} or more in {runs.objective}; a difference of {needs}.",
+            f"  (sd {power.sd:.3g} of the paired differences, pooled over {power.cases} case"
+            f"{'s' if power.cases != 1 else ''}; a two-sided paired test at {level_text(power.level)} with "
+            f"{power.power:.0%} power, normal approximation n = ((z_{quantile} + z_{power.power:g}) · sd / δ)²)"]
+
+
+def print_paired(console, runs: StudyRuns, rows: Sequence[CaseSummary], paired: PairedReport) -> None:
+    """The paired differences as a table of their own (light box), its note and the power statement."""
+    from rich import box
+    from rich.table import Table
+    from rich.text import Text
+
+    title = f"Paired differences vs {paired.reference.case.name}: {runs.objective}, case − reference per seed"
+    table = Table(title=title, title_justify="left", box=box.SIMPLE_HEAD)
+    table.add_column("Case", overflow="fold")
+    for header in paired_headers(paired):
+        table.add_column(header, justify="left" if header == "Verdict" else "right", overflow="fold")
+    for row in rows:
+        cells = paired_cells(paired.of(row))
+        table.add_row(Text(row.case.name), *cells[:-1], Text(cells[-1], style=VERDICT_STYLES.get(cells[-1], "")))
+    console.print(table)
+    for line in [paired_note(runs, paired), *power_lines(runs, paired)]:
+        console.print(Text(line), soft_wrap=True)
+
+
 # -- compare.md -----------------------------------------------------------------------------------------
 def _md_cell(text: str) -> str:
     return text.replace("|", "\\|")
 
 
-def render_markdown(runs: StudyRuns, rows: Sequence[CaseSummary], metrics: Sequence[str]) -> str:
+def render_markdown(runs: StudyRuns, rows: Sequence[CaseSummary], metrics: Sequence[str],
+                    paired: PairedReport | None = None) -> str:
+    """The table (the paired columns after the objective's, with `paired`), its notes and the issue sections."""
     best = best_case(runs, rows)
     variant, divergence = shows_variant(rows), shows_divergence(rows)
     header = ["Model", "Params", "Non-emb. params"]
-    header += [f"{metric_label(m)} {arrow(runs.direction)}" if m == runs.objective else metric_label(m)
-               for m in metrics]
+    for m in metrics:
+        header.append(f"{metric_label(m)} {arrow(runs.direction)}" if m == runs.objective else metric_label(m))
+        if m == runs.objective and paired is not None:
+            header += paired_headers(paired)
     header += ["Seeds"] + (["Diverged"] if divergence else []) + ["Tokens/s"] + (["Variant"] if variant else [])
     lines = [f"# {runs.study}: comparison", ""]
     meta = f"Objective: `{runs.objective}` ({runs.direction})"
     if runs.spec:
         meta += f". Spec: `{runs.spec}`"
     meta += f". Seeds: {', '.join(map(str, runs.seeds))}."
-    align = ["---"] + ["---:"] * (len(header) - 1 - variant) + ["---"] * variant  # text left, numbers right
+    align = ["---"] + ["---" if h in ("Verdict", "Variant") else "---:" for h in header[1:]]  # text left
     lines += [meta, "", "| " + " | ".join(header) + " |", "|" + "|".join(align) + "|"]
     for row in rows:
         cells = [_md_cell(row.case.name), format_params(row.params_total), format_params(row.params_non_embedding)]
         for m in metrics:
             text = row.stats[m].format()
             cells.append(f"**{text}**" if m == runs.objective and row is best else text)
+            if m == runs.objective and paired is not None:
+                cells += paired_cells(paired.of(row))
         cells += [row.seeds_text] + ([row.diverged_text] if divergence else [])
         cells += [format_tokens_per_s(row.tokens_per_s)]
         if variant:
             cells.append(_md_cell(row.variant or EMPTY))
         lines.append("| " + " | ".join(cells) + " |")
     lines += ["", f"Values: {note(rows)}. Best objective in bold. Params: total and non-embedding counts.", ""]
+    if paired is not None:
+        lines += [paired_note(runs, paired), "", *(line.strip() for line in power_lines(runs, paired)), ""]
     for key, items in issues(runs, rows).items():
         lines += [f"## {SECTION_TITLES[key]}", ""] + [f"- {_md_cell(item)}" for item in items] + [""]
     return "\n".join(lines)
@@ -125,15 +211,35 @@ def _run_ids(trials) -> str:
     return ";".join(layout.run_name(t.seed, t.draw).removeprefix("seed") for t in trials)
 
 
-def write_csv(path: str | Path, runs: StudyRuns, rows: Sequence[CaseSummary], metrics: Sequence[str]) -> None:
+PAIRED_FIELDS = ["paired_reference", "paired_level", "paired_n", "paired_seeds", "paired_diffs", "paired_diff_mean",
+                 "paired_diff_sd", "paired_diff_low", "paired_diff_high", "paired_verdict"]
+
+
+def _paired_record(paired: PairedReport, row: CaseSummary) -> dict[str, Any]:
+    """The PAIRED_FIELDS of one case: the objective's paired difference to the reference (empty for itself)."""
+    diff = paired.of(row)
+    record: dict[str, Any] = {"paired_reference": paired.reference.case.name, "paired_level": paired.level,
+                              "paired_verdict": REFERENCE if diff is None else diff.verdict}
+    if diff is not None:
+        record.update({"paired_n": diff.n, "paired_seeds": ";".join(map(str, diff.seeds)),
+                       "paired_diffs": ";".join(repr(d) for d in diff.diffs), "paired_diff_mean": diff.mean,
+                       "paired_diff_sd": diff.sd, "paired_diff_low": diff.low, "paired_diff_high": diff.high})
+    return record
+
+
+def write_csv(path: str | Path, runs: StudyRuns, rows: Sequence[CaseSummary], metrics: Sequence[str],
+              paired: PairedReport | None = None) -> None:
     """One row per case; for each metric `<metric>_mean`, `<metric>_std` and `<metric>_ci95` (95% CI
     half-width; both empty with < 2 seeds), `<metric>_n`. Diverged trials: `n_diverged`, `seeds_diverged`
-    and `diverged_steps` (in the same order, `;`-separated)."""
+    and `diverged_steps` (in the same order, `;`-separated). With `paired`, PAIRED_FIELDS: the objective's
+    paired difference to the reference case (seeds and per-seed differences `;`-separated, the interval's
+    bounds at `paired_level`, the verdict)."""
     fields = ["case", "slug", "variant", "overrides", "n_expected", "n_complete", "n_pruned", "n_diverged",
               "n_failed", "n_missing", "seeds_complete", "seeds_pruned", "seeds_diverged", "diverged_steps",
               "params_total", "params_non_embedding", "tokens_per_s_mean", "wall_s_mean"]
     for m in metrics:
         fields += [f"{m}_mean", f"{m}_std", f"{m}_ci95", f"{m}_n"]
+    fields += PAIRED_FIELDS if paired is not None else []
     with open(path, "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=fields)
         writer.writeheader()
@@ -153,6 +259,8 @@ def write_csv(path: str | Path, runs: StudyRuns, rows: Sequence[CaseSummary], me
                 stat = row.stats[m]
                 record.update({f"{m}_mean": stat.mean, f"{m}_std": stat.std, f"{m}_ci95": stat.ci95,
                                f"{m}_n": stat.n})
+            if paired is not None:
+                record.update(_paired_record(paired, row))
             writer.writerow({k: "" if v is None else v for k, v in record.items()})
 
 
@@ -228,11 +336,13 @@ def _split(console, rows: Sequence[CaseSummary], columns: Sequence[_Column]) -> 
     return groups
 
 
-def print_report(console, runs: StudyRuns, rows: Sequence[CaseSummary], metrics: Sequence[str]) -> None:
+def print_report(console, runs: StudyRuns, rows: Sequence[CaseSummary], metrics: Sequence[str],
+                 paired: PairedReport | None = None) -> None:
     """The table, split into as many tables as the console width needs; each repeats the Case column.
 
     The first holds what a paper's table shows (the objective, parameters, seeds, tokens/s); the other
     recorded metrics follow in order, so every column stays readable instead of squeezed to an ellipsis.
+    With `paired`, the paired differences to the reference and the power statement follow the table's note.
     """
     from rich.text import Text
 
@@ -244,6 +354,8 @@ def print_report(console, runs: StudyRuns, rows: Sequence[CaseSummary], metrics:
         console.print(_table(title, rows, columns))
     # plain lines hold paths and case names: never wrapped inside them, whatever the console width
     console.print(Text(note(rows)), soft_wrap=True)
+    if paired is not None:
+        print_paired(console, runs, rows, paired)
     for key, items in issues(runs, rows).items():
         console.print(Text(SECTION_TITLES[key] + ":", style="bold" if key in ("pruned", "diverged") else "bold yellow"),
                       soft_wrap=True)

@@ -31,9 +31,14 @@ def over_diverged_too(name: str) -> bool:
     return name.startswith(DIAGNOSTIC_PREFIX)
 
 
+def t_quantile(q: float, df: int) -> float:
+    """The q quantile of Student's t with `df` degrees of freedom (df >= 1)."""
+    return float(student_t.ppf(q, df))
+
+
 def t_quantile_975(df: int) -> float:
-    """The 97.5% quantile of Student's t with `df` degrees of freedom (df >= 1)."""
-    return float(student_t.ppf(0.975, df))
+    """The 97.5% quantile of Student's t with `df` degrees of freedom (df >= 1): a 95% interval's."""
+    return t_quantile(0.975, df)
 
 
 def format_number(x: float) -> str:
@@ -142,15 +147,16 @@ def check_metrics(runs: StudyRuns, metrics: Sequence[str] | None) -> list[str]:
     return list(dict.fromkeys([runs.objective, *metrics]))
 
 
+def trial_value(runs: StudyRuns, trial: TrialRun, name: str) -> float | None:
+    """A trial's final value of metric `name`: trial.json's, else (the objective only) its last logged value."""
+    value = trial.metrics.get(name)
+    if value is None and name == runs.objective and trial.curves.get(name):
+        value = trial.curves[name][-1][1]  # not in trial.json: the last logged value of the objective tag
+    return value
+
+
 def _metric_values(runs: StudyRuns, trials: Sequence[TrialRun], name: str) -> list[float]:
-    values = []
-    for trial in trials:
-        value = trial.metrics.get(name)
-        if value is None and name == runs.objective and trial.curves.get(name):
-            value = trial.curves[name][-1][1]  # not in trial.json: the last logged value of the objective tag
-        if value is not None:
-            values.append(value)
-    return values
+    return [v for v in (trial_value(runs, t, name) for t in trials) if v is not None]
 
 
 def summarize(runs: StudyRuns, metrics: Sequence[str] | None = None) -> list[CaseSummary]:
