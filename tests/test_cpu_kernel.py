@@ -141,3 +141,35 @@ def test_switch_and_broken_build_give_reasons_not_errors(monkeypatch, tmp_path):
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "build"))  # never the real kernel's build directory
     reason = cpu_native.unavailable_reason.__wrapped__()
     assert reason is not None and reason.startswith("building broken.cpp failed")
+
+
+@pytest.mark.parametrize("rows", [1, 2, 4, 7])
+@pytest.mark.parametrize("keys, capacity", [(1, 1), (3, 9), (130, 130), (1027, 1100)])
+@pytest.mark.parametrize("ragged", [False, True])
+def test_step_products_equal_naive(rows, keys, capacity, ragged):
+    """A decoding step's two products against float64 matmuls: the query rows of each group, keys that are a view
+    into a larger cache, each batch row reading its own first lengths[b] keys (the rest weigh 0)."""
+    torch.manual_seed(rows * 1000 + keys)
+    b, groups, d, dv = 3, 2, 16, 24
+    q = torch.randn(b, groups, rows, d)
+    k = torch.randn(b, groups, capacity, d)[..., :keys, :]
+    v = torch.randn(b, groups, capacity, dv)[..., :keys, :]
+    lengths = torch.tensor([keys, max(1, keys // 2), 1]) if ragged else None
+    visible = torch.arange(keys) < (lengths if ragged else torch.full((b,), keys))[:, None]  # (B, keys)
+    logits = (q.double() @ k.double().transpose(-1, -2)) / d ** 0.5
+    want = logits.masked_fill(~visible[:, None, None], float("-inf")).softmax(-1)
+    got = cpu_native.step_probabilities(q, k, lengths)
+    torch.testing.assert_close(got.double(), want, atol=1e-6, rtol=1e-5)
+    weights = torch.randn(b, groups, rows, keys) * visible[:, None, None]
+    torch.testing.assert_close(cpu_native.step_values(weights, v, lengths).double(), weights.double() @ v.double(),
+                               atol=1e-4, rtol=1e-4)  # fp32 sums of up to 1027 terms of size ~1
+
+
+def test_a_decoding_step_takes_the_kernel_only_where_it_computes_the_step():
+    x = torch.randn(1, 2, 4, 8)
+    assert cpu_native.runs_step(x, x)
+    assert not cpu_native.runs_step(x.double(), x)
+    assert not cpu_native.runs_step(x.transpose(-1, -2), x)  # the last stride must be 1
+    assert not cpu_native.runs_step(x.requires_grad_(), x)  # the ops have no backward
+    with torch.no_grad():
+        assert cpu_native.runs_step(x, x)

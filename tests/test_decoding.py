@@ -49,6 +49,21 @@ def test_a_step_gives_the_full_forwards_logits(case, static):
     torch.testing.assert_close(stepped, full, rtol=0, atol=1e-5)
 
 
+@pytest.mark.parametrize("case", list(CASES))
+def test_the_step_kernel_and_the_matmul_step_agree(case, monkeypatch):
+    """The CPU kernel's step products (fp32 CPU) and the matmuls that run elsewhere (GPU, fp64, no compiler)."""
+    from diffexp.model.kernels import cpu_native
+
+    if cpu_native.unavailable_reason() is not None:
+        pytest.skip(f"the CPU kernel cannot be built here: {cpu_native.unavailable_reason()}")
+    model = build(case)
+    idx = torch.randint(0, model.cfg.vocab_size, (2, 12))
+    kernel = step_through(model, idx, 5, model.new_cache(capacity=20, static=True))
+    monkeypatch.setattr(cpu_native, "runs_step", lambda *tensors: False)
+    matmuls = step_through(model, idx, 5, model.new_cache(capacity=20, static=True))
+    torch.testing.assert_close(kernel, matmuls, rtol=0, atol=1e-5)
+
+
 def ragged_rows(vocab: int) -> list[torch.Tensor]:
     return [torch.randint(0, vocab, (n,)) for n in (3, 9, 6)]
 

@@ -40,10 +40,10 @@ class LayerCache:
         """(B,) the position each row's new token takes during a step."""
         return self.owner.positions
 
-    def key_mask(self, keys: int) -> torch.Tensor | None:
-        """During a step, (B, 1, 1, keys): True where row b may read key j (j <= its position); None when every
-        key read is visible (rows of one length reading only the written positions)."""
-        return self.owner.key_mask(keys)
+    def key_lengths(self) -> torch.Tensor | None:
+        """During a step, (B,): row b reads keys 0..its position; None when every key read is visible (rows of one
+        length reading only the written positions)."""
+        return self.owner.key_lengths()
 
     def append(self, **new: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """Write each named tensor's new positions (axis -2); returns the buffers up to the positions read, in
@@ -157,10 +157,10 @@ class DecoderCache:
             else:
                 self.positions.copy_(positions)
 
-    def key_mask(self, keys: int) -> torch.Tensor | None:
+    def key_lengths(self) -> torch.Tensor | None:
         if not self.stepping or (not self.static and not self.ragged):
             return None
-        return (torch.arange(keys, device=self.positions.device) <= self.positions[:, None]).view(-1, 1, 1, keys)
+        return self.positions + 1
 
     def advance(self, new_positions: int) -> None:
         self.lengths = [length + new_positions for length in self.lengths]

@@ -104,7 +104,7 @@ def attention(q, k, v, backend: str = "sdpa", need_weights: bool = False, backen
     """Causal softmax attention per query head: (out, the map when need_weights or eager, else None). cache: the
     layer's LayerCache when decoding; a one-token step reads K and V once per GQA group (cached_step.py)."""
     if cache is not None and cache.stepping:
-        return single_map_step(q, k, v, cache.key_mask(k.shape[-2])), None
+        return single_map_step(q, k, v, cache.key_lengths()), None
     return attend(q, k, v, backend, need_weights, backend_fallback)
 
 
@@ -122,8 +122,7 @@ def two_map_head(q1, q2, k1, k2, v, lam, *, backend: str = "sdpa", integral: Int
     kernel = resolve_kernel(backend, q1, need_weights, decoding, layer_lambda, integral.kind if integral else None)
     if kernel == "cached_step":
         col_sums = None if integral is None else cache.sums("col_sums", q1)
-        mask = cache.key_mask(k1.shape[-2])
-        return two_map_step(q1, q2, k1, k2, v, lam, mask, integral, col_sums, cache.positions), None
+        return two_map_step(q1, q2, k1, k2, v, lam, cache.key_lengths(), integral, col_sums, cache.positions), None
     if kernel in ("eager", "per_map"):
         return per_map_head(q1, q2, k1, k2, v, lam, integral, cache, kernel == "eager", backend,
                             backend_fallback)

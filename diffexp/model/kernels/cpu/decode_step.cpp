@@ -1,0 +1,175 @@
+// One decoding step's attention on CPU, for every variant: the query rows of a GQA group against the cached keys,
+// and the weights of the step's row against the cached values, each cache row read once from memory.
+//   step_probabilities: P[b, g, r] = softmax(scale q[b, g, r] . K[b, g, :valid_b])      (zeros past valid_b)
+//   step_values:        out[b, g, r] = sum_s W[b, g, r, s] V[b, g, s]                    (s < valid_b)
+// The batched GEMMs these replace have 1-8 rows and run far from the memory bound; here every key and value row
+// is loaded once and used by all rows of its group. K and V may be views into a larger cache (any strides, the
+// last 1); valid_b = lengths[b] when given, else every key. The Python side: diffexp/model/kernels/cpu_native.py.
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <optional>
+#include <vector>
+
+extern "C" float expf(float) noexcept __attribute__((__simd__("notinbranch")));
+
+namespace {
+
+constexpr int64_t kMinChunk = 256;  // keys per task: enough work to amortise a task, small enough to share cores
+constexpr int64_t kAhead = 16;      // rows fetched ahead of the one in use
+
+struct Rows {  // a (B, groups, S, dim) view, last stride 1
+  const float* data;
+  int64_t batch, groups, length, dim, s0, s1, s2;
+  const float* row(int64_t b, int64_t g, int64_t s) const { return data + b * s0 + g * s1 + s * s2; }
+};
+
+Rows rows_of(const at::Tensor& t, const char* name) {
+  TORCH_CHECK(t.scalar_type() == at::kFloat && t.device().is_cpu() && t.dim() == 4 && t.stride(3) == 1, "diffexp_cpu: ",
+              name, " must be a (B, groups, S, dim) fp32 CPU tensor with unit last stride");
+  return {t.data_ptr<float>(), t.size(0), t.size(1), t.size(2), t.size(3), t.stride(0), t.stride(1), t.stride(2)};
+}
+
+std::vector<int64_t> valid_keys(const std::optional<at::Tensor>& lengths, int64_t batch, int64_t keys) {
+  std::vector<int64_t> valid(batch, keys);
+  if (lengths.has_value()) {
+    const at::Tensor l = lengths->to(at::kLong).contiguous();
+    TORCH_CHECK(l.numel() == batch, "diffexp_cpu: lengths must hold one count per batch row");
+    const int64_t* data = l.data_ptr<int64_t>();
+    for (int64_t b = 0; b < batch; ++b) valid[b] = std::clamp<int64_t>(data[b], 0, keys);
+  }
+  return valid;
+}
+
+// Chunks per (batch, group) so that the tasks fill the threads even at batch 1.
+int64_t chunks_for(int64_t groups_total, int64_t keys) {
+  const int64_t wanted = (2 * at::get_num_threads() + groups_total - 1) / groups_total;
+  return std::max<int64_t>(1, std::min<int64_t>(wanted, keys / kMinChunk));
+}
+
+at::Tensor step_probabilities(const at::Tensor& q_in, const at::Tensor& k_in, const std::optional<at::Tensor>& lengths,
+                              double scale) {
+  const at::Tensor q = q_in.contiguous();
+  const Rows k = rows_of(k_in, "k");
+  TORCH_CHECK(q.scalar_type() == at::kFloat && q.dim() == 4 && q.size(0) == k.batch && q.size(1) == k.groups &&
+                  q.size(3) == k.dim,
+              "diffexp_cpu: q must be (B, groups, rows, dim) matching k");
+  const int64_t batch = k.batch, groups = k.groups, rows = q.size(2), keys = k.length, dim = k.dim;
+  const std::vector<int64_t> valid = valid_keys(lengths, batch, keys);
+  at::Tensor probs = at::empty({batch, groups, rows, keys}, q.options());
+  const float* qd = q.data_ptr<float>();
+  float* pd = probs.data_ptr<float>();
+  const float s = static_cast<float>(scale);
+  const int64_t chunks = chunks_for(batch * groups, keys), chunk = (keys + chunks - 1) / chunks;
+  at::parallel_for(0, batch * groups * chunks, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t bg = task / chunks, b = bg / groups, g = bg % groups;
+      const int64_t first = (task % chunks) * chunk, last = std::min(valid[b], first + chunk);
+      const float* qg = qd + bg * rows * dim;
+      float* pg = pd + bg * rows * keys;
+      int64_t j = first;
+      for (; j + 4 <= last; j += 4) {  // four keys at a time: four independent sums per query row
+        const float *k0 = k.row(b, g, j), *k1 = k.row(b, g, j + 1), *k2 = k.row(b, g, j + 2), *k3 = k.row(b, g, j + 3);
+        if (j + kAhead < last)
+          for (int64_t i = 0; i < 4 * dim; i += 16) __builtin_prefetch(k.row(b, g, j + kAhead) + i);
+        for (int64_t r = 0; r < rows; ++r) {
+          const float* qr = qg + r * dim;
+          float d0 = 0.f, d1 = 0.f, d2 = 0.f, d3 = 0.f;
+#pragma omp simd reduction(+ : d0, d1, d2, d3)
+          for (int64_t i = 0; i < dim; ++i) {
+            d0 += qr[i] * k0[i];
+            d1 += qr[i] * k1[i];
+            d2 += qr[i] * k2[i];
+            d3 += qr[i] * k3[i];
+          }
+          float* out = pg + r * keys + j;
+          out[0] = d0 * s, out[1] = d1 * s, out[2] = d2 * s, out[3] = d3 * s;
+        }
+      }
+      for (; j < last; ++j) {
+        const float* key = k.row(b, g, j);
+        for (int64_t r = 0; r < rows; ++r) {
+          const float* qr = qg + r * dim;
+          float dot = 0.f;
+#pragma omp simd reduction(+ : dot)
+          for (int64_t i = 0; i < dim; ++i) dot += qr[i] * key[i];
+          pg[r * keys + j] = dot * s;
+        }
+      }
+    }
+  });
+  at::parallel_for(0, batch * groups * rows, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t row = begin; row < end; ++row) {
+      const int64_t n = valid[row / (groups * rows)];
+      float* p = pd + row * keys;
+      float top = -std::numeric_limits<float>::infinity();
+#pragma omp simd reduction(max : top)
+      for (int64_t j = 0; j < n; ++j) top = std::max(top, p[j]);
+      float total = 0.f;
+#pragma omp simd reduction(+ : total)
+      for (int64_t j = 0; j < n; ++j) {
+        p[j] = expf(p[j] - top);
+        total += p[j];
+      }
+      const float inv = n > 0 ? 1.f / total : 0.f;
+#pragma omp simd
+      for (int64_t j = 0; j < n; ++j) p[j] *= inv;
+      std::fill(p + n, p + keys, 0.f);
+    }
+  });
+  return probs;
+}
+
+at::Tensor step_values(const at::Tensor& w_in, const at::Tensor& v_in, const std::optional<at::Tensor>& lengths) {
+  const at::Tensor w = w_in.contiguous();
+  const Rows v = rows_of(v_in, "v");
+  TORCH_CHECK(w.scalar_type() == at::kFloat && w.dim() == 4 && w.size(0) == v.batch && w.size(1) == v.groups &&
+                  w.size(3) == v.length,
+              "diffexp_cpu: the weights must be (B, groups, rows, S) matching v");
+  const int64_t batch = v.batch, groups = v.groups, rows = w.size(2), keys = v.length, dim = v.dim;
+  const std::vector<int64_t> valid = valid_keys(lengths, batch, keys);
+  const int64_t chunks = chunks_for(batch * groups, keys), chunk = (keys + chunks - 1) / chunks;
+  // per chunk partial sums, added up below; one chunk writes the output directly
+  at::Tensor partial = at::zeros({batch * groups, chunks, rows, dim}, w.options());
+  const float* wd = w.data_ptr<float>();
+  float* sums = partial.data_ptr<float>();
+  at::parallel_for(0, batch * groups * chunks, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t bg = task / chunks, b = bg / groups, g = bg % groups;
+      const int64_t first = (task % chunks) * chunk, last = std::min(valid[b], first + chunk);
+      const float* wg = wd + bg * rows * keys;
+      float* acc = sums + task * rows * dim;
+      for (int64_t j = first; j < last; ++j) {
+        const float* value = v.row(b, g, j);
+        if (j + kAhead < last)
+          for (int64_t i = 0; i < dim; i += 16) __builtin_prefetch(v.row(b, g, j + kAhead) + i);
+        for (int64_t r = 0; r < rows; ++r) {
+          const float weight = wg[r * keys + j];
+          float* out = acc + r * dim;
+#pragma omp simd
+          for (int64_t i = 0; i < dim; ++i) out[i] += weight * value[i];
+        }
+      }
+    }
+  });
+  if (chunks == 1) return partial.view({batch, groups, rows, dim});
+  return partial.sum(1).view({batch, groups, rows, dim});
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(diffexp_cpu, m) {
+  m.def("step_probabilities(Tensor q, Tensor k, Tensor? lengths, float scale) -> Tensor");
+  m.def("step_values(Tensor weights, Tensor v, Tensor? lengths) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(diffexp_cpu, CPU, m) {
+  m.impl("step_probabilities", &step_probabilities);
+  m.impl("step_values", &step_values);
+}
