@@ -74,11 +74,24 @@ at::Tensor step_probabilities(const at::Tensor& q_in, const at::Tensor& k_in, co
       const float* qg = qd + bg * rows * dim;
       float* pg = pd + bg * rows * keys;
       int64_t j = first;
-      for (; j + 4 <= last; j += 4) {  // four keys at a time: four independent sums per query row
+      for (; j + 4 <= last; j += 4) {  // 4 keys x 2 rows at a time: eight independent sums
         const float *k0 = k.row(b, g, j), *k1 = k.row(b, g, j + 1), *k2 = k.row(b, g, j + 2), *k3 = k.row(b, g, j + 3);
         if (j + kAhead < last)
           for (int64_t i = 0; i < 4 * dim; i += 16) __builtin_prefetch(k.row(b, g, j + kAhead) + i);
-        for (int64_t r = 0; r < rows; ++r) {
+        int64_t r = 0;
+        for (; r + 2 <= rows; r += 2) {
+          const float *qa = qg + r * dim, *qb = qa + dim;
+          float a0 = 0.f, a1 = 0.f, a2 = 0.f, a3 = 0.f, b0 = 0.f, b1 = 0.f, b2 = 0.f, b3 = 0.f;
+#pragma omp simd reduction(+ : a0, a1, a2, a3, b0, b1, b2, b3)
+          for (int64_t i = 0; i < dim; ++i) {
+            a0 += qa[i] * k0[i]; a1 += qa[i] * k1[i]; a2 += qa[i] * k2[i]; a3 += qa[i] * k3[i];
+            b0 += qb[i] * k0[i]; b1 += qb[i] * k1[i]; b2 += qb[i] * k2[i]; b3 += qb[i] * k3[i];
+          }
+          float *oa = pg + r * keys + j, *ob = oa + keys;
+          oa[0] = a0 * s, oa[1] = a1 * s, oa[2] = a2 * s, oa[3] = a3 * s;
+          ob[0] = b0 * s, ob[1] = b1 * s, ob[2] = b2 * s, ob[3] = b3 * s;
+        }
+        for (; r < rows; ++r) {
           const float* qr = qg + r * dim;
           float d0 = 0.f, d1 = 0.f, d2 = 0.f, d3 = 0.f;
 #pragma omp simd reduction(+ : d0, d1, d2, d3)
