@@ -20,8 +20,15 @@ import torch
 from diffexp import Decoder, ModelConfig
 from diffexp.cli import main
 from diffexp.compare.budget import H100_BF16_TFLOPS, MFU_RANGE, run_budget
-from diffexp.compare.params import RUN_HEADER, Recipe, all_recipes, expand, linked_vocab_size, model_config
-from diffexp.compare.params import run_header_line
+from diffexp.compare.params import (
+    RUN_HEADER,
+    Recipe,
+    all_recipes,
+    expand,
+    linked_vocab_size,
+    model_config,
+    run_header_line,
+)
 from diffexp.data.tokenizer import ByteTokenizer
 from diffexp.training.cli import parse_config
 from tests.helpers import REPO

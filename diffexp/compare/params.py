@@ -171,7 +171,7 @@ def _quiet_parse():
         seed_log.setLevel(level)
 
 
-@functools.lru_cache(maxsize=None)  # the table and the compute table read each recipe once
+@functools.cache  # within one `params` call, the two tables read each recipe once
 def parsed(recipe: Recipe):
     from diffexp.training.cli import parse_config
 
@@ -257,6 +257,7 @@ def params(targets: Sequence[str], headers: bool = False, console=None,
     recipes = [r for target in targets for r in expand(Path(target), root)] if targets else all_recipes(root)
     if not recipes:
         raise UserError(f"RECIPE {' '.join(targets)}: no recipe (.yaml) found there")
+    parsed.cache_clear()  # recipe paths are relative to the working directory: read them afresh
     rows = [(recipe, report(recipe)) for recipe in recipes]
     budgets = [budget(recipe) for recipe in recipes]
     console = console or Console(width=None if sys.stdout.isatty() else PIPED_WIDTH)

@@ -26,8 +26,8 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from diffexp.secrets import mask_url
 from diffexp.sweep import layout
 from diffexp.sweep.check import check_trials
-from diffexp.sweep.gpus import DEVICES_ENV, chosen_devices, run_workers, visible_devices
 from diffexp.sweep.command import cli_value, fit_args
+from diffexp.sweep.gpus import DEVICES_ENV, chosen_devices, run_workers, visible_devices
 from diffexp.sweep.spec import Point, SpecError, SweepSpec, load_spec, recipe_record, slugify
 from diffexp.sweep.storage import STORAGE_URL_ENV, local_lock, open_storage, resolve_url, translated_errors
 from diffexp.sweep.trial import STORAGE_ENV, write_json_atomic

@@ -140,8 +140,9 @@ class SweepSpec:
 
     def fingerprint(self) -> str:
         """Identity of what the study runs; a study name reused with another spec is refused."""
-        payload = {"base": recipe_record(self.base), "rows": self.rows(), "seeds": self.seeds, "overrides": self.overrides,
-                   "search": self.search, "n_trials": self.n_trials, "objective": self.objective_metric}
+        payload = {"base": recipe_record(self.base), "rows": self.rows(), "seeds": self.seeds,
+                   "overrides": self.overrides, "search": self.search, "n_trials": self.n_trials,
+                   "objective": self.objective_metric}
         if self.case_bases:  # only then: a spec without per-case recipes keeps its fingerprint
             payload["bases"] = {case: recipe_record(path) for case, path in self.case_bases.items()}
         return hashlib.sha256(json.dumps(payload, sort_keys=True, default=str).encode()).hexdigest()[:16]
