@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import functools
 import json
 import os
 import shutil
@@ -308,7 +309,7 @@ def _show_trial_progress(progress: Progress, bar, run_dir: Path) -> None:
 
 
 def _die_with_parent() -> None:
-    """Linux: the trial process gets SIGKILL when its worker dies, so no orphan keeps writing."""
+    """Linux: a trial (or `--gpus` worker) process gets SIGKILL when its parent dies, so no orphan keeps writing."""
     try:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
     except OSError:
@@ -343,6 +344,7 @@ def main(argv: list[str] | None = None) -> int:
         worker_args = ["--config", args.config] + [arg for flag, value in (("--storage", args.storage),
                                                                            ("--runs-dir", args.runs_dir))
                                                     if value for arg in (flag, value)]
-        return run_workers(worker_args, devices, spec.study_dir / "workers")
+        return run_workers(worker_args, devices, spec.study_dir / "workers",
+                           popen=functools.partial(subprocess.Popen, preexec_fn=_die_with_parent))
     with translated_errors(runner.url, runner.storage_origin):
         return runner.run()
