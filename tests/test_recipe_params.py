@@ -140,7 +140,7 @@ def test_one_gpu_sizes_print_their_flops_and_h100_time(size, monkeypatch):
     configs = gpu_configs(size, "baseline")
     config = parse_config([a for p in configs for a in ("--config", str(p))])
     arch = ModelConfig(**{**config.model.arch.as_dict(), "vocab_size": linked_vocab_size(config)})
-    steps, rows, seq_len = config.trainer.max_steps, config.global_batch.rows, config.data.seq_len
+    steps, rows, seq_len = config.trainer.max_steps, config.global_batch.rows, config.data.init_args.seq_len
     tokens = steps * rows * seq_len
     assert (steps, rows, seq_len) == ({"125m": 10000, "350m": 27000}[size], 128, 2048)
     assert abs(tokens / {"125m": 2.5e9, "350m": 7e9}[size] - 1) < 0.06  # the budgets
