@@ -3,6 +3,7 @@
 Header formats (N: a plain integer):
     single-file recipes:      # parameters: total=N non_embedding=N attention=N
     GPU variant files:        # parameters[<size>]: total=N non_embedding=N attention=N   (one per size file)
+    GPU size files:           # run[<variant>]: <tokens>, <FLOPs>; <H100 times>          (one per variant file)
 Every recipe found by glob is checked, so new recipes and variants are covered without touching this file.
 """
 
@@ -18,7 +19,16 @@ import torch
 
 from diffexp import Decoder, ModelConfig
 from diffexp.cli import main
-from diffexp.compare.params import Recipe, all_recipes, expand, linked_vocab_size, model_config
+from diffexp.compare.budget import H100_BF16_TFLOPS, MFU_RANGE, run_budget
+from diffexp.compare.params import (
+    RUN_HEADER,
+    Recipe,
+    all_recipes,
+    expand,
+    linked_vocab_size,
+    model_config,
+    run_header_line,
+)
 from diffexp.data.tokenizer import ByteTokenizer
 from diffexp.training.cli import parse_config
 from tests.helpers import REPO
@@ -60,7 +70,8 @@ def _build(configs: list[Path], attention: str | None) -> dict[str, int]:
     arch = ModelConfig(**{**config.model.arch.as_dict(), "vocab_size": linked_vocab_size(config),
                           "backend": "sdpa"})
     with torch.device("meta"):
-        return {"attention_variant": arch.attention, **Decoder(arch).parameter_report()}
+        model = Decoder(arch)
+    return {"attention_variant": arch.attention, **model.parameter_report(), "run": run_budget(config, arch, model)}
 
 
 def gpu_configs(size: str, variant: str) -> list[Path]:
@@ -86,6 +97,72 @@ def test_gpu_variant_file_states_its_counts_at_every_size(variant):
     for size in GPU_SIZES:
         report = built(gpu_configs(size, variant))
         assert headers[size] == {k: report[k] for k in ("total", "non_embedding", "attention")}, (variant, size)
+
+
+@pytest.mark.parametrize("size", GPU_SIZES)
+def test_gpu_size_file_states_each_variants_whole_run(size):
+    """The size file's `# run[<variant>]:` lines (diffexp params --headers) are what diffexp computes now."""
+    path = GPU / "size" / f"{size}.yaml"
+    lines = [line for line in path.read_text().splitlines() if line.startswith("# run[")]
+    assert RUN_HEADER in path.read_text().splitlines(), f"{path.name}: the line that states the MFU and peak"
+    expected = [run_header_line(variant, built(gpu_configs(size, variant))["run"]) for variant in GPU_VARIANTS]
+    assert lines == expected, path.name
+
+
+#: the papers' five variants; the comparison deltas change the budget on purpose
+PAPER_VARIANTS = ("baseline", "diff_v1", "diff_v2", "shared_diff", "dint")
+ONE_GPU_SIZES = {"125m": 125e6, "350m": 350e6}
+
+
+@pytest.mark.parametrize("size", ONE_GPU_SIZES)
+def test_one_gpu_sizes_count_their_names_within_ten_percent(size):
+    """GPT-2 small and medium shapes with the recipes' untied 32,768-token vocabulary: every variant within
+    10% of the size's name (the comparison deltas, which add or drop heads or FFN on purpose, within 12%)."""
+    for variant in GPU_VARIANTS:
+        off = built(gpu_configs(size, variant))["total"] / ONE_GPU_SIZES[size] - 1
+        assert abs(off) < (0.10 if variant in PAPER_VARIANTS else 0.12), (size, variant, f"{off:+.1%}")
+
+
+def baseline_flops_per_token(arch, seq_len: int) -> float:
+    """A baseline decoder's training FLOPs per token, from its shape: 2 per weight of each matmul (Q, K, V, O,
+    the SwiGLU's three, the LM head) and, per layer, Q K^T and A V over seq_len / 2 keys on average; x 3."""
+    d, layers, kv = arch.d_model, arch.n_layers, arch.kv_heads * arch.resolved_head_dim
+    per_layer = 2 * d * d + 2 * d * kv + 3 * d * arch.resolved_ffn_hidden
+    forward = 2 * (layers * per_layer + d * arch.vocab_size) + layers * 2 * 2 * (seq_len / 2) * d
+    return 3 * forward
+
+
+@pytest.mark.parametrize("size", ONE_GPU_SIZES)
+def test_one_gpu_sizes_print_their_flops_and_h100_time(size, monkeypatch):
+    """`diffexp params` and the size file give the whole run's tokens, FLOPs and wall time on 1 and 8 H100s;
+    here they are recomputed from the recipe's numbers and the model's shape."""
+    monkeypatch.chdir(REPO)
+    configs = gpu_configs(size, "baseline")
+    config = parse_config([a for p in configs for a in ("--config", str(p))])
+    arch = ModelConfig(**{**config.model.arch.as_dict(), "vocab_size": linked_vocab_size(config)})
+    steps, rows, seq_len = config.trainer.max_steps, config.global_batch.rows, config.data.init_args.seq_len
+    tokens = steps * rows * seq_len
+    assert (steps, rows, seq_len) == ({"125m": 10000, "350m": 27000}[size], 128, 2048)
+    assert abs(tokens / {"125m": 2.5e9, "350m": 7e9}[size] - 1) < 0.06  # the issue's budgets
+    flops = tokens * baseline_flops_per_token(arch, seq_len)
+    printed = run_params([f"recipes/gpu/variant/baseline/{size}.yaml", "--headers"])
+    row = next(line for line in printed.splitlines() if f"gpu/{size} + baseline" in line and "H100" not in line
+               and f"{steps} x {rows} x {seq_len}" in line)
+    assert f"{flops:.3g}" in row
+    prefix = f"recipes/gpu/size/{size}.yaml: "
+    line = next(line for line in printed.splitlines() if line.startswith(prefix + "# run[baseline]"))
+    line = line.removeprefix(prefix)
+    assert line in (GPU / "size" / f"{size}.yaml").read_text().splitlines()  # the size file's own line
+    assert f"{tokens / 1e9:.2f}B tokens ({steps} steps x {rows} x {seq_len}), {flops:.3g} FLOPs" in line
+    times = re.findall(r"(\d+) H100 ([\d.]+)-([\d.]+) (min|h|d)", line)
+    assert [int(gpus) for gpus, *_ in times] == [1, 8]
+    for gpus, fast, slow, unit in times:
+        seconds = {"min": 60, "h": 3600, "d": 86400}[unit]
+        for shown, mfu in ((fast, MFU_RANGE[0]), (slow, MFU_RANGE[1])):
+            hours = flops / (int(gpus) * mfu * H100_BF16_TFLOPS * 1e12) / seconds
+            assert abs(float(shown) - hours) <= (0.05 if hours < 10 else 0.5), (gpus, shown, hours, unit)
+        assert row.count(f"{fast}-{slow} {unit}") == 1  # the table's column says the same
+    assert {0.35, 0.42} == set(MFU_RANGE) and H100_BF16_TFLOPS == 989  # llm-foundry's range, H100 bf16 dense
 
 
 def shared_diff_runs() -> list[tuple[str, list[Path]]]:
@@ -190,6 +267,7 @@ def test_diffexp_params_without_arguments_covers_every_recipe(monkeypatch):
 
     monkeypatch.chdir(REPO)
     monkeypatch.setattr(params, "report", lambda recipe: built(list(recipe.configs)))
+    monkeypatch.setattr(params, "budget", lambda recipe: built(list(recipe.configs))["run"])
     printed = run_params([])
     for path in SINGLE:
         assert str(path.relative_to(RECIPES)) in printed, path

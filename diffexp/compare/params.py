@@ -2,13 +2,15 @@
 
 Models are built on the meta device (no memory, any size) with the vocabulary the data module links into the
 model at fit time (`linked_vocab_size`), so the counts are those of the trained model; each recipe states them
-in its header (`header_line`), checked by tests/test_recipe_params.py.
+in its header (`header_line`), checked by tests/test_recipe_params.py. A second table gives each run's tokens,
+FLOPs and wall time on H100s (diffexp.compare.budget), which the GPU size files state as `# run[<variant>]:` lines.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import itertools
 import json
 import logging
@@ -17,6 +19,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from diffexp.compare.budget import ASSUMPTION, GPU_COUNTS, RunBudget, run_budget
 from diffexp.errors import UserError
 
 #: the recipes of a source checkout (diffexp/compare/params.py -> the repository's recipes/)
@@ -43,6 +46,11 @@ class Recipe:
     def header_file(self) -> Path:
         """The file whose header states the counts: the recipe, or a GPU combination's variant file."""
         return self.configs[2] if self.size is not None else self.configs[0]
+
+    @property
+    def variant(self) -> str | None:
+        """A GPU combination's variant file stem ("diff_v2-ffn"); None for a single-file recipe."""
+        return self.configs[2].stem if self.size is not None else None
 
 
 def recipes_root() -> Path:
@@ -163,6 +171,7 @@ def _quiet_parse():
         seed_log.setLevel(level)
 
 
+@functools.cache  # within one `params` call, the two tables read each recipe once
 def parsed(recipe: Recipe):
     from diffexp.training.cli import parse_config
 
@@ -195,6 +204,16 @@ def memory(recipe: Recipe, gpus: int):
     arch = model_config(recipe, config)
     return estimate_memory(arch, int(data.get("batch_size") or 1), int(data.get("seq_len") or arch.max_seq_len),
                            gpus, torch.bfloat16, bool(init_args.get("activation_checkpointing")))
+
+
+def budget(recipe: Recipe) -> RunBudget | None:
+    """The tokens, FLOPs and H100 time of the recipe's whole run (None for a run not bounded by steps)."""
+    config = parsed(recipe)
+    return run_budget(config, replace(model_config(recipe, config), backend="sdpa"))
+
+
+#: the line above a GPU size file's `# run[<variant>]:` lines
+RUN_HEADER = f"# Whole run of each variant, {ASSUMPTION}:"
 
 
 def report(recipe: Recipe) -> dict[str, int]:
@@ -238,7 +257,9 @@ def params(targets: Sequence[str], headers: bool = False, console=None,
     recipes = [r for target in targets for r in expand(Path(target), root)] if targets else all_recipes(root)
     if not recipes:
         raise UserError(f"RECIPE {' '.join(targets)}: no recipe (.yaml) found there")
+    parsed.cache_clear()  # recipe paths are relative to the working directory: read them afresh
     rows = [(recipe, report(recipe)) for recipe in recipes]
+    budgets = [budget(recipe) for recipe in recipes]
     console = console or Console(width=None if sys.stdout.isatty() else PIPED_WIDTH)
     table = Table(title="parameters of the model each recipe trains (vocabulary as linked from its data)")
     table.add_column("recipe")
@@ -253,11 +274,39 @@ def params(targets: Sequence[str], headers: bool = False, console=None,
             cells.append(memory(recipe, memory_gpus).describe().replace(" per rank", ""))
         table.add_row(recipe.name, str(counts["attention_variant"]), *cells)
     console.print(table)
+    console.print(compute_table(recipes, budgets))
     if headers:
         for recipe, counts in rows:
             console.print(f"{recipe.header_file}: {header_line(counts, recipe.size)}", soft_wrap=True,
                           markup=False, highlight=False)
+        for recipe, run in zip(recipes, budgets):
+            if recipe.size is not None and run is not None:
+                console.print(f"{recipe.configs[1]}: {run_header_line(recipe.variant, run)}", soft_wrap=True,
+                              markup=False, highlight=False)
     return rows
+
+
+def run_header_line(variant: str, run: RunBudget) -> str:
+    """`# run[<variant>]: ...`: a GPU size file's statement of one variant's whole run."""
+    return f"# run[{variant}]: {run.describe()}"
+
+
+def compute_table(recipes: Sequence[Recipe], budgets: Sequence[RunBudget | None]):
+    from rich.table import Table
+
+    table = Table(title=f"compute of each recipe's whole run, {ASSUMPTION}")
+    table.add_column("recipe")
+    for label in ("tokens", "steps x rows x seq_len", "training FLOPs"):
+        table.add_column(label, justify="right")
+    for gpus in GPU_COUNTS:
+        table.add_column(f"{gpus} H100", justify="right")
+    for recipe, run in zip(recipes, budgets):
+        if run is None:
+            table.add_row(recipe.name, "not bounded by steps", "", "", *("" for _ in GPU_COUNTS))
+            continue
+        table.add_row(recipe.name, f"{run.tokens / 1e9:.3g}B", f"{run.steps} x {run.rows} x {run.seq_len}",
+                      f"{run.flops:.3g}", *(run.wall_time(gpus) for gpus in GPU_COUNTS))
+    return table
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from diffexp.sweep.spec import Point, SweepSpec
+from diffexp.sweep.spec import Point, SweepSpec, recipe_files
 
 
 def cli_value(value: Any) -> str:
@@ -22,13 +22,13 @@ def cli_value(value: Any) -> str:
 
 def fit_args(spec: SweepSpec, point: Point, overrides: dict[str, Any], trial_id: int = 0,
              resume: Path | None = None) -> list[str]:
-    """`--config base --key=value ...` for `diffexp fit` (base: the case's own recipe, else the spec's): the
-    spec's overrides, the trial's logger and callback."""
+    """`--config base [--config ...] --key=value ...` for `diffexp fit` (base: the case's own recipe, else the
+    spec's, each of its files in order): the spec's overrides, the trial's logger and callback."""
     callback = {"class_path": "diffexp.sweep.trial.SweepTrialCallback", "init_args": {
         "study": spec.study, "trial_id": trial_id, "case": point.case, "seed": point.seed,
         "overrides": overrides, "hparam_keys": spec.varied_keys(), "metric": spec.objective_metric,
         "pruner": spec.pruner}}
-    args = ["--config", str(point.base or spec.base)]
+    args = [arg for path in recipe_files(point.base or spec.base) for arg in ("--config", str(path))]
     args += [f"--{key}={cli_value(value)}" for key, value in overrides.items()]
     args += [
         f"--seed_everything={point.seed}",

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import functools
 import json
 import os
 import shutil
@@ -27,7 +28,8 @@ from diffexp.secrets import mask_url
 from diffexp.sweep import layout
 from diffexp.sweep.check import check_trials
 from diffexp.sweep.command import cli_value, fit_args
-from diffexp.sweep.spec import Point, SpecError, SweepSpec, load_spec, slugify
+from diffexp.sweep.gpus import DEVICES_ENV, chosen_devices, run_workers, visible_devices
+from diffexp.sweep.spec import Point, SpecError, SweepSpec, load_spec, recipe_record, slugify
 from diffexp.sweep.storage import STORAGE_URL_ENV, local_lock, open_storage, resolve_url, translated_errors
 from diffexp.sweep.trial import STORAGE_ENV, write_json_atomic
 
@@ -48,7 +50,8 @@ class SweepRunner:
         self.spec = spec
         self.url = spec.storage_url
         self.storage_origin = storage_origin  # --storage, DIFFEXP_STORAGE or the spec's storage: for messages
-        self.worker = worker_name or f"{os.uname().nodename}:{os.getpid()}"
+        pinned = f":gpu{os.environ[DEVICES_ENV]}" if DEVICES_ENV in os.environ else ""
+        self.worker = worker_name or f"{os.uname().nodename}:{os.getpid()}{pinned}"
         self.points = {p.key: p for p in spec.points()}
         with local_lock(self.url):  # the first open creates the schema: one worker at a time
             self.storage = open_storage(self.url, storage_origin)
@@ -81,7 +84,7 @@ class SweepRunner:
         write_json_atomic(spec.study_dir / layout.SWEEP_FILE, {
             "study": spec.study, "spec": str(spec.source) if spec.source else None,
             "cases": [{"name": label, "slug": slugify(label), "overrides": overrides,
-                       **({"base": str(spec.case_bases[case])} if case in spec.case_bases else {})}
+                       **({"base": recipe_record(spec.case_bases[case])} if case in spec.case_bases else {})}
                       for label, case, _, overrides in spec.table()],
             "seeds": spec.seeds, "n_trials": spec.n_trials,
             "objective": {"metric": spec.objective_metric, "direction": spec.direction},
@@ -191,6 +194,8 @@ class SweepRunner:
         attempt = len([p for p in run_dir.glob("trial-*.log")]) + 1
         log_path = run_dir / f"trial-{attempt}.log"
         env = {**os.environ, STORAGE_ENV: self.url, "PYTHONUNBUFFERED": "1"}
+        if DEVICES_ENV in env:  # the devices this trial's process sees (`--gpus`: its worker's one GPU)
+            trial.set_user_attr("devices", env[DEVICES_ENV])
         progress.update(bar, description=f"{point.case} seed {point.seed}", completed=0, total=None)
         with open(log_path, "w") as log:
             proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env,
@@ -304,7 +309,7 @@ def _show_trial_progress(progress: Progress, bar, run_dir: Path) -> None:
 
 
 def _die_with_parent() -> None:
-    """Linux: the trial process gets SIGKILL when its worker dies, so no orphan keeps writing."""
+    """Linux: a trial (or `--gpus` worker) process gets SIGKILL when its parent dies, so no orphan keeps writing."""
     try:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
     except OSError:
@@ -312,7 +317,7 @@ def _die_with_parent() -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`diffexp sweep --config SPEC [--storage URL] [--runs-dir DIR]`.
+    """`diffexp sweep --config SPEC [--storage URL] [--runs-dir DIR] [--gpus auto|N|LIST]`.
 
     Returns 0 when every trial finished (a diverged trial is finished: its divergence is its result), 1 when
     some failed for good. A bad spec or storage raises UserError before anything is created (diffexp.cli prints
@@ -323,12 +328,23 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--storage", help=f"Optuna storage (sqlite:///..., journal:<path>, RDB URL); default: "
                                           f"${STORAGE_URL_ENV}, else the spec's storage, else runs/<study>/study.db")
     parser.add_argument("--runs-dir", help="override the spec's runs_dir")
+    parser.add_argument("--gpus", metavar="auto|N|LIST",
+                        help="one worker per GPU, each pinned to its own device (CUDA_VISIBLE_DEVICES), all on the "
+                             "study's storage: auto = every visible GPU, N = the first N, LIST = ids such as 0,1,2,3; "
+                             "their logs go to <runs>/<study>/workers/")
     args = parser.parse_args(argv)
+    devices = chosen_devices(args.gpus, visible_devices()) if args.gpus is not None else None
     spec = load_spec(args.config, repo_root=Path(__file__).resolve().parents[2])
     spec.storage, origin = resolve_url(args.storage, spec.storage)
     if args.runs_dir:
         spec.runs_dir = Path(args.runs_dir)
     check_trials(spec)  # every row as `diffexp fit` would see it, before any storage or file is made
-    runner = SweepRunner(spec, storage_origin=origin or "storage")
+    runner = SweepRunner(spec, storage_origin=origin or "storage")  # makes the study and its queue, once
+    if devices is not None:
+        worker_args = ["--config", args.config] + [arg for flag, value in (("--storage", args.storage),
+                                                                           ("--runs-dir", args.runs_dir))
+                                                    if value for arg in (flag, value)]
+        return run_workers(worker_args, devices, spec.study_dir / "workers",
+                           popen=functools.partial(subprocess.Popen, preexec_fn=_die_with_parent))
     with translated_errors(runner.url, runner.storage_origin):
         return runner.run()

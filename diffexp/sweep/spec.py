@@ -1,7 +1,8 @@
 """Sweep specs: ablation tables as data (the format: docs/sweeps.md, examples: sweeps/*.yaml).
 
 Every (case x grid point x seed x search draw) is one trial, one `fit` run; a case may name its own recipe
-with a `base` key.
+with a `base` key. A recipe is one file or a list of files applied in order (the GPU recipes' base, size and
+variant), as repeated --config flags.
 """
 
 from __future__ import annotations
@@ -34,6 +35,17 @@ PRUNERS = {"none", "median", "percentile", "hyperband"}
 CONFIG_SECTIONS = ("model", "data", "trainer", "checkpoint", "diagnostics", "throughput")
 MAX_SEED = 2**32 - 1  # Lightning's seed_everything accepts 0 .. 2**32 - 1
 CASE_BASE = "base"  # the one key of a case that is not a dotted override: the case's own recipe
+#: a recipe: one file, or the files given as repeated --config flags, in order
+Recipe = Path | tuple[Path, ...]
+
+
+def recipe_files(recipe: Recipe) -> tuple[Path, ...]:
+    return recipe if isinstance(recipe, tuple) else (recipe,)
+
+
+def recipe_record(recipe: Recipe) -> str | list[str]:
+    """A recipe as JSON (sweep.json, the fingerprint): its path, or the list of its files."""
+    return [str(p) for p in recipe] if isinstance(recipe, tuple) else str(recipe)
 
 
 class SpecError(UserError):
@@ -49,7 +61,7 @@ class Point:
     seed: int
     draw: int
     overrides: dict[str, Any]
-    base: Path | None = None  # the case's own recipe; None: the spec's base
+    base: Recipe | None = None  # the case's own recipe; None: the spec's base
 
     @property
     def key(self) -> str:
@@ -63,7 +75,7 @@ class Point:
 @dataclass
 class SweepSpec:
     study: str
-    base: Path
+    base: Recipe
     cases: dict[str, dict[str, Any]]
     grid: dict[str, list[Any]]
     seeds: list[int]
@@ -79,9 +91,9 @@ class SweepSpec:
     max_attempts: int = 2
     source: Path | None = None
     paper: dict[str, Any] | None = None  # the reproduced table's published numbers (sweep/paper.py)
-    case_bases: dict[str, Path] = field(default_factory=dict)  # case -> its own recipe (CASE_BASE)
+    case_bases: dict[str, Recipe] = field(default_factory=dict)  # case -> its own recipe (CASE_BASE)
 
-    def base_of(self, case: str) -> Path:
+    def base_of(self, case: str) -> Recipe:
         """The recipe a case's trials start from: its own `base`, else the spec's."""
         return self.case_bases.get(case, self.base)
 
@@ -128,10 +140,11 @@ class SweepSpec:
 
     def fingerprint(self) -> str:
         """Identity of what the study runs; a study name reused with another spec is refused."""
-        payload = {"base": str(self.base), "rows": self.rows(), "seeds": self.seeds, "overrides": self.overrides,
-                   "search": self.search, "n_trials": self.n_trials, "objective": self.objective_metric}
+        payload = {"base": recipe_record(self.base), "rows": self.rows(), "seeds": self.seeds,
+                   "overrides": self.overrides, "search": self.search, "n_trials": self.n_trials,
+                   "objective": self.objective_metric}
         if self.case_bases:  # only then: a spec without per-case recipes keeps its fingerprint
-            payload["bases"] = {case: str(path) for case, path in self.case_bases.items()}
+            payload["bases"] = {case: recipe_record(path) for case, path in self.case_bases.items()}
         return hashlib.sha256(json.dumps(payload, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
@@ -218,7 +231,17 @@ def parse_spec(raw: dict[str, Any], source: Path | None = None, repo_root: Path 
     study = typed("study", str, required=True)
     if not re.fullmatch(r"[A-Za-z0-9_.\-]+", study):
         raise fail(f"study={study!r}: use letters, digits, '.', '_' and '-' only (it names a directory)")
-    def recipe(value: str, where: str) -> Path:
+    def recipe(value: Any, where: str) -> Recipe:
+        """A recipe path, or a non-empty list of them (applied in order), each resolved to a file."""
+        if isinstance(value, list):
+            if not value or not all(isinstance(item, str) for item in value):
+                raise fail(f"{where}={value!r}: expected a recipe path or a non-empty list of recipe paths")
+            return tuple(recipe_file(item, f"{where}[{i}]") for i, item in enumerate(value))
+        if not isinstance(value, str):
+            raise fail(f"{where}={value!r} has the wrong type: expected a recipe path or a list of them")
+        return recipe_file(value, where)
+
+    def recipe_file(value: str, where: str) -> Path:
         path = Path(value)
         if not path.is_absolute():
             candidates = [Path.cwd() / path] + ([repo_root / path] if repo_root else []) + \
@@ -228,7 +251,7 @@ def parse_spec(raw: dict[str, Any], source: Path | None = None, repo_root: Path 
             raise fail(f"{where}={value!r}: recipe not found")
         return path.resolve()
 
-    base = recipe(typed("base", str, required=True), "base")
+    base = recipe(typed("base", (str, list), required=True), "base")
 
     cases = typed("cases", dict, default=None)
     grid = typed("grid", dict, default={})
@@ -246,8 +269,6 @@ def parse_spec(raw: dict[str, Any], source: Path | None = None, repo_root: Path 
         overrides = dict(overrides)
         if CASE_BASE in overrides:
             own = overrides.pop(CASE_BASE)
-            if not isinstance(own, str):
-                raise fail(f"cases[{name!r}].{CASE_BASE}={own!r} has the wrong type: expected a recipe path")
             case_bases[name] = recipe(own, f"cases[{name!r}].{CASE_BASE}")
         cases[name] = overrides
         _check_dotted(overrides, f"cases[{name!r}]", fail)
