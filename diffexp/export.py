@@ -33,8 +33,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("checkpoint", metavar=CKPT_KEY, help="a .ckpt file or a sharded checkpoint directory")
     parser.add_argument("out", metavar="OUT", help="the directory to create (must not exist yet)")
     parser.add_argument("--format", choices=tuple(FORMATS), default="safetensors",
-                        help="safetensors (default) or torch.save: a diffexp directory; hf: a Hugging Face transformers "
-                        "directory (baseline: LlamaForCausalLM, diff_v1: DiffLlamaForCausalLM)")
+                        help="safetensors (default) or torch.save: a diffexp directory; hf: a Hugging Face "
+                        "transformers directory (baseline: LlamaForCausalLM, diff_v1: DiffLlamaForCausalLM)")
     parser.add_argument("--remote-code", action="store_true",
                         help="with --format hf: any variant and flag as remote code built from diffexp's model "
                         "(configuration_diffexp.py, modeling_diffexp.py; load with trust_remote_code=True)")
@@ -91,13 +91,20 @@ def export(checkpoint_path: str, out: str, weights_format: str = "safetensors", 
 
 
 def _export_hf(checkpoint: dict, hparams: dict, target: Path, remote_code: bool) -> Path:
+    from diffexp.data.tokenizer import tokenizer_state
+    from diffexp.generate.cli import resolve_tokenizer
     from diffexp.hf.writer import hf_form, write_hf_files
     from diffexp.model.config import ModelConfig
 
     cfg = ModelConfig(**hparams["arch"])
     form = hf_form(cfg, remote_code)  # refuses, naming the setting, before anything is written
+    try:  # the tokenizer `diffexp generate` would use: saved, or named by the data settings
+        tokenizer = tokenizer_state(resolve_tokenizer(checkpoint, hparams, None))
+    except UserError:
+        tokenizer = None  # saved without one it can name: the model alone
     with _staged(target) as staging:
-        weights = write_hf_files(staging, cfg, to_builtin(dict(hparams["arch"]), json_safe=True), checkpoint, form)
+        weights = write_hf_files(staging, cfg, to_builtin(dict(hparams["arch"]), json_safe=True), checkpoint, form,
+                                 tokenizer)
         _save_safetensors(untied(weights), staging / FORMATS["hf"])
     return target
 

@@ -9,10 +9,12 @@ compute is refused, and `model.init_from` reads an HF Llama / DiffLlama director
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import textwrap
 from dataclasses import asdict
+from pathlib import Path
 
 import pytest
 import torch
@@ -244,3 +246,33 @@ def test_init_from_refuses_rope_scaling(tmp_path):
     (out / "config.json").write_text(json.dumps(config))
     with pytest.raises(UserError, match="rope_type 'llama3'"):
         check_init_from(str(out), asdict(model.cfg), {})
+
+
+# -- lm_eval --model hf ------------------------------------------------------------------------------------------
+@pytest.mark.heavy
+@pytest.mark.parametrize("case, remote", [("baseline", False), ("diff_v1", False), *[(c, True) for c in DEFAULT_CASES]])
+def test_lm_eval_hf_gives_the_accuracy_of_diffexp_eval_harness(tmp_path, capsys, case, remote):
+    """`lm_eval --model hf` on the export and `diffexp eval harness` on the checkpoint, one local task, offline."""
+    from diffexp.cli import main
+    from tests.test_harness import write_local_task
+
+    model = tiny_decoder(case)
+    checkpoint = write_checkpoint(model, tmp_path / "model.ckpt")
+    out = export(str(checkpoint), str(tmp_path / "hf"), "hf", remote)
+    tasks = write_local_task(tmp_path)
+    with pytest.raises(SystemExit) as done:
+        main(["eval", "harness", str(checkpoint), "--tasks", "diffexp_toy", "--include-path", str(tasks),
+              "--device", "cpu", "--out", str(tmp_path / "ours"), "--bootstrap-iters", "0"])
+    assert done.value.code == 0, capsys.readouterr().err[-2000:]
+    ours = json.loads((tmp_path / "ours/harness.json").read_text())["tasks"]["diffexp_toy"]["acc"]
+    model_args = f"pretrained={out},dtype=float32" + (",trust_remote_code=True" if remote else "")
+    child = subprocess.run(
+        [str(Path(sys.executable).with_name("lm_eval")), "--model", "hf", "--model_args", model_args,
+         "--tasks", "diffexp_toy", "--include_path", str(tasks), "--device", "cpu", "--bootstrap_iters", "0",
+         "--output_path", str(tmp_path / "theirs")],
+        cwd=tmp_path, capture_output=True, text=True, timeout=600,
+        env={**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "OMP_NUM_THREADS": "1"})
+    assert child.returncode == 0, child.stderr[-3000:]
+    [result] = list((tmp_path / "theirs").rglob("results_*.json"))
+    theirs = json.loads(result.read_text())["results"]["diffexp_toy"]["acc,none"]
+    assert theirs == pytest.approx(ours)

@@ -37,11 +37,13 @@ def hf_form(cfg, remote: bool) -> str:
     return "llama"
 
 
-def write_hf_files(out: Path, cfg, arch: dict, checkpoint: dict, form: str) -> dict[str, torch.Tensor]:
-    """Config, generation config, tokenizer and (remote) code into `out`; returns the weights to save."""
+def write_hf_files(out: Path, cfg, arch: dict, checkpoint: dict, form: str,
+                   tokenizer: dict | None) -> dict[str, torch.Tensor]:
+    """Config, generation config, tokenizer (a tokenizer_state, or None) and remote code into `out`; returns the
+    weights to save."""
     from transformers import AutoConfig, GenerationConfig
 
-    eos_id = write_tokenizer(checkpoint.get("diffexp_tokenizer"), out, cfg.max_seq_len)
+    eos_id = write_tokenizer(tokenizer, out, cfg.max_seq_len)
     state = checkpoint["state_dict"]
     dtype = str(state["model.embed.weight"].dtype).removeprefix("torch.")
     if form == "remote":

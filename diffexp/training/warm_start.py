@@ -35,7 +35,8 @@ def read(path: Path, weights: bool = True) -> dict:
 
 def resolve(init_from: str) -> Path:
     """The checkpoint `model.init_from` names: a .ckpt file, a sharded checkpoint or `diffexp export`
-    directory (or a Hugging Face Llama or DiffLlama one), a run directory (its checkpoints/last.ckpt) or an experiment directory (the newest run's)."""
+    directory (or a Hugging Face Llama or DiffLlama one), a run directory (its checkpoints/last.ckpt) or an
+    experiment directory (the newest run's)."""
     from diffexp.training.runs import find_last_checkpoint
 
     path = Path(init_from).expanduser()
