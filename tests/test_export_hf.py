@@ -253,8 +253,9 @@ def test_init_from_refuses_rope_scaling(tmp_path):
 @pytest.mark.parametrize("case, remote", [("baseline", False), ("diff_v1", False), *[(c, True) for c in DEFAULT_CASES]])
 def test_lm_eval_hf_gives_the_accuracy_of_diffexp_eval_harness(tmp_path, capsys, case, remote):
     """`lm_eval --model hf` on the export and `diffexp eval harness` on the checkpoint, one local task, offline."""
+    pytest.importorskip("accelerate", reason="lm_eval --model hf needs accelerate (in the dev extra)")
     from diffexp.cli import main
-    from tests.test_harness import write_local_task
+    from tests.test_harness import naive_logprob, write_local_task
 
     model = tiny_decoder(case)
     checkpoint = write_checkpoint(model, tmp_path / "model.ckpt")
@@ -268,7 +269,7 @@ def test_lm_eval_hf_gives_the_accuracy_of_diffexp_eval_harness(tmp_path, capsys,
     model_args = f"pretrained={out},dtype=float32" + (",trust_remote_code=True" if remote else "")
     child = subprocess.run(
         [str(Path(sys.executable).with_name("lm_eval")), "--model", "hf", "--model_args", model_args,
-         "--tasks", "diffexp_toy", "--include_path", str(tasks), "--device", "cpu", "--bootstrap_iters", "0",
+         "--tasks", "diffexp_toy", "--include_path", str(tasks), "--device", "cpu", "--log_samples",
          "--output_path", str(tmp_path / "theirs")],
         cwd=tmp_path, capture_output=True, text=True, timeout=600,
         env={**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "OMP_NUM_THREADS": "1"})
@@ -276,3 +277,12 @@ def test_lm_eval_hf_gives_the_accuracy_of_diffexp_eval_harness(tmp_path, capsys,
     [result] = list((tmp_path / "theirs").rglob("results_*.json"))
     theirs = json.loads(result.read_text())["results"]["diffexp_toy"]["acc,none"]
     assert theirs == pytest.approx(ours)
+    # and each choice's log-likelihood is the checkpoint's own
+    [samples] = list((tmp_path / "theirs").rglob("samples_diffexp_toy_*.jsonl"))
+    for line in samples.read_text().splitlines():
+        sample = json.loads(line)
+        doc = sample["doc"]
+        context = list(doc["question"].encode())
+        for choice, response in zip(doc["choices"], sample["filtered_resps"]):
+            whole = list(f"{doc['question']} {choice}".encode())
+            assert float(response[0]) == pytest.approx(naive_logprob(model, whole, len(context)), abs=1e-4)
