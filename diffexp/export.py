@@ -2,13 +2,16 @@
 
 OUT gets config.json (format, hyperparameters, data settings, step, source), model.safetensors (or model.pt with
 --format torch; DiffexpLM's state-dict names) and, for a model trained on a BPE, tokenizer.json. Every
-`diffexp eval` task and `diffexp generate` read OUT like a checkpoint. It is written beside itself and renamed
-into place; an existing OUT is never overwritten.
+`diffexp eval` task and `diffexp generate` read OUT like a checkpoint. With --format hf, OUT is a Hugging Face
+transformers directory instead (diffexp.hf: LlamaForCausalLM, DiffLlamaForCausalLM, or with --remote-code any
+variant), with the tokenizer files AutoTokenizer reads. It is written beside itself and renamed into place; an
+existing OUT is never overwritten.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
@@ -18,10 +21,11 @@ import torch
 
 from diffexp.checkpoint_io import EXPORT_CONFIG, EXPORT_FORMAT
 from diffexp.errors import UserError
+from diffexp.hf import require_transformers
 from diffexp.training.loading import CKPT_KEY, load_checkpoint
 from diffexp.training.values import to_builtin
 
-FORMATS = {"safetensors": "model.safetensors", "torch": "model.pt"}
+FORMATS = {"safetensors": "model.safetensors", "torch": "model.pt", "hf": "model.safetensors"}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -29,7 +33,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("checkpoint", metavar=CKPT_KEY, help="a .ckpt file or a sharded checkpoint directory")
     parser.add_argument("out", metavar="OUT", help="the directory to create (must not exist yet)")
     parser.add_argument("--format", choices=tuple(FORMATS), default="safetensors",
-                        help="the weights file: safetensors (default) or torch.save")
+                        help="safetensors (default) or torch.save: a diffexp directory; hf: a Hugging Face "
+                        "transformers directory (baseline: LlamaForCausalLM, diff_v1: DiffLlamaForCausalLM)")
+    parser.add_argument("--remote-code", action="store_true",
+                        help="with --format hf: any variant and flag as remote code built from diffexp's model "
+                        "(configuration_diffexp.py, modeling_diffexp.py; load with trust_remote_code=True)")
     return parser
 
 
@@ -44,13 +52,20 @@ def untied(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return result
 
 
-def export(checkpoint_path: str, out: str, weights_format: str = "safetensors") -> Path:
+def export(checkpoint_path: str, out: str, weights_format: str = "safetensors", remote_code: bool = False) -> Path:
     target = Path(out)
     if target.exists():
         raise UserError(f"OUT={out!r} is invalid: it exists; expected a new directory (export never overwrites)")
     if not target.parent.exists():
         raise UserError(f"OUT={out!r} is invalid: its parent directory {str(target.parent)!r} does not exist")
+    if remote_code and weights_format != "hf":
+        raise UserError(f"--remote-code is invalid with --format={weights_format!r}: it writes Hugging Face remote "
+                        "code; add --format hf")
+    if weights_format == "hf":
+        require_transformers("--format hf")
     checkpoint, hparams = load_checkpoint(checkpoint_path)
+    if weights_format == "hf":
+        return _export_hf(checkpoint, hparams, target, remote_code)
     tokenizer = checkpoint.get("diffexp_tokenizer")
     config = {
         "format": EXPORT_FORMAT,
@@ -63,32 +78,66 @@ def export(checkpoint_path: str, out: str, weights_format: str = "safetensors") 
                                        if tokenizer["kind"] == "tokenizers" else {})},
         "source": str(Path(checkpoint_path).resolve()),
     }
-    staging = target.with_name(f".{target.name}.{os.getpid()}.tmp")
-    shutil.rmtree(staging, ignore_errors=True)
-    staging.mkdir()
-    try:
+    with _staged(target) as staging:
         weights = untied(checkpoint["state_dict"])
         if weights_format == "safetensors":
-            from safetensors.torch import save_file
-
-            save_file(weights, str(staging / FORMATS["safetensors"]), metadata={"format": "pt"})
-            umask = os.umask(0)  # safetensors writes the file owner-only; give it the user's usual mode
-            os.umask(umask)
-            os.chmod(staging / FORMATS["safetensors"], 0o666 & ~umask)
+            _save_safetensors(weights, staging / FORMATS["safetensors"])
         else:
             torch.save(weights, staging / FORMATS["torch"])
         if tokenizer is not None and tokenizer["kind"] == "tokenizers":
             (staging / "tokenizer.json").write_text(tokenizer["json"], encoding="utf-8")
         (staging / EXPORT_CONFIG).write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
+    return target
+
+
+def _export_hf(checkpoint: dict, hparams: dict, target: Path, remote_code: bool) -> Path:
+    from diffexp.data.tokenizer import tokenizer_state
+    from diffexp.generate.cli import resolve_tokenizer
+    from diffexp.hf.writer import hf_form, write_hf_files
+    from diffexp.model.config import ModelConfig
+
+    cfg = ModelConfig(**hparams["arch"])
+    form = hf_form(cfg, remote_code)  # refuses, naming the setting, before anything is written
+    try:  # the tokenizer `diffexp generate` would use: saved, or named by the data settings
+        tokenizer = tokenizer_state(resolve_tokenizer(checkpoint, hparams, None))
+    except UserError:
+        tokenizer = None  # saved without one it can name: the model alone
+    with _staged(target) as staging:
+        weights = write_hf_files(staging, cfg, to_builtin(dict(hparams["arch"]), json_safe=True), checkpoint, form,
+                                 tokenizer)
+        _save_safetensors(untied(weights), staging / FORMATS["hf"])
+    return target
+
+
+@contextlib.contextmanager
+def _staged(target: Path):
+    """A directory to fill, renamed to `target` when the block succeeds and removed when it fails."""
+    staging = target.with_name(f".{target.name}.{os.getpid()}.tmp")
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir()
+    try:
+        yield staging
         os.replace(staging, target)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
-    return target
+
+
+def _save_safetensors(weights: dict[str, torch.Tensor], path: Path) -> None:
+    from safetensors.torch import save_file
+
+    save_file(weights, str(path), metadata={"format": "pt"})
+    umask = os.umask(0)  # safetensors writes the file owner-only; give it the user's usual mode
+    os.umask(umask)
+    os.chmod(path, 0o666 & ~umask)
 
 
 def main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
-    target = export(args.checkpoint, args.out, args.format)
+    target = export(args.checkpoint, args.out, args.format, args.remote_code)
     files = ", ".join(sorted(p.name for p in target.iterdir()))
-    print(f"wrote {target}/ ({files}); use it wherever a checkpoint goes: diffexp generate {target} --prompt ...")
+    if args.format == "hf":
+        trust = ", trust_remote_code=True" if args.remote_code else ""
+        print(f"wrote {target}/ ({files}); load it with AutoModelForCausalLM.from_pretrained({str(target)!r}{trust})")
+    else:
+        print(f"wrote {target}/ ({files}); use it wherever a checkpoint goes: diffexp generate {target} --prompt ...")
     return 0

@@ -14,7 +14,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "diffexp"
 FLOORS = [
     ("foundation", ["diffexp.errors", "diffexp.secrets", "diffexp.checkpoint_io"]),
     ("data", ["diffexp.data"]),
-    ("model", ["diffexp.model"]),
+    ("model", ["diffexp.model", "diffexp.hf"]),
     ("parallel", ["diffexp.parallel"]),
     ("training", ["diffexp.training"]),
     ("inference", ["diffexp.generate", "diffexp.export"]),

@@ -209,6 +209,23 @@ def check_command(argv: list[str]) -> str:
 
         TensorBoard().configure(argv=argv)  # parses the flags; starts no server
         return "parsed by TensorBoard"
+    if program == "lm_eval":
+        from lm_eval._cli import HarnessCLI
+
+        cli = HarnessCLI()
+        cli._parser.parse_args(argv[1:] if argv[1] in cli._subparsers.choices else ["run", *argv[1:]])
+        return "parsed by lm_eval's parser"
+    if program == "hf":
+        import warnings
+
+        from huggingface_hub.cli.hf import app
+
+        context = app.make_context("hf", argv[1:])  # parses only: nothing is uploaded
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", DeprecationWarning)  # click's protected_args, until click 9
+            name, command, rest = app.resolve_command(context, [*context.protected_args, *context.args])
+        command.make_context(name, rest, parent=context)
+        return "parsed by the hf CLI"
     if program == "export":
         import importlib
 

@@ -3,7 +3,9 @@
 Only the weights are taken (the optimizer, lr schedule and step count start fresh, in a run directory of its own).
 The checkpoint must describe the same network: every architecture field its variant reads must be equal but those
 that change no weight (FREE_ON_INIT: max_seq_len and rope_theta, the point of the extension, the backend and the
-initialisation), and a difference is refused before any work, naming each field.
+initialisation), and a difference is refused before any work, naming each field. A Hugging Face Llama or DiffLlama
+directory is read as a baseline or DIFF V1 checkpoint (diffexp.hf.reading): continued pretraining from a published
+Llama-architecture model is this one setting.
 """
 
 from __future__ import annotations
@@ -22,9 +24,19 @@ FREE_ON_INIT = ("max_seq_len", "rope_theta", "backend", "backend_fallback", "ini
                 "lambda_proj_init")
 
 
+def read(path: Path, weights: bool = True) -> dict:
+    """The checkpoint at a resolved path, an HF Llama or DiffLlama directory included."""
+    from diffexp.hf.reading import hf_model_type, read_hf_model
+
+    if hf_model_type(path) is not None:
+        return read_hf_model(path, KEY, weights)
+    return read_checkpoint(path, KEY, weights=weights)
+
+
 def resolve(init_from: str) -> Path:
     """The checkpoint `model.init_from` names: a .ckpt file, a sharded checkpoint or `diffexp export`
-    directory, a run directory (its checkpoints/last.ckpt) or an experiment directory (the newest run's)."""
+    directory (or a Hugging Face Llama or DiffLlama one), a run directory (its checkpoints/last.ckpt) or an
+    experiment directory (the newest run's)."""
     from diffexp.training.runs import find_last_checkpoint
 
     path = Path(init_from).expanduser()
@@ -52,15 +64,28 @@ def architecture_differences(saved_arch: dict[str, Any], arch: dict[str, Any]) -
         return [f"  model.arch.attention: checkpoint {attention!r}, this config {arch.get('attention')!r}"]
     read = [name for name in (*SHARED_FIELDS, *variant(attention).fields)
             if name not in FREE_ON_INIT and name != "vocab_size"]  # vocab: checked against the tokenizer
+    saved_arch, arch = {**saved_arch, **_sizes(saved_arch)}, {**arch, **_sizes(arch)}
     return [f"  model.arch.{name}: checkpoint {saved_arch.get(name)!r}, this config {arch.get(name)!r}"
             for name in read if saved_arch.get(name) != arch.get(name)]
+
+
+def _sizes(arch: dict[str, Any]) -> dict[str, Any]:
+    """The sizes a null stands for (n_kv_heads, head_dim, ffn_hidden), so that 4 and null compare equal where null
+    means 4; {} for an arch that does not validate (its raw values are compared)."""
+    from diffexp.model.config import ModelConfig
+
+    try:
+        cfg = ModelConfig(**arch)
+    except (TypeError, ValueError):
+        return {}
+    return {"n_kv_heads": cfg.kv_heads, "head_dim": cfg.resolved_head_dim, "ffn_hidden": cfg.resolved_ffn_hidden}
 
 
 def check_init_from(init_from: str, arch: dict[str, Any], data_args: dict[str, Any]) -> Path:
     """Preflight: the checkpoint exists and describes the same network (and tokenizer settings, where both
     name one). Returns its path; reads no weights."""
     path = resolve(init_from)
-    checkpoint = read_checkpoint(path, KEY, weights=False)
+    checkpoint = read(path, weights=False)
     saved_arch = dict(checkpoint["hyper_parameters"]["arch"])
     differences = architecture_differences(saved_arch, arch)
     saved_data = checkpoint.get("datamodule_hyper_parameters") or {}
@@ -83,7 +108,7 @@ def load_initial_weights(module, init_from: str, tokenizer_state: dict | None) -
     embeddings only mean something with the tokenizer they were trained with.
     """
     path = resolve(init_from)
-    checkpoint = read_checkpoint(path, KEY)
+    checkpoint = read(path)
     saved_tokenizer = checkpoint.get("diffexp_tokenizer")
     if saved_tokenizer is not None and tokenizer_state is not None and \
             _tokenizer_fingerprint(saved_tokenizer) != _tokenizer_fingerprint(tokenizer_state):
