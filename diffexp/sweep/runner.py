@@ -30,6 +30,7 @@ from diffexp.sweep.command import cli_value, fit_args
 from diffexp.sweep.spec import Point, SpecError, SweepSpec, load_spec, slugify
 from diffexp.sweep.storage import STORAGE_URL_ENV, local_lock, open_storage, resolve_url, translated_errors
 from diffexp.sweep.trial import STORAGE_ENV, write_json_atomic
+from diffexp.sweep.tune import best_lrs, describe, final_spec, tuning_spec, views_of
 
 HEARTBEAT = "diffexp_heartbeat"
 POINT_PARAM = "point"
@@ -87,6 +88,7 @@ class SweepRunner:
             "objective": {"metric": spec.objective_metric, "direction": spec.direction},
             "storage": mask_url(self.url),
             **({"paper": spec.paper} if spec.paper else {}),
+            **views_of(spec),
         })
 
     def _trials_by_point(self, study: optuna.Study) -> dict[str, list[optuna.trial.FrozenTrial]]:
@@ -108,6 +110,11 @@ class SweepRunner:
                 continue
             study.enqueue_trial({POINT_PARAM: key}, user_attrs={"point": key, "case": point.case, "seed": point.seed},
                                 skip_if_exists=False)
+
+    def results(self) -> dict[str, float]:
+        """Point key -> the objective of its complete trial."""
+        return {key: t.value for key, trials in self._trials_by_point(self.study).items() for t in trials
+                if key in self.points and t.state == TrialState.COMPLETE and t.value is not None}
 
     # -- claiming work ----------------------------------------------------------------------------
     def _fail_stale(self) -> int:
@@ -328,7 +335,22 @@ def main(argv: list[str] | None = None) -> int:
     spec.storage, origin = resolve_url(args.storage, spec.storage)
     if args.runs_dir:
         spec.runs_dir = Path(args.runs_dir)
-    check_trials(spec)  # every row as `diffexp fit` would see it, before any storage or file is made
+    if spec.tune_lr is None:
+        check_trials(spec)  # every row as `diffexp fit` would see it, before any storage or file is made
+        return _run(spec, origin)
+    # a fair lr per case (diffexp.sweep.tune): the short runs at every lr, then the comparison at each case's best
+    tuning = tuning_spec(spec)  # on the same storage (a server holds both studies; SQLite: each in its own dir)
+    check_trials(tuning)
+    check_trials(spec)
+    tuning_runner = SweepRunner(tuning, storage_origin=origin or "storage")
+    with translated_errors(tuning_runner.url, tuning_runner.storage_origin):
+        tuned = tuning_runner.run()
+        best, means = best_lrs(tuning, tuning_runner.results())
+    print_line(f"sweep {tuning.study}: " + describe(best, means, spec.objective_metric))
+    return max(tuned, _run(final_spec(spec, best, means, tuning.study_dir), origin))
+
+
+def _run(spec: SweepSpec, origin: str | None) -> int:
     runner = SweepRunner(spec, storage_origin=origin or "storage")
     with translated_errors(runner.url, runner.storage_origin):
         return runner.run()
