@@ -78,6 +78,7 @@ def final_spec(spec: SweepSpec, best: dict[str, float], means: dict[str, dict[fl
             raise SpecError(f"case {row!r} clashes with the row tune_lr adds for case {case!r} at its best lr; "
                             "rename it")
         cases[row] = {**overrides, LR_KEY: best[case]}
+        views[BEST_LR][case] = row
         if case in spec.case_bases:
             bases[row] = spec.case_bases[case]
     tuned = {"study_dir": str(tuning_dir), "key": LR_KEY, "values": list(spec.tune_lr.values),
