@@ -80,15 +80,29 @@ def test_a_lambda_vector_is_shared_by_the_two_map_variants():
     assert torch.equal(vectors[0], vectors[1]) and torch.equal(vectors[0], vectors[2])
 
 
+RECORD = '--trainer.callbacks+={{"class_path": "tests.helpers.RecordBatches", "init_args": {{"path": "{}"}}}}'
+
+
+def batch_checksums(tmp_path, attention: str, steps: int) -> list[int]:
+    """The checksum of every training batch of a tiny `diffexp fit` of `attention` under the recipe's seed."""
+    directory = tmp_path / attention
+    directory.mkdir()
+    recipe = write_recipe(directory, attention=attention, max_steps=steps)
+    run_cli(["fit", "--config", str(recipe), RECORD.format(directory / "batches.jsonl")], directory)
+    lines = (directory / "batches.jsonl").read_text().splitlines()
+    return [json.loads(line)["checksum"] for line in lines]
+
+
 @pytest.mark.slow
 def test_two_variants_of_one_seed_train_on_the_same_batches(tmp_path):
-    record = '--trainer.callbacks+={{"class_path": "tests.helpers.RecordBatches", "init_args": {{"path": "{}"}}}}'
-    checksums = {}
-    for attention in ("baseline", "dint"):
-        directory = tmp_path / attention
-        directory.mkdir()
-        recipe = write_recipe(directory, attention=attention, max_steps=6)
-        run_cli(["fit", "--config", str(recipe), record.format(directory / "batches.jsonl")], directory)
-        lines = (directory / "batches.jsonl").read_text().splitlines()
-        checksums[attention] = [json.loads(line)["checksum"] for line in lines]
+    checksums = {attention: batch_checksums(tmp_path, attention, 6) for attention in ("baseline", "dint")}
     assert len(checksums["baseline"]) == 6 and checksums["baseline"] == checksums["dint"]
+
+
+@pytest.mark.heavy
+def test_every_variant_of_one_seed_trains_on_the_same_batches(tmp_path):
+    """Every pair of variants: equal to the baseline's, batch for batch."""
+    checksums = {attention: batch_checksums(tmp_path, attention, 4) for attention in variant_names()}
+    assert len(checksums["baseline"]) == 4 and len(set(checksums["baseline"])) == 4  # distinct batches
+    for attention, sums in checksums.items():
+        assert sums == checksums["baseline"], attention

@@ -305,8 +305,12 @@ def test_trial_killed_after_its_last_checkpoint_still_records_its_result(tmp_pat
 def test_every_sweep_spec_parses_and_every_row_is_a_valid_config(path):
     """Sweeps are data: each row of each shipped spec must be a config `diffexp fit` accepts and can build."""
     from diffexp.sweep.check import check_trials
+    from diffexp.sweep.tune import tuning_spec
 
-    check_trials(load_spec(path))  # every row and search bound, as the runner checks it before starting
+    spec = load_spec(path)
+    check_trials(spec)  # every row and search bound, as the runner checks it before starting
+    if spec.tune_lr:
+        check_trials(tuning_spec(spec))  # and its short runs at every lr
 
 
 def test_every_trial_records_every_key_the_study_varies(tmp_path):

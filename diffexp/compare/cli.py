@@ -8,7 +8,7 @@ from pathlib import Path
 
 from diffexp.compare.errors import CompareError
 from diffexp.compare.harness import DEFAULT_METRIC, harness_markdown, harness_table, print_harness, write_harness_csv
-from diffexp.compare.paired import LEVEL, check_level, paired_report
+from diffexp.compare.paired import LEVEL, check_level, paired_reports
 from diffexp.compare.paper import paper_checks, paper_markdown, paper_metrics, print_paper
 from diffexp.compare.plots import CURVE_TAG, plot_objective_bars, plot_paired_diffs, plot_val_curves
 from diffexp.compare.render import print_report, render_markdown, write_csv
@@ -21,6 +21,7 @@ from diffexp.compare.scaling import (
 )
 from diffexp.compare.stats import CaseSummary, check_metrics, summarize
 from diffexp.compare.study import runs_dir_from_optuna
+from diffexp.compare.views import plot_name, print_views, view_rows, views_markdown, write_paired_csv
 from diffexp.sweep.runs import load_study_runs
 
 DEFAULT_OUT = "compare"
@@ -34,7 +35,9 @@ def compare(study_dir: str | Path, out: str | Path | None = None, metrics: Seque
 
     Every case is set against the reference case (`reference`, a case's name or slug; default the baseline)
     seed by seed (diffexp.compare.paired): the mean difference, its `level` interval and verdict, and the
-    power statement; paired_diffs.png plots them.
+    power statement; paired_diffs.png plots them. A tune_lr study (diffexp.sweep.tune) has two views, the same
+    lr and each case's best lr: each gets its paired table (diffexp.compare.views), paired.csv holds both and
+    paired_diffs-<view>.png plots each.
 
     A study with several sizes per variant (diffexp.compare.scaling) also gets the scaling section:
     printed, appended to compare.md, scaling.csv and scaling.png. Trials evaluated with `diffexp eval harness`
@@ -47,18 +50,25 @@ def compare(study_dir: str | Path, out: str | Path | None = None, metrics: Seque
     columns = check_metrics(runs, metrics)
     recorded = runs.metric_names()
     rows = summarize(runs, columns + [m for m in paper_metrics(runs) if m not in columns and m in recorded])
-    paired = paired_report(runs, rows, reference, level)
+    reports = paired_reports(runs, rows, reference, level)
+    paired = reports.get("")  # a study without views: the paired columns go in the main table
     out = Path(out) if out is not None else runs.study_dir / DEFAULT_OUT
     try:
         out.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
         raise CompareError(f"--out {str(out)!r}: cannot create the directory ({exc.strerror or exc})") from exc
     print_report(console, runs, rows, columns, paired)
-    checks = paper_checks(runs, rows)
+    if paired is None:
+        print_views(console, runs, rows, reports)
+    checks = paper_checks(runs, rows, level)
     print_paper(console, runs, checks)
     scaling = scaling_report(runs)
     written = [out / "compare.md", out / "compare.csv"]
     markdown = render_markdown(runs, rows, columns, paired) + paper_markdown(runs, checks)
+    if paired is None:
+        markdown += "\n" + views_markdown(runs, rows, reports)
+        write_paired_csv(out / "paired.csv", runs, rows, reports)
+        written.append(out / "paired.csv")
     if scaling is not None:
         print_scaling(console, scaling)
         markdown += "\n" + render_scaling_markdown(scaling)
@@ -80,8 +90,10 @@ def compare(study_dir: str | Path, out: str | Path | None = None, metrics: Seque
                           soft_wrap=True, markup=False, highlight=False)
         plot_objective_bars(runs, rows, out / "objective_bars.png")
         written.append(out / "objective_bars.png")
-        if plot_paired_diffs(runs, rows, paired, out / "paired_diffs.png"):
-            written.append(out / "paired_diffs.png")
+        for view, report in reports.items():
+            path = out / (plot_name(view) if view else "paired_diffs.png")
+            if plot_paired_diffs(runs, view_rows(runs, rows, view) if view else rows, report, path, view):
+                written.append(path)
         if scaling is not None:
             plot_scaling(scaling, runs.study, out / "scaling.png")
             written.append(out / "scaling.png")

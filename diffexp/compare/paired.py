@@ -212,3 +212,17 @@ def paired_report(runs: StudyRuns, rows: Sequence[CaseSummary], reference: str |
     ref, chosen_by = reference_row(rows, reference, runs.study)
     diffs = {row.case.name: paired_difference(runs, row, ref, level=level) for row in rows if row is not ref}
     return PairedReport(ref, chosen_by, level, diffs, pooled_power(runs, list(diffs.values()), level))
+
+
+def paired_reports(runs: StudyRuns, rows: Sequence[CaseSummary], reference: str | None = None,
+                   level: float = LEVEL) -> dict[str, PairedReport]:
+    """One report per view of the study (a tune_lr study's "same lr" and "best lr": each case's row in that
+    view against the reference's row in it; --reference names the case), else one report, view ""."""
+    if not runs.views:
+        return {"": paired_report(runs, rows, reference, level)}
+    by_name = {row.case.name: row for row in rows}
+    reports = {}
+    for view, case_rows in runs.views.items():
+        view_rows = [by_name[name] for name in case_rows.values()]
+        reports[view] = paired_report(runs, view_rows, case_rows.get(reference, reference), level)
+    return reports

@@ -2,8 +2,10 @@
 sweep's `paper:` block lists, and whether each difference between two rows has the paper's direction.
 
 At tiny scale the absolute numbers cannot match a paper's; what a reproduction checks is the sign of each
-difference (is DINT's loss below DIFF's, as in the paper?) and the ranking. A pair whose paper values are
-equal, or whose measured means are equal, has no direction and is left out of the count.
+difference (is DINT's loss below DIFF's, as in the paper?) and the ranking. The sign is read from the paired
+difference of the two rows seed by seed (diffexp.compare.paired): it agrees or disagrees with the paper only
+when its interval excludes 0, and is inconclusive within seed noise or with fewer than 2 paired seeds. A pair
+whose paper values are equal, or whose measured means are equal, has no direction and is left out.
 """
 
 from __future__ import annotations
@@ -13,6 +15,16 @@ from dataclasses import dataclass
 
 from scipy.stats import kendalltau
 
+from diffexp.compare.paired import (
+    AGREES,
+    DISAGREES,
+    INCONCLUSIVE,
+    LEVEL,
+    PairedDiff,
+    paired_difference,
+    paper_agreement,
+)
+from diffexp.compare.render import format_diff, level_text
 from diffexp.compare.stats import CaseSummary, format_number
 from diffexp.sweep.runs import StudyRuns
 
@@ -22,11 +34,25 @@ class PairCheck:
     first: str
     second: str
     paper_diff: float  # first - second
-    measured_diff: float
+    measured_diff: float  # of the means
+    paired: PairedDiff  # first - second seed by seed
 
     @property
-    def agrees(self) -> bool:
+    def means_agree(self) -> bool:
         return (self.paper_diff > 0) == (self.measured_diff > 0)
+
+    @property
+    def verdict(self) -> str:
+        """agrees / disagrees (the paired interval excludes 0 with the paper's sign / the other), inconclusive."""
+        return paper_agreement(self.paper_diff, self.paired)
+
+    def describe(self) -> str:
+        """'A < B in the paper, Δ +0.0500 [+0.0400, +0.0600] measured (2 paired seeds)'."""
+        paper_sign = ">" if self.paper_diff > 0 else "<"
+        d = self.paired
+        interval = f" [{format_diff(d.low)}, {format_diff(d.high)}]" if d.n > 1 else ""
+        return (f"{self.first} {paper_sign} {self.second} in the paper; measured {self.first} − {self.second} "
+                f"{format_diff(d.mean)}{interval} ({d.n} paired seeds)")
 
 
 @dataclass
@@ -38,9 +64,12 @@ class PaperCheck:
     missing: list[str]  # rows the paper reports that have no measured mean (yet)
     pairs: list[PairCheck]
 
+    def count(self, verdict: str) -> int:
+        return sum(p.verdict == verdict for p in self.pairs)
+
     @property
-    def agreeing(self) -> int:
-        return sum(p.agrees for p in self.pairs)
+    def means_agreeing(self) -> int:
+        return sum(p.means_agree for p in self.pairs)
 
     @property
     def rank_correlation(self) -> float | None:
@@ -51,8 +80,9 @@ class PaperCheck:
         return None if tau != tau else float(tau)  # NaN when one side is constant
 
 
-def paper_checks(runs: StudyRuns, rows: Sequence[CaseSummary]) -> list[PaperCheck]:
-    """One check per metric the paper block reports, in the order metrics first appear in it."""
+def paper_checks(runs: StudyRuns, rows: Sequence[CaseSummary], level: float = LEVEL) -> list[PaperCheck]:
+    """One check per metric the paper block reports, in the order metrics first appear in it; each pair's paired
+    difference at `level`."""
     if not runs.paper:
         return []
     values: dict[str, dict[str, float]] = runs.paper["values"]
@@ -69,8 +99,8 @@ def paper_checks(runs: StudyRuns, rows: Sequence[CaseSummary]) -> list[PaperChec
                 missing.append(case)
             else:
                 measured.append((case, stat.mean, per_row[metric]))
-        pairs = [PairCheck(a, b, pa - pb, ma - mb) for i, (a, ma, pa) in enumerate(measured)
-                 for b, mb, pb in measured[i + 1:] if pa != pb and ma != mb]
+        pairs = [PairCheck(a, b, pa - pb, ma - mb, paired_difference(runs, by_name[a], by_name[b], metric, level))
+                 for i, (a, ma, pa) in enumerate(measured) for b, mb, pb in measured[i + 1:] if pa != pb and ma != mb]
         checks.append(PaperCheck(metric, measured, missing, pairs))
     return checks
 
@@ -81,13 +111,13 @@ def summary_lines(check: PaperCheck) -> list[str]:
         return [f"{check.metric}: no pair of rows with a measured and a published difference yet"]
     tau = check.rank_correlation
     ranking = "" if tau is None else f"; rank correlation (Kendall's tau) {tau:+.2f}"
-    lines = [f"{check.metric}: the measured difference has the paper's direction in {check.agreeing} of "
-             f"{len(check.pairs)} pairs of rows{ranking}"]
-    for pair in check.pairs:
-        if not pair.agrees:
-            paper_sign, measured_sign = (">" if d > 0 else "<" for d in (pair.paper_diff, pair.measured_diff))
-            lines.append(f"  differs: {pair.first} {paper_sign} {pair.second} in the paper, "
-                         f"{measured_sign} measured")
+    level = level_text(check.pairs[0].paired.level)
+    lines = [f"{check.metric}, {len(check.pairs)} pairs of rows, paired by seed at {level}: "
+             f"{check.count(AGREES)} agree with the paper's direction, {check.count(DISAGREES)} disagree, "
+             f"{check.count(INCONCLUSIVE)} inconclusive (within seed noise or fewer than 2 paired seeds); "
+             f"the means alone have its direction in {check.means_agreeing} of {len(check.pairs)}{ranking}"]
+    for verdict in (DISAGREES, INCONCLUSIVE):
+        lines += [f"  {verdict}: {pair.describe()}" for pair in check.pairs if pair.verdict == verdict]
     if check.missing:
         lines.append(f"  not measured yet: {', '.join(check.missing)}")
     return lines

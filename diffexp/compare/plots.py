@@ -132,7 +132,8 @@ def plot_objective_bars(runs: StudyRuns, rows: Sequence[CaseSummary], path: str 
     fig.savefig(path, dpi=PLOT_DPI)
 
 
-def plot_paired_diffs(runs: StudyRuns, rows: Sequence[CaseSummary], paired: PairedReport, path: str | Path) -> bool:
+def plot_paired_diffs(runs: StudyRuns, rows: Sequence[CaseSummary], paired: PairedReport, path: str | Path,
+                      view: str = "") -> bool:
     """Per case (table order, top to bottom; the reference left out): the mean paired difference to the reference,
     its interval as error bars, each seed's difference as a dot, the verdict beside it, and a zero line.
     False when the study has no case besides the reference."""
@@ -167,7 +168,8 @@ def plot_paired_diffs(runs: StudyRuns, rows: Sequence[CaseSummary], paired: Pair
     better = "left" if runs.direction == "minimize" else "right"
     ax.set_xlabel(f"{runs.objective}: case − {paired.reference.case.name} ({runs.direction}; {better} of 0 is better)")
     ax.grid(True, axis="x", alpha=0.3)
-    ax.set_title(f"{runs.study}: paired difference to {paired.reference.case.name}, mean and "
+    ax.set_title(f"{runs.study}{' (' + view + ')' if view else ''}: paired difference to "
+                 f"{paired.reference.case.name}, mean and "
                  f"{paired.level * 100:g}% CI (Student t; dots: seeds)", fontsize=10)
     fig.savefig(path, dpi=PLOT_DPI)
     return True

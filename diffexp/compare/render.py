@@ -143,13 +143,14 @@ def power_lines(runs: StudyRuns, paired: PairedReport) -> list[str]:
             f"{power.power:.0%} power, normal approximation n = ((z_{quantile} + z_{power.power:g}) · sd / δ)²)"]
 
 
-def print_paired(console, runs: StudyRuns, rows: Sequence[CaseSummary], paired: PairedReport) -> None:
+def print_paired(console, runs: StudyRuns, rows: Sequence[CaseSummary], paired: PairedReport, view: str = "") -> None:
     """The paired differences as a table of their own (light box), its note and the power statement."""
     from rich import box
     from rich.table import Table
     from rich.text import Text
 
-    title = f"Paired differences vs {paired.reference.case.name}: {runs.objective}, case − reference per seed"
+    title = (f"Paired differences vs {paired.reference.case.name}{', ' + view if view else ''}: {runs.objective}, "
+             "case − reference per seed")
     table = Table(title=title, title_justify="left", box=box.SIMPLE_HEAD)
     table.add_column("Case", overflow="fold")
     for header in paired_headers(paired):
@@ -163,7 +164,7 @@ def print_paired(console, runs: StudyRuns, rows: Sequence[CaseSummary], paired: 
 
 
 # -- compare.md -----------------------------------------------------------------------------------------
-def _md_cell(text: str) -> str:
+def md_cell(text: str) -> str:
     return text.replace("|", "\\|")
 
 
@@ -186,7 +187,7 @@ def render_markdown(runs: StudyRuns, rows: Sequence[CaseSummary], metrics: Seque
     align = ["---"] + ["---" if h in ("Verdict", "Variant") else "---:" for h in header[1:]]  # text left
     lines += [meta, "", "| " + " | ".join(header) + " |", "|" + "|".join(align) + "|"]
     for row in rows:
-        cells = [_md_cell(row.case.name), format_params(row.params_total), format_params(row.params_non_embedding)]
+        cells = [md_cell(row.case.name), format_params(row.params_total), format_params(row.params_non_embedding)]
         for m in metrics:
             text = row.stats[m].format()
             cells.append(f"**{text}**" if m == runs.objective and row is best else text)
@@ -195,13 +196,13 @@ def render_markdown(runs: StudyRuns, rows: Sequence[CaseSummary], metrics: Seque
         cells += [row.seeds_text] + ([row.diverged_text] if divergence else [])
         cells += [format_tokens_per_s(row.tokens_per_s)]
         if variant:
-            cells.append(_md_cell(row.variant or EMPTY))
+            cells.append(md_cell(row.variant or EMPTY))
         lines.append("| " + " | ".join(cells) + " |")
     lines += ["", f"Values: {note(rows)}. Best objective in bold. Params: total and non-embedding counts.", ""]
     if paired is not None:
         lines += [paired_note(runs, paired), "", *(line.strip() for line in power_lines(runs, paired)), ""]
     for key, items in issues(runs, rows).items():
-        lines += [f"## {SECTION_TITLES[key]}", ""] + [f"- {_md_cell(item)}" for item in items] + [""]
+        lines += [f"## {SECTION_TITLES[key]}", ""] + [f"- {md_cell(item)}" for item in items] + [""]
     return "\n".join(lines)
 
 
@@ -215,7 +216,7 @@ PAIRED_FIELDS = ["paired_reference", "paired_level", "paired_n", "paired_seeds",
                  "paired_diff_sd", "paired_diff_low", "paired_diff_high", "paired_verdict"]
 
 
-def _paired_record(paired: PairedReport, row: CaseSummary) -> dict[str, Any]:
+def paired_record(paired: PairedReport, row: CaseSummary) -> dict[str, Any]:
     """The PAIRED_FIELDS of one case: the objective's paired difference to the reference (empty for itself)."""
     diff = paired.of(row)
     record: dict[str, Any] = {"paired_reference": paired.reference.case.name, "paired_level": paired.level,
@@ -260,7 +261,7 @@ def write_csv(path: str | Path, runs: StudyRuns, rows: Sequence[CaseSummary], me
                 record.update({f"{m}_mean": stat.mean, f"{m}_std": stat.std, f"{m}_ci95": stat.ci95,
                                f"{m}_n": stat.n})
             if paired is not None:
-                record.update(_paired_record(paired, row))
+                record.update(paired_record(paired, row))
             writer.writerow({k: "" if v is None else v for k, v in record.items()})
 
 

@@ -32,6 +32,7 @@ from diffexp.sweep.gpus import DEVICES_ENV, chosen_devices, run_workers, visible
 from diffexp.sweep.spec import Point, SpecError, SweepSpec, load_spec, recipe_record, slugify
 from diffexp.sweep.storage import STORAGE_URL_ENV, local_lock, open_storage, resolve_url, translated_errors
 from diffexp.sweep.trial import STORAGE_ENV, write_json_atomic
+from diffexp.sweep.tune import best_lrs, describe, final_spec, tuning_spec, views_of
 
 HEARTBEAT = "diffexp_heartbeat"
 POINT_PARAM = "point"
@@ -90,6 +91,7 @@ class SweepRunner:
             "objective": {"metric": spec.objective_metric, "direction": spec.direction},
             "storage": mask_url(self.url),
             **({"paper": spec.paper} if spec.paper else {}),
+            **views_of(spec),
         })
 
     def _trials_by_point(self, study: optuna.Study) -> dict[str, list[optuna.trial.FrozenTrial]]:
@@ -111,6 +113,11 @@ class SweepRunner:
                 continue
             study.enqueue_trial({POINT_PARAM: key}, user_attrs={"point": key, "case": point.case, "seed": point.seed},
                                 skip_if_exists=False)
+
+    def results(self) -> dict[str, float]:
+        """Point key -> the objective of its complete trial."""
+        return {key: t.value for key, trials in self._trials_by_point(self.study).items() for t in trials
+                if key in self.points and t.state == TrialState.COMPLETE and t.value is not None}
 
     # -- claiming work ----------------------------------------------------------------------------
     def _fail_stale(self) -> int:
@@ -338,13 +345,30 @@ def main(argv: list[str] | None = None) -> int:
     spec.storage, origin = resolve_url(args.storage, spec.storage)
     if args.runs_dir:
         spec.runs_dir = Path(args.runs_dir)
+    tuning = tuning_spec(spec) if spec.tune_lr is not None else None
+    if tuning is not None:  # a fair lr per case (diffexp.sweep.tune): short runs at every lr, then the comparison
+        check_trials(tuning)
     check_trials(spec)  # every row as `diffexp fit` would see it, before any storage or file is made
-    runner = SweepRunner(spec, storage_origin=origin or "storage")  # makes the study and its queue, once
     if devices is not None:
+        if tuning is None:
+            SweepRunner(spec, storage_origin=origin or "storage")  # makes the study and its queue, once
         worker_args = ["--config", args.config] + [arg for flag, value in (("--storage", args.storage),
                                                                            ("--runs-dir", args.runs_dir))
                                                     if value for arg in (flag, value)]
         return run_workers(worker_args, devices, spec.study_dir / "workers",
                            popen=functools.partial(subprocess.Popen, preexec_fn=_die_with_parent))
+    if tuning is None:
+        return _run(spec, origin)
+    # on the same storage (a server holds both studies; SQLite: each in its own dir)
+    tuning_runner = SweepRunner(tuning, storage_origin=origin or "storage")
+    with translated_errors(tuning_runner.url, tuning_runner.storage_origin):
+        tuned = tuning_runner.run()
+        best, means = best_lrs(tuning, tuning_runner.results())
+    print_line(f"sweep {tuning.study}: " + describe(best, means, spec.objective_metric))
+    return max(tuned, _run(final_spec(spec, best, means, tuning.study_dir), origin))
+
+
+def _run(spec: SweepSpec, origin: str | None) -> int:
+    runner = SweepRunner(spec, storage_origin=origin or "storage")
     with translated_errors(runner.url, runner.storage_origin):
         return runner.run()

@@ -102,6 +102,8 @@ class StudyRuns:
     unexpected: list[Path] = field(default_factory=list)  # trial dirs outside the grid of sweep.json
     draws: int = 1  # search draws per case and seed (sweep.json's n_trials)
     paper: dict[str, Any] | None = None  # the published numbers of the reproduced table (sweep/paper.py)
+    views: dict[str, dict[str, str]] | None = None  # view -> case -> its row's name (a tune_lr study)
+    tuned: dict[str, Any] | None = None  # the lr tuning behind the "best lr" view (sweep/tune.py)
 
     def trials_of(self, case: Case) -> list[TrialRun]:
         return [self.trials[(case.slug, seed, draw)] for seed in self.seeds for draw in range(self.draws)]
@@ -214,6 +216,8 @@ class SweepTable:
     direction: str
     draws: int
     paper: dict[str, Any] | None = None
+    views: dict[str, dict[str, str]] | None = None
+    tuned: dict[str, Any] | None = None
 
 
 def parse_sweep(path: Path) -> SweepTable:
@@ -255,9 +259,14 @@ def parse_sweep(path: Path) -> SweepTable:
             paper = parse_paper(data["paper"], [c.name for c in cases], lambda metric: True)
         except ValueError as err:
             raise LayoutError(f"{where}: {err}") from None
+    views = data.get("views")
+    names = {c.name for c in cases}
+    if views is not None and (not isinstance(views, dict) or not all(
+            isinstance(rows, dict) and set(rows.values()) <= names for rows in views.values())):
+        raise LayoutError(f"{where}: 'views'={views!r} must map each view to {{case: one of the study's cases}}")
     return SweepTable(study=str(data.get("study") or path.parent.name), spec=data.get("spec"), cases=cases,
                       seeds=list(dict.fromkeys(seeds)), objective=str(objective["metric"]), direction=direction,
-                      draws=draws, paper=paper)
+                      draws=draws, paper=paper, views=views, tuned=data.get("tuned"))
 
 
 def _read_trial(case: Case, seed: int, draw: int, path: Path) -> TrialRun:
@@ -306,4 +315,4 @@ def load_study_runs(study_dir: str | Path, *, curves: bool = True) -> StudyRuns:
     expected = {trial.path.resolve() for trial in trials.values()}
     unexpected = [p for p in layout.trial_dirs(study_dir) if p.resolve() not in expected]
     return StudyRuns(study_dir, table.study, table.spec, table.cases, table.seeds, table.objective,
-                     table.direction, trials, unexpected, table.draws, table.paper)
+                     table.direction, trials, unexpected, table.draws, table.paper, table.views, table.tuned)

@@ -28,7 +28,7 @@ KNOWN_METRICS = ("val/loss", "val/ppl", "val/ar_hit_loss", "val/others_loss", "v
 #: evaluation callbacks record these (e.g. needle/rank/N4R2, attention/noise, mqar/accuracy, icl/random/n16)
 EVAL_PREFIXES = ("needle/", "attention/", "mqar/", "icl/", "val/mqar")
 SPEC_KEYS = {"study", "base", "overrides", "cases", "grid", "seeds", "search", "n_trials", "objective", "pruner",
-             "storage", "runs_dir", "stale_after_s", "max_attempts", "description", "paper"}
+             "storage", "runs_dir", "stale_after_s", "max_attempts", "description", "paper", "tune_lr"}
 SEARCH_TYPES = {"float", "int", "categorical"}
 PRUNERS = {"none", "median", "percentile", "hyperband"}
 #: top-level sections of a `diffexp fit` config that overrides, grid and search keys may name
@@ -50,6 +50,20 @@ def recipe_record(recipe: Recipe) -> str | list[str]:
 
 class SpecError(UserError):
     """A sweep spec that cannot run as written; raised before any study, storage or file is made."""
+
+
+LR_KEY = "model.optim.lr"
+TUNE_LR_KEYS = {"values", "overrides", "seeds"}
+
+
+@dataclass(frozen=True)
+class LrTuning:
+    """`tune_lr:` of a spec: each case first tried at every lr of `values` on a short budget (`overrides` on
+    top of the spec's, `seeds`), then compared at the spec's lr and at its own best (diffexp.sweep.tune)."""
+
+    values: tuple[float, ...]
+    overrides: dict[str, Any]
+    seeds: tuple[int, ...]
 
 
 @dataclass(frozen=True)
@@ -92,6 +106,9 @@ class SweepSpec:
     source: Path | None = None
     paper: dict[str, Any] | None = None  # the reproduced table's published numbers (sweep/paper.py)
     case_bases: dict[str, Recipe] = field(default_factory=dict)  # case -> its own recipe (CASE_BASE)
+    tune_lr: LrTuning | None = None  # a fair lr per case: two stages from this spec (diffexp.sweep.tune)
+    views: dict[str, dict[str, str]] | None = None  # view -> case -> its row, written to sweep.json for compare
+    tuned: dict[str, Any] | None = None  # the lr tuning's result, written to sweep.json for compare
 
     def base_of(self, case: str) -> Recipe:
         """The recipe a case's trials start from: its own `base`, else the spec's."""
@@ -145,6 +162,8 @@ class SweepSpec:
                    "objective": self.objective_metric}
         if self.case_bases:  # only then: a spec without per-case recipes keeps its fingerprint
             payload["bases"] = {case: recipe_record(path) for case, path in self.case_bases.items()}
+        if self.tune_lr:
+            payload["tune_lr"] = [self.tune_lr.values, self.tune_lr.overrides, self.tune_lr.seeds]
         return hashlib.sha256(json.dumps(payload, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
@@ -327,12 +346,43 @@ def parse_spec(raw: dict[str, Any], source: Path | None = None, repo_root: Path 
     slugs = [slugify(label) for label, _ in spec.rows()]
     if len(set(slugs)) != len(slugs):
         raise fail(f"two table rows map to the same directory name: {sorted(slugs)}")
+    if raw.get("tune_lr") is not None:
+        if grid or search:
+            raise fail("tune_lr cannot be combined with `grid` or `search`: its first stage is a grid over "
+                       f"{LR_KEY} per case; put the other keys in `cases`")
+        spec.tune_lr = _parse_tune_lr(raw["tune_lr"], seeds, fail)
     if raw.get("paper") is not None:
         try:
             spec.paper = parse_paper(raw["paper"], [label for label, _ in spec.rows()], metric_known)
         except ValueError as err:
             raise fail(str(err)) from None
     return spec
+
+
+def _parse_tune_lr(raw: Any, seeds: list[int], fail) -> LrTuning:
+    if not isinstance(raw, dict):
+        raise fail(f"tune_lr={raw!r} has the wrong type: expected a mapping with `values` (the learning rates "
+                   "each case is tried at), optional `overrides` (the short budget) and `seeds`")
+    unknown = sorted(set(raw) - TUNE_LR_KEYS)
+    if unknown:
+        raise fail(f"tune_lr: unknown key(s) {', '.join(map(repr, unknown))}; allowed: "
+                   f"{', '.join(sorted(TUNE_LR_KEYS))}")
+    values = raw.get("values")
+    if (not isinstance(values, list) or len(values) < 2
+            or not all(isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0 for v in values)
+            or len(set(values)) != len(values)):
+        raise fail(f"tune_lr.values={values!r}: expected a list of 2 or more distinct positive learning rates")
+    overrides = raw.get("overrides") or {}
+    if not isinstance(overrides, dict):
+        raise fail(f"tune_lr.overrides={overrides!r} has the wrong type: expected a mapping of dotted overrides")
+    _check_dotted(overrides, "tune_lr.overrides", fail)
+    if LR_KEY in overrides:
+        raise fail(f"tune_lr.overrides: {LR_KEY!r} is what tune_lr.values sets; remove it")
+    tune_seeds = raw.get("seeds", seeds[:1])
+    if (not isinstance(tune_seeds, list) or not tune_seeds or len(set(tune_seeds)) != len(tune_seeds)
+            or not all(isinstance(s, int) and not isinstance(s, bool) and 0 <= s <= MAX_SEED for s in tune_seeds)):
+        raise fail(f"tune_lr.seeds={tune_seeds!r}: expected a non-empty list of distinct seeds from 0 to {MAX_SEED}")
+    return LrTuning(tuple(float(v) for v in values), dict(overrides), tuple(tune_seeds))
 
 
 def metric_known(name: str) -> bool:
