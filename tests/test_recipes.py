@@ -81,7 +81,8 @@ def test_recipes_exist_for_every_variant():
     assert names == {"baseline", "diff_v1", "diff_v2", "shared_diff", "dint"}
     assert names <= set(GPU_VARIANTS)  # every variant has a tiny recipe and a GPU delta of its name
     assert {attention_of(v) for v in GPU_VARIANTS} == names  # the others are comparisons: <variant>-<what>
-    assert GPU_SIZES == ["1.4b", "13.1b", "2.8b", "3b", "6.8b", "830m"]  # the papers' Table 3 and DIFF's 3B
+    # the papers' Table 3, DIFF's 3B, and the one-GPU sizes (GPT-2 small and medium shapes)
+    assert GPU_SIZES == ["1.4b", "125m", "13.1b", "2.8b", "350m", "3b", "6.8b", "830m"]
     assert sorted(p.name for p in GPU.glob("*.yaml")) == ["base.yaml"]  # no per-combination copies
 
 
