@@ -34,7 +34,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("out", metavar="OUT", help="the directory to create (must not exist yet)")
     parser.add_argument("--format", choices=tuple(FORMATS), default="safetensors",
                         help="safetensors (default) or torch.save: a diffexp directory; hf: a Hugging Face "
-                        "transformers directory (baseline: LlamaForCausalLM, diff_v1: DiffLlamaForCausalLM)")
+                        "transformers directory (the baseline as LlamaForCausalLM, DIFF V1 as DiffLlamaForCausalLM)")
     parser.add_argument("--remote-code", action="store_true",
                         help="with --format hf: any variant and flag as remote code built from diffexp's model "
                         "(configuration_diffexp.py, modeling_diffexp.py; load with trust_remote_code=True)")

@@ -85,6 +85,7 @@ def test_bad_gpus_is_refused_before_anything_is_made(tmp_path, monkeypatch):
     assert not (tmp_path / "runs").exists()
 
 
+@pytest.mark.heavy  # two real trials end to end (about a minute); the pinning itself is tested above
 def test_one_command_fills_the_fake_node_with_pinned_workers(tmp_path):
     """Two fake GPUs: two workers, each trial run once, its process seeing only its worker's device."""
     spec = write_spec(tmp_path, "node", seeds=[0])

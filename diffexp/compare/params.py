@@ -49,7 +49,7 @@ class Recipe:
 
     @property
     def variant(self) -> str | None:
-        """A GPU combination's variant file stem ("diff_v2-ffn"); None for a single-file recipe."""
+        """A GPU combination's variant file stem (a variant, or a variant and a comparison); None for a single file."""
         return self.configs[2].stem if self.size is not None else None
 
 
