@@ -115,6 +115,7 @@ def test_two_processes_train_like_one_with_the_same_global_batch(root):
                         torch.load(root / "sharded.pt", weights_only=True))
 
 
+@pytest.mark.heavy  # torchrun killed and relaunched (about 50 s); test_elastic_resume.py stops and resumes ranks
 def test_kill_of_the_launcher_then_resume_ends_on_the_uninterrupted_weights(root):
     recipe = write(root, "killed", devices=2, batch=2, strategy=FSDP2 % "false")
     kill = '--trainer.callbacks+={"class_path": "tests.helpers.KillRankZeroAtStep", "init_args": {"step": 6}}'
@@ -133,6 +134,7 @@ def test_kill_of_the_launcher_then_resume_ends_on_the_uninterrupted_weights(root
     assert [s for s, _ in logged(root, "killed")["train/loss"]][-1] == STEPS - 1
 
 
+@pytest.mark.heavy  # two torchrun launchers (about 25 s); the one-node sharded runs stay in the default run
 def test_two_torchrun_nodes_on_localhost_train_together_on_an_hsdp_mesh(root):
     recipe = write(root, "nodes", devices=1, batch=2, strategy=FSDP2 % "true")
     port, torchrun = free_port(), str(Path(sys.executable).parent / "torchrun")
@@ -147,6 +149,7 @@ def test_two_torchrun_nodes_on_localhost_train_together_on_an_hsdp_mesh(root):
                         torch.load(root / "sharded.pt", weights_only=True))
 
 
+@pytest.mark.heavy  # two more torchrun launches (about 40 s); test_elastic_resume.py resumes 2 ranks on 1 by default
 def test_a_sharded_checkpoint_resumes_on_another_world_size_with_the_same_global_batch(root):
     """torch.distributed.checkpoint reshards on load: 2 processes' shards continue on 1 process, which reads the
     rest of the same global order (4 rows a step) and ends on the uninterrupted 2-process run's weights."""

@@ -9,6 +9,7 @@ delta is named after its attention variant, or `<variant>-<what>` for a comparis
 from __future__ import annotations
 
 import contextlib
+import functools
 import io
 import itertools
 import re
@@ -53,6 +54,16 @@ def gpu_files(size: str, variant: str) -> list[Path]:
 def gpu_args(size: str, variant: str) -> list[str]:
     """The --config flags of a GPU run (gpu_files)."""
     return [arg for path in gpu_files(size, variant) for arg in ("--config", str(path))]
+
+
+@functools.cache
+def gpu_config(size: str, variant: str):
+    """The parsed config of a GPU run (parsed once: several tests read each combination; none changes it)."""
+    return parse_config(gpu_args(size, variant))
+
+
+def gpu_arch(size: str, variant: str) -> ModelConfig:
+    return ModelConfig(**gpu_config(size, variant).model.arch.as_dict())
 
 
 def attention_of(variant_file: str) -> str:
@@ -102,7 +113,7 @@ def test_gpu_recipe_has_the_size_in_its_name(size, variant):
     and LM head included, so the recipes' counts must be within 12% of the name (a size file with the other
     size's numbers is over 40% off); the comparison deltas (`<variant>-<what>`) change the budget on purpose and
     get 20%. The combinations beyond the tolerance by their published shapes are in BEYOND_TOLERANCE, with why."""
-    config = parse_config(gpu_args(size, variant))
+    config = gpu_config(size, variant)
     arch = ModelConfig(**config.model.arch.as_dict())
     assert arch.attention == attention_of(variant)  # the file name's variant prefix is its attention
     with torch.device("meta"):  # 1.4B parameters cost no memory here
@@ -123,7 +134,7 @@ def test_gpu_baseline_matches_diff_v1_parameters(size):
     """The baseline's 2h heads of dim d_model/2h match DIFF V1's budget, and DINT (DIFF V1 plus an integral
     term without weights) equals it; only the lambda vectors and per-head norms differ."""
     with torch.device("meta"):
-        counts = {v: Decoder(arch_of(gpu_args(size, v))).num_parameters() for v in ("baseline", "diff_v1", "dint")}
+        counts = {v: Decoder(gpu_arch(size, v)).num_parameters() for v in ("baseline", "diff_v1", "dint")}
     for variant, count in counts.items():
         assert abs(count / counts["diff_v1"] - 1) < 1e-3, (variant, count, counts["diff_v1"])
 
@@ -136,7 +147,7 @@ def test_gpu_heads_follow_the_papers_at_every_size(size):
     its head count would give the wrong head dim at every size but the one it was written for."""
     h = arch_of(["--config", str(GPU / "base.yaml"), "--config", str(GPU / "size" / f"{size}.yaml")]).n_heads
     for variant in GPU_VARIANTS:
-        arch = arch_of(gpu_args(size, variant))
+        arch = gpu_arch(size, variant)
         assert arch.resolved_head_dim == arch.d_model // (2 * h), (variant, arch.n_heads, arch.resolved_head_dim)
         heads = {"baseline-2x-heads": 4 * h, "baseline-1.5x-heads": 3 * h}.get(variant)
         expected = heads or (h if arch.attention in ("diff_v1", "shared_diff", "dint") else 2 * h)
@@ -154,7 +165,7 @@ V2_COMPARISONS = ("baseline-v2kv", "baseline-2x-heads", "baseline-1.5x-heads", "
 def test_gpu_v2_comparisons_hold_what_their_headers_say(size):
     from diffexp.model.attention import variant
 
-    archs = {v: arch_of(gpu_args(size, v)) for v in ("baseline", "diff_v2", *V2_COMPARISONS)}
+    archs = {v: gpu_arch(size, v) for v in ("baseline", "diff_v2", *V2_COMPARISONS)}
     with torch.device("meta"):
         report = {v: Decoder(arch).parameter_report() for v, arch in archs.items()}
     base, v2 = archs["baseline"], archs["diff_v2"]
@@ -217,7 +228,7 @@ def test_gpu_numbers_live_in_one_file():
 
 def test_gpu_recipes_are_bf16_fsdp2():
     for size, variant in GPU_COMBOS:
-        trainer = parse_config(gpu_args(size, variant)).trainer
+        trainer = gpu_config(size, variant).trainer
         assert trainer.precision == "32-true"  # mixed precision is FSDP2's own
         assert trainer.strategy.class_path == "diffexp.parallel.FSDP2Strategy"
         assert trainer.strategy.init_args.mixed_precision == "auto"  # bf16 on GPUs

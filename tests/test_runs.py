@@ -98,7 +98,7 @@ def test_runs_started_together_get_their_own_directories(tmp_path, monkeypatch):
     assert sorted(versions) == list(range(8))
 
 
-@pytest.mark.slow
+@pytest.mark.heavy  # several fits killed at checkpoints (about 40 s); test_training.py kills and resumes one
 def test_logs_are_complete_after_kills_right_after_checkpoints(tmp_path):
     """Killed right after last.ckpt at step 6 (a validation step), then at step 8 (between validations),
     resumed each time: every planned train/loss and val/loss point is logged, once."""

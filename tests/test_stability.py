@@ -70,7 +70,7 @@ def test_stability_sweep_runs_and_compare_shows_the_stability_columns(tmp_path, 
     assert "| Context RMS |" in header and "| Max grad norm |" in header
 
 
-@pytest.mark.slow
+@pytest.mark.heavy  # a whole stability sweep (about 50 s)
 def test_diverged_trials_are_recorded_not_retried_and_shown(tmp_path, repo_on_path, capsys):
     """A non-finite loss (the run stops with an error) and a loss over the divergence threshold (the run
     stops early) are both results: trial.json state "diverged" at their step, one attempt each, and compare

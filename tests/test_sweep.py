@@ -29,8 +29,10 @@ def start_worker(spec: Path, cwd: Path) -> subprocess.Popen:
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
-# the journal storage runs the same protocol as sqlite: it is kept for `python -m pytest -m heavy`
-@pytest.mark.parametrize("kind", ["sqlite", pytest.param("journal", marks=pytest.mark.heavy)])
+# two whole workers (about a minute): heavy; test_racing_workers_never_claim_one_trial_twice keeps the claim
+# protocol in the default run
+@pytest.mark.heavy
+@pytest.mark.parametrize("kind", ["sqlite", "journal"])
 def test_two_workers_finish_each_point_exactly_once(tmp_path, kind):
     url = f"sqlite:///{tmp_path}/study.db" if kind == "sqlite" else f"journal:{tmp_path}/study.log"
     paper = {"source": "a paper, Table 1", "values": {"head_norm=true": {"val/loss": 3.0},
@@ -86,6 +88,7 @@ def test_racing_workers_never_claim_one_trial_twice(tmp_path):
     assert len(set(claimed[0] + claimed[1])) == 30  # every point claimed, by one worker
 
 
+@pytest.mark.heavy  # a whole sweep killed and rerun (over a minute); the default run kills one trial below
 def test_killed_worker_is_resumed_without_duplicates(tmp_path):
     spec = write_spec(tmp_path, "killed", stale_after_s=3)
     url = f"sqlite:///{tmp_path / 'runs/killed/study.db'}"
@@ -221,6 +224,7 @@ def test_storage_password_is_masked():
     assert mask_url("sqlite:///runs/x/study.db") == "sqlite:///runs/x/study.db"
 
 
+@pytest.mark.heavy  # two sampled trials end to end with compare (about 30 s); bounds are checked by default above
 def test_search_space_is_sampled_per_trial_and_reaches_the_run(tmp_path):
     spec = write_spec(tmp_path, "search", grid={}, cases={"DIFF": {}}, seeds=[0], n_trials=2,
                       search={"model.optim.lr": {"type": "float", "low": 1.0e-4, "high": 1.0e-2, "log": True}},

@@ -109,6 +109,7 @@ def test_sweep_json_holds_the_storage_masked(tmp_path, form):
     assert json.loads(text)["storage"] == mask_url(URL_FORMS[form])
 
 
+@pytest.mark.heavy  # three fresh processes (about 35 s); the same errors are tested in process by default
 def test_user_errors_reach_the_terminal_whole_and_without_traceback(tmp_path):
     """`diffexp sweep` and `diffexp compare` as the user runs them, output piped, in a narrow terminal."""
     env = subprocess_env(COLUMNS="40", **{STORAGE_URL_ENV: URL_FORMS[":pw@"]})

@@ -52,6 +52,8 @@ class Decoder(nn.Module):
         `keep_default_init` (`AttentionBase.linear(..., default_init=True)`) keeps PyTorch's nn.Linear init; other
         modules with a `reset_parameters` (DIFF's lambda vectors, Shared DIFF's low-rank factors) draw their own.
         """
+        if self.embed.weight.is_meta:  # a model for counting (diffexp params, memory plans): no values to draw
+            return
         seed, std = torch.initial_seed(), self.cfg.init_std
         residual_outs = {id(m) for block in self.blocks for m in (block.attn.o_proj, block.ffn.down_proj)}
         for name, module in self.named_modules():
