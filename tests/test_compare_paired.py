@@ -193,8 +193,8 @@ def test_paired_plot_is_written(study, tmp_path):
 
 def test_default_reference_without_the_reference_variant_is_the_first_case(tmp_path):
     printed = _print(make_study(tmp_path), tmp_path / "out")
-    assert "Reference: Transformer, the first case (none runs the reference variant" in printed
-    assert "--reference CASE picks another" in printed
+    assert "Reference: Transformer, the first case, as none runs the reference variant" in printed
+    assert "the reference variant baseline (--reference CASE picks another)." in " ".join(printed.split())
 
 
 def test_a_maximized_objective_reads_above_zero_as_better(tmp_path):

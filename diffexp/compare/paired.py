@@ -202,7 +202,7 @@ def reference_row(rows: Sequence[CaseSummary], name: str | None = None, study: s
     found = next((r for r in rows if r.variant == variant), None)
     if found is not None:
         return found, f"the first case running the reference variant {variant}"
-    return rows[0], f"the first case (none runs the reference variant {variant})"
+    return rows[0], f"the first case, as none runs the reference variant {variant}"
 
 
 def paired_report(runs: StudyRuns, rows: Sequence[CaseSummary], reference: str | None = None,
