@@ -12,7 +12,7 @@ from diffexp.generate.decode import prompt_rows, static_capacity
 from diffexp.generate.sampling import Sampling
 from diffexp.model.cache import DecoderCache
 from diffexp.model.compile import compile_unavailable
-from tests.helpers import CASES, make_config, small_blocks
+from tests.helpers import CASES, make_config, require_cpu_kernel, small_blocks
 
 VARIANTS = ["baseline", "diff_v1", "diff_v2", "shared_diff", "dint"]
 COMPILE_MISSING = compile_unavailable(torch.device("cpu"))
@@ -54,8 +54,7 @@ def test_the_step_kernel_and_the_matmul_step_agree(case, monkeypatch):
     """The CPU kernel's step products (fp32 CPU) and the matmuls that run elsewhere (GPU, fp64, no compiler)."""
     from diffexp.model.kernels import cpu_native
 
-    if cpu_native.unavailable_reason() is not None:
-        pytest.skip(f"the CPU kernel cannot be built here: {cpu_native.unavailable_reason()}")
+    require_cpu_kernel()  # a compiler must build the kernel; only a machine without one has nothing to compare
     model = build(case)
     idx = torch.randint(0, model.cfg.vocab_size, (2, 12))
     kernel = step_through(model, idx, 5, model.new_cache(capacity=20, static=True))
