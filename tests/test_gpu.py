@@ -62,7 +62,7 @@ def test_fsdp_bf16_fit_logs_diagnostics_and_resumes_from_sharded_checkpoint(tmp_
     fsdp = ('--trainer.strategy={"class_path": "diffexp.parallel.FSDP2Strategy", '
             '"init_args": {"mixed_precision": "bf16"}}')
     common = ["--trainer.accelerator=gpu", "--trainer.devices=1", fsdp,
-              "--diagnostics.every_n_steps=2"]
+              "--diagnostics.every_n_steps=2", "--model.optim.schedule_steps=12"]  # one lr schedule for both legs
     run_cli(["fit", "--config", str(recipe), *common], tmp_path)
     run_dir = tmp_path / "runs/run/version_0"
     logged = scalars(run_dir)

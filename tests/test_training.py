@@ -23,9 +23,12 @@ def records(path: Path) -> dict[int, dict]:
 def test_fit_logs_to_tensorboard_and_never_overwrites(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     recipe = write_recipe(tmp_path, attention="dint")
-    main(["fit", "--config", str(recipe)])
+    main(["fit", "--config", str(recipe), "--throughput.peak_tflops=0.001", "--throughput.window_size=2"])
     first = tmp_path / "runs/run/version_0"
     logged = scalars(first)
+    flops, mfu = logged["train/device/flops_per_sec"], logged["train/device/mfu"]  # MFU against the peak given
+    assert [s for s, _ in mfu] == [s for s, _ in flops] and len(mfu) >= 3
+    assert all(m == pytest.approx(f / 1e9, rel=1e-5) for (_, f), (_, m) in zip(flops, mfu))
     for tag in ("train/loss", "val/loss", "val/ppl", "lr", "train/grad_norm", "train/tokens_per_s",
                 "lambda/layer_00", "lambda/layer_01", "params/total", "val/ar_hit_loss", "val/others_loss",
                 "diag/grad_spikes", "diag/layer_01/act_kurtosis", "diag/layer_00/attn_logit_max", "diag/act_max_abs"):

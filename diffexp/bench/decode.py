@@ -28,9 +28,6 @@ LAYOUT = report.Layout(
 )
 HEADERS = ["variant", "mode", "context", "batch", "KV cache KiB/token", "cache vs base", "ms/token", "tok/s",
            "tok/s vs base", "ratio spread (rounds)", "MiB read/step", "GB/s", "of bound", "peak mem MiB"]
-#: HBM bandwidth in bytes/s by GPU name, for the fraction of the memory bound a step reaches
-PEAK_BANDWIDTH = {"H200": 4.8e12, "H100 PCIe": 2.0e12, "H100": 3.35e12, "A100-SXM4-80GB": 2.039e12,
-                  "A100-SXM4-40GB": 1.555e12, "A100 80GB PCIe": 1.935e12, "L40S": 0.864e12, "L4": 0.3e12}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -92,15 +89,14 @@ def config(args: argparse.Namespace) -> dict:
 
 
 def peak_bandwidth(args: argparse.Namespace) -> float | None:
-    """Bytes/s of --peak-bandwidth, else of the GPU's entry in PEAK_BANDWIDTH, else None."""
+    """Bytes/s of --peak-bandwidth, else the GPU's (diffexp.gpu_peaks), else None."""
     if args.peak_bandwidth is not None:
         return args.peak_bandwidth * 1e9
-    if args.device != "cuda":
-        return None
     import torch
 
-    name = torch.cuda.get_device_name()
-    return next((bw for key, bw in PEAK_BANDWIDTH.items() if key in name), None)
+    from diffexp.gpu_peaks import peak_bandwidth as device_bandwidth
+
+    return device_bandwidth(torch.device(args.device))
 
 
 class DecodeRunner:

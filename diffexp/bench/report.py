@@ -73,15 +73,14 @@ def recorded_run(device: str, threads: int | None, run: Callable[[], dict]) -> t
 
 
 def peak_flops(device: str, dtype: str, peak_tflops: float | None) -> float | None:
-    """Peak FLOP/s for MFU: --peak-tflops, else Lightning's table for the GPU and dtype (None on CPU)."""
+    """Peak FLOP/s for MFU: --peak-tflops, else the GPU's at the dtype (None on CPU)."""
     if peak_tflops is not None:
         return peak_tflops * 1e12
-    if device != "cuda":
-        return None
     import torch
-    from lightning.fabric.utilities.throughput import get_available_flops
 
-    return get_available_flops(torch.device("cuda"), torch.bfloat16 if dtype == "bf16" else torch.float32)
+    from diffexp.gpu_peaks import peak_flops as device_peak
+
+    return device_peak(torch.device(device), torch.bfloat16 if dtype == "bf16" else torch.float32)
 
 
 def load_note(env: dict) -> str:

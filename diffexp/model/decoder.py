@@ -111,6 +111,8 @@ class Decoder(nn.Module):
         token = token.contiguous()  # one layout for the compiled step, whatever tensor the ids were sliced from
         compiled = self._compiled_step is not None and cache.static  # a growing cache would recompile each step
         logits = (self._compiled_step if compiled else self._step_logits)(token, cache)
+        if compiled and self._compiled_mode == "reduce-overhead":
+            logits = logits.clone()  # a CUDA graph writes its next replay's output into this same memory
         cache.advance(1)
         return logits
 

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import warnings
+
 from lightning.pytorch.callbacks import ThroughputMonitor
 
 from diffexp.errors import UserError
+from diffexp.gpu_peaks import peak_flops
 
 
 def _tokens(batch) -> int:
@@ -22,7 +25,7 @@ class Throughput(ThroughputMonitor):
 
     Args:
         peak_tflops: peak dense TFLOP/s of one device for MFU, for GPUs Lightning does not know
-            (e.g. 989 for an H100/H200 SXM in bf16). None uses Lightning's table.
+            (e.g. 989 for an H100/H200 SXM in bf16). None: the device's (diffexp.gpu_peaks; none on CPU).
         window_size: batches averaged in each reading.
     """
 
@@ -33,14 +36,22 @@ class Throughput(ThroughputMonitor):
         self.peak_tflops = peak_tflops
 
     def setup(self, trainer, pl_module, stage: str) -> None:
-        super().setup(trainer, pl_module, stage)
-        compute_dtype = getattr(trainer.strategy, "compute_dtype", None)  # FSDP2's bf16 with 32-true precision
-        if compute_dtype is not None and self.peak_tflops is None:
-            from lightning.fabric.utilities.throughput import get_available_flops
+        flops = self.peak_flops(trainer)
+        with warnings.catch_warnings():  # Lightning's own lookup, which misses names such as "NVIDIA H200"
+            warnings.filterwarnings("ignore", message="FLOPs not found")
+            super().setup(trainer, pl_module, stage)
+        self.available_flops = flops
+        for throughput in self._throughputs.values():  # built by super().setup with Lightning's peak
+            throughput.available_flops = flops
 
-            self.available_flops = get_available_flops(trainer.strategy.root_device, compute_dtype)
+    def peak_flops(self, trainer) -> float | None:
+        """peak_tflops, else the device's dense FLOP/s at the compute dtype (FSDP2's bf16 under 32-true too)."""
         if self.peak_tflops is not None:
-            self.available_flops = int(self.peak_tflops * 1e12)
+            return self.peak_tflops * 1e12
+        from lightning.pytorch.callbacks.throughput_monitor import _plugin_to_compute_dtype
+
+        dtype = getattr(trainer.strategy, "compute_dtype", None) or _plugin_to_compute_dtype(trainer.precision_plugin)
+        return peak_flops(trainer.strategy.root_device, dtype)
 
     def _compute(self, trainer, iter_num: int | None = None) -> None:
         """Lightning's readings, with the running counts (samples, tokens) of all ranks, not rank 0's share:

@@ -42,11 +42,14 @@ def same_strides(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.
 
 
 def check_device(x: torch.Tensor) -> None:
-    from diffexp.model.kernels.triton_support import unavailable_reason
+    from diffexp.model.kernels.triton_support import interpreter_requested, unavailable_reason
 
     reason = unavailable_reason(x.device)
     if reason is not None:
         raise RuntimeError(reason)
+    if x.dtype == torch.float64 and not interpreter_requested():
+        raise TypeError("the Triton kernels take fp32, bf16 or fp16 tensors on a GPU, got float64 (their fp64 path "
+                        "failed its tests on a GPU); Triton's interpreter (TRITON_INTERPRET=1) runs fp64 on the CPU")
 
 
 def check_blocks(*blocks: int) -> None:
