@@ -3,12 +3,21 @@
 #   bash bench/gpu.sh
 # 1. training step, every variant against the baseline, FLOP-rate ratios at seq 512 and 2048 (the CPU table's setup);
 # 2. DINT's peak memory against DIFF V1's at seq 8192;
-# 3. one attention layer alone on sdpa, flash_attn and the Triton kernels (backend triton), forward and backward.
+# 3. one attention layer alone on sdpa, flash_attn (where installed) and the Triton kernels (backend triton),
+#    forward and backward;
+# 4. the training step at 125M-class size (GPT-2 small's width and depth), seq 2048, with the baseline's MFU;
+# 5. decoding with the KV cache, eager and compiled (CUDA graphs), with the fraction of the memory bound.
 # Add --dtype fp32 to any line to compare with the CPU table in the README.
 set -euo pipefail
 diffexp bench train --device cuda --dtype bf16 --d-model 256 --n-layers 4 --n-heads 4 --seq-lens 512 2048 \
   --tokens-per-batch 4096 --batch-size 8 --rounds 5 --steps 10
 diffexp bench train --device cuda --dtype bf16 --d-model 256 --n-layers 4 --n-heads 4 --variants diff_v1 dint \
   --seq-lens 8192 --batch-size 1 --rounds 3 --steps 5
+backends="sdpa triton"
+python -c "import flash_attn" 2>/dev/null && backends="sdpa flash_attn triton"  # the optional extra
 diffexp bench kernel --device cuda --dtype bf16 --d-model 1024 --n-heads 8 --seq-lens 2048 8192 --batch-size 4 \
-  --backends sdpa flash_attn triton --rounds 5 --steps 10
+  --backends $backends --rounds 5 --steps 10
+diffexp bench train --device cuda --dtype bf16 --d-model 768 --n-layers 12 --n-heads 12 --seq-lens 2048 \
+  --batch-size 8 --rounds 2 --steps 5
+diffexp bench decode --device cuda --d-model 1024 --n-layers 4 --n-heads 8 --kv-heads 2 --seq-lens 1024 4096 \
+  --batch-size 1 8 --modes eager compiled --rounds 3 --steps 5 --no-memory

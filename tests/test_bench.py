@@ -245,3 +245,17 @@ def test_plot_draws_a_ratio_outside_its_rounds_range(tmp_path):
                         "dint@512": entry(0.79, 0.95)}}
     path = plot_train(data, tmp_path / "ratios.png")
     assert path.stat().st_size > 0
+
+
+def test_every_command_of_the_gpu_script_parses():
+    """bench/gpu.sh runs only on a GPU: its flags are checked here, where each kind's parser reads them."""
+    import shlex
+
+    from diffexp.bench.cli import kind_module
+
+    script = (REPO / "bench/gpu.sh").read_text().replace("\\\n", " ").replace("$backends", "sdpa triton")
+    commands = [shlex.split(line, comments=True) for line in script.splitlines() if line.startswith("diffexp bench")]
+    assert len(commands) == 5
+    for words in commands:
+        args = kind_module(words[2]).build_parser().parse_args(words[3:])
+        assert args.device == "cuda"
