@@ -12,7 +12,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "diffexp"
 
 # bottom to top; a module may import from its own floor or below, never above
 FLOORS = [
-    ("foundation", ["diffexp.errors", "diffexp.secrets", "diffexp.checkpoint_io"]),
+    ("foundation", ["diffexp.errors", "diffexp.secrets", "diffexp.checkpoint_io", "diffexp.gpu_peaks"]),
     ("data", ["diffexp.data"]),
     ("model", ["diffexp.model", "diffexp.hf"]),
     ("parallel", ["diffexp.parallel"]),

@@ -92,7 +92,8 @@ def resolve_kernel(backend: str, q: torch.Tensor, need_weights: bool = False, de
     elif _FORCED:
         preferred = _FORCED[-1]
     elif q.device.type != "cpu":  # CUDA's SDPA and flash kernels; DINT's integral has none, Triton's beats a loop
-        preferred = "triton" if integral == "softmax" and unavailable_reason(q.device) is None else "per_map"
+        triton_runs = q.device.type == "cuda" and unavailable_reason(q.device) is None
+        preferred = "triton" if integral == "softmax" and triton_runs else "per_map"
     else:  # both beat one SDPA call per map on CPU (bench/README.md); the compiled kernel computes in fp32
         preferred = "cpu_native" if q.dtype != torch.float64 and cpu_native.available() else "blocked"
     # layer_lambda: lambda is one 0-d tensor (not a number, not one per token); the Triton kernels' fp64 failed
