@@ -11,8 +11,7 @@ two-map variant, run by the kernel `resolve_kernel` picks from `model.arch.backe
     blocked     the same pass in PyTorch ops, where the CPU kernel cannot be built or for fp64
     triton      the fused Triton kernels (backend triton, CUDA; and DINT's softmax integral on any GPU backend)
 
-A kernel that cannot compute a head (DIFF V2's lambda per token, DINT's mean integral, fp64 on a GPU for
-Triton) hands it to per_map.
+A kernel that cannot compute a head (DIFF V2's lambda per token, DINT's mean integral) hands it to per_map.
 """
 
 from __future__ import annotations
@@ -96,10 +95,8 @@ def resolve_kernel(backend: str, q: torch.Tensor, need_weights: bool = False, de
         preferred = "triton" if integral == "softmax" and triton_runs else "per_map"
     else:  # both beat one SDPA call per map on CPU (bench/README.md); the compiled kernel computes in fp32
         preferred = "cpu_native" if q.dtype != torch.float64 and cpu_native.available() else "blocked"
-    # layer_lambda: lambda is one 0-d tensor (not a number, not one per token); the Triton kernels' fp64 failed
-    # their tests on a GPU (docs/gpu.md)
-    gpu_fp64 = q.dtype == torch.float64 and q.device.type != "cpu"
-    computes = {"triton": layer_lambda and not gpu_fp64, "cpu_native": integral != "mean",
+    # layer_lambda: lambda is one 0-d tensor (not a number, not one per token)
+    computes = {"triton": layer_lambda, "cpu_native": integral != "mean",
                 "blocked": layer_lambda and integral != "mean"}
     return preferred if computes.get(preferred, True) else "per_map"
 

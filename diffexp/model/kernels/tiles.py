@@ -42,14 +42,11 @@ def same_strides(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.
 
 
 def check_device(x: torch.Tensor) -> None:
-    from diffexp.model.kernels.triton_support import interpreter_requested, unavailable_reason
+    from diffexp.model.kernels.triton_support import unavailable_reason
 
     reason = unavailable_reason(x.device)
     if reason is not None:
         raise RuntimeError(reason)
-    if x.dtype == torch.float64 and not interpreter_requested():
-        raise TypeError("the Triton kernels take fp32, bf16 or fp16 tensors on a GPU, got float64 (their fp64 path "
-                        "failed its tests on a GPU); Triton's interpreter (TRITON_INTERPRET=1) runs fp64 on the CPU")
 
 
 def check_blocks(*blocks: int) -> None:
@@ -76,7 +73,7 @@ class Launch:
                           BLOCK_DV=width_block(self.dv), PREC=dot_precision(q1.dtype),
                           ACC=tl.float64 if self.acc == torch.float64 else tl.float32)
         self.strides = (*head_strides(q1), *head_strides(k1), *head_strides(v))
-        self.scale = 1.0 / math.sqrt(self.d)
+        self.scale = torch.full((1,), 1.0 / math.sqrt(self.d), dtype=self.acc, device=q1.device)  # SCALE
 
     def rows_grid(self, block: int):
         return triton.cdiv(self.t, block), self.b * self.h

@@ -48,9 +48,10 @@ def _query_block(V, sq_b, sq_h, sk_b, sk_h, sv_b, sv_h, H, GROUP, BLOCK_M: tl.co
 @triton.jit
 def _diff_fwd(Q1, Q2, K1, K2, V, LAM, O, O1, O2, LSE1, LSE2,
               sq_b, sq_h, sq_t, sk_b, sk_h, sk_t, sv_b, sv_h, sv_t,
-              H, GROUP, T, D, DV, scale,
+              H, GROUP, T, D, DV, SCALE,
               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
               STORE_PARTS: tl.constexpr, PREC: tl.constexpr, ACC: tl.constexpr):
+    scale = tl.load(SCALE)  # 1/sqrt(d) at the accumulators' precision (a Python float arrives as fp32)
     pid_m, bh, h, rows, q_base, k_off, v_base = _query_block(V, sq_b, sq_h, sk_b, sk_h, sv_b, sv_h, H, GROUP,
                                                              BLOCK_M)
     cols_d, cols_v = tl.arange(0, BLOCK_D), tl.arange(0, BLOCK_DV)
@@ -92,10 +93,11 @@ def _diff_fwd(Q1, Q2, K1, K2, V, LAM, O, O1, O2, LSE1, LSE2,
 @triton.jit
 def _diff_bwd_kv(Q1, Q2, K1, K2, V, LAM, DO, DO1, LSE1, LSE2, DELTA1, DELTA2, DK1, DK2, DVV,
                  sq_b, sq_h, sq_t, sk_b, sk_h, sk_t, sv_b, sv_h, sv_t,
-                 H, HK, GROUP, T, D, DV, scale,
+                 H, HK, GROUP, T, D, DV, SCALE,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
                  HAS_DO1: tl.constexpr, PREC: tl.constexpr, ACC: tl.constexpr):
     """dK1, dK2, dV of one key block of kv head kvh, summed over the query heads of its group."""
+    scale = tl.load(SCALE)  # 1/sqrt(d) at the accumulators' precision (a Python float arrives as fp32)
     pid_n, bkv = tl.program_id(0), tl.program_id(1)
     b, kvh = bkv // HK, bkv % HK
     keys = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -145,9 +147,10 @@ def _diff_bwd_kv(Q1, Q2, K1, K2, V, LAM, DO, DO1, LSE1, LSE2, DELTA1, DELTA2, DK
 @triton.jit
 def _diff_bwd_q(Q1, Q2, K1, K2, V, LAM, DO, DO1, LSE1, LSE2, DELTA1, DELTA2, DQ1, DQ2,
                 sq_b, sq_h, sq_t, sk_b, sk_h, sk_t, sv_b, sv_h, sv_t,
-                H, GROUP, T, D, DV, scale,
+                H, GROUP, T, D, DV, SCALE,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
                 HAS_DO1: tl.constexpr, PREC: tl.constexpr, ACC: tl.constexpr):
+    scale = tl.load(SCALE)  # 1/sqrt(d) at the accumulators' precision (a Python float arrives as fp32)
     pid_m, bh, h, rows, q_base, k_off, v_base = _query_block(V, sq_b, sq_h, sk_b, sk_h, sv_b, sv_h, H, GROUP,
                                                              BLOCK_M)
     in_seq = rows < T

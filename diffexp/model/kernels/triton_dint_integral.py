@@ -36,9 +36,10 @@ from diffexp.model.kernels.tiles import (
 @triton.jit
 def _integral_fwd(Q, K, V, LSE, Z, NUMER, COLSUM,
                   sq_b, sq_h, sq_t, sk_b, sk_h, sk_t, sv_b, sv_h, sv_t,
-                  H, GROUP, T, D, DV, scale,
+                  H, GROUP, T, D, DV, SCALE,
                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
                   PREC: tl.constexpr, ACC: tl.constexpr):
+    scale = tl.load(SCALE)  # 1/sqrt(d) at the accumulators' precision (a Python float arrives as fp32)
     pid_n, bh = tl.program_id(0), tl.program_id(1)
     b, h = bh // H, bh % H
     kvh = h // GROUP
@@ -82,11 +83,12 @@ def _backward_step(q, k, v, do, lse, z, delta, rows, cols, prefix, carried, T, s
 @triton.jit
 def _integral_bwd(Q, K, V, DO, LSE, Z, DELTA, COLSUM, ROWDOT, DQ, DK, DVV,
                   sq_b, sq_h, sq_t, sk_b, sk_h, sk_t, sv_b, sv_h, sv_t,
-                  H, HK, GROUP, T, D, DV, scale,
+                  H, HK, GROUP, T, D, DV, SCALE,
                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
                   SCORES: tl.constexpr, PREC: tl.constexpr, ACC: tl.constexpr):
     """SCORES false: dV and ROWDOT = rowsum(A1 dA1); true: dK and dQ from dS = A1 (dA1 - ROWDOT).
     One program per (key block, kv head), summing over the query heads of its GQA group."""
+    scale = tl.load(SCALE)  # 1/sqrt(d) at the accumulators' precision (a Python float arrives as fp32)
     pid_n, bkv = tl.program_id(0), tl.program_id(1)
     b, kvh = bkv // HK, bkv % HK
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
