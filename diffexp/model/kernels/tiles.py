@@ -73,7 +73,8 @@ class Launch:
                           BLOCK_DV=width_block(self.dv), PREC=dot_precision(q1.dtype),
                           ACC=tl.float64 if self.acc == torch.float64 else tl.float32)
         self.strides = (*head_strides(q1), *head_strides(k1), *head_strides(v))
-        self.scale = torch.full((1,), 1.0 / math.sqrt(self.d), dtype=self.acc, device=q1.device)  # SCALE
+        # a tensor, not a float: compiled Triton passes a Python float as fp32, which would round fp64 runs
+        self.scale = torch.full((1,), 1.0 / math.sqrt(self.d), dtype=self.acc, device=q1.device)
 
     def rows_grid(self, block: int):
         return triton.cdiv(self.t, block), self.b * self.h
