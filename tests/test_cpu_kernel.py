@@ -143,26 +143,52 @@ def test_switch_and_broken_build_give_reasons_not_errors(monkeypatch, tmp_path):
     assert reason is not None and reason.startswith("building broken.cpp failed")
 
 
+def naive_step_probabilities(q, k, lengths):
+    """softmax(q k^T / sqrt(d)) in float64 over each batch row's first lengths[b] keys (all when None)."""
+    keys = k.shape[-2]
+    visible = torch.arange(keys) < (torch.full((q.shape[0],), keys) if lengths is None else lengths)[:, None]
+    logits = (q.double() @ k.double().transpose(-1, -2)) / q.shape[-1] ** 0.5
+    return logits.masked_fill(~visible[:, None, None], float("-inf")).softmax(-1), visible
+
+
 @pytest.mark.parametrize("rows", [1, 2, 4, 7])
 @pytest.mark.parametrize("keys, capacity", [(1, 1), (3, 9), (130, 130), (1027, 1100)])
 @pytest.mark.parametrize("ragged", [False, True])
-def test_step_products_equal_naive(rows, keys, capacity, ragged):
+@pytest.mark.parametrize("d", [16, 12])  # a multiple of the vector width, and not
+def test_step_products_equal_naive(rows, keys, capacity, ragged, d):
     """A decoding step's two products against float64 matmuls: the query rows of each group, keys that are a view
     into a larger cache, each batch row reading its own first lengths[b] keys (the rest weigh 0)."""
     torch.manual_seed(rows * 1000 + keys)
-    b, groups, d, dv = 3, 2, 16, 24
+    b, groups, dv = 3, 2, 24
     q = torch.randn(b, groups, rows, d)
     k = torch.randn(b, groups, capacity, d)[..., :keys, :]
     v = torch.randn(b, groups, capacity, dv)[..., :keys, :]
     lengths = torch.tensor([keys, max(1, keys // 2), 1]) if ragged else None
-    visible = torch.arange(keys) < (lengths if ragged else torch.full((b,), keys))[:, None]  # (B, keys)
-    logits = (q.double() @ k.double().transpose(-1, -2)) / d ** 0.5
-    want = logits.masked_fill(~visible[:, None, None], float("-inf")).softmax(-1)
+    want, visible = naive_step_probabilities(q, k, lengths)
     got = cpu_native.step_probabilities(q, k, lengths)
     torch.testing.assert_close(got.double(), want, atol=1e-6, rtol=1e-5)
     weights = torch.randn(b, groups, rows, keys) * visible[:, None, None]
     torch.testing.assert_close(cpu_native.step_values(weights, v, lengths).double(), weights.double() @ v.double(),
                                atol=1e-4, rtol=1e-4)  # fp32 sums of up to 1027 terms of size ~1
+
+
+@pytest.mark.parametrize("pairs", [1, 2, 3])
+@pytest.mark.parametrize("keys, capacity", [(1, 1), (5, 9), (1027, 1100)])
+@pytest.mark.parametrize("ragged", [False, True])
+@pytest.mark.parametrize("d", [16, 12])
+def test_step_pair_weights_equal_naive(pairs, keys, capacity, ragged, d):
+    """DIFF V2's pairs in one pass: rows 2i and 2i + 1 of a group read one K, and the step's weights are
+    softmax(row 2i) - lambda_i softmax(row 2i + 1), against float64; zeros past each row's visible keys."""
+    torch.manual_seed(pairs * 1000 + keys)
+    b, groups = 3, 2
+    q = torch.randn(b, groups, 2 * pairs, d) * 2
+    k = torch.randn(b, groups, capacity, d)[..., :keys, :]
+    lam = torch.rand(b, groups, pairs) * 2 - 0.5  # sigmoid's range and beyond ("raw" lambda)
+    lengths = torch.tensor([keys, max(1, keys // 2), 1]) if ragged else None
+    probs, _ = naive_step_probabilities(q, k, lengths)
+    want = probs[:, :, 0::2] - lam.double()[..., None] * probs[:, :, 1::2]
+    torch.testing.assert_close(cpu_native.step_pair_weights(q, k, lam, lengths).double(), want, atol=1e-6,
+                               rtol=1e-5)
 
 
 def test_a_decoding_step_takes_the_kernel_only_where_it_computes_the_step():

@@ -49,9 +49,14 @@ def two_map_step(q1, q2, k1, k2, v, lam, lengths=None, integral=None, col_sums=N
     h_kv, keys = k1.shape[1], k1.shape[-2]
     group = h // h_kv
 
-    if k1 is k2:  # DIFF V2's pairs: both maps' queries in one pass over the shared K
-        rows = torch.stack((q1.reshape(b, h_kv, group, d), q2.reshape(b, h_kv, group, d)), 2)
-        a1, a2 = probabilities(rows.view(b, h_kv, 2 * group, d), k1, lengths).unflatten(2, (2, group)).unbind(2)
+    if k1 is k2:  # DIFF V2's pairs: both maps' queries in one pass over the shared K, pair i in rows 2i and 2i + 1
+        pairs = torch.stack((q1.reshape(b, h_kv, group, d), q2.reshape(b, h_kv, group, d)), 3)
+        rows = pairs.view(b, h_kv, 2 * group, d)
+        if integral is None and cpu_native.runs_step(rows, k1):  # the maps combined as they are normalised
+            lam_rows = torch.as_tensor(lam, dtype=torch.float32).expand(b, h, 1, 1).reshape(b, h_kv, group)
+            return weighted_values(cpu_native.step_pair_weights(rows, k1, lam_rows, lengths), v, lengths).view(
+                b, h, 1, v.shape[-1])
+        a1, a2 = probabilities(rows, k1, lengths).unflatten(2, (group, 2)).unbind(3)
     else:
         a1, a2 = probabilities(q1.reshape(b, h_kv, group, d), k1, lengths), probabilities(
             q2.reshape(b, h_kv, group, d), k2, lengths)

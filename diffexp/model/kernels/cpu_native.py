@@ -104,6 +104,10 @@ def _register_fakes() -> None:
     def _(q, k, lengths, scale):
         return q.new_empty(*q.shape[:3], k.shape[2])
 
+    @lib.register_fake("diffexp_cpu::step_pair_weights")
+    def _(q, k, lam, lengths, scale):
+        return q.new_empty(q.shape[0], q.shape[1], q.shape[2] // 2, k.shape[2])
+
     @lib.register_fake("diffexp_cpu::step_values")
     def _(weights, v, lengths):
         return weights.new_empty(*weights.shape[:3], v.shape[3])
@@ -196,6 +200,14 @@ def step_probabilities(q: torch.Tensor, k: torch.Tensor, lengths: torch.Tensor |
     """softmax(q k^T / sqrt(d)) over each batch row's first `lengths[b]` keys (zeros past them; all keys when
     None). q: (B, g, rows, d), the query rows of each GQA group; k: (B, g, S, d). Returns (B, g, rows, S) fp32."""
     return torch.ops.diffexp_cpu.step_probabilities(q, k, lengths, q.shape[-1] ** -0.5)
+
+
+def step_pair_weights(q: torch.Tensor, k: torch.Tensor, lam: torch.Tensor, lengths: torch.Tensor | None
+                      ) -> torch.Tensor:
+    """softmax(q[2i] k^T / sqrt(d)) - lam[i] softmax(q[2i + 1] k^T / sqrt(d)), the pairs of query rows that read one
+    K (DIFF V2's), over each batch row's first `lengths[b]` keys. q: (B, g, 2 pairs, d); k: (B, g, S, d);
+    lam: (B, g, pairs). Returns (B, g, pairs, S) fp32."""
+    return torch.ops.diffexp_cpu.step_pair_weights(q, k, lam, lengths, q.shape[-1] ** -0.5)
 
 
 def step_values(weights: torch.Tensor, v: torch.Tensor, lengths: torch.Tensor | None) -> torch.Tensor:

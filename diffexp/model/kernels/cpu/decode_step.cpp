@@ -1,6 +1,7 @@
 // One decoding step's attention on CPU, for every variant: the query rows of a GQA group against the cached keys,
 // and the weights of the step's row against the cached values, each cache row read once from memory.
 //   step_probabilities: P[b, g, r] = softmax(scale q[b, g, r] . K[b, g, :valid_b])      (zeros past valid_b)
+//   step_pair_weights:  W[b, g, i] = P[b, g, 2i] - lam[b, g, i] P[b, g, 2i + 1]         (DIFF V2's pairs)
 //   step_values:        out[b, g, r] = sum_s W[b, g, r, s] V[b, g, s]                    (s < valid_b)
 // The batched GEMMs these replace have 1-8 rows and run far from the memory bound; here every key and value row
 // is loaded once and used by all rows of its group. K and V may be views into a larger cache (any strides, the
@@ -10,6 +11,10 @@
 #include <ATen/ops/empty.h>
 #include <ATen/ops/zeros.h>
 #include <torch/library.h>
+
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#endif
 
 #include <algorithm>
 #include <cmath>
@@ -53,8 +58,49 @@ int64_t chunks_for(int64_t groups_total, int64_t keys) {
   return std::max<int64_t>(1, std::min<int64_t>(wanted, keys / kMinChunk));
 }
 
-at::Tensor step_probabilities(const at::Tensor& q_in, const at::Tensor& k_in, const std::optional<at::Tensor>& lengths,
-                              double scale) {
+// scale (qa . k_c) and scale (qb . k_c) for four keys k_0..k_3: eight dot products of length dim.
+inline void dot_2x4(const float* qa, const float* qb, const float* k0, const float* k1, const float* k2,
+                    const float* k3, int64_t dim, float s, float* oa, float* ob) {
+#if defined(__AVX2__) && defined(__FMA__)
+  if (dim % 8 == 0) {  // eight vector sums, then one tree of horizontal adds for all eight (not one per sum)
+    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, b0 = a0, b1 = a0, b2 = a0, b3 = a0;
+    for (int64_t i = 0; i < dim; i += 8) {
+      const __m256 x = _mm256_loadu_ps(qa + i), y = _mm256_loadu_ps(qb + i);
+      const __m256 c0 = _mm256_loadu_ps(k0 + i), c1 = _mm256_loadu_ps(k1 + i), c2 = _mm256_loadu_ps(k2 + i),
+                   c3 = _mm256_loadu_ps(k3 + i);
+      a0 = _mm256_fmadd_ps(x, c0, a0), a1 = _mm256_fmadd_ps(x, c1, a1);
+      a2 = _mm256_fmadd_ps(x, c2, a2), a3 = _mm256_fmadd_ps(x, c3, a3);
+      b0 = _mm256_fmadd_ps(y, c0, b0), b1 = _mm256_fmadd_ps(y, c1, b1);
+      b2 = _mm256_fmadd_ps(y, c2, b2), b3 = _mm256_fmadd_ps(y, c3, b3);
+    }
+    const __m256 t0 = _mm256_hadd_ps(a0, a1), t1 = _mm256_hadd_ps(a2, a3);
+    const __m256 t2 = _mm256_hadd_ps(b0, b1), t3 = _mm256_hadd_ps(b2, b3);
+    const __m256 u0 = _mm256_hadd_ps(t0, t1), u1 = _mm256_hadd_ps(t2, t3);  // per 128-bit half: a0..a3 / b0..b3
+    const __m256 sums = _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
+    const __m256 scaled = _mm256_mul_ps(sums, _mm256_set1_ps(s));
+    _mm_storeu_ps(oa, _mm256_castps256_ps128(scaled));
+    _mm_storeu_ps(ob, _mm256_extractf128_ps(scaled, 1));
+    return;
+  }
+#endif
+  float a0 = 0.f, a1 = 0.f, a2 = 0.f, a3 = 0.f, b0 = 0.f, b1 = 0.f, b2 = 0.f, b3 = 0.f;
+#pragma omp simd reduction(+ : a0, a1, a2, a3, b0, b1, b2, b3)
+  for (int64_t i = 0; i < dim; ++i) {
+    a0 += qa[i] * k0[i]; a1 += qa[i] * k1[i]; a2 += qa[i] * k2[i]; a3 += qa[i] * k3[i];
+    b0 += qb[i] * k0[i]; b1 += qb[i] * k1[i]; b2 += qb[i] * k2[i]; b3 += qb[i] * k3[i];
+  }
+  oa[0] = a0 * s, oa[1] = a1 * s, oa[2] = a2 * s, oa[3] = a3 * s;
+  ob[0] = b0 * s, ob[1] = b1 * s, ob[2] = b2 * s, ob[3] = b3 * s;
+}
+
+struct Scores {  // scale q . k for every query row of a group and every visible key: (B, groups, rows, S)
+  at::Tensor logits;
+  std::vector<int64_t> valid;
+  int64_t batch, groups, rows, keys;
+};
+
+Scores step_scores(const at::Tensor& q_in, const at::Tensor& k_in, const std::optional<at::Tensor>& lengths,
+                   double scale) {
   const at::Tensor q = q_in.contiguous();
   const Rows k = rows_of(k_in, "k");
   TORCH_CHECK(q.scalar_type() == at::kFloat && q.dim() == 4 && q.size(0) == k.batch && q.size(1) == k.groups &&
@@ -80,16 +126,8 @@ at::Tensor step_probabilities(const at::Tensor& q_in, const at::Tensor& k_in, co
           for (int64_t i = 0; i < 4 * dim; i += 16) __builtin_prefetch(k.row(b, g, j + kAhead) + i);
         int64_t r = 0;
         for (; r + 2 <= rows; r += 2) {
-          const float *qa = qg + r * dim, *qb = qa + dim;
-          float a0 = 0.f, a1 = 0.f, a2 = 0.f, a3 = 0.f, b0 = 0.f, b1 = 0.f, b2 = 0.f, b3 = 0.f;
-#pragma omp simd reduction(+ : a0, a1, a2, a3, b0, b1, b2, b3)
-          for (int64_t i = 0; i < dim; ++i) {
-            a0 += qa[i] * k0[i]; a1 += qa[i] * k1[i]; a2 += qa[i] * k2[i]; a3 += qa[i] * k3[i];
-            b0 += qb[i] * k0[i]; b1 += qb[i] * k1[i]; b2 += qb[i] * k2[i]; b3 += qb[i] * k3[i];
-          }
-          float *oa = pg + r * keys + j, *ob = oa + keys;
-          oa[0] = a0 * s, oa[1] = a1 * s, oa[2] = a2 * s, oa[3] = a3 * s;
-          ob[0] = b0 * s, ob[1] = b1 * s, ob[2] = b2 * s, ob[3] = b3 * s;
+          const float* qa = qg + r * dim;
+          dot_2x4(qa, qa + dim, k0, k1, k2, k3, dim, s, pg + r * keys + j, pg + (r + 1) * keys + j);
         }
         for (; r < rows; ++r) {
           const float* qr = qg + r * dim;
@@ -117,26 +155,65 @@ at::Tensor step_probabilities(const at::Tensor& q_in, const at::Tensor& k_in, co
       }
     }
   });
-  at::parallel_for(0, batch * groups * rows, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t row = begin; row < end; ++row) {
-      const int64_t n = valid[row / (groups * rows)];
-      float* p = pd + row * keys;
-      float top = -std::numeric_limits<float>::infinity();
+  return {probs, valid, batch, groups, rows, keys};
+}
+
+// Exponentiates p[0, n) in place, shifted by its maximum; returns 1 / their sum (0 for an empty row).
+float exp_row(float* p, int64_t n) {
+  float top = -std::numeric_limits<float>::infinity();
 #pragma omp simd reduction(max : top)
-      for (int64_t j = 0; j < n; ++j) top = std::max(top, p[j]);
-      float total = 0.f;
+  for (int64_t j = 0; j < n; ++j) top = std::max(top, p[j]);
+  float total = 0.f;
 #pragma omp simd reduction(+ : total)
-      for (int64_t j = 0; j < n; ++j) {
-        p[j] = expf(p[j] - top);
-        total += p[j];
-      }
-      const float inv = n > 0 ? 1.f / total : 0.f;
+  for (int64_t j = 0; j < n; ++j) {
+    p[j] = expf(p[j] - top);
+    total += p[j];
+  }
+  return n > 0 ? 1.f / total : 0.f;
+}
+
+at::Tensor step_probabilities(const at::Tensor& q, const at::Tensor& k, const std::optional<at::Tensor>& lengths,
+                              double scale) {
+  Scores sc = step_scores(q, k, lengths, scale);
+  float* pd = sc.logits.data_ptr<float>();
+  const int64_t per_batch = sc.groups * sc.rows, keys = sc.keys;
+  at::parallel_for(0, sc.batch * per_batch, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t row = begin; row < end; ++row) {
+      const int64_t n = sc.valid[row / per_batch];
+      float* p = pd + row * keys;
+      const float inv = exp_row(p, n);
 #pragma omp simd
       for (int64_t j = 0; j < n; ++j) p[j] *= inv;
       std::fill(p + n, p + keys, 0.f);
     }
   });
-  return probs;
+  return sc.logits;
+}
+
+// DIFF V2's pairs share K: rows 2i and 2i + 1 of q are the two maps of pair i, combined as they are normalised,
+// so the step's (B, groups, rows / 2, S) weights are written once and the two maps' rows are never stored.
+at::Tensor step_pair_weights(const at::Tensor& q, const at::Tensor& k, const at::Tensor& lam_in,
+                             const std::optional<at::Tensor>& lengths, double scale) {
+  TORCH_CHECK(q.dim() == 4 && q.size(2) % 2 == 0, "diffexp_cpu: q must hold the two rows of each pair");
+  Scores sc = step_scores(q, k, lengths, scale);
+  const int64_t pairs = sc.rows / 2, keys = sc.keys, per_batch = sc.groups * pairs;
+  const at::Tensor lam = lam_in.to(at::kFloat).contiguous();
+  TORCH_CHECK(lam.numel() == sc.batch * per_batch, "diffexp_cpu: lam must hold one value per (batch, group, pair)");
+  at::Tensor weights = at::empty({sc.batch, sc.groups, pairs, keys}, sc.logits.options());
+  const float* ld = lam.data_ptr<float>();
+  float* pd = sc.logits.data_ptr<float>();
+  float* wd = weights.data_ptr<float>();
+  at::parallel_for(0, sc.batch * per_batch, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t pair = begin; pair < end; ++pair) {
+      const int64_t n = sc.valid[pair / per_batch];
+      float *first = pd + 2 * pair * keys, *second = first + keys, *w = wd + pair * keys;
+      const float c1 = exp_row(first, n), c2 = ld[pair] * exp_row(second, n);
+#pragma omp simd
+      for (int64_t j = 0; j < n; ++j) w[j] = c1 * first[j] - c2 * second[j];
+      std::fill(w + n, w + keys, 0.f);
+    }
+  });
+  return weights;
 }
 
 at::Tensor step_values(const at::Tensor& w_in, const at::Tensor& v_in, const std::optional<at::Tensor>& lengths) {
@@ -179,10 +256,12 @@ at::Tensor step_values(const at::Tensor& w_in, const at::Tensor& v_in, const std
 
 TORCH_LIBRARY_FRAGMENT(diffexp_cpu, m) {
   m.def("step_probabilities(Tensor q, Tensor k, Tensor? lengths, float scale) -> Tensor");
+  m.def("step_pair_weights(Tensor q, Tensor k, Tensor lam, Tensor? lengths, float scale) -> Tensor");
   m.def("step_values(Tensor weights, Tensor v, Tensor? lengths) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(diffexp_cpu, CPU, m) {
   m.impl("step_probabilities", &step_probabilities);
+  m.impl("step_pair_weights", &step_pair_weights);
   m.impl("step_values", &step_values);
 }
