@@ -6,6 +6,7 @@
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import inspect
 import math
@@ -24,6 +25,18 @@ from diffexp.model.config import ModelConfig
 def named_seed(seed: int, name: str) -> int:
     """A seed for the weights of module `name` in a run seeded `seed` (stable across processes and machines)."""
     return int.from_bytes(hashlib.sha256(f"{seed}/{name}".encode()).digest()[:8], "little") >> 1
+
+
+@functools.cache
+def _cpu_step_options() -> dict:
+    """Inductor's options for a CPU decoding step. A batch-1 step's products with the weights are GEMVs, bound by
+    reading the weights: inductor's decompose_mm_pass writes them as vector sums fused with their neighbours
+    instead of one MKL call each, which is faster for one row. Empty where this torch lacks the pass."""
+    try:
+        import torch._inductor.fx_passes.decompose_mem_bound_mm  # noqa: F401 - the pass registers on import
+    except ImportError:
+        return {}
+    return {"post_grad_fusion_options": {"decompose_mm_pass": {}}}
 
 
 class Decoder(nn.Module):
@@ -133,10 +146,8 @@ class Decoder(nn.Module):
         reason = compile_unavailable(device)
         if reason is not None:
             return reason
-        # on CPU a batch-1 step's products with the weights are memory-bound GEMVs: inductor's pass writes them as
-        # fused vector sums (two to three times MKL's rate for one row here) instead of calls to MKL
         if device.type == "cpu" and mode == "default":  # torch.compile takes a mode or options, not both
-            settings = {"options": {"post_grad_fusion_options": {"decompose_mm_pass": {}}}}
+            settings = {"options": options} if (options := _cpu_step_options()) else {}
         else:
             settings = {"mode": mode}
         self._compiled_step = torch.compile(self._step_logits, dynamic=False, fullgraph=True, **settings)
