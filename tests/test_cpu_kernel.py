@@ -191,6 +191,24 @@ def test_step_pair_weights_equal_naive(pairs, keys, capacity, ragged, d):
                                rtol=1e-5)
 
 
+@pytest.mark.parametrize("rows", [1, 2, 3])
+@pytest.mark.parametrize("keys, capacity", [(1, 1), (5, 9), (1027, 1100)])
+@pytest.mark.parametrize("ragged", [False, True])
+def test_step_two_map_weights_equal_naive(rows, keys, capacity, ragged):
+    """DIFF V1's and Shared DIFF's step: each map's rows read their own K, and the weights are
+    softmax(q1 k1^T) - lambda softmax(q2 k2^T) row by row, against float64."""
+    torch.manual_seed(rows * 1000 + keys)
+    b, groups, d = 3, 2, 16
+    q1, q2 = torch.randn(b, groups, rows, d) * 2, torch.randn(b, groups, rows, d) * 2
+    k1, k2 = (torch.randn(b, groups, capacity, d)[..., :keys, :] for _ in range(2))
+    lam = torch.rand(b, groups, rows) * 2 - 0.5
+    lengths = torch.tensor([keys, max(1, keys // 2), 1]) if ragged else None
+    want = (naive_step_probabilities(q1, k1, lengths)[0]
+            - lam.double()[..., None] * naive_step_probabilities(q2, k2, lengths)[0])
+    torch.testing.assert_close(cpu_native.step_two_map_weights(q1, k1, q2, k2, lam, lengths).double(), want,
+                               atol=1e-6, rtol=1e-5)
+
+
 def test_a_decoding_step_takes_the_kernel_only_where_it_computes_the_step():
     x = torch.randn(1, 2, 4, 8)
     assert cpu_native.runs_step(x, x)

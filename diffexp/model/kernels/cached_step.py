@@ -4,7 +4,8 @@ comes from the column sums of A1's earlier rows, kept in the cache: O(context) s
 
 The query rows of a GQA group share one pass over their K and one over their V: on CPU in fp32 through the
 kernel's step products (cpu/decode_step.cpp), which reach the memory bound where a batched GEMM of a few rows does
-not; elsewhere through matmuls.
+not, and combine the two maps as they are normalised (not DINT's: its integral reads A1's row); elsewhere through
+matmuls.
 """
 
 from __future__ import annotations
@@ -49,17 +50,19 @@ def two_map_step(q1, q2, k1, k2, v, lam, lengths=None, integral=None, col_sums=N
     h_kv, keys = k1.shape[1], k1.shape[-2]
     group = h // h_kv
 
-    if k1 is k2:  # DIFF V2's pairs: both maps' queries in one pass over the shared K, pair i in rows 2i and 2i + 1
-        pairs = torch.stack((q1.reshape(b, h_kv, group, d), q2.reshape(b, h_kv, group, d)), 3)
-        rows = pairs.view(b, h_kv, 2 * group, d)
-        if integral is None and cpu_native.runs_step(rows, k1):  # the maps combined as they are normalised
-            lam_rows = torch.as_tensor(lam, dtype=torch.float32).expand(b, h, 1, 1).reshape(b, h_kv, group)
-            return weighted_values(cpu_native.step_pair_weights(rows, k1, lam_rows, lengths), v, lengths).view(
-                b, h, 1, v.shape[-1])
-        a1, a2 = probabilities(rows, k1, lengths).unflatten(2, (group, 2)).unbind(3)
+    q1, q2 = q1.reshape(b, h_kv, group, d), q2.reshape(b, h_kv, group, d)
+    if integral is None and cpu_native.runs_step(q1, q2, k1, k2) and not _tracks_grad(lam):
+        lam_rows = torch.as_tensor(lam, dtype=torch.float32).expand(b, h, 1, 1).reshape(b, h_kv, group).contiguous()
+        if k1 is k2:  # DIFF V2's pairs: both maps' rows in one pass over the shared K, pair i in rows 2i and 2i + 1
+            weights = cpu_native.step_pair_weights(torch.stack((q1, q2), 3).view(b, h_kv, 2 * group, d), k1,
+                                                   lam_rows, lengths)
+        else:
+            weights = cpu_native.step_two_map_weights(q1, k1, q2, k2, lam_rows, lengths)
+        return weighted_values(weights, v, lengths).view(b, h, 1, v.shape[-1])  # the maps combined in the kernel
+    if k1 is k2:  # both maps' queries in one product with the shared K
+        a1, a2 = probabilities(torch.cat((q1, q2), 2), k1, lengths).chunk(2, dim=2)
     else:
-        a1, a2 = probabilities(q1.reshape(b, h_kv, group, d), k1, lengths), probabilities(
-            q2.reshape(b, h_kv, group, d), k2, lengths)
+        a1, a2 = probabilities(q1, k1, lengths), probabilities(q2, k2, lengths)
     combined = a1 - _per_head(lam, b, h_kv, group) * a2
     if integral is not None:
         sums = col_sums[..., :keys].view(b, h_kv, group, keys)
@@ -72,6 +75,10 @@ def two_map_step(q1, q2, k1, k2, v, lam, lengths=None, integral=None, col_sums=N
             a3 = (mean_row if mask is None else mean_row.masked_fill(~mask, float("-inf"))).softmax(dim=-1)
         combined = combined + integral.gamma.to(a1.dtype) * a3
     return weighted_values(combined, v, lengths).view(b, h, 1, v.shape[-1])
+
+
+def _tracks_grad(lam) -> bool:
+    return torch.is_tensor(lam) and lam.requires_grad and torch.is_grad_enabled()
 
 
 def _per_head(lam, b: int, h_kv: int, group: int):

@@ -108,6 +108,10 @@ def _register_fakes() -> None:
     def _(q, k, lam, lengths, scale):
         return q.new_empty(q.shape[0], q.shape[1], q.shape[2] // 2, k.shape[2])
 
+    @lib.register_fake("diffexp_cpu::step_two_map_weights")
+    def _(q1, k1, q2, k2, lam, lengths, scale):
+        return q1.new_empty(*q1.shape[:3], k1.shape[2])
+
     @lib.register_fake("diffexp_cpu::step_values")
     def _(weights, v, lengths):
         return weights.new_empty(*weights.shape[:3], v.shape[3])
@@ -208,6 +212,13 @@ def step_pair_weights(q: torch.Tensor, k: torch.Tensor, lam: torch.Tensor, lengt
     K (DIFF V2's), over each batch row's first `lengths[b]` keys. q: (B, g, 2 pairs, d); k: (B, g, S, d);
     lam: (B, g, pairs). Returns (B, g, pairs, S) fp32."""
     return torch.ops.diffexp_cpu.step_pair_weights(q, k, lam, lengths, q.shape[-1] ** -0.5)
+
+
+def step_two_map_weights(q1: torch.Tensor, k1: torch.Tensor, q2: torch.Tensor, k2: torch.Tensor, lam: torch.Tensor,
+                         lengths: torch.Tensor | None) -> torch.Tensor:
+    """softmax(q1 k1^T / sqrt(d)) - lam softmax(q2 k2^T / sqrt(d)), row by row, over each batch row's first
+    `lengths[b]` keys. q1, q2: (B, g, rows, d); k1, k2: (B, g, S, d); lam: (B, g, rows). Returns (B, g, rows, S)."""
+    return torch.ops.diffexp_cpu.step_two_map_weights(q1, k1, q2, k2, lam, lengths, q1.shape[-1] ** -0.5)
 
 
 def step_values(weights: torch.Tensor, v: torch.Tensor, lengths: torch.Tensor | None) -> torch.Tensor:

@@ -2,6 +2,7 @@
 // and the weights of the step's row against the cached values, each cache row read once from memory.
 //   step_probabilities: P[b, g, r] = softmax(scale q[b, g, r] . K[b, g, :valid_b])      (zeros past valid_b)
 //   step_pair_weights:  W[b, g, i] = P[b, g, 2i] - lam[b, g, i] P[b, g, 2i + 1]         (DIFF V2's pairs)
+//   step_two_map_weights: W[b, g, r] = P1[b, g, r] - lam[b, g, r] P2[b, g, r]          (each map its own K)
 //   step_values:        out[b, g, r] = sum_s W[b, g, r, s] V[b, g, s]                    (s < valid_b)
 // The batched GEMMs these replace have 1-8 rows and run far from the memory bound; here every key and value row
 // is loaded once and used by all rows of its group. K and V may be views into a larger cache (any strides, the
@@ -9,6 +10,7 @@
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
 #include <ATen/ops/zeros.h>
 #include <torch/library.h>
 
@@ -190,28 +192,52 @@ at::Tensor step_probabilities(const at::Tensor& q, const at::Tensor& k, const st
   return sc.logits;
 }
 
+// w = softmax(first) - lam softmax(second) over n keys, from the two maps' logits (overwritten), zeros up to keys.
+void combine_rows(float* first, float* second, float lam, int64_t n, int64_t keys, float* w) {
+  const float c1 = exp_row(first, n), c2 = lam * exp_row(second, n);
+#pragma omp simd
+  for (int64_t j = 0; j < n; ++j) w[j] = c1 * first[j] - c2 * second[j];
+  std::fill(w + n, w + keys, 0.f);
+}
+
+const float* lambda_rows(const at::Tensor& lam, int64_t count) {
+  TORCH_CHECK(lam.scalar_type() == at::kFloat && lam.is_contiguous() && lam.numel() == count,
+              "diffexp_cpu: lam must be a contiguous fp32 tensor with one value per (batch, group, row)");
+  return lam.data_ptr<float>();
+}
+
 // DIFF V2's pairs share K: rows 2i and 2i + 1 of q are the two maps of pair i, combined as they are normalised,
 // so the step's (B, groups, rows / 2, S) weights are written once and the two maps' rows are never stored.
-at::Tensor step_pair_weights(const at::Tensor& q, const at::Tensor& k, const at::Tensor& lam_in,
+at::Tensor step_pair_weights(const at::Tensor& q, const at::Tensor& k, const at::Tensor& lam,
                              const std::optional<at::Tensor>& lengths, double scale) {
   TORCH_CHECK(q.dim() == 4 && q.size(2) % 2 == 0, "diffexp_cpu: q must hold the two rows of each pair");
   Scores sc = step_scores(q, k, lengths, scale);
   const int64_t pairs = sc.rows / 2, keys = sc.keys, per_batch = sc.groups * pairs;
-  const at::Tensor lam = lam_in.to(at::kFloat).contiguous();
-  TORCH_CHECK(lam.numel() == sc.batch * per_batch, "diffexp_cpu: lam must hold one value per (batch, group, pair)");
+  const float* ld = lambda_rows(lam, sc.batch * per_batch);
   at::Tensor weights = at::empty({sc.batch, sc.groups, pairs, keys}, sc.logits.options());
-  const float* ld = lam.data_ptr<float>();
-  float* pd = sc.logits.data_ptr<float>();
-  float* wd = weights.data_ptr<float>();
+  float *pd = sc.logits.data_ptr<float>(), *wd = weights.data_ptr<float>();
   at::parallel_for(0, sc.batch * per_batch, 1, [&](int64_t begin, int64_t end) {
     for (int64_t pair = begin; pair < end; ++pair) {
-      const int64_t n = sc.valid[pair / per_batch];
-      float *first = pd + 2 * pair * keys, *second = first + keys, *w = wd + pair * keys;
-      const float c1 = exp_row(first, n), c2 = ld[pair] * exp_row(second, n);
-#pragma omp simd
-      for (int64_t j = 0; j < n; ++j) w[j] = c1 * first[j] - c2 * second[j];
-      std::fill(w + n, w + keys, 0.f);
+      float* first = pd + 2 * pair * keys;
+      combine_rows(first, first + keys, ld[pair], sc.valid[pair / per_batch], keys, wd + pair * keys);
     }
+  });
+  return weights;
+}
+
+// DIFF V1 and Shared DIFF: each map reads its own K; row r of q1 and row r of q2 are the two maps of one head.
+at::Tensor step_two_map_weights(const at::Tensor& q1, const at::Tensor& k1, const at::Tensor& q2,
+                                const at::Tensor& k2, const at::Tensor& lam, const std::optional<at::Tensor>& lengths,
+                                double scale) {
+  Scores first = step_scores(q1, k1, lengths, scale), second = step_scores(q2, k2, lengths, scale);
+  TORCH_CHECK(first.logits.sizes() == second.logits.sizes(), "diffexp_cpu: the two maps' shapes must match");
+  const int64_t keys = first.keys, per_batch = first.groups * first.rows;
+  const float* ld = lambda_rows(lam, first.batch * per_batch);
+  at::Tensor weights = at::empty_like(first.logits);
+  float *p1 = first.logits.data_ptr<float>(), *p2 = second.logits.data_ptr<float>(), *wd = weights.data_ptr<float>();
+  at::parallel_for(0, first.batch * per_batch, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t row = begin; row < end; ++row)
+      combine_rows(p1 + row * keys, p2 + row * keys, ld[row], first.valid[row / per_batch], keys, wd + row * keys);
   });
   return weights;
 }
@@ -257,11 +283,14 @@ at::Tensor step_values(const at::Tensor& w_in, const at::Tensor& v_in, const std
 TORCH_LIBRARY_FRAGMENT(diffexp_cpu, m) {
   m.def("step_probabilities(Tensor q, Tensor k, Tensor? lengths, float scale) -> Tensor");
   m.def("step_pair_weights(Tensor q, Tensor k, Tensor lam, Tensor? lengths, float scale) -> Tensor");
+  m.def("step_two_map_weights(Tensor q1, Tensor k1, Tensor q2, Tensor k2, Tensor lam, Tensor? lengths, "
+        "float scale) -> Tensor");
   m.def("step_values(Tensor weights, Tensor v, Tensor? lengths) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(diffexp_cpu, CPU, m) {
   m.impl("step_probabilities", &step_probabilities);
   m.impl("step_pair_weights", &step_pair_weights);
+  m.impl("step_two_map_weights", &step_two_map_weights);
   m.impl("step_values", &step_values);
 }
