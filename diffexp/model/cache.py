@@ -113,11 +113,21 @@ class DecoderCache:
         self.static = static
         self.allocated = self.capacity if static else 0  # positions each buffer holds
         self.layers = [LayerCache(self) for _ in range(n_layers)]
-        self.lengths: list[int] = []  # set by the first call, which fixes the batch
+        self._lengths: list[int] = []  # set by the first call, which fixes the batch
         self.positions: torch.Tensor | None = None
         self.row_index: torch.Tensor | None = None
         self.stepping = False
         self.read_length = 0  # positions a step reads
+        self._positions_current = False  # whether `positions` holds `lengths` (kept so by `advance` after a step)
+
+    @property
+    def lengths(self) -> list[int]:
+        return self._lengths
+
+    @lengths.setter
+    def lengths(self, lengths: list[int]) -> None:
+        self._lengths = lengths
+        self._positions_current = False
 
     @property
     def length(self) -> int:
@@ -149,13 +159,14 @@ class DecoderCache:
         if self.length + new_positions > self.allocated:
             self.allocated = min(max(self.allocated * 2, 16, self.length + new_positions), self.capacity)
         self.read_length = self.capacity if self.static else self.length + new_positions
-        if self.stepping:
+        if self.stepping and not self._positions_current:
             positions = torch.tensor(self.lengths, dtype=torch.long, device=device)
             if self.positions is None or self.positions.shape != positions.shape:
                 self.positions = self.pinned(positions)
                 self.row_index = torch.arange(batch, device=device)
             else:
                 self.positions.copy_(positions)
+            self._positions_current = True
 
     def key_lengths(self) -> torch.Tensor | None:
         if not self.stepping or (not self.static and not self.ragged):
@@ -163,7 +174,11 @@ class DecoderCache:
         return self.positions + 1
 
     def advance(self, new_positions: int) -> None:
+        current = self.stepping and self._positions_current
         self.lengths = [length + new_positions for length in self.lengths]
+        if current:  # moved on the device, so steps queue without waiting: a copy from the host would sync each
+            self.positions.add_(new_positions)
+            self._positions_current = True
         self.stepping = False
 
     def pinned(self, tensor: torch.Tensor) -> torch.Tensor:
