@@ -42,6 +42,26 @@ def test_wide_v_pad_equals_split(heads, kv_heads, t_q, t_k):
     assert wide_v_mode(q) in WIDE_V_MODES
 
 
+@pytest.mark.parametrize("t_q, t_k, dv", [(37, 37, 8), (5, 37, 8), (37, 37, 16)])
+def test_gqa_with_repeated_kv_heads_equals_sdpa_gqa(monkeypatch, t_q, t_k, dv):
+    """Where SDPA would run GQA in its math kernel (CUDA in fp32, or with a mask), attend repeats the K/V heads."""
+    from diffexp.model.kernels import single_map
+
+    torch.manual_seed(t_q + dv)
+    q, k, v = torch.randn(2, 4, t_q, 8), torch.randn(2, 2, t_k, 8), torch.randn(2, 2, t_k, dv)
+    grad = torch.randn(2, 4, t_q, dv)
+    fused, fused_grads = grads_of(lambda q, k, v: attend(q, k, v)[0], (q, k, v), grad)
+    monkeypatch.setattr(single_map, "sdpa_fuses_gqa", lambda q, masked: False)
+    calls = []
+    monkeypatch.setattr(single_map, "expand_kv", lambda t, h: calls.append(h) or t.repeat_interleave(h // t.shape[1], 1))
+    repeated, repeated_grads = grads_of(lambda q, k, v: attend(q, k, v)[0], (q, k, v), grad)
+    assert calls == [4, 4]
+    torch.testing.assert_close(repeated, fused, **TOL)
+    for got, want in zip(repeated_grads, fused_grads, strict=True):
+        torch.testing.assert_close(got, want, **TOL)
+
+
+
 # -- the two-map variants' single blocked pass on CPU (blocked_two_map.py; DINT: dint_integral.fused_dint_head) --
 from diffexp import Decoder, ModelConfig  # noqa: E402
 from diffexp.model.kernels import forced_kernel  # noqa: E402

@@ -51,6 +51,26 @@ def test_sdpa_bf16_training_step_is_finite_and_matches_eager(attention):
     assert losses[0] == pytest.approx(losses[1], rel=2e-2)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_long_gqa_prompt_never_holds_its_attention_map(dtype):
+    """SDPA runs GQA in its math kernel on CUDA outside flash's cases (fp32, a mask), which holds every map:
+    8 heads x 8K x 8K in fp32 are 2 GiB. attend must stay far under that, and equal the repeated-heads call."""
+    from diffexp.model.kernels.single_map import attend, expand_kv
+
+    torch.manual_seed(0)
+    q = torch.randn(1, 8, 8192, 64, device="cuda", dtype=dtype)
+    k, v = (torch.randn(1, 2, 8192, 64, device="cuda", dtype=dtype) for _ in range(2))
+    for t_q in (8192, 4096):  # a whole prompt; a chunk after a cache (a bottom-right mask)
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        start = torch.cuda.memory_allocated()
+        out = attend(q[:, :, -t_q:], k, v)[0]
+        torch.cuda.synchronize()
+        assert torch.cuda.max_memory_allocated() - start < 256 * 2**20
+        ref = attend(q[:, :, -t_q:], expand_kv(k, 8), expand_kv(v, 8))[0]
+        torch.testing.assert_close(out, ref, rtol=0, atol=0)
+
+
 def test_fsdp_bf16_fit_logs_diagnostics_and_resumes_from_sharded_checkpoint(tmp_path):
     """The GPU recipes' path at toy size: FSDP2 (fully_shard per block, sharded checkpoints), bf16 compute,
     diagnostics observed inside the FSDP forward, then `--ckpt_path last` continues the same run."""

@@ -79,6 +79,8 @@ def attend(
     t_q, t_k = q.shape[-2], k.shape[-2]
     # SDPA's is_causal aligns the mask top-left; decoding (fewer queries than keys) needs it bottom-right
     mask = {"is_causal": True} if t_q == t_k else {} if t_q == 1 else {"attn_mask": ~future_mask(t_q, t_k, q.device)}
+    if gqa and t_q > 1 and not sdpa_fuses_gqa(q, "attn_mask" in mask):
+        k, v, gqa = expand_kv(k, q.shape[1]), expand_kv(v, q.shape[1]), False
     d, dv = q.shape[-1], v.shape[-1]
     if dv == d:
         return F.scaled_dot_product_attention(q, k, v, enable_gqa=gqa, **mask), None
@@ -89,6 +91,13 @@ def attend(
         return F.scaled_dot_product_attention(q, k, v, enable_gqa=gqa, scale=d ** -0.5, **mask), None
     parts = [F.scaled_dot_product_attention(q, k, v_part, enable_gqa=gqa, **mask) for v_part in v.split(d, dim=-1)]
     return torch.cat(parts, dim=-1), None
+
+
+def sdpa_fuses_gqa(q: torch.Tensor, masked: bool) -> bool:
+    """Whether SDPA runs GQA (fewer K/V heads) in a fused kernel. On CUDA only its flash kernel does (half
+    precision, no mask): otherwise SDPA falls back to its math kernel, which holds every (T_q, T_k) map (128 GiB
+    for a 16K fp32 prompt), so the K/V heads are repeated instead. On CPU its flash kernel takes GQA in any dtype."""
+    return not q.is_cuda or (q.dtype in (torch.float16, torch.bfloat16) and not masked)
 
 
 def _flash(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
