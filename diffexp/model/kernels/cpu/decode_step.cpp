@@ -68,8 +68,10 @@ inline void dot_2x4(const float* qa, const float* qb, const float* k0, const flo
     __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, b0 = a0, b1 = a0, b2 = a0, b3 = a0;
     for (int64_t i = 0; i < dim; i += 8) {
       const __m256 x = _mm256_loadu_ps(qa + i), y = _mm256_loadu_ps(qb + i);
-      const __m256 c0 = _mm256_loadu_ps(k0 + i), c1 = _mm256_loadu_ps(k1 + i), c2 = _mm256_loadu_ps(k2 + i),
-                   c3 = _mm256_loadu_ps(k3 + i);
+      __m256 c0 = _mm256_loadu_ps(k0 + i), c1 = _mm256_loadu_ps(k1 + i), c2 = _mm256_loadu_ps(k2 + i),
+             c3 = _mm256_loadu_ps(k3 + i);
+      // keep the keys in registers: folded into each FMA as a memory operand, every key would be loaded twice
+      __asm__("" : "+x"(c0), "+x"(c1), "+x"(c2), "+x"(c3));
       a0 = _mm256_fmadd_ps(x, c0, a0), a1 = _mm256_fmadd_ps(x, c1, a1);
       a2 = _mm256_fmadd_ps(x, c2, a2), a3 = _mm256_fmadd_ps(x, c3, a3);
       b0 = _mm256_fmadd_ps(y, c0, b0), b1 = _mm256_fmadd_ps(y, c1, b1);
