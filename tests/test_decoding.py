@@ -172,6 +172,34 @@ def test_the_compiled_step_equals_the_eager_step(name, fresh_dynamo):
     assert fresh_dynamo["stats"]["unique_graphs"] == graphs  # no recompiles for other positions or rows
 
 
+@pytest.mark.skipif(COMPILE_MISSING is not None, reason=f"torch.compile cannot run here: {COMPILE_MISSING}")
+def test_compiled_steps_of_several_models_stay_their_own(fresh_dynamo):
+    """Models compiled in one process (a benchmark, a comparison) never run each other's compiled step: the step
+    guards no module attributes, so each model compiles its own code object."""
+    models = [build(name) for name in ("baseline", "diff_v2", "diff_v1", "baseline")]
+    idx = torch.randint(0, models[0].cfg.vocab_size, (2, 9))
+    eager = [step_through(m, idx, 5, m.new_cache(capacity=16, static=True)) for m in models]
+    for model in models:
+        assert model.compile_decoding() is None
+    for model, want in zip(models, eager, strict=True):
+        compiled = step_through(model, idx, 5, model.new_cache(capacity=16, static=True))
+        torch.testing.assert_close(compiled, want, rtol=0, atol=1e-5)
+
+
+@pytest.mark.skipif(COMPILE_MISSING is not None, reason=f"torch.compile cannot run here: {COMPILE_MISSING}")
+def test_moving_a_model_drops_its_compiled_step(fresh_dynamo):
+    model = build("diff_v2")
+    assert model.compile_decoding() is None
+    model.to(torch.float64)
+    assert model._compiled_step is None  # compiled for fp32 weights
+    idx = torch.randint(0, model.cfg.vocab_size, (2, 9))
+    stepped = step_through(model, idx, 5, model.new_cache(capacity=16, static=True))
+    with torch.no_grad():
+        full = model(idx)[:, 5:]
+    assert stepped.dtype == torch.float64
+    torch.testing.assert_close(stepped, full, rtol=0, atol=1e-10)
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA GPU; none here")
 @pytest.mark.parametrize("name", VARIANTS)
 def test_the_cuda_graph_step_equals_the_eager_step(name, fresh_dynamo):

@@ -10,6 +10,7 @@ import functools
 import hashlib
 import inspect
 import math
+import types
 
 import torch
 import torch.utils.checkpoint
@@ -31,12 +32,19 @@ def named_seed(seed: int, name: str) -> int:
 def _cpu_step_options() -> dict:
     """Inductor's options for a CPU decoding step. A batch-1 step's products with the weights are GEMVs, bound by
     reading the weights: inductor's decompose_mm_pass writes them as vector sums fused with their neighbours
-    instead of one MKL call each, which is faster for one row. Empty where this torch lacks the pass."""
+    instead of one MKL call each, which is faster for one row. Each option is left out where this torch lacks it."""
+    options = {}
     try:
         import torch._inductor.fx_passes.decompose_mem_bound_mm  # noqa: F401 - the pass registers on import
+        options["post_grad_fusion_options"] = {"decompose_mm_pass": {}}
     except ImportError:
-        return {}
-    return {"post_grad_fusion_options": {"decompose_mm_pass": {}}}
+        pass
+    # Dynamo's guards on every module attribute cost a CPU step 2-3% (tens of microseconds); a compiled step is a
+    # snapshot of the model, dropped by `_apply` when its tensors change dtype or device
+    skip_module_guards = getattr(torch.compiler, "skip_guard_on_all_nn_modules_unsafe", None)
+    if skip_module_guards is not None:
+        options["guard_filter_fn"] = skip_module_guards
+    return options
 
 
 class Decoder(nn.Module):
@@ -137,7 +145,10 @@ class Decoder(nn.Module):
 
     def compile_decoding(self, mode: str | None = None) -> str | None:
         """Compile `decode_step` with torch.compile (inductor; CUDA graphs on a GPU with mode "reduce-overhead",
-        the default there); use it with static caches. Returns why it cannot run here, else None."""
+        the default there); use it with static caches. Returns why it cannot run here, else None.
+
+        On CPU the step is a snapshot of the modules: it does not guard their attributes, so call this again after
+        changing one (`.to()` drops the compiled step by itself)."""
         device = next(self.parameters()).device
         if mode is None:
             mode = "reduce-overhead" if device.type == "cuda" else "default"
@@ -150,9 +161,20 @@ class Decoder(nn.Module):
             settings = {"options": options} if (options := _cpu_step_options()) else {}
         else:
             settings = {"mode": mode}
-        self._compiled_step = torch.compile(self._step_logits, dynamic=False, fullgraph=True, **settings)
+        self._compiled_step = torch.compile(self._own_step(), dynamic=False, fullgraph=True, **settings)
         self._compiled_mode = mode
         return None
+
+    def _own_step(self):
+        """`_step_logits` bound to this model through a code object of its own: dynamo keeps its compiled graphs per
+        code object, so models never look up (or count against the recompile limit of) each other's steps."""
+        shared = Decoder._step_logits
+        step = types.FunctionType(shared.__code__.replace(), shared.__globals__, shared.__name__)
+        return types.MethodType(step, self)
+
+    def _apply(self, fn, *args, **kwargs):
+        self._compiled_step, self._compiled_mode = None, None  # compiled for the old dtype and device
+        return super()._apply(fn, *args, **kwargs)
 
     def num_parameters(self, exclude_embeddings: bool = False) -> int:
         params = {id(p): p for p in self.parameters()}

@@ -53,9 +53,8 @@ def two_map_step(q1, q2, k1, k2, v, lam, lengths=None, integral=None, col_sums=N
     q1, q2 = q1.reshape(b, h_kv, group, d), q2.reshape(b, h_kv, group, d)
     if integral is None and cpu_native.runs_step(q1, q2, k1, k2) and not _tracks_grad(lam):
         lam_rows = torch.as_tensor(lam, dtype=torch.float32).expand(b, h, 1, 1).reshape(b, h_kv, group).contiguous()
-        if k1 is k2:  # DIFF V2's pairs: both maps' rows in one pass over the shared K, pair i in rows 2i and 2i + 1
-            weights = cpu_native.step_pair_weights(torch.stack((q1, q2), 3).view(b, h_kv, 2 * group, d), k1,
-                                                   lam_rows, lengths)
+        if k1 is k2:  # DIFF V2's pairs: both maps' rows in one pass over the shared K
+            weights = cpu_native.step_pair_weights(q1, q2, k1, lam_rows, lengths)
         else:
             weights = cpu_native.step_two_map_weights(q1, k1, q2, k2, lam_rows, lengths)
         return weighted_values(weights, v, lengths).view(b, h, 1, v.shape[-1])  # the maps combined in the kernel

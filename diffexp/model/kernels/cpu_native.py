@@ -105,8 +105,8 @@ def _register_fakes() -> None:
         return q.new_empty(*q.shape[:3], k.shape[2])
 
     @lib.register_fake("diffexp_cpu::step_pair_weights")
-    def _(q, k, lam, lengths, scale):
-        return q.new_empty(q.shape[0], q.shape[1], q.shape[2] // 2, k.shape[2])
+    def _(q1, q2, k, lam, lengths, scale):
+        return q1.new_empty(*q1.shape[:3], k.shape[2])
 
     @lib.register_fake("diffexp_cpu::step_two_map_weights")
     def _(q1, k1, q2, k2, lam, lengths, scale):
@@ -206,12 +206,13 @@ def step_probabilities(q: torch.Tensor, k: torch.Tensor, lengths: torch.Tensor |
     return torch.ops.diffexp_cpu.step_probabilities(q, k, lengths, q.shape[-1] ** -0.5)
 
 
-def step_pair_weights(q: torch.Tensor, k: torch.Tensor, lam: torch.Tensor, lengths: torch.Tensor | None
-                      ) -> torch.Tensor:
-    """softmax(q[2i] k^T / sqrt(d)) - lam[i] softmax(q[2i + 1] k^T / sqrt(d)), the pairs of query rows that read one
-    K (DIFF V2's), over each batch row's first `lengths[b]` keys. q: (B, g, 2 pairs, d); k: (B, g, S, d);
-    lam: (B, g, pairs). Returns (B, g, pairs, S) fp32."""
-    return torch.ops.diffexp_cpu.step_pair_weights(q, k, lam, lengths, q.shape[-1] ** -0.5)
+def step_pair_weights(q1: torch.Tensor, q2: torch.Tensor, k: torch.Tensor, lam: torch.Tensor,
+                      lengths: torch.Tensor | None) -> torch.Tensor:
+    """softmax(q1 k^T / sqrt(d)) - lam softmax(q2 k^T / sqrt(d)) row by row, the pairs of query rows that read one K
+    (DIFF V2's), over each batch row's first `lengths[b]` keys. q1, q2: (B, g, pairs, d), any strides with the last
+    1 (views of one tensor of query heads need no copy); k: (B, g, S, d); lam: (B, g, pairs). Returns
+    (B, g, pairs, S) fp32."""
+    return torch.ops.diffexp_cpu.step_pair_weights(q1, q2, k, lam, lengths, q1.shape[-1] ** -0.5)
 
 
 def step_two_map_weights(q1: torch.Tensor, k1: torch.Tensor, q2: torch.Tensor, k2: torch.Tensor, lam: torch.Tensor,

@@ -1,7 +1,7 @@
 // One decoding step's attention on CPU, for every variant: the query rows of a GQA group against the cached keys,
 // and the weights of the step's row against the cached values, each cache row read once from memory.
 //   step_probabilities: P[b, g, r] = softmax(scale q[b, g, r] . K[b, g, :valid_b])      (zeros past valid_b)
-//   step_pair_weights:  W[b, g, i] = P[b, g, 2i] - lam[b, g, i] P[b, g, 2i + 1]         (DIFF V2's pairs)
+//   step_pair_weights:  W[b, g, i] = P1[b, g, i] - lam[b, g, i] P2[b, g, i], one K        (DIFF V2's pairs)
 //   step_two_map_weights: W[b, g, r] = P1[b, g, r] - lam[b, g, r] P2[b, g, r]          (each map its own K)
 //   step_values:        out[b, g, r] = sum_s W[b, g, r, s] V[b, g, s]                    (s < valid_b)
 // The batched GEMMs these replace have 1-8 rows and run far from the memory bound; here every key and value row
@@ -11,6 +11,7 @@
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
+#include <ATen/ops/stack.h>
 #include <ATen/ops/zeros.h>
 #include <torch/library.h>
 
@@ -208,11 +209,13 @@ const float* lambda_rows(const at::Tensor& lam, int64_t count) {
   return lam.data_ptr<float>();
 }
 
-// DIFF V2's pairs share K: rows 2i and 2i + 1 of q are the two maps of pair i, combined as they are normalised,
-// so the step's (B, groups, rows / 2, S) weights are written once and the two maps' rows are never stored.
-at::Tensor step_pair_weights(const at::Tensor& q, const at::Tensor& k, const at::Tensor& lam,
+// DIFF V2's pairs share K: row i of q1 and row i of q2 are the two maps of pair i, combined as they are normalised,
+// so the step's (B, groups, pairs, S) weights are written once and the two maps' rows are never stored. q1 and q2
+// may be strided views of one tensor of query heads; they are interleaved here, not by a copy in the graph.
+at::Tensor step_pair_weights(const at::Tensor& q1, const at::Tensor& q2, const at::Tensor& k, const at::Tensor& lam,
                              const std::optional<at::Tensor>& lengths, double scale) {
-  TORCH_CHECK(q.dim() == 4 && q.size(2) % 2 == 0, "diffexp_cpu: q must hold the two rows of each pair");
+  TORCH_CHECK(q1.dim() == 4 && q1.sizes() == q2.sizes(), "diffexp_cpu: q1 and q2 must be (B, groups, pairs, dim)");
+  const at::Tensor q = at::stack({q1, q2}, 3).view({q1.size(0), q1.size(1), 2 * q1.size(2), q1.size(3)});
   Scores sc = step_scores(q, k, lengths, scale);
   const int64_t pairs = sc.rows / 2, keys = sc.keys, per_batch = sc.groups * pairs;
   const float* ld = lambda_rows(lam, sc.batch * per_batch);
@@ -284,7 +287,7 @@ at::Tensor step_values(const at::Tensor& w_in, const at::Tensor& v_in, const std
 
 TORCH_LIBRARY_FRAGMENT(diffexp_cpu, m) {
   m.def("step_probabilities(Tensor q, Tensor k, Tensor? lengths, float scale) -> Tensor");
-  m.def("step_pair_weights(Tensor q, Tensor k, Tensor lam, Tensor? lengths, float scale) -> Tensor");
+  m.def("step_pair_weights(Tensor q1, Tensor q2, Tensor k, Tensor lam, Tensor? lengths, float scale) -> Tensor");
   m.def("step_two_map_weights(Tensor q1, Tensor k1, Tensor q2, Tensor k2, Tensor lam, Tensor? lengths, "
         "float scale) -> Tensor");
   m.def("step_values(Tensor weights, Tensor v, Tensor? lengths) -> Tensor");
