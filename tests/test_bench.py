@@ -124,6 +124,20 @@ def test_bench_decode_kv_heads_puts_v2_on_the_baselines_cache(tmp_path):
     assert results["diff_v2@32x1"]["overrides"]["n_kv_heads"] == 1
 
 
+def test_bench_decode_noise_floor_times_a_second_copy_of_the_reference(tmp_path, capsys):
+    """--noise-floor: a separately built copy of the reference, timed in the same rotation, with its own ratio."""
+    path = tmp_path / "decode.json"
+    assert main([*TINY_DECODE, "--variants", "diff_v2", "--no-memory", "--noise-floor", "--json", str(path)]) == 0
+    data = json.loads(path.read_text())
+    ref = reference_variant().name
+    copy = data["results"][f"{ref}#2@32x1"]
+    assert copy["variant"] == f"{ref}#2" and copy["speed_ratio"] > 0 and data["config"]["noise_floor"] is True
+    assert copy["cache_bytes_per_token"] == data["results"][f"{ref}@32x1"]["cache_bytes_per_token"]
+    assert copy["params"] == data["results"][f"{ref}@32x1"]["params"]
+    out = " ".join(capsys.readouterr().out.split())
+    assert f"Noise floor: {ref}#2" in out and "Lowest ratio over the grid: diff_v2 eager" in out
+
+
 def test_bench_kernel_times_each_backend(tmp_path):
     path = tmp_path / "kernel.json"
     assert main([*TINY_KERNEL, "--json", str(path)]) == 0

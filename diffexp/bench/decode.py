@@ -18,6 +18,7 @@ NAME = "decode"
 ABOUT = "decoding with the KV cache, eager and compiled: tokens/s and bytes read per step, vs the reference"
 KV_CACHE = True
 MODES = ("eager", "compiled")
+COPY = "#2"  # the suffix of the reference's copy (--noise-floor)
 LAYOUT = report.Layout(
     labels=(("variant", "variant"), ("mode", "mode"), ("context", "seq_len"), ("batch", "batch_size")),
     ratios=(report.Ratio("speed_ratio", "old tok/s ratio", "new tok/s ratio", "change", "old spread"),
@@ -44,6 +45,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "the torch.compile'd step; CUDA graphs on a GPU); default: both where torch.compile runs")
     p.add_argument("--peak-bandwidth", type=float, default=None, metavar="GB_PER_S",
                    help="memory bandwidth for the 'of bound' column (default: the GPU's from a table; none on CPU)")
+    p.add_argument("--noise-floor", action="store_true",
+                   help=f"also time a second, separately built copy of the reference (`<reference>{COPY}`): its "
+                        "ratio to the reference is what this machine reads for two identical models")
     options.add_backend(p)
     return p
 
@@ -84,6 +88,7 @@ def max_seq_len(args: argparse.Namespace) -> int:
 
 def config(args: argparse.Namespace) -> dict:
     return {**workload.common_config(args), "backend": args.backend, "new_tokens": args.new_tokens,
+            "noise_floor": args.noise_floor,
             "kv_heads": args.kv_heads, "kv_cache": KV_CACHE, "modes": args.modes,
             "peak_bandwidth": peak_bandwidth(args)}
 
@@ -110,6 +115,7 @@ class DecodeRunner:
 
         torch.manual_seed(workload.SEED)
         self.torch, self.device, self.mode = torch, device, mode
+        name = name.removesuffix(COPY)
         self.model = Decoder(workload.model_config(args, name, max_seq_len(args), args.backend)).to(device).eval()
         self.params = self.model.parameter_report()
         self.new_tokens = args.new_tokens
@@ -168,7 +174,8 @@ def run(args: argparse.Namespace) -> dict:
     import torch
 
     device = torch.device(args.device)
-    variants, modes = args.variants, args.modes
+    modes = args.modes
+    variants = args.variants + ([reference_variant().name + COPY] if args.noise_floor else [])
     per_variant = timing.runs_per_variant(args)
     results: dict[str, dict] = {}
     shapes = [(context, batch) for context in args.seq_lens for batch in args.batch_size]
@@ -185,7 +192,8 @@ def run(args: argparse.Namespace) -> dict:
                 v, mode = key.split()
                 results[result_key(v, mode, context, batch)] = {
                     "variant": v, "mode": mode, "seq_len": context, "batch_size": batch,
-                    "new_tokens": args.new_tokens, "kv_cache": KV_CACHE, "overrides": workload.overrides(args)[v],
+                    "new_tokens": args.new_tokens, "kv_cache": KV_CACHE,
+                    "overrides": workload.overrides(args)[v.removesuffix(COPY)],
                     "params": r.params, "cache_bytes_per_token": r.cache_bytes_per_token,
                     "bytes_per_step": r.bytes_per_step, "decode_flops_per_token": r.flops_per_token,
                     "compile_s": r.compile_s, **samples[key], "peak_bytes": peaks[key],
@@ -247,7 +255,9 @@ def table(data: dict) -> tuple[str, list[str], list[list[str]], str]:
              f"layers, {cfg['n_heads']} heads, {kv}; {cfg['new_tokens']} tokens per run; {cfg['rounds']} rounds x "
              f"{cfg['steps']} runs")
     lowest = lowest_ratios(data["results"])
-    worst = "; ".join(f"{v} {mode} {ratio:.2f}x" for (v, mode), ratio in sorted(lowest.items()) if v != ref)
+    worst = "; ".join(f"{v} {mode} {ratio:.2f}x" for (v, mode), ratio in sorted(lowest.items())
+                      if v not in (ref, ref + COPY))
+    floor = "; ".join(f"{mode} {ratio:.2f}x" for (v, mode), ratio in sorted(lowest.items()) if v == ref + COPY)
     compile_times = [e["compile_s"] for e in data["results"].values() if e.get("compile_s")]
     compiled = (f" Compiling one step took {min(compile_times):.0f}-{max(compile_times):.0f} s per model."
                 if compile_times else "")
@@ -260,4 +270,7 @@ def table(data: dict) -> tuple[str, list[str], list[list[str]], str]:
                "the weights and the whole cache, what one step must read; GB/s = that / time per token; of bound "
                f"= GB/s over the device's memory bandwidth (GPU only).{compiled} Lowest ratio over the grid: "
                f"{worst}.")
+    if floor:
+        caption += (f" Noise floor: {ref}{COPY}, a second copy of {ref} built and timed the same way, reads as "
+                    f"low as {floor} against it; ratios within that of 1 cannot be told from it.")
     return title, HEADERS, rows, caption
