@@ -11,7 +11,6 @@
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
-#include <ATen/ops/stack.h>
 #include <ATen/ops/zeros.h>
 #include <torch/library.h>
 
@@ -214,10 +213,22 @@ const float* lambda_rows(const at::Tensor& lam, int64_t count) {
 // may be strided views of one tensor of query heads; they are interleaved here, not by a copy in the graph.
 at::Tensor step_pair_weights(const at::Tensor& q1, const at::Tensor& q2, const at::Tensor& k, const at::Tensor& lam,
                              const std::optional<at::Tensor>& lengths, double scale) {
-  TORCH_CHECK(q1.dim() == 4 && q1.sizes() == q2.sizes(), "diffexp_cpu: q1 and q2 must be (B, groups, pairs, dim)");
-  const at::Tensor q = at::stack({q1, q2}, 3).view({q1.size(0), q1.size(1), 2 * q1.size(2), q1.size(3)});
+  TORCH_CHECK(q1.dim() == 4 && q1.sizes() == q2.sizes() && q1.scalar_type() == at::kFloat &&
+                  q2.scalar_type() == at::kFloat,
+              "diffexp_cpu: q1 and q2 must be (B, groups, pairs, dim) fp32");
+  const int64_t batch = q1.size(0), groups = q1.size(1), pairs = q1.size(2), dim = q1.size(3);
+  at::Tensor q = at::empty({batch, groups, 2 * pairs, dim}, q1.options().memory_format(at::MemoryFormat::Contiguous));
+  float* row = q.data_ptr<float>();
+  const auto a = q1.accessor<float, 4>(), c = q2.accessor<float, 4>();
+  for (int64_t b = 0; b < batch; ++b)  // a few rows: a plain copy, cheaper than an ATen op's dispatch
+    for (int64_t g = 0; g < groups; ++g)
+      for (int64_t i = 0; i < pairs; ++i)
+        for (const auto* from : {&a, &c}) {
+          for (int64_t x = 0; x < dim; ++x) row[x] = (*from)[b][g][i][x];
+          row += dim;
+        }
   Scores sc = step_scores(q, k, lengths, scale);
-  const int64_t pairs = sc.rows / 2, keys = sc.keys, per_batch = sc.groups * pairs;
+  const int64_t keys = sc.keys, per_batch = sc.groups * pairs;
   const float* ld = lambda_rows(lam, sc.batch * per_batch);
   at::Tensor weights = at::empty({sc.batch, sc.groups, pairs, keys}, sc.logits.options());
   float *pd = sc.logits.data_ptr<float>(), *wd = weights.data_ptr<float>();
