@@ -32,19 +32,12 @@ def named_seed(seed: int, name: str) -> int:
 def _cpu_step_options() -> dict:
     """Inductor's options for a CPU decoding step. A batch-1 step's products with the weights are GEMVs, bound by
     reading the weights: inductor's decompose_mm_pass writes them as vector sums fused with their neighbours
-    instead of one MKL call each, which is faster for one row. Each option is left out where this torch lacks it."""
-    options = {}
+    instead of one MKL call each, which is faster for one row. Empty where this torch lacks the pass."""
     try:
         import torch._inductor.fx_passes.decompose_mem_bound_mm  # noqa: F401 - the pass registers on import
-        options["post_grad_fusion_options"] = {"decompose_mm_pass": {}}
     except ImportError:
-        pass
-    # Dynamo's guards on every module attribute cost a CPU step 2-3% (tens of microseconds); a compiled step is a
-    # snapshot of the model, dropped by `_apply` when its tensors change dtype or device
-    skip_module_guards = getattr(torch.compiler, "skip_guard_on_all_nn_modules_unsafe", None)
-    if skip_module_guards is not None:
-        options["guard_filter_fn"] = skip_module_guards
-    return options
+        return {}
+    return {"post_grad_fusion_options": {"decompose_mm_pass": {}}}
 
 
 class Decoder(nn.Module):
@@ -145,10 +138,7 @@ class Decoder(nn.Module):
 
     def compile_decoding(self, mode: str | None = None) -> str | None:
         """Compile `decode_step` with torch.compile (inductor; CUDA graphs on a GPU with mode "reduce-overhead",
-        the default there); use it with static caches. Returns why it cannot run here, else None.
-
-        On CPU the step is a snapshot of the modules: it does not guard their attributes, so call this again after
-        changing one (`.to()` drops the compiled step by itself)."""
+        the default there); use it with static caches. Returns why it cannot run here, else None."""
         device = next(self.parameters()).device
         if mode is None:
             mode = "reduce-overhead" if device.type == "cuda" else "default"
@@ -171,10 +161,6 @@ class Decoder(nn.Module):
         shared = Decoder._step_logits
         step = types.FunctionType(shared.__code__.replace(), shared.__globals__, shared.__name__)
         return types.MethodType(step, self)
-
-    def _apply(self, fn, *args, **kwargs):
-        self._compiled_step, self._compiled_mode = None, None  # compiled for the old dtype and device
-        return super()._apply(fn, *args, **kwargs)
 
     def num_parameters(self, exclude_embeddings: bool = False) -> int:
         params = {id(p): p for p in self.parameters()}
