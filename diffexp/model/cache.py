@@ -176,7 +176,7 @@ class DecoderCache:
     def advance(self, new_positions: int) -> None:
         current = self.stepping and self._positions_current
         self.lengths = [length + new_positions for length in self.lengths]
-        if current:  # moved on the device, so steps queue without waiting: a copy from the host would sync each
+        if current:  # moved on the device: a copy from the host would make a GPU wait for each step to finish
             self.positions.add_(new_positions)
             self._positions_current = True
         self.stepping = False
