@@ -173,20 +173,20 @@ def test_the_compiled_step_equals_the_eager_step(name, fresh_dynamo):
 
 
 @pytest.mark.skipif(COMPILE_MISSING is not None, reason=f"torch.compile cannot run here: {COMPILE_MISSING}")
-def test_compiled_steps_of_several_models_stay_their_own(fresh_dynamo, monkeypatch):
+def test_compiled_steps_of_several_models_stay_their_own(fresh_dynamo):
     """Models compiled in one process (a benchmark, a comparison) each compile their own code object: they never
     look up each other's compiled steps, nor count against one recompile limit (here 2 for 4 models)."""
     import torch._dynamo
 
-    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 2)
     models = [build(name) for name in ("baseline", "diff_v2", "diff_v1", "baseline")]
     idx = torch.randint(0, models[0].cfg.vocab_size, (2, 9))
     eager = [step_through(m, idx, 5, m.new_cache(capacity=16, static=True)) for m in models]
     for model in models:
         assert model.compile_decoding() is None
-    for model, want in zip(models, eager, strict=True):
-        compiled = step_through(model, idx, 5, model.new_cache(capacity=16, static=True))
-        torch.testing.assert_close(compiled, want, rtol=0, atol=1e-5)
+    with torch._dynamo.config.patch(recompile_limit=2):
+        for model, want in zip(models, eager, strict=True):
+            compiled = step_through(model, idx, 5, model.new_cache(capacity=16, static=True))
+            torch.testing.assert_close(compiled, want, rtol=0, atol=1e-5)
     assert fresh_dynamo["stats"]["unique_graphs"] >= len(models)  # every model compiled, none left eager
 
 
