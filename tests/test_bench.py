@@ -273,3 +273,35 @@ def test_every_command_of_the_gpu_script_parses():
     for words in commands:
         args = kind_module(words[2]).build_parser().parse_args(words[3:])
         assert args.device == "cuda"
+
+
+def test_timed_rounds_run_with_the_garbage_collector_off_and_every_sample_kept():
+    """A collection's pause must not land in one variant's timed run; the collector is back on after the rounds,
+    and each round keeps each runner's timed runs in order."""
+    import argparse
+    import gc
+
+    from diffexp.bench import timing
+    from diffexp.bench.progress import ProgressReporter
+
+    class Runner:
+        def __init__(self):
+            self.collector_on, self.count = [], 0
+
+        def run(self):
+            self.collector_on.append(gc.isenabled())
+
+        def timed(self):
+            self.collector_on.append(gc.isenabled())
+            self.count += 1
+            return {"seconds": float(self.count)}
+
+    runners = {"a": Runner(), "b": Runner()}
+    args = argparse.Namespace(rounds=2, warmup=1, steps=3)
+    assert gc.isenabled()
+    with ProgressReporter(total=timing.runs_per_variant(argparse.Namespace(**vars(args), no_memory=True)) * 2) as p:
+        samples = timing.interleaved(runners, args, p, "test", headline="seconds")
+    assert gc.isenabled()
+    for runner in runners.values():  # the first, untimed run precedes the rounds; every later run is in one
+        assert runner.collector_on[0] and not any(runner.collector_on[1:])
+    assert samples["a"]["seconds"] == [[1.0, 2.0, 3.0], [4.0, 5.0, 6.0]]

@@ -11,6 +11,7 @@ import gc
 import statistics
 import time
 from collections.abc import Mapping
+from contextlib import contextmanager
 from typing import Protocol
 
 from diffexp.bench.memory import measure_peaks
@@ -75,18 +76,43 @@ def interleaved(runners: Mapping[str, Runner], args, progress: ProgressReporter,
     samples: Samples = {name: {} for name in names}
     for r in range(args.rounds):
         order = rotated(names, r)
-        gc.collect()
-        for _ in range(args.warmup):
-            for name in order:
-                runners[name].run()
-                progress.advance(f"{label} round {r + 1}/{args.rounds} warm-up {name}")
-        for s in range(args.steps):
-            for name in order:
-                for measure, seconds in runners[name].timed().items():
-                    samples[name].setdefault(measure, [[] for _ in range(args.rounds)])[r].append(seconds)
-                progress.advance(f"{label} round {r + 1}/{args.rounds} step {s + 1} {name}")
+        with collector_paused():
+            round_samples = _round(runners, order, args, progress, f"{label} round {r + 1}/{args.rounds}")
+        for name, measures in round_samples.items():
+            for measure, seconds in measures.items():
+                samples[name].setdefault(measure, [[] for _ in range(args.rounds)])[r].extend(seconds)
         summary = ", ".join(f"{name} {statistics.median(samples[name][headline][r]) * 1e3:.0f}" for name in order)
         progress.log(f"{label} round {r + 1}/{args.rounds} median ms: {summary}")
+    return samples
+
+
+@contextmanager
+def collector_paused():
+    """Python's garbage collector off for a round, as timeit does: a collection that lands inside one variant's
+    run would charge it a pause that has nothing to do with its model. A full collection first."""
+    gc.collect()
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()
+
+
+def _round(runners: Mapping[str, Runner], order: list[str], args, progress: ProgressReporter,
+           label: str) -> dict[str, dict[str, list[float]]]:
+    """One round: args.warmup untimed runs, then args.steps timed runs, each interleaved run by run in `order`."""
+    samples: dict[str, dict[str, list[float]]] = {name: {} for name in order}
+    for _ in range(args.warmup):
+        for name in order:
+            runners[name].run()
+            progress.advance(f"{label} warm-up {name}")
+    for s in range(args.steps):
+        for name in order:
+            for measure, seconds in runners[name].timed().items():
+                samples[name].setdefault(measure, []).append(seconds)
+            progress.advance(f"{label} step {s + 1} {name}")
     return samples
 
 
