@@ -122,6 +122,11 @@ def test_bench_decode_kv_heads_puts_v2_on_the_baselines_cache(tmp_path):
     results = json.loads(path.read_text())["results"]
     assert results["diff_v2@32x1"]["cache_ratio"] == 1.0
     assert results["diff_v2@32x1"]["overrides"]["n_kv_heads"] == 1
+    # but its step reads more: W_Q has 2h query heads. The ratio a memory-bound step would show says how much
+    base, v2 = results["baseline@32x1"], results["diff_v2@32x1"]
+    assert v2["bytes_per_step"] > base["bytes_per_step"]
+    assert v2["memory_bound_ratio"] == pytest.approx(base["bytes_per_step"] / v2["bytes_per_step"])
+    assert base["memory_bound_ratio"] == 1.0
 
 
 def test_bench_decode_noise_floor_times_a_second_copy_of_the_reference(tmp_path, capsys):

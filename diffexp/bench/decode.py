@@ -28,7 +28,8 @@ LAYOUT = report.Layout(
                  "new_tokens", "kv_cache", "kv_heads"),
 )
 HEADERS = ["variant", "mode", "context", "batch", "KV cache KiB/token", "cache vs base", "ms/token", "tok/s",
-           "tok/s vs base", "ratio spread (rounds)", "MiB read/step", "GB/s", "of bound", "peak mem MiB"]
+           "tok/s vs base", "ratio spread (rounds)", "MiB read/step", "ratio if memory-bound", "GB/s", "of bound",
+           "peak mem MiB"]
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -220,6 +221,7 @@ def summarise(results: dict, variants: list[str], modes: list[str], shapes: list
                 entry["tokens_per_s"] = batch / entry["median_decode_token_s"]
                 entry["cache_ratio"] = entry["cache_bytes_per_token"] / base["cache_bytes_per_token"]
                 entry["bytes_per_s"] = entry["bytes_per_step"] / entry["median_decode_token_s"]
+                entry["memory_bound_ratio"] = base["bytes_per_step"] / entry["bytes_per_step"]
                 entry["bandwidth_fraction"] = entry["bytes_per_s"] / bandwidth if bandwidth else None
                 timing.throughput(entry, "decode_flops_per_token", "median_decode_token_s", None)
                 timing.add_mem_ratio(entry, base)
@@ -227,11 +229,23 @@ def summarise(results: dict, variants: list[str], modes: list[str], shapes: list
 
 def lowest_ratios(results: dict) -> dict[tuple[str, str], float]:
     """The lowest tok/s ratio to the reference over the grid, per (variant, mode)."""
-    lowest: dict[tuple[str, str], float] = {}
+    return {key: e["speed_ratio"] for key, e in lowest_entries(results).items()}
+
+
+def lowest_entries(results: dict) -> dict[tuple[str, str], dict]:
+    """The result with the lowest tok/s ratio to the reference over the grid, per (variant, mode)."""
+    lowest: dict[tuple[str, str], dict] = {}
     for e in results.values():
         key = (e["variant"], e.get("mode", "eager"))
-        lowest[key] = min(lowest.get(key, float("inf")), e["speed_ratio"])
+        if key not in lowest or e["speed_ratio"] < lowest[key]["speed_ratio"]:
+            lowest[key] = e
     return lowest
+
+
+def _bound_note(e: dict) -> str:
+    """' (memory-bound: 0.94x)' where the variant reads more bytes per step than the reference."""
+    bound = e.get("memory_bound_ratio")
+    return f" (memory-bound: {bound:.2f}x)" if bound is not None and bound < 0.995 else ""
 
 
 def table(data: dict) -> tuple[str, list[str], list[list[str]], str]:
@@ -246,6 +260,7 @@ def table(data: dict) -> tuple[str, list[str], list[list[str]], str]:
             f"{e['cache_bytes_per_token'] / 1024:.2f}", report.ratio_cell(e["cache_ratio"]),
             f"{e['median_decode_token_s'] * 1e3:.2f}", f"{e['tokens_per_s']:.0f}", report.ratio_cell(e["speed_ratio"]),
             report.spread_cell(e, "speed_ratio"), report.mib_cell(e.get("bytes_per_step")),
+            report.ratio_cell(e["memory_bound_ratio"]) if "memory_bound_ratio" in e else "n/a",
             f"{e['bytes_per_s'] / 1e9:.1f}" if "bytes_per_s" in e else "n/a",
             "n/a" if fraction is None else f"{fraction:.0%}", report.mib_cell(e["peak_bytes"]),
         ])
@@ -254,10 +269,10 @@ def table(data: dict) -> tuple[str, list[str], list[list[str]], str]:
              f"backend {cfg['backend']}, {env['threads']} threads, d_model {cfg['d_model']}, {cfg['n_layers']} "
              f"layers, {cfg['n_heads']} heads, {kv}; {cfg['new_tokens']} tokens per run; {cfg['rounds']} rounds x "
              f"{cfg['steps']} runs")
-    lowest = lowest_ratios(data["results"])
-    worst = "; ".join(f"{v} {mode} {ratio:.2f}x" for (v, mode), ratio in sorted(lowest.items())
+    lowest = lowest_entries(data["results"])
+    worst = "; ".join(f"{v} {mode} {e['speed_ratio']:.2f}x" + _bound_note(e) for (v, mode), e in sorted(lowest.items())
                       if v not in (ref, ref + COPY))
-    floor = "; ".join(f"{mode} {ratio:.2f}x" for (v, mode), ratio in sorted(lowest.items()) if v == ref + COPY)
+    floor = "; ".join(f"{mode} {e['speed_ratio']:.2f}x" for (v, mode), e in sorted(lowest.items()) if v == ref + COPY)
     compile_times = [e["compile_s"] for e in data["results"].values() if e.get("compile_s")]
     compiled = (f" Compiling one step took {min(compile_times):.0f}-{max(compile_times):.0f} s per model."
                 if compile_times else "")
@@ -267,7 +282,9 @@ def table(data: dict) -> tuple[str, list[str], list[list[str]], str]:
                f"time / tokens; tok/s counts the whole batch; vs base = {ref} median / variant median in the same "
                f"mode (>1 = faster); spread = min-max of that ratio per round. KV cache = bytes the filled cache "
                "holds per token of one sequence, all layers (a variant's extra state included). MiB read/step = "
-               "the weights and the whole cache, what one step must read; GB/s = that / time per token; of bound "
+               "the weights and the whole cache, what one step must read; ratio if memory-bound = the reference's "
+               "MiB read/step over the variant's, the tok/s ratio of two steps that take the time of their memory "
+               "traffic (a variant with more weights reads more); GB/s = MiB read/step / time per token; of bound "
                f"= GB/s over the device's memory bandwidth (GPU only).{compiled} Lowest ratio over the grid: "
                f"{worst}.")
     if floor:
