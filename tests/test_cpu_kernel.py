@@ -172,41 +172,97 @@ def test_step_products_equal_naive(rows, keys, capacity, ragged, d):
                                atol=1e-4, rtol=1e-4)  # fp32 sums of up to 1027 terms of size ~1
 
 
-@pytest.mark.parametrize("pairs", [1, 2, 3])
+@pytest.mark.parametrize("rows", [1, 2, 3, 9])
+@pytest.mark.parametrize("keys, capacity", [(1, 1), (3, 9), (1027, 1100)])
+@pytest.mark.parametrize("ragged", [False, True])
+@pytest.mark.parametrize("d", [16, 12])
+def test_step_attention_equals_naive(rows, keys, capacity, ragged, d):
+    """One map per row, both phases in one op: softmax(q k^T / sqrt(d)) v against float64, each batch row reading
+    its own first lengths[b] keys of a view into a larger cache."""
+    torch.manual_seed(rows * 1000 + keys)
+    b, groups, dv = 3, 2, 24
+    q = torch.randn(b, groups, rows, d) * 2
+    k = torch.randn(b, groups, capacity, d)[..., :keys, :]
+    v = torch.randn(b, groups, capacity, dv)[..., :keys, :]
+    lengths = torch.tensor([keys, max(1, keys // 2), 1]) if ragged else None
+    want = naive_step_probabilities(q, k, lengths)[0] @ v.double()
+    torch.testing.assert_close(cpu_native.step_attention(q, k, v, lengths).double(), want, atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("pairs", [1, 2, 3, 5])
 @pytest.mark.parametrize("keys, capacity", [(1, 1), (5, 9), (1027, 1100)])
 @pytest.mark.parametrize("ragged", [False, True])
 @pytest.mark.parametrize("d", [16, 12])
-def test_step_pair_weights_equal_naive(pairs, keys, capacity, ragged, d):
-    """DIFF V2's pairs in one pass: the two maps of pair i read one K, and the step's weights are
-    softmax(q1_i k^T) - lambda_i softmax(q2_i k^T), against float64; zeros past each row's visible keys."""
+def test_step_pair_attention_equals_naive(pairs, keys, capacity, ragged, d):
+    """DIFF V2's pairs in one pass: the two maps of pair i read one K, and V is weighted by
+    softmax(q1_i k^T) - lambda_i softmax(q2_i k^T), against float64."""
     torch.manual_seed(pairs * 1000 + keys)
-    b, groups = 3, 2
+    b, groups, dv = 3, 2, 20
     q = torch.randn(b, groups, 2 * pairs, d) * 2
     k = torch.randn(b, groups, capacity, d)[..., :keys, :]
+    v = torch.randn(b, groups, capacity, dv)[..., :keys, :]
     lam = torch.rand(b, groups, pairs) * 2 - 0.5  # sigmoid's range and beyond ("raw" lambda)
     lengths = torch.tensor([keys, max(1, keys // 2), 1]) if ragged else None
     probs, _ = naive_step_probabilities(q, k, lengths)
-    want = probs[:, :, 0::2] - lam.double()[..., None] * probs[:, :, 1::2]
-    got = cpu_native.step_pair_weights(q[:, :, 0::2], q[:, :, 1::2], k, lam, lengths)  # strided views of q
-    torch.testing.assert_close(got.double(), want, atol=1e-6, rtol=1e-5)
+    want = (probs[:, :, 0::2] - lam.double()[..., None] * probs[:, :, 1::2]) @ v.double()
+    got = cpu_native.step_pair_attention(q[:, :, 0::2], q[:, :, 1::2], k, v, lam, lengths)  # strided views of q
+    torch.testing.assert_close(got.double(), want, atol=1e-5, rtol=1e-4)
 
 
 @pytest.mark.parametrize("rows", [1, 2, 3])
 @pytest.mark.parametrize("keys, capacity", [(1, 1), (5, 9), (1027, 1100)])
 @pytest.mark.parametrize("ragged", [False, True])
-def test_step_two_map_weights_equal_naive(rows, keys, capacity, ragged):
-    """DIFF V1's and Shared DIFF's step: each map's rows read their own K, and the weights are
+def test_step_two_map_attention_equals_naive(rows, keys, capacity, ragged):
+    """DIFF V1's and Shared DIFF's step: each map's rows read their own K, and V is weighted by
     softmax(q1 k1^T) - lambda softmax(q2 k2^T) row by row, against float64."""
     torch.manual_seed(rows * 1000 + keys)
-    b, groups, d = 3, 2, 16
+    b, groups, d, dv = 3, 2, 16, 32
     q1, q2 = torch.randn(b, groups, rows, d) * 2, torch.randn(b, groups, rows, d) * 2
     k1, k2 = (torch.randn(b, groups, capacity, d)[..., :keys, :] for _ in range(2))
+    v = torch.randn(b, groups, capacity, dv)[..., :keys, :]
     lam = torch.rand(b, groups, rows) * 2 - 0.5
     lengths = torch.tensor([keys, max(1, keys // 2), 1]) if ragged else None
     want = (naive_step_probabilities(q1, k1, lengths)[0]
-            - lam.double()[..., None] * naive_step_probabilities(q2, k2, lengths)[0])
-    torch.testing.assert_close(cpu_native.step_two_map_weights(q1, k1, q2, k2, lam, lengths).double(), want,
-                               atol=1e-6, rtol=1e-5)
+            - lam.double()[..., None] * naive_step_probabilities(q2, k2, lengths)[0]) @ v.double()
+    torch.testing.assert_close(cpu_native.step_two_map_attention(q1, k1, q2, k2, v, lam, lengths).double(), want,
+                               atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("visible", [None, 700, 300])
+def test_step_ops_split_one_row_across_threads_exactly(visible):
+    """At batch 1 a row's keys are split into chunks, one task each, each exponentiated against its own maximum;
+    the chunks are rescaled to one softmax. Peaked scores (one chunk far above the rest) and chunks left partly
+    or wholly empty by lengths, against float64."""
+    torch.manual_seed(7)
+    keys, d, dv = 1027, 16, 24
+    q = torch.randn(1, 1, 4, d) * 6
+    k, v = torch.randn(1, 1, keys, d), torch.randn(1, 1, keys, dv)
+    lam = torch.rand(1, 1, 2)
+    lengths = None if visible is None else torch.tensor([visible])
+    probs, _ = naive_step_probabilities(q, k, lengths)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(4)  # four chunks of the row's keys, whatever the machine's cores
+    try:
+        checks = [
+            (cpu_native.step_probabilities(q, k, lengths), probs),
+            (cpu_native.step_attention(q, k, v, lengths), probs @ v.double()),
+            (cpu_native.step_pair_attention(q[:, :, 0::2], q[:, :, 1::2], k, v, lam, lengths),
+             (probs[:, :, 0::2] - lam.double()[..., None] * probs[:, :, 1::2]) @ v.double()),
+            (cpu_native.step_two_map_attention(q[:, :, :2], k, q[:, :, 2:], k.flip(2), v, lam, lengths),
+             (probs[:, :, :2] - lam.double()[..., None] * naive_step_probabilities(q[:, :, 2:], k.flip(2),
+                                                                                 lengths)[0]) @ v.double()),
+            (cpu_native.step_values(probs.float(), v, lengths), probs @ v.double()),
+        ]
+    finally:
+        torch.set_num_threads(threads)
+    for got, want in checks:
+        torch.testing.assert_close(got.double(), want, atol=1e-5, rtol=1e-4)
+
+
+def test_step_ops_refuse_values_that_do_not_match_the_keys():
+    q, k = torch.randn(1, 2, 2, 16), torch.randn(1, 2, 10, 16)
+    with pytest.raises(RuntimeError, match="v must be"):
+        cpu_native.step_attention(q, k, torch.randn(1, 2, 9, 16), None)
 
 
 @pytest.mark.parametrize("visible", [None, 700, 300])

@@ -3,9 +3,9 @@ keys, and V read once, through the combined map (A1 - lambda A2 [+ gamma A3]) of
 comes from the column sums of A1's earlier rows, kept in the cache: O(context) state per head.
 
 The query rows of a GQA group share one pass over their K and one over their V: on CPU in fp32 through the
-kernel's step products (cpu/decode_step.cpp), which reach the memory bound where a batched GEMM of a few rows does
-not, and combine the two maps as they are normalised (not DINT's: its integral reads A1's row); elsewhere through
-matmuls.
+kernel's step ops (cpu/decode_step.cpp), which reach the memory bound where a batched GEMM of a few rows does not,
+and weigh V by the two maps' combination as they read it (not DINT's: its integral reads A1's whole row); elsewhere
+through matmuls.
 """
 
 from __future__ import annotations
@@ -51,13 +51,13 @@ def two_map_step(q1, q2, k1, k2, v, lam, lengths=None, integral=None, col_sums=N
     group = h // h_kv
 
     q1, q2 = q1.reshape(b, h_kv, group, d), q2.reshape(b, h_kv, group, d)
-    if integral is None and cpu_native.runs_step(q1, q2, k1, k2) and not _tracks_grad(lam):
+    if integral is None and cpu_native.runs_step(q1, q2, k1, k2, v) and not _tracks_grad(lam):
         lam_rows = torch.as_tensor(lam, dtype=torch.float32).expand(b, h, 1, 1).reshape(b, h_kv, group).contiguous()
         if k1 is k2:  # DIFF V2's pairs: both maps' rows in one pass over the shared K
-            weights = cpu_native.step_pair_weights(q1, q2, k1, lam_rows, lengths)
+            out = cpu_native.step_pair_attention(q1, q2, k1, v, lam_rows, lengths)
         else:
-            weights = cpu_native.step_two_map_weights(q1, k1, q2, k2, lam_rows, lengths)
-        return weighted_values(weights, v, lengths).view(b, h, 1, v.shape[-1])  # the maps combined in the kernel
+            out = cpu_native.step_two_map_attention(q1, k1, q2, k2, v, lam_rows, lengths)
+        return out.view(b, h, 1, v.shape[-1])  # the maps combined as V is read
     if k1 is k2:  # both maps' queries in one product with the shared K
         a1, a2 = probabilities(torch.cat((q1, q2), 2), k1, lengths).chunk(2, dim=2)
     else:
@@ -92,5 +92,7 @@ def single_map_step(q, k, v, lengths=None):
     query heads of a GQA group share one pass over their K and one over their V."""
     b, hq, _, d = q.shape
     h_kv = k.shape[1]
-    weights = probabilities(q.reshape(b, h_kv, hq // h_kv, d), k, lengths)
-    return weighted_values(weights, v, lengths).view(b, hq, 1, v.shape[-1])
+    q = q.reshape(b, h_kv, hq // h_kv, d)
+    if cpu_native.runs_step(q, k, v):
+        return cpu_native.step_attention(q, k, v, lengths).view(b, hq, 1, v.shape[-1])
+    return weighted_values(probabilities(q, k, lengths), v, lengths).view(b, hq, 1, v.shape[-1])

@@ -104,13 +104,17 @@ def _register_fakes() -> None:
     def _(q, k, lengths, scale):
         return q.new_empty(*q.shape[:3], k.shape[2])
 
-    @lib.register_fake("diffexp_cpu::step_pair_weights")
-    def _(q1, q2, k, lam, lengths, scale):
-        return q1.new_empty(*q1.shape[:3], k.shape[2])
+    @lib.register_fake("diffexp_cpu::step_attention")
+    def _(q, k, v, lengths, scale):
+        return q.new_empty(*q.shape[:3], v.shape[3])
 
-    @lib.register_fake("diffexp_cpu::step_two_map_weights")
-    def _(q1, k1, q2, k2, lam, lengths, scale):
-        return q1.new_empty(*q1.shape[:3], k1.shape[2])
+    @lib.register_fake("diffexp_cpu::step_pair_attention")
+    def _(q1, q2, k, v, lam, lengths, scale):
+        return q1.new_empty(*q1.shape[:3], v.shape[3])
+
+    @lib.register_fake("diffexp_cpu::step_two_map_attention")
+    def _(q1, k1, q2, k2, v, lam, lengths, scale):
+        return q1.new_empty(*q1.shape[:3], v.shape[3])
 
     @lib.register_fake("diffexp_cpu::step_values")
     def _(weights, v, lengths):
@@ -206,20 +210,27 @@ def step_probabilities(q: torch.Tensor, k: torch.Tensor, lengths: torch.Tensor |
     return torch.ops.diffexp_cpu.step_probabilities(q, k, lengths, q.shape[-1] ** -0.5)
 
 
-def step_pair_weights(q1: torch.Tensor, q2: torch.Tensor, k: torch.Tensor, lam: torch.Tensor,
-                      lengths: torch.Tensor | None) -> torch.Tensor:
-    """softmax(q1 k^T / sqrt(d)) - lam softmax(q2 k^T / sqrt(d)) row by row, the pairs of query rows that read one K
-    (DIFF V2's), over each batch row's first `lengths[b]` keys. q1, q2: (B, g, pairs, d), any strides with the last
-    1 (views of one tensor of query heads need no copy); k: (B, g, S, d); lam: (B, g, pairs). Returns
-    (B, g, pairs, S) fp32."""
-    return torch.ops.diffexp_cpu.step_pair_weights(q1, q2, k, lam, lengths, q1.shape[-1] ** -0.5)
+def step_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: torch.Tensor | None) -> torch.Tensor:
+    """softmax(q k^T / sqrt(d)) v over each batch row's first `lengths[b]` keys, in one pass over K and one over V.
+    q: (B, g, rows, d); k: (B, g, S, d); v: (B, g, S, dv). Returns (B, g, rows, dv) fp32."""
+    return torch.ops.diffexp_cpu.step_attention(q, k, v, lengths, q.shape[-1] ** -0.5)
 
 
-def step_two_map_weights(q1: torch.Tensor, k1: torch.Tensor, q2: torch.Tensor, k2: torch.Tensor, lam: torch.Tensor,
-                         lengths: torch.Tensor | None) -> torch.Tensor:
-    """softmax(q1 k1^T / sqrt(d)) - lam softmax(q2 k2^T / sqrt(d)), row by row, over each batch row's first
-    `lengths[b]` keys. q1, q2: (B, g, rows, d); k1, k2: (B, g, S, d); lam: (B, g, rows). Returns (B, g, rows, S)."""
-    return torch.ops.diffexp_cpu.step_two_map_weights(q1, k1, q2, k2, lam, lengths, q1.shape[-1] ** -0.5)
+def step_pair_attention(q1: torch.Tensor, q2: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lam: torch.Tensor,
+                        lengths: torch.Tensor | None) -> torch.Tensor:
+    """(softmax(q1 k^T / sqrt(d)) - lam softmax(q2 k^T / sqrt(d))) v, row by row, for the pairs of query rows that
+    read one K (DIFF V2's), over each batch row's first `lengths[b]` keys. q1, q2: (B, g, pairs, d), any strides
+    with the last 1 (views of one tensor of query heads need no copy); k: (B, g, S, d); v: (B, g, S, dv);
+    lam: (B, g, pairs). Returns (B, g, pairs, dv) fp32."""
+    return torch.ops.diffexp_cpu.step_pair_attention(q1, q2, k, v, lam, lengths, q1.shape[-1] ** -0.5)
+
+
+def step_two_map_attention(q1: torch.Tensor, k1: torch.Tensor, q2: torch.Tensor, k2: torch.Tensor, v: torch.Tensor,
+                           lam: torch.Tensor, lengths: torch.Tensor | None) -> torch.Tensor:
+    """(softmax(q1 k1^T / sqrt(d)) - lam softmax(q2 k2^T / sqrt(d))) v, row by row, over each batch row's first
+    `lengths[b]` keys. q1, q2: (B, g, rows, d); k1, k2: (B, g, S, d); v: (B, g, S, dv); lam: (B, g, rows).
+    Returns (B, g, rows, dv) fp32."""
+    return torch.ops.diffexp_cpu.step_two_map_attention(q1, k1, q2, k2, v, lam, lengths, q1.shape[-1] ** -0.5)
 
 
 def step_values(weights: torch.Tensor, v: torch.Tensor, lengths: torch.Tensor | None) -> torch.Tensor:

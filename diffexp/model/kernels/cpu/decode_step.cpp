@@ -1,12 +1,15 @@
 // One decoding step's attention on CPU, for every variant: the query rows of a GQA group against the cached keys,
 // and the weights of the step's row against the cached values, each cache row read once from memory.
-//   step_probabilities: P[b, g, r] = softmax(scale q[b, g, r] . K[b, g, :valid_b])      (zeros past valid_b)
-//   step_pair_weights:  W[b, g, i] = P1[b, g, i] - lam[b, g, i] P2[b, g, i], one K        (DIFF V2's pairs)
-//   step_two_map_weights: W[b, g, r] = P1[b, g, r] - lam[b, g, r] P2[b, g, r]          (each map its own K)
-//   step_values:        out[b, g, r] = sum_s W[b, g, r, s] V[b, g, s]                    (s < valid_b)
-// The batched GEMMs these replace have 1-8 rows and run far from the memory bound; here every key and value row
-// is loaded once and used by all rows of its group. K and V may be views into a larger cache (any strides, the
-// last 1); valid_b = lengths[b] when given, else every key. The Python side: diffexp/model/kernels/cpu_native.py.
+//   step_attention:         out[b, g, r] = softmax(scale q[b, g, r] . K[b, g, :valid_b]) V        (one map a row)
+//   step_pair_attention:    out[b, g, i] = (P1[b, g, i] - lam[b, g, i] P2[b, g, i]) V, one K     (DIFF V2's pairs)
+//   step_two_map_attention: out[b, g, r] = (P1[b, g, r] - lam[b, g, r] P2[b, g, r]) V, a K each (DIFF V1, Shared)
+//   step_probabilities:     P[b, g, r] (zeros past valid_b), and step_values: W V, for DINT's integral
+// Two phases, each one parallel pass: the scores of a chunk of keys, exponentiated while they are in L1 (shifted by
+// the chunk's maximum); then V, weighted by the exponentials times a coefficient per (row, chunk) that normalises
+// them and, for two maps, subtracts the second. The batched GEMMs these replace have 1-8 rows and run far from the
+// memory bound; here every key and value row is loaded once and used by all rows of its group. K and V may be views
+// into a larger cache (any strides, the last 1); valid_b = lengths[b] when given, else every key. The Python side:
+// diffexp/model/kernels/cpu_native.py.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -97,30 +100,69 @@ inline void dot_2x4(const float* qa, const float* qb, const float* k0, const flo
   ob[0] = b0 * s, ob[1] = b1 * s, ob[2] = b2 * s, ob[3] = b3 * s;
 }
 
-struct Scores {  // scale q . k for every query row of a group and every visible key: (B, groups, rows, S)
-  at::Tensor logits;
+// Phase 1 of every op, one pass over K: scale q . k for a chunk of keys, then exp(logit - the chunk's maximum) in
+// place while the chunk's logits are still in L1, with each row's chunk maximum and sum. A row's softmax is then
+// coefficient(chunk) * e, with no second pass over the logits to find the row's maximum.
+struct ChunkedExp {
+  at::Tensor e;                   // (B, groups, rows, S): exp(logit - its chunk's max) for visible keys, unset past
+  std::vector<float> top, total;  // per (bg, chunk, row): the chunk's max logit and sum of e
   std::vector<int64_t> valid;
-  int64_t batch, groups, rows, keys;
+  int64_t batch, groups, rows, keys, chunks, chunk;
+
+  int64_t at(int64_t bg, int64_t c, int64_t r) const { return (bg * chunks + c) * rows + r; }
+
+  // per (bg, chunk, row): exp(top - the row's max) / the row's sum, times `factor(bg, r)` (0 for an empty row)
+  template <typename Factor>
+  std::vector<float> coefficients(Factor factor) const {
+    std::vector<float> coef(top.size(), 0.f);
+    for (int64_t bg = 0; bg < batch * groups; ++bg)
+      for (int64_t r = 0; r < rows; ++r) {
+        float row_top = -std::numeric_limits<float>::infinity(), row_total = 0.f;
+        for (int64_t c = 0; c < chunks; ++c) row_top = std::max(row_top, top[at(bg, c, r)]);
+        if (row_top == -std::numeric_limits<float>::infinity()) continue;
+        for (int64_t c = 0; c < chunks; ++c) row_total += total[at(bg, c, r)] * std::exp(top[at(bg, c, r)] - row_top);
+        const float scale = factor(bg, r) / row_total;
+        for (int64_t c = 0; c < chunks; ++c) coef[at(bg, c, r)] = std::exp(top[at(bg, c, r)] - row_top) * scale;
+      }
+    return coef;
+  }
 };
 
-Scores step_scores(const at::Tensor& q_in, const at::Tensor& k_in, const std::optional<at::Tensor>& lengths,
-                   double scale) {
+// Exponentiates p[0, n) in place, shifted by its maximum; stores that maximum and the sum (-inf, 0 when empty).
+void exp_chunk(float* p, int64_t n, float& top, float& total) {
+  top = -std::numeric_limits<float>::infinity();
+#pragma omp simd reduction(max : top)
+  for (int64_t j = 0; j < n; ++j) top = std::max(top, p[j]);
+  total = 0.f;
+  if (n <= 0) return;
+  float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+  for (int64_t j = 0; j < n; ++j) {
+    p[j] = expf(p[j] - top);
+    sum += p[j];
+  }
+  total = sum;
+}
+
+ChunkedExp chunked_exp(const at::Tensor& q_in, const at::Tensor& k_in, const std::optional<at::Tensor>& lengths,
+                       double scale) {
   const at::Tensor q = q_in.contiguous();
   const Rows k = rows_of(k_in, "k");
   TORCH_CHECK(q.scalar_type() == at::kFloat && q.dim() == 4 && q.size(0) == k.batch && q.size(1) == k.groups &&
                   q.size(3) == k.dim,
               "diffexp_cpu: q must be (B, groups, rows, dim) matching k");
   const int64_t batch = k.batch, groups = k.groups, rows = q.size(2), keys = k.length, dim = k.dim;
-  const std::vector<int64_t> valid = valid_keys(lengths, batch, keys);
-  at::Tensor probs = at::empty({batch, groups, rows, keys}, q.options());
-  const float* qd = q.data_ptr<float>();
-  float* pd = probs.data_ptr<float>();
-  const float s = static_cast<float>(scale);
   const int64_t chunks = chunks_for(batch * groups, keys), chunk = (keys + chunks - 1) / chunks;
+  ChunkedExp out{at::empty({batch, groups, rows, keys}, q.options()),
+                 std::vector<float>(batch * groups * chunks * rows), std::vector<float>(batch * groups * chunks * rows),
+                 valid_keys(lengths, batch, keys), batch, groups, rows, keys, chunks, chunk};
+  const float* qd = q.data_ptr<float>();
+  float* pd = out.e.data_ptr<float>();
+  const float s = static_cast<float>(scale);
   at::parallel_for(0, batch * groups * chunks, 1, [&](int64_t begin, int64_t end) {
     for (int64_t task = begin; task < end; ++task) {
       const int64_t bg = task / chunks, b = bg / groups, g = bg % groups;
-      const int64_t first = (task % chunks) * chunk, last = std::min(valid[b], first + chunk);
+      const int64_t first = (task % chunks) * chunk, last = std::min(out.valid[b], first + chunk);
       const float* qg = qd + bg * rows * dim;
       float* pg = pd + bg * rows * keys;
       int64_t j = first;
@@ -143,8 +185,8 @@ Scores step_scores(const at::Tensor& q_in, const at::Tensor& k_in, const std::op
             d2 += qr[i] * k2[i];
             d3 += qr[i] * k3[i];
           }
-          float* out = pg + r * keys + j;
-          out[0] = d0 * s, out[1] = d1 * s, out[2] = d2 * s, out[3] = d3 * s;
+          float* o = pg + r * keys + j;
+          o[0] = d0 * s, o[1] = d1 * s, o[2] = d2 * s, o[3] = d3 * s;
         }
       }
       for (; j < last; ++j) {
@@ -157,49 +199,134 @@ Scores step_scores(const at::Tensor& q_in, const at::Tensor& k_in, const std::op
           pg[r * keys + j] = dot * s;
         }
       }
+      const int64_t c = task % chunks;
+      for (int64_t r = 0; r < rows; ++r)
+        exp_chunk(pg + r * keys + first, last - first, out.top[out.at(bg, c, r)], out.total[out.at(bg, c, r)]);
     }
   });
-  return {probs, valid, batch, groups, rows, keys};
-}
-
-// Exponentiates p[0, n) in place, shifted by its maximum; returns 1 / their sum (0 for an empty row).
-float exp_row(float* p, int64_t n) {
-  float top = -std::numeric_limits<float>::infinity();
-#pragma omp simd reduction(max : top)
-  for (int64_t j = 0; j < n; ++j) top = std::max(top, p[j]);
-  float total = 0.f;
-#pragma omp simd reduction(+ : total)
-  for (int64_t j = 0; j < n; ++j) {
-    p[j] = expf(p[j] - top);
-    total += p[j];
-  }
-  return n > 0 ? 1.f / total : 0.f;
+  return out;
 }
 
 at::Tensor step_probabilities(const at::Tensor& q, const at::Tensor& k, const std::optional<at::Tensor>& lengths,
                               double scale) {
-  Scores sc = step_scores(q, k, lengths, scale);
-  float* pd = sc.logits.data_ptr<float>();
-  const int64_t per_batch = sc.groups * sc.rows, keys = sc.keys;
-  at::parallel_for(0, sc.batch * per_batch, 1, [&](int64_t begin, int64_t end) {
+  ChunkedExp ex = chunked_exp(q, k, lengths, scale);
+  const std::vector<float> coef = ex.coefficients([](int64_t, int64_t) { return 1.f; });
+  float* pd = ex.e.data_ptr<float>();
+  const int64_t keys = ex.keys;
+  at::parallel_for(0, ex.batch * ex.groups * ex.rows, 1, [&](int64_t begin, int64_t end) {
     for (int64_t row = begin; row < end; ++row) {
-      const int64_t n = sc.valid[row / per_batch];
+      const int64_t bg = row / ex.rows, r = row % ex.rows, n = ex.valid[bg / ex.groups];
       float* p = pd + row * keys;
-      const float inv = exp_row(p, n);
+      for (int64_t c = 0; c < ex.chunks; ++c) {
+        const float f = coef[ex.at(bg, c, r)];
+        const int64_t first = c * ex.chunk, last = std::min(n, first + ex.chunk);
 #pragma omp simd
-      for (int64_t j = 0; j < n; ++j) p[j] *= inv;
-      std::fill(p + n, p + keys, 0.f);
+        for (int64_t j = first; j < last; ++j) p[j] *= f;
+      }
+      std::fill(p + std::min(n, keys), p + keys, 0.f);
     }
   });
-  return sc.logits;
+  return ex.e;
 }
 
-// w = softmax(first) - lam softmax(second) over n keys, from the two maps' logits (overwritten), zeros up to keys.
-void combine_rows(float* first, float* second, float lam, int64_t n, int64_t keys, float* w) {
-  const float c1 = exp_row(first, n), c2 = lam * exp_row(second, n);
+// The weights of a step's rows, made as the values are read: W[bg, r, s] = sum over the maps m of
+// coef_m[(bg, chunk of s, r)] e_m[bg, r, s], where e_m's row r of group bg starts at e_m + (bg * group_rows +
+// r * row_step) * keys.
+struct Weights {
+  const float* e[2];
+  const float* coef[2];  // per (bg, chunk, r), as ChunkedExp::at with `rows` output rows
+  int64_t group_rows, row_step;
+};
+
+// out[b, g, r] = sum_{s < valid_b} W[b, g, r, s] V[b, g, s] for Maps (1 or 2) maps' weights, in the chunks of keys
+// phase 1 used (same batch, groups and keys give the same chunks).
+template <int Maps>
+at::Tensor weighted_values(const Weights& w, const at::Tensor& v_in, const std::vector<int64_t>& valid, int64_t rows,
+                           const at::TensorOptions& options) {
+  const Rows v = rows_of(v_in, "v");
+  const int64_t batch = v.batch, groups = v.groups, keys = v.length, dim = v.dim;
+  TORCH_CHECK(static_cast<int64_t>(valid.size()) == batch, "diffexp_cpu: v must have the batch of q and k");
+  const int64_t chunks = chunks_for(batch * groups, keys), chunk = (keys + chunks - 1) / chunks;
+  // one partial sum per chunk, added up below; one chunk writes the output directly
+  at::Tensor partial = at::zeros({batch * groups, chunks, rows, dim}, options);
+  float* sums = partial.data_ptr<float>();
+  at::parallel_for(0, batch * groups * chunks, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t bg = task / chunks, b = bg / groups, g = bg % groups;
+      const int64_t first = (task % chunks) * chunk, last = std::min(valid[b], first + chunk);
+      const float* e0 = w.e[0] + bg * w.group_rows * keys;
+      const float* e1 = Maps == 2 ? w.e[1] + bg * w.group_rows * keys : nullptr;
+      const int64_t stride = w.row_step * keys, n = std::max<int64_t>(0, last - first);
+      // the chunk's weights first, a vectorised pass while its exponentials are hot; then one pass over V
+      thread_local std::vector<float> chunk_weights;
+      chunk_weights.resize(rows * n);
+      for (int64_t r = 0; r < rows; ++r) {
+        const float a = w.coef[0][task * rows + r], c = Maps == 2 ? w.coef[1][task * rows + r] : 0.f;
+        const float *x = e0 + r * stride + first, *y = Maps == 2 ? e1 + r * stride + first : nullptr;
+        float* out = chunk_weights.data() + r * n;
+        if constexpr (Maps == 2) {
 #pragma omp simd
-  for (int64_t j = 0; j < n; ++j) w[j] = c1 * first[j] - c2 * second[j];
-  std::fill(w + n, w + keys, 0.f);
+          for (int64_t j = 0; j < n; ++j) out[j] = a * x[j] + c * y[j];
+        } else {
+#pragma omp simd
+          for (int64_t j = 0; j < n; ++j) out[j] = a * x[j];
+        }
+      }
+      const float* wg = chunk_weights.data();
+      float* acc = sums + task * rows * dim;
+      for (int64_t j = 0; j < n; ++j) {
+        const float* value = v.row(b, g, first + j);
+        if (j + kAhead < n)
+          for (int64_t i = 0; i < dim; i += 16) __builtin_prefetch(v.row(b, g, first + j + kAhead) + i);
+        for (int64_t r = 0; r < rows; ++r) {
+          const float weight = wg[r * n + j];
+          float* __restrict__ out = acc + r * dim;
+#pragma omp simd
+          for (int64_t i = 0; i < dim; ++i) out[i] += weight * value[i];
+        }
+      }
+    }
+  });
+  if (chunks == 1) return partial.view({batch, groups, rows, dim});
+  at::Tensor out = at::empty({batch, groups, rows, dim}, options);
+  float* od = out.data_ptr<float>();
+  for (int64_t bg = 0; bg < batch * groups; ++bg) {  // a few rows: a plain sum, cheaper than an ATen op's dispatch
+    float* o = od + bg * rows * dim;
+    const float* p = sums + bg * chunks * rows * dim;
+    std::copy(p, p + rows * dim, o);
+    for (int64_t c = 1; c < chunks; ++c)
+#pragma omp simd
+      for (int64_t i = 0; i < rows * dim; ++i) o[i] += p[c * rows * dim + i];
+  }
+  return out;
+}
+
+at::Tensor step_values(const at::Tensor& w_in, const at::Tensor& v, const std::optional<at::Tensor>& lengths) {
+  const at::Tensor w = w_in.contiguous();
+  TORCH_CHECK(w.scalar_type() == at::kFloat && w.dim() == 4 && v.dim() == 4 && w.size(0) == v.size(0) &&
+                  w.size(1) == v.size(1) && w.size(3) == v.size(2),
+              "diffexp_cpu: the weights must be (B, groups, rows, S) matching v");
+  const int64_t batch = w.size(0), groups = w.size(1), rows = w.size(2), keys = w.size(3);
+  const int64_t chunks = chunks_for(batch * groups, keys);
+  const std::vector<float> ones(batch * groups * chunks * rows, 1.f);
+  const Weights weights{{w.data_ptr<float>(), nullptr}, {ones.data(), nullptr}, rows, 1};
+  return weighted_values<1>(weights, v, valid_keys(lengths, batch, keys), rows, w.options());
+}
+
+// V must hold a row for every key phase 1 scored: its chunks are the same.
+void check_values(const ChunkedExp& ex, const at::Tensor& v) {
+  TORCH_CHECK(v.dim() == 4 && v.size(0) == ex.batch && v.size(1) == ex.groups && v.size(2) == ex.keys,
+              "diffexp_cpu: v must be (B, groups, S, dv) matching k");
+}
+
+// One map per query row (the baseline, and any single-map head): softmax(scale q K^T) V.
+at::Tensor step_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                          const std::optional<at::Tensor>& lengths, double scale) {
+  const ChunkedExp ex = chunked_exp(q, k, lengths, scale);
+  check_values(ex, v);
+  const std::vector<float> coef = ex.coefficients([](int64_t, int64_t) { return 1.f; });
+  const Weights w{{ex.e.data_ptr<float>(), nullptr}, {coef.data(), nullptr}, ex.rows, 1};
+  return weighted_values<1>(w, v, ex.valid, ex.rows, ex.e.options());
 }
 
 const float* lambda_rows(const at::Tensor& lam, int64_t count) {
@@ -208,11 +335,11 @@ const float* lambda_rows(const at::Tensor& lam, int64_t count) {
   return lam.data_ptr<float>();
 }
 
-// DIFF V2's pairs share K: row i of q1 and row i of q2 are the two maps of pair i, combined as they are normalised,
-// so the step's (B, groups, pairs, S) weights are written once and the two maps' rows are never stored. q1 and q2
-// may be strided views of one tensor of query heads; they are interleaved here, not by a copy in the graph.
-at::Tensor step_pair_weights(const at::Tensor& q1, const at::Tensor& q2, const at::Tensor& k, const at::Tensor& lam,
-                             const std::optional<at::Tensor>& lengths, double scale) {
+// DIFF V2's pairs share K: row i of q1 and row i of q2 are the two maps of pair i, scored in one pass over K and
+// combined (A1 - lam A2) as V is read. q1 and q2 may be strided views of one tensor of query heads; they are
+// interleaved here (rows 2i, 2i + 1), not by a copy in the graph.
+at::Tensor step_pair_attention(const at::Tensor& q1, const at::Tensor& q2, const at::Tensor& k, const at::Tensor& v,
+                               const at::Tensor& lam, const std::optional<at::Tensor>& lengths, double scale) {
   TORCH_CHECK(q1.dim() == 4 && q1.sizes() == q2.sizes() && q1.scalar_type() == at::kFloat &&
                   q2.scalar_type() == at::kFloat,
               "diffexp_cpu: q1 and q2 must be (B, groups, pairs, dim) fp32");
@@ -227,86 +354,55 @@ at::Tensor step_pair_weights(const at::Tensor& q1, const at::Tensor& q2, const a
           for (int64_t x = 0; x < dim; ++x) row[x] = (*from)[b][g][i][x];
           row += dim;
         }
-  Scores sc = step_scores(q, k, lengths, scale);
-  const int64_t keys = sc.keys, per_batch = sc.groups * pairs;
-  const float* ld = lambda_rows(lam, sc.batch * per_batch);
-  at::Tensor weights = at::empty({sc.batch, sc.groups, pairs, keys}, sc.logits.options());
-  float *pd = sc.logits.data_ptr<float>(), *wd = weights.data_ptr<float>();
-  at::parallel_for(0, sc.batch * per_batch, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t pair = begin; pair < end; ++pair) {
-      float* first = pd + 2 * pair * keys;
-      combine_rows(first, first + keys, ld[pair], sc.valid[pair / per_batch], keys, wd + pair * keys);
-    }
+  const ChunkedExp ex = chunked_exp(q, k, lengths, scale);
+  check_values(ex, v);
+  const float* ld = lambda_rows(lam, batch * groups * pairs);
+  // the coefficients of rows 2i and 2i + 1, regrouped per pair: A1's and -lam times A2's
+  const std::vector<float> coef = ex.coefficients([&](int64_t bg, int64_t r) {
+    return r % 2 == 0 ? 1.f : -ld[bg * pairs + r / 2];
   });
-  return weights;
+  std::vector<float> first(batch * groups * ex.chunks * pairs), second(first.size());
+  for (int64_t bg = 0; bg < batch * groups; ++bg)
+    for (int64_t ch = 0; ch < ex.chunks; ++ch)
+      for (int64_t i = 0; i < pairs; ++i) {
+        first[(bg * ex.chunks + ch) * pairs + i] = coef[ex.at(bg, ch, 2 * i)];
+        second[(bg * ex.chunks + ch) * pairs + i] = coef[ex.at(bg, ch, 2 * i + 1)];
+      }
+  const float* e = ex.e.data_ptr<float>();
+  const Weights w{{e, e + ex.keys}, {first.data(), second.data()}, 2 * pairs, 2};
+  return weighted_values<2>(w, v, ex.valid, pairs, ex.e.options());
 }
 
 // DIFF V1 and Shared DIFF: each map reads its own K; row r of q1 and row r of q2 are the two maps of one head.
-at::Tensor step_two_map_weights(const at::Tensor& q1, const at::Tensor& k1, const at::Tensor& q2,
-                                const at::Tensor& k2, const at::Tensor& lam, const std::optional<at::Tensor>& lengths,
-                                double scale) {
-  Scores first = step_scores(q1, k1, lengths, scale), second = step_scores(q2, k2, lengths, scale);
-  TORCH_CHECK(first.logits.sizes() == second.logits.sizes(), "diffexp_cpu: the two maps' shapes must match");
-  const int64_t keys = first.keys, per_batch = first.groups * first.rows;
-  const float* ld = lambda_rows(lam, first.batch * per_batch);
-  at::Tensor weights = at::empty_like(first.logits);
-  float *p1 = first.logits.data_ptr<float>(), *p2 = second.logits.data_ptr<float>(), *wd = weights.data_ptr<float>();
-  at::parallel_for(0, first.batch * per_batch, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t row = begin; row < end; ++row)
-      combine_rows(p1 + row * keys, p2 + row * keys, ld[row], first.valid[row / per_batch], keys, wd + row * keys);
-  });
-  return weights;
-}
-
-at::Tensor step_values(const at::Tensor& w_in, const at::Tensor& v_in, const std::optional<at::Tensor>& lengths) {
-  const at::Tensor w = w_in.contiguous();
-  const Rows v = rows_of(v_in, "v");
-  TORCH_CHECK(w.scalar_type() == at::kFloat && w.dim() == 4 && w.size(0) == v.batch && w.size(1) == v.groups &&
-                  w.size(3) == v.length,
-              "diffexp_cpu: the weights must be (B, groups, rows, S) matching v");
-  const int64_t batch = v.batch, groups = v.groups, rows = w.size(2), keys = v.length, dim = v.dim;
-  const std::vector<int64_t> valid = valid_keys(lengths, batch, keys);
-  const int64_t chunks = chunks_for(batch * groups, keys), chunk = (keys + chunks - 1) / chunks;
-  // per chunk partial sums, added up below; one chunk writes the output directly
-  at::Tensor partial = at::zeros({batch * groups, chunks, rows, dim}, w.options());
-  const float* wd = w.data_ptr<float>();
-  float* sums = partial.data_ptr<float>();
-  at::parallel_for(0, batch * groups * chunks, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t task = begin; task < end; ++task) {
-      const int64_t bg = task / chunks, b = bg / groups, g = bg % groups;
-      const int64_t first = (task % chunks) * chunk, last = std::min(valid[b], first + chunk);
-      const float* wg = wd + bg * rows * keys;
-      float* acc = sums + task * rows * dim;
-      for (int64_t j = first; j < last; ++j) {
-        const float* value = v.row(b, g, j);
-        if (j + kAhead < last)
-          for (int64_t i = 0; i < dim; i += 16) __builtin_prefetch(v.row(b, g, j + kAhead) + i);
-        for (int64_t r = 0; r < rows; ++r) {
-          const float weight = wg[r * keys + j];
-          float* out = acc + r * dim;
-#pragma omp simd
-          for (int64_t i = 0; i < dim; ++i) out[i] += weight * value[i];
-        }
-      }
-    }
-  });
-  if (chunks == 1) return partial.view({batch, groups, rows, dim});
-  return partial.sum(1).view({batch, groups, rows, dim});
+at::Tensor step_two_map_attention(const at::Tensor& q1, const at::Tensor& k1, const at::Tensor& q2,
+                                  const at::Tensor& k2, const at::Tensor& v, const at::Tensor& lam,
+                                  const std::optional<at::Tensor>& lengths, double scale) {
+  const ChunkedExp one = chunked_exp(q1, k1, lengths, scale), two = chunked_exp(q2, k2, lengths, scale);
+  TORCH_CHECK(one.e.sizes() == two.e.sizes(), "diffexp_cpu: the two maps' shapes must match");
+  check_values(one, v);
+  const float* ld = lambda_rows(lam, one.batch * one.groups * one.rows);
+  const std::vector<float> c1 = one.coefficients([](int64_t, int64_t) { return 1.f; });
+  const std::vector<float> c2 = two.coefficients([&](int64_t bg, int64_t r) { return -ld[bg * two.rows + r]; });
+  const Weights w{{one.e.data_ptr<float>(), two.e.data_ptr<float>()}, {c1.data(), c2.data()}, one.rows, 1};
+  return weighted_values<2>(w, v, one.valid, one.rows, one.e.options());
 }
 
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(diffexp_cpu, m) {
   m.def("step_probabilities(Tensor q, Tensor k, Tensor? lengths, float scale) -> Tensor");
-  m.def("step_pair_weights(Tensor q1, Tensor q2, Tensor k, Tensor lam, Tensor? lengths, float scale) -> Tensor");
-  m.def("step_two_map_weights(Tensor q1, Tensor k1, Tensor q2, Tensor k2, Tensor lam, Tensor? lengths, "
-        "float scale) -> Tensor");
   m.def("step_values(Tensor weights, Tensor v, Tensor? lengths) -> Tensor");
+  m.def("step_attention(Tensor q, Tensor k, Tensor v, Tensor? lengths, float scale) -> Tensor");
+  m.def("step_pair_attention(Tensor q1, Tensor q2, Tensor k, Tensor v, Tensor lam, Tensor? lengths, "
+        "float scale) -> Tensor");
+  m.def("step_two_map_attention(Tensor q1, Tensor k1, Tensor q2, Tensor k2, Tensor v, Tensor lam, Tensor? lengths, "
+        "float scale) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(diffexp_cpu, CPU, m) {
   m.impl("step_probabilities", &step_probabilities);
-  m.impl("step_pair_weights", &step_pair_weights);
-  m.impl("step_two_map_weights", &step_two_map_weights);
   m.impl("step_values", &step_values);
+  m.impl("step_attention", &step_attention);
+  m.impl("step_pair_attention", &step_pair_attention);
+  m.impl("step_two_map_attention", &step_two_map_attention);
 }
