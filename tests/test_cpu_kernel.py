@@ -265,34 +265,6 @@ def test_step_ops_refuse_values_that_do_not_match_the_keys():
         cpu_native.step_attention(q, k, torch.randn(1, 2, 9, 16), None)
 
 
-@pytest.mark.parametrize("visible", [None, 700, 300])
-def test_step_ops_split_one_row_across_threads_exactly(visible):
-    """At batch 1 a row's keys are split into chunks, one task each, and the values' partial sums added up: peaked
-    scores (one chunk far above the rest) and chunks left partly or wholly empty by lengths, against float64."""
-    torch.manual_seed(7)
-    keys, d, dv = 1027, 16, 24
-    q = torch.randn(1, 1, 4, d) * 6
-    k, v = torch.randn(1, 1, keys, d), torch.randn(1, 1, keys, dv)
-    lam = torch.rand(1, 1, 2)
-    lengths = None if visible is None else torch.tensor([visible])
-    probs, _ = naive_step_probabilities(q, k, lengths)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(4)  # four chunks of the row's keys, whatever the machine's cores
-    try:
-        checks = [
-            (cpu_native.step_probabilities(q, k, lengths), probs),
-            (cpu_native.step_values(probs.float(), v, lengths), probs @ v.double()),
-            (cpu_native.step_pair_weights(q[:, :, 0::2], q[:, :, 1::2], k, lam, lengths),
-             probs[:, :, 0::2] - lam.double()[..., None] * probs[:, :, 1::2]),
-            (cpu_native.step_two_map_weights(q[:, :, :2], k, q[:, :, 2:], k.flip(2), lam, lengths),
-             probs[:, :, :2] - lam.double()[..., None] * naive_step_probabilities(q[:, :, 2:], k.flip(2), lengths)[0]),
-        ]
-    finally:
-        torch.set_num_threads(threads)
-    for got, want in checks:
-        torch.testing.assert_close(got.double(), want, atol=1e-5, rtol=1e-4)
-
-
 def test_a_decoding_step_takes_the_kernel_only_where_it_computes_the_step():
     x = torch.randn(1, 2, 4, 8)
     assert cpu_native.runs_step(x, x)

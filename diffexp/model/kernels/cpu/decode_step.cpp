@@ -22,6 +22,7 @@
 #endif
 
 #include <algorithm>
+#include <initializer_list>
 #include <cmath>
 #include <limits>
 #include <optional>
@@ -144,67 +145,96 @@ void exp_chunk(float* p, int64_t n, float& top, float& total) {
   total = sum;
 }
 
-ChunkedExp chunked_exp(const at::Tensor& q_in, const at::Tensor& k_in, const std::optional<at::Tensor>& lengths,
-                       double scale) {
-  const at::Tensor q = q_in.contiguous();
-  const Rows k = rows_of(k_in, "k");
-  TORCH_CHECK(q.scalar_type() == at::kFloat && q.dim() == 4 && q.size(0) == k.batch && q.size(1) == k.groups &&
-                  q.size(3) == k.dim,
-              "diffexp_cpu: q must be (B, groups, rows, dim) matching k");
-  const int64_t batch = k.batch, groups = k.groups, rows = q.size(2), keys = k.length, dim = k.dim;
-  const int64_t chunks = chunks_for(batch * groups, keys), chunk = (keys + chunks - 1) / chunks;
-  ChunkedExp out{at::empty({batch, groups, rows, keys}, q.options()),
-                 std::vector<float>(batch * groups * chunks * rows), std::vector<float>(batch * groups * chunks * rows),
-                 valid_keys(lengths, batch, keys), batch, groups, rows, keys, chunks, chunk};
-  const float* qd = q.data_ptr<float>();
-  float* pd = out.e.data_ptr<float>();
-  const float s = static_cast<float>(scale);
-  at::parallel_for(0, batch * groups * chunks, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t task = begin; task < end; ++task) {
-      const int64_t bg = task / chunks, b = bg / groups, g = bg % groups;
-      const int64_t first = (task % chunks) * chunk, last = std::min(out.valid[b], first + chunk);
-      const float* qg = qd + bg * rows * dim;
-      float* pg = pd + bg * rows * keys;
-      int64_t j = first;
-      for (; j + 4 <= last; j += 4) {  // 4 keys x 2 rows at a time: eight independent sums
-        const float *k0 = k.row(b, g, j), *k1 = k.row(b, g, j + 1), *k2 = k.row(b, g, j + 2), *k3 = k.row(b, g, j + 3);
-        if (j + kAhead < last)
-          for (int64_t i = 0; i < 4 * dim; i += 16) __builtin_prefetch(k.row(b, g, j + kAhead) + i);
-        int64_t r = 0;
-        for (; r + 2 <= rows; r += 2) {
-          const float* qa = qg + r * dim;
-          dot_2x4(qa, qa + dim, k0, k1, k2, k3, dim, s, pg + r * keys + j, pg + (r + 1) * keys + j);
-        }
-        for (; r < rows; ++r) {
-          const float* qr = qg + r * dim;
-          float d0 = 0.f, d1 = 0.f, d2 = 0.f, d3 = 0.f;
+// One map's phase 1: its queries, keys and result; `score(task)` runs one chunk of one (batch, group).
+struct ScorePass {
+  at::Tensor q;
+  Rows k;
+  float s;
+  ChunkedExp out;
+
+  ScorePass(const at::Tensor& q_in, const at::Tensor& k_in, const std::optional<at::Tensor>& lengths, double scale)
+      : q(q_in.contiguous()), k(rows_of(k_in, "k")), s(static_cast<float>(scale)) {
+    TORCH_CHECK(q.scalar_type() == at::kFloat && q.dim() == 4 && q.size(0) == k.batch && q.size(1) == k.groups &&
+                    q.size(3) == k.dim,
+                "diffexp_cpu: q must be (B, groups, rows, dim) matching k");
+    const int64_t batch = k.batch, groups = k.groups, rows = q.size(2), keys = k.length;
+    const int64_t chunks = chunks_for(batch * groups, keys), chunk = (keys + chunks - 1) / chunks;
+    out = {at::empty({batch, groups, rows, keys}, q.options()), std::vector<float>(batch * groups * chunks * rows),
+           std::vector<float>(batch * groups * chunks * rows), valid_keys(lengths, batch, keys), batch, groups, rows,
+           keys, chunks, chunk};
+  }
+
+  int64_t tasks() const { return out.batch * out.groups * out.chunks; }
+
+  void score(int64_t task) {
+    const int64_t rows = out.rows, keys = out.keys, dim = k.dim, chunks = out.chunks;
+    const int64_t bg = task / chunks, b = bg / out.groups, g = bg % out.groups;
+    const int64_t first = (task % chunks) * out.chunk, last = std::min(out.valid[b], first + out.chunk);
+    const float* qg = q.data_ptr<float>() + bg * rows * dim;
+    float* pg = out.e.data_ptr<float>() + bg * rows * keys;
+    int64_t j = first;
+    for (; j + 4 <= last; j += 4) {  // 4 keys x 2 rows at a time: eight independent sums
+      const float *k0 = k.row(b, g, j), *k1 = k.row(b, g, j + 1), *k2 = k.row(b, g, j + 2), *k3 = k.row(b, g, j + 3);
+      if (j + kAhead < last)
+        for (int64_t i = 0; i < 4 * dim; i += 16) __builtin_prefetch(k.row(b, g, j + kAhead) + i);
+      int64_t r = 0;
+      for (; r + 2 <= rows; r += 2) {
+        const float* qa = qg + r * dim;
+        dot_2x4(qa, qa + dim, k0, k1, k2, k3, dim, s, pg + r * keys + j, pg + (r + 1) * keys + j);
+      }
+      for (; r < rows; ++r) {
+        const float* qr = qg + r * dim;
+        float d0 = 0.f, d1 = 0.f, d2 = 0.f, d3 = 0.f;
 #pragma omp simd reduction(+ : d0, d1, d2, d3)
-          for (int64_t i = 0; i < dim; ++i) {
-            d0 += qr[i] * k0[i];
-            d1 += qr[i] * k1[i];
-            d2 += qr[i] * k2[i];
-            d3 += qr[i] * k3[i];
-          }
-          float* o = pg + r * keys + j;
-          o[0] = d0 * s, o[1] = d1 * s, o[2] = d2 * s, o[3] = d3 * s;
+        for (int64_t i = 0; i < dim; ++i) {
+          d0 += qr[i] * k0[i];
+          d1 += qr[i] * k1[i];
+          d2 += qr[i] * k2[i];
+          d3 += qr[i] * k3[i];
         }
+        float* o = pg + r * keys + j;
+        o[0] = d0 * s, o[1] = d1 * s, o[2] = d2 * s, o[3] = d3 * s;
       }
-      for (; j < last; ++j) {
-        const float* key = k.row(b, g, j);
-        for (int64_t r = 0; r < rows; ++r) {
-          const float* qr = qg + r * dim;
-          float dot = 0.f;
+    }
+    for (; j < last; ++j) {
+      const float* key = k.row(b, g, j);
+      for (int64_t r = 0; r < rows; ++r) {
+        const float* qr = qg + r * dim;
+        float dot = 0.f;
 #pragma omp simd reduction(+ : dot)
-          for (int64_t i = 0; i < dim; ++i) dot += qr[i] * key[i];
-          pg[r * keys + j] = dot * s;
-        }
+        for (int64_t i = 0; i < dim; ++i) dot += qr[i] * key[i];
+        pg[r * keys + j] = dot * s;
       }
-      const int64_t c = task % chunks;
-      for (int64_t r = 0; r < rows; ++r)
-        exp_chunk(pg + r * keys + first, last - first, out.top[out.at(bg, c, r)], out.total[out.at(bg, c, r)]);
+    }
+    const int64_t c = task % chunks;
+    for (int64_t r = 0; r < rows; ++r)
+      exp_chunk(pg + r * keys + first, last - first, out.top[out.at(bg, c, r)], out.total[out.at(bg, c, r)]);
+  }
+};
+
+// Phase 1 of one or two maps in one parallel pass (one fork and join, not one per map).
+void score_all(std::initializer_list<ScorePass*> passes) {
+  int64_t total = 0;
+  for (const ScorePass* p : passes) total += p->tasks();
+  at::parallel_for(0, total, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t task = begin; task < end; ++task) {
+      int64_t t = task;
+      for (ScorePass* p : passes) {
+        if (t < p->tasks()) {
+          p->score(t);
+          break;
+        }
+        t -= p->tasks();
+      }
     }
   });
-  return out;
+}
+
+ChunkedExp chunked_exp(const at::Tensor& q, const at::Tensor& k, const std::optional<at::Tensor>& lengths,
+                       double scale) {
+  ScorePass pass(q, k, lengths, scale);
+  score_all({&pass});
+  return std::move(pass.out);
 }
 
 at::Tensor step_probabilities(const at::Tensor& q, const at::Tensor& k, const std::optional<at::Tensor>& lengths,
@@ -377,7 +407,9 @@ at::Tensor step_pair_attention(const at::Tensor& q1, const at::Tensor& q2, const
 at::Tensor step_two_map_attention(const at::Tensor& q1, const at::Tensor& k1, const at::Tensor& q2,
                                   const at::Tensor& k2, const at::Tensor& v, const at::Tensor& lam,
                                   const std::optional<at::Tensor>& lengths, double scale) {
-  const ChunkedExp one = chunked_exp(q1, k1, lengths, scale), two = chunked_exp(q2, k2, lengths, scale);
+  ScorePass first(q1, k1, lengths, scale), second(q2, k2, lengths, scale);
+  score_all({&first, &second});
+  const ChunkedExp &one = first.out, &two = second.out;
   TORCH_CHECK(one.e.sizes() == two.e.sizes(), "diffexp_cpu: the two maps' shapes must match");
   check_values(one, v);
   const float* ld = lambda_rows(lam, one.batch * one.groups * one.rows);
