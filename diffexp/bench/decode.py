@@ -227,11 +227,6 @@ def summarise(results: dict, variants: list[str], modes: list[str], shapes: list
                 timing.add_mem_ratio(entry, base)
 
 
-def lowest_ratios(results: dict) -> dict[tuple[str, str], float]:
-    """The lowest tok/s ratio to the reference over the grid, per (variant, mode)."""
-    return {key: e["speed_ratio"] for key, e in lowest_entries(results).items()}
-
-
 def lowest_entries(results: dict) -> dict[tuple[str, str], dict]:
     """The result with the lowest tok/s ratio to the reference over the grid, per (variant, mode)."""
     lowest: dict[tuple[str, str], dict] = {}
