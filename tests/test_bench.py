@@ -129,6 +129,19 @@ def test_bench_decode_kv_heads_puts_v2_on_the_baselines_cache(tmp_path):
     assert base["memory_bound_ratio"] == 1.0
 
 
+def test_bench_decode_bf16_reads_bf16_weights_and_cache(tmp_path):
+    """--dtype bf16 decodes as inference does: the weights and the cache in bf16, half the bytes of fp32."""
+    runs = {}
+    for dtype in ("fp32", "bf16"):
+        path = tmp_path / f"{dtype}.json"
+        assert main([*TINY_DECODE, "--variants", "diff_v2", "--dtype", dtype, "--no-memory", "--json", str(path)]) == 0
+        runs[dtype] = json.loads(path.read_text())["results"]
+    for key, fp32 in runs["fp32"].items():
+        bf16 = runs["bf16"][key]
+        assert bf16["cache_bytes_per_token"] * 2 == fp32["cache_bytes_per_token"]
+        assert bf16["bytes_per_step"] * 2 == fp32["bytes_per_step"]
+
+
 def test_bench_decode_noise_floor_times_a_second_copy_of_the_reference(tmp_path, capsys):
     """--noise-floor: a separately built copy of the reference, timed in the same rotation, with its own ratio."""
     path = tmp_path / "decode.json"

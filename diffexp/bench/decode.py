@@ -37,7 +37,8 @@ def build_parser() -> argparse.ArgumentParser:
                                    "prefill of the context, eager and with the compiled decoding step, relative "
                                    "to the reference variant measured in the same run.",
                              batch_size=[1, 8], seq_lens=[1024, 2048, 4096, 8192],
-                             seq_lens_help="context lengths (the prompt prefilled before decoding)")
+                             seq_lens_help="context lengths (the prompt prefilled before decoding)",
+                             dtype_help="bf16 = the model's weights and KV cache in bf16, as inference runs")
     p.add_argument("--new-tokens", type=int, default=16, help="tokens decoded per timed run, one forward each")
     p.add_argument("--kv-heads", type=int, default=None, metavar="N",
                    help="KV heads of every variant (default: each variant's benchmark setting, `diffexp variants`)")
@@ -120,11 +121,12 @@ class DecodeRunner:
         self.model = Decoder(workload.model_config(args, name, max_seq_len(args), args.backend)).to(device).eval()
         self.params = self.model.parameter_report()
         self.new_tokens = args.new_tokens
-        self.autocast = lambda: workload.autocast(args, device)
+        if args.dtype == "bf16":  # inference runs on bf16 weights and cache, not on autocast's fp32 weights
+            self.model.to(torch.bfloat16)
         batch, context = prompt.shape
         compiled = mode == "compiled"
         self.cache = self.model.new_cache(context + args.new_tokens if compiled else None, static=compiled)
-        with torch.inference_mode(), self.autocast():
+        with torch.inference_mode():
             self.first = self.model(prompt, cache=self.cache)[:, -1:].argmax(-1)
         self.cache_bytes_per_token = self.cache.bytes() / (batch * context)  # per sequence
         self.bytes_per_step = step_bytes(self.model, self.cache.bytes(), batch)
@@ -141,7 +143,7 @@ class DecodeRunner:
     def decode(self) -> None:
         self.cache.rewind(self.prompt_mark)
         token = self.first
-        with self.torch.inference_mode(), self.autocast():
+        with self.torch.inference_mode():
             for _ in range(self.new_tokens):
                 token = self.model.decode_step(token, self.cache).argmax(-1, keepdim=True)
 

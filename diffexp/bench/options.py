@@ -40,7 +40,7 @@ class BenchArgumentParser(argparse.ArgumentParser):
 
 
 def build_parser(kind: str, description: str, *, batch_size: int | list[int], seq_lens: list[int],
-                 seq_lens_help: str | None = None) -> BenchArgumentParser:
+                 seq_lens_help: str | None = None, dtype_help: str | None = None) -> BenchArgumentParser:
     """The shared flags: variants, model shape, sizes, timing scheme, device, output and --compare."""
     p = BenchArgumentParser(prog=f"diffexp bench {kind}", description=description,
                             formatter_class=_DefaultsFormatter)
@@ -63,7 +63,7 @@ def build_parser(kind: str, description: str, *, batch_size: int | list[int], se
     p.add_argument("--rounds", type=int, default=3, help="rounds, each in a rotated variant order")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="where to run")
     p.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32",
-                   help="bf16 = autocast mixed precision (fp32 weights and optimizer state)")
+                   help=dtype_help or "bf16 = autocast mixed precision (fp32 weights and optimizer state)")
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's default)")
     p.add_argument("--no-memory", action="store_true", help="skip the peak-memory run")
     p.add_argument("--json", type=Path, default=None, metavar="PATH",
