@@ -32,12 +32,15 @@ def named_seed(seed: int, name: str) -> int:
 def _cpu_step_options() -> dict:
     """Inductor's options for a CPU decoding step. A batch-1 step's products with the weights are GEMVs, bound by
     reading the weights: inductor's decompose_mm_pass writes them as vector sums fused with their neighbours
-    instead of one MKL call each, which is faster for one row. Empty where this torch lacks the pass."""
+    instead of one MKL call each, which is faster for one row (skipped where this torch lacks the pass).
+    size_asserts off: the step's Python wrapper would check the size and stride of every input and extern output
+    on each token; the inputs are guarded by dynamo already, and the compiled step is tested equal to eager."""
+    options: dict = {"size_asserts": False}
     try:
         import torch._inductor.fx_passes.decompose_mem_bound_mm  # noqa: F401 - the pass registers on import
     except ImportError:
-        return {}
-    return {"post_grad_fusion_options": {"decompose_mm_pass": {}}}
+        return options
+    return {**options, "post_grad_fusion_options": {"decompose_mm_pass": {}}}
 
 
 class Decoder(nn.Module):
@@ -148,7 +151,7 @@ class Decoder(nn.Module):
         if reason is not None:
             return reason
         if device.type == "cpu" and mode == "default":  # torch.compile takes a mode or options, not both
-            settings = {"options": options} if (options := _cpu_step_options()) else {}
+            settings = {"options": _cpu_step_options()}
         else:
             settings = {"mode": mode}
         self._compiled_step = torch.compile(self._own_step(), dynamic=False, fullgraph=True, **settings)
