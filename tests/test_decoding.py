@@ -232,3 +232,31 @@ def test_generate_warns_and_decodes_eagerly_where_compile_cannot_run(monkeypatch
     with pytest.warns(UserWarning, match="no C\\+\\+ compiler"):
         tokens = list(generate(model, torch.zeros(1, 3, dtype=torch.long), 3, compile=True))
     assert len(tokens) == 3
+
+
+def test_a_shared_diff_step_multiplies_its_input_once_for_q_and_k():
+    """With a cache, Shared DIFF's four products with X (the Q and K bases and downs) are one GEMM: a decoding step
+    is bound by its launches on a GPU, and K's narrow base alone is a slow cuBLAS shape in fp32. Without a cache
+    (training) they stay four. The logits are the same either way (the tests above)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class CountProducts(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.count = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.count += func in (torch.ops.aten.mm.default, torch.ops.aten.addmm.default)
+            return func(*args, **(kwargs or {}))
+
+    model = build("shared_diff")
+    attn = model.blocks[0].attn
+    x = torch.randn(2, 1, model.cfg.d_model)
+    cache = model.new_cache(capacity=8)
+    cache.begin(2, 1, x.device)
+    with torch.no_grad():
+        with CountProducts() as cached:
+            attn(x, cache=cache.layers[0])
+        with CountProducts() as uncached:
+            attn(x)
+    assert (cached.count, uncached.count) == (3, 6)  # [W_Q; A_Q; W_K; A_K], V and O; or each of the six alone

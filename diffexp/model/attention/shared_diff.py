@@ -10,7 +10,9 @@ base_sharing="maps": each head has its own d-wide W_Q, shared by its two maps; s
 base_sharing="heads": one d-wide W_Q for all heads and both maps (section 2.4); under "layer" the
     full-width base is that W_Q repeated for every head, plus the full-width update.
 
-Computed as X W_Q once plus (X A) B^T, never forming d_model x (h d) matrices. The rest (lambda,
+Computed as X W_Q once plus (X A) B^T, never forming d_model x (h d) matrices. With a cache (decoding),
+X's four products (W_Q, A_Q, W_K, A_K) are one GEMM over their weights side by side: a step is bound by its
+kernel launches, and cuBLAS runs K's narrow base alone slowly in fp32 (bench/README.md). The rest (lambda,
 GroupNorm, (1 - lambda_init), 2d-wide V) is DIFF V1's. B starts at N(0, lowrank_init_std^2), not
 zero: with B = 0 both maps would start identical and A1 - lambda A2 would be (1 - lambda) A1.
 """
@@ -20,6 +22,7 @@ from __future__ import annotations
 from typing import Literal
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from diffexp.model.attention.differential import (
@@ -83,9 +86,18 @@ class LowRankSharedProjection(nn.Module):
         nn.init.normal_(self.up, 0.0, self.up_init_std)
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        b, t, _ = x.shape
-        shared = self.base(x).view(b, t, 1, -1, self.head_dim)  # broadcasts over maps (and heads)
-        low = self.down(x).view(b, t, 2, self.groups, self.rank)
+        return self.maps(self.base(x), self.down(x))
+
+    @property
+    def input_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """W and A: the weights X is multiplied by."""
+        return self.base.weight, self.down.weight
+
+    def maps(self, base_out: torch.Tensor, down_out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Both maps' (B, n_heads, T, d) from X W (B, T, width) and X A (B, T, 2 groups r)."""
+        b, t, _ = base_out.shape
+        shared = base_out.reshape(b, t, 1, -1, self.head_dim)  # broadcasts over maps (and heads)
+        low = down_out.reshape(b, t, 2, self.groups, self.rank)
         update = torch.einsum("btmgr,mgrw->btmgw", low, self.up.to(low.dtype))
         both = shared + update.reshape(b, t, 2, self.n_heads, self.head_dim)  # (B, T, map, head, d)
         return both[:, :, 0].transpose(1, 2), both[:, :, 1].transpose(1, 2)
@@ -111,10 +123,14 @@ class SharedDiffAttention(TwoMapDifferentialAttention):
         self.k_proj = LowRankSharedProjection(self.d_model, self.n_kv_heads, self.head_dim, cfg.rank,
                                               across_heads, cfg.lowrank_init_std, per_head)
 
-    def project_qk(self, x: torch.Tensor):
-        q1, q2 = self.q_proj(x)
-        k1, k2 = self.k_proj(x)
-        return q1, q2, k1, k2
+    def project_qk(self, x: torch.Tensor, cache=None):
+        if cache is None:
+            q1, q2 = self.q_proj(x)
+            k1, k2 = self.k_proj(x)
+            return q1, q2, k1, k2
+        weights = (*self.q_proj.input_weights, *self.k_proj.input_weights)  # decoding: one GEMM for all four
+        products = F.linear(x, torch.cat(weights)).split([w.shape[0] for w in weights], dim=-1)
+        return *self.q_proj.maps(*products[:2]), *self.k_proj.maps(*products[2:])
 
     def extra_repr(self) -> str:
         cfg = self.cfg
