@@ -234,10 +234,11 @@ def test_generate_warns_and_decodes_eagerly_where_compile_cannot_run(monkeypatch
     assert len(tokens) == 3
 
 
-def test_a_shared_diff_step_multiplies_its_input_once_for_q_and_k():
-    """With a cache, Shared DIFF's four products with X (the Q and K bases and downs) are one GEMM: a decoding step
-    is bound by its launches on a GPU, and K's narrow base alone is a slow cuBLAS shape in fp32. Without a cache
-    (training) they stay four. The logits are the same either way (the tests above)."""
+def test_a_shared_diff_step_on_a_gpu_multiplies_its_input_once_for_q_and_k():
+    """Decoding on a GPU, Shared DIFF's four products with X (the Q and K bases and downs) are one GEMM: a step there
+    is bound by its launches, and K's narrow base alone is a slow cuBLAS shape in fp32. Training, and CPU steps
+    (inductor's fused vector sums), keep the four. The logits are the same either way (the tests above); the meta
+    device stands in for a GPU here."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
     class CountProducts(TorchDispatchMode):
@@ -249,14 +250,26 @@ def test_a_shared_diff_step_multiplies_its_input_once_for_q_and_k():
             self.count += func in (torch.ops.aten.mm.default, torch.ops.aten.addmm.default)
             return func(*args, **(kwargs or {}))
 
-    model = build("shared_diff")
-    attn = model.blocks[0].attn
-    x = torch.randn(2, 1, model.cfg.d_model)
-    cache = model.new_cache(capacity=8)
-    cache.begin(2, 1, x.device)
+    def products(device: str, cached: bool) -> int:
+        model = build("shared_diff").to(device)
+        x = torch.randn(2, 1, model.cfg.d_model, device=device)
+        cache = model.new_cache(capacity=8)
+        cache.begin(2, 1, x.device)
+        with torch.no_grad(), CountProducts() as counter:
+            model.blocks[0].attn(x, cache=cache.layers[0] if cached else None)
+        return counter.count
+
+    # [W_Q; A_Q; W_K; A_K], V and O; or each of the six alone
+    assert (products("meta", cached=True), products("meta", cached=False), products("cpu", cached=True)) == (3, 6, 6)
+
+
+@pytest.mark.parametrize("scope", ["layer", "head"])
+@pytest.mark.parametrize("sharing", ["maps", "heads"])
+def test_shared_diffs_one_gemm_gives_its_separate_products(scope, sharing):
+    """The GPU's decoding path (one GEMM over the joined weights, split back) against the four products."""
+    attn = build("shared_diff", lowrank_scope=scope, base_sharing=sharing).blocks[0].attn
+    x = torch.randn(2, 3, attn.d_model)
     with torch.no_grad():
-        with CountProducts() as cached:
-            attn(x, cache=cache.layers[0])
-        with CountProducts() as uncached:
-            attn(x)
-    assert (cached.count, uncached.count) == (3, 6)  # [W_Q; A_Q; W_K; A_K], V and O; or each of the six alone
+        joined, separate = attn.joined_qk(x), (*attn.q_proj(x), *attn.k_proj(x))
+    for one, other in zip(joined, separate, strict=True):
+        torch.testing.assert_close(one, other, rtol=0, atol=1e-6)

@@ -10,9 +10,10 @@ base_sharing="maps": each head has its own d-wide W_Q, shared by its two maps; s
 base_sharing="heads": one d-wide W_Q for all heads and both maps (section 2.4); under "layer" the
     full-width base is that W_Q repeated for every head, plus the full-width update.
 
-Computed as X W_Q once plus (X A) B^T, never forming d_model x (h d) matrices. With a cache (decoding),
-X's four products (W_Q, A_Q, W_K, A_K) are one GEMM over their weights side by side: a step is bound by its
-kernel launches, and cuBLAS runs K's narrow base alone slowly in fp32 (bench/README.md). The rest (lambda,
+Computed as X W_Q once plus (X A) B^T, never forming d_model x (h d) matrices. Decoding on a GPU, X's four
+products (W_Q, A_Q, W_K, A_K) are one GEMM over their weights side by side: a step there is bound by its kernel
+launches, and cuBLAS runs K's narrow base alone slowly in fp32 (bench/README.md). On CPU a step's products are
+inductor's fused vector sums, to which joining the weights only adds a copy. The rest (lambda,
 GroupNorm, (1 - lambda_init), 2d-wide V) is DIFF V1's. B starts at N(0, lowrank_init_std^2), not
 zero: with B = 0 both maps would start identical and A1 - lambda A2 would be (1 - lambda) A1.
 """
@@ -124,11 +125,15 @@ class SharedDiffAttention(TwoMapDifferentialAttention):
                                               across_heads, cfg.lowrank_init_std, per_head)
 
     def project_qk(self, x: torch.Tensor, cache=None):
-        if cache is None:
-            q1, q2 = self.q_proj(x)
-            k1, k2 = self.k_proj(x)
-            return q1, q2, k1, k2
-        weights = (*self.q_proj.input_weights, *self.k_proj.input_weights)  # decoding: one GEMM for all four
+        if cache is not None and x.device.type != "cpu":
+            return self.joined_qk(x)
+        q1, q2 = self.q_proj(x)
+        k1, k2 = self.k_proj(x)
+        return q1, q2, k1, k2
+
+    def joined_qk(self, x: torch.Tensor):
+        """project_qk's four maps from one GEMM over [W_Q; A_Q; W_K; A_K] (decoding on a GPU)."""
+        weights = (*self.q_proj.input_weights, *self.k_proj.input_weights)
         products = F.linear(x, torch.cat(weights)).split([w.shape[0] for w in weights], dim=-1)
         return *self.q_proj.maps(*products[:2]), *self.k_proj.maps(*products[2:])
 
