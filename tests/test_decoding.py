@@ -237,7 +237,7 @@ def test_generate_warns_and_decodes_eagerly_where_compile_cannot_run(monkeypatch
 def test_a_shared_diff_step_on_a_gpu_multiplies_its_input_once_for_q_and_k():
     """Decoding on a GPU, Shared DIFF's four products with X (the Q and K bases and downs) are one GEMM: a step there
     is bound by its launches, and K's narrow base alone is a slow cuBLAS shape in fp32. Training, and CPU steps
-    (inductor's fused vector sums), keep the four. The logits are the same either way (the tests above); the meta
+    (inductor's fused vector sums), keep the four; the next test checks that both give the same maps. The meta
     device stands in for a GPU here."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
