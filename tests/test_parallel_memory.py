@@ -1,4 +1,5 @@
-"""Memory per rank before a sharded run (diffexp.parallel.memory): the counts it rests on, and its refusal."""
+"""Memory per rank before a sharded run (diffexp.parallel.memory): the counts it rests on, its refusal, and the
+measured peak the end of fit sets beside it."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from diffexp.errors import UserError
 from diffexp.model import Decoder
 from diffexp.model.config import ModelConfig
 from diffexp.parallel import memory
-from diffexp.parallel.memory import check_fits, estimate_memory
+from diffexp.parallel.memory import check_fits, estimate_memory, peak_line
 
 VARIANTS = ["baseline", "diff_v1", "diff_v2", "shared_diff", "dint"]
 
@@ -101,3 +102,29 @@ def test_activation_checkpointing_keeps_the_gradients_and_saves_less():
     for name in grads_a:
         torch.testing.assert_close(grads_b[name], grads_a[name], rtol=1e-5, atol=1e-7, msg=name)
     assert saved_b < saved_a / 2
+
+
+def test_the_end_of_fit_sets_a_gpus_measured_peak_beside_the_estimate(monkeypatch, capsys):
+    from types import SimpleNamespace
+
+    from diffexp.training.report import print_summary
+
+    gib = 2**30
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device=None: int(10.8 * gib))
+    monkeypatch.setattr(torch.cuda, "max_memory_reserved", lambda device=None: int(11.4 * gib))
+    assert peak_line(torch.device("cuda", 0), int(10.6 * gib)) == (
+        "10.8 GiB allocated, 11.4 GiB reserved (rank 0); estimated 10.6 GiB before training (+2%)")
+    assert peak_line(torch.device("cuda", 0)) == "10.8 GiB allocated, 11.4 GiB reserved (rank 0)"
+    assert peak_line(torch.device("cpu"), int(10.6 * gib)) is None
+
+    def summary(device, estimated):
+        strategy = SimpleNamespace(root_device=torch.device(device), estimated_memory=estimated)
+        trainer = SimpleNamespace(log_dir=None, is_global_zero=True, callbacks=[], callback_metrics={}, global_step=3,
+                                  strategy=strategy)
+        print_summary(trainer)
+        return capsys.readouterr().out
+
+    expected = ("peak memory     10.8 GiB allocated, 11.4 GiB reserved (rank 0); estimated 9.0 GiB before training "
+                "(+20%)")
+    assert expected in summary("cuda", 9 * gib)
+    assert "peak memory" not in summary("cpu", 9 * gib)

@@ -51,6 +51,7 @@ class FSDP2Strategy(ModelParallelStrategy):
         self.mixed_precision = mixed_precision
         self.activation_checkpointing = activation_checkpointing
         self.replicate_across_nodes = replicate_across_nodes
+        self.estimated_memory: int | None = None  # bytes per rank, from check_memory
 
     # -- the mesh: every rank is a data-parallel rank ----------------------------------------------------
     def setup_environment(self) -> None:
@@ -118,13 +119,17 @@ class FSDP2Strategy(ModelParallelStrategy):
 
     def check_memory(self, arch, micro_batch: int, seq_len: int) -> str:
         """The memory per rank this run needs (diffexp.parallel.memory); refuses a run that cannot fit."""
-        from diffexp.parallel.memory import check_fits
+        from diffexp.parallel.memory import check_fits, estimate_memory
 
         available = None
         if self.root_device.type == "cuda":
             available = torch.cuda.get_device_properties(self.root_device).total_memory
-        return check_fits(arch, micro_batch, seq_len, self.device_mesh["shard"].size(), self.compute_dtype,
-                          self.activation_checkpointing, available)
+        shards = self.device_mesh["shard"].size()
+        estimate = estimate_memory(arch, micro_batch, seq_len, shards, self.compute_dtype,
+                                   self.activation_checkpointing)
+        self.estimated_memory = estimate.total  # printed beside the measured peak at the end of fit
+        return check_fits(arch, micro_batch, seq_len, shards, self.compute_dtype, self.activation_checkpointing,
+                          available, estimate)
 
     def shard(self, decoder: nn.Module) -> None:
         """Shard a Decoder in place with this strategy's mesh and precision (DiffexpLM.configure_model)."""

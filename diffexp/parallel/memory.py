@@ -114,12 +114,13 @@ def estimate_memory(arch, micro_batch: int, seq_len: int, shard_size: int,
 
 
 def check_fits(arch, micro_batch: int, seq_len: int, shard_size: int, compute_dtype: torch.dtype,
-               activation_checkpointing: bool, available: int | None) -> str:
-    """The estimate as one line; a UserError naming what helps when it exceeds FIT_FRACTION of `available`
-    bytes (None: no limit known, e.g. on CPU)."""
+               activation_checkpointing: bool, available: int | None, estimate: MemoryEstimate | None = None) -> str:
+    """The estimate (computed here unless given) as one line; a UserError naming what helps when it exceeds
+    FIT_FRACTION of `available` bytes (None: no limit known, e.g. on CPU)."""
     from diffexp.errors import UserError
 
-    estimate = estimate_memory(arch, micro_batch, seq_len, shard_size, compute_dtype, activation_checkpointing)
+    if estimate is None:
+        estimate = estimate_memory(arch, micro_batch, seq_len, shard_size, compute_dtype, activation_checkpointing)
     line = (f"memory: {estimate.describe()}, micro-batch {micro_batch} x {seq_len} tokens, states sharded over "
             f"{shard_size}")
     if available is None or estimate.total <= FIT_FRACTION * available:
@@ -136,3 +137,14 @@ def check_fits(arch, micro_batch: int, seq_len: int, shard_size: int, compute_dt
     options.append(f"twice the GPUs ({2 * shard_size}): {size(more.total)}")
     raise UserError(f"{line}: more than {FIT_FRACTION:.0%} of the {available / GIB:.1f} GiB of one device, so the "
                     "run would stop out of memory. What helps, each alone:\n  " + "\n  ".join(options))
+
+
+def peak_line(device: torch.device, estimated: int | None = None) -> str | None:
+    """The CUDA allocator's peak on `device` so far, beside the estimate printed before training (None off CUDA)."""
+    if device.type != "cuda":
+        return None
+    allocated, reserved = torch.cuda.max_memory_allocated(device), torch.cuda.max_memory_reserved(device)
+    line = f"{size(allocated)} allocated, {size(reserved)} reserved (rank 0)"
+    if estimated:
+        line += f"; estimated {size(estimated)} before training ({allocated / estimated - 1:+.0%})"
+    return line

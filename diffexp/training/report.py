@@ -14,6 +14,8 @@ from pathlib import Path
 import lightning as L
 from lightning.pytorch.callbacks import ModelCheckpoint
 
+from diffexp.parallel.memory import peak_line
+
 
 def _shows_live_bar(trainer: L.Trainer) -> bool:
     return trainer.progress_bar_callback is not None and sys.stdout.isatty()
@@ -82,6 +84,9 @@ def print_summary(trainer: L.Trainer) -> None:
         f"tokens/s        {tokens:,.0f} (median over steps)" if tokens else "tokens/s        -",
         f"wall time       {wall / 60:.1f} min" if wall is not None else "wall time       -",
     ]
+    peak = peak_line(trainer.strategy.root_device, getattr(trainer.strategy, "estimated_memory", None))
+    if peak is not None:
+        lines.append(f"peak memory     {peak}")
     if run_dir is not None and last:
         config = run_dir / "config.yaml"
         lines.append(f"resume          diffexp fit --config {config} --ckpt_path {last}")
