@@ -12,6 +12,20 @@ if not torch.cuda.is_available():  # Triton's CPU interpreter for test_triton_ke
 
 from tests.helpers import PATTERN, bpe_text_checkpoint, save_checkpoint, small_model  # noqa: E402
 
+
+def _share_the_cores_among_workers() -> None:
+    """Under pytest-xdist each worker takes its share of the cores for torch's threads (and the processes it starts):
+    two workers of two OpenMP threads each on two cores spend most of their time spinning at each other's barriers.
+    Tests that need more threads set them themselves."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if workers > 1:
+        threads = max(1, (os.cpu_count() or 1) // workers)
+        torch.set_num_threads(threads)
+        os.environ.setdefault("OMP_NUM_THREADS", str(threads))
+
+
+_share_the_cores_among_workers()
+
 # what an in-process fit on a distributed strategy leaves behind: later subprocess runs would inherit the port
 DISTRIBUTED_ENV = ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "LOCAL_RANK", "NODE_RANK", "RANK", "GROUP_RANK",
                    "LOCAL_WORLD_SIZE")
