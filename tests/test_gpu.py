@@ -73,7 +73,8 @@ def test_a_long_gqa_prompt_never_holds_its_attention_map(dtype):
 
 def test_fsdp_bf16_fit_logs_diagnostics_and_resumes_from_sharded_checkpoint(tmp_path):
     """The GPU recipes' path at toy size: FSDP2 (fully_shard per block, sharded checkpoints), bf16 compute,
-    diagnostics observed inside the FSDP forward, then `--ckpt_path last` continues the same run."""
+    diagnostics observed inside the FSDP forward, the measured peak memory beside the estimate at the end, then
+    `--ckpt_path last` continues the same run."""
     import torch.distributed.checkpoint  # noqa: F401  (sharded checkpoints need it)
 
     from tests.helpers import run_cli, scalars, write_recipe
@@ -83,7 +84,8 @@ def test_fsdp_bf16_fit_logs_diagnostics_and_resumes_from_sharded_checkpoint(tmp_
             '"init_args": {"mixed_precision": "bf16"}}')
     common = ["--trainer.accelerator=gpu", "--trainer.devices=1", fsdp,
               "--diagnostics.every_n_steps=2", "--model.optim.schedule_steps=12"]  # one lr schedule for both legs
-    run_cli(["fit", "--config", str(recipe), *common], tmp_path)
+    first = run_cli(["fit", "--config", str(recipe), *common], tmp_path)
+    assert "peak memory" in first.stdout and "before training" in first.stdout  # the peak beside the estimate
     run_dir = tmp_path / "runs/run/version_0"
     logged = scalars(run_dir)
     assert "diag/layer_01/act_kurtosis" in logged and "diag/attn_logit_max" in logged
