@@ -4,6 +4,7 @@ later run compares with, and bad flags refused before any work."""
 from __future__ import annotations
 
 import json
+import statistics
 
 import pytest
 import torch
@@ -48,8 +49,13 @@ def test_bench_writes_ratios_flops_and_mfu_and_compares(tmp_path, capsys):
     for entry in results.values():
         assert entry["speed_ratio"] > 0 and entry["peak_bytes"] > 0
         assert entry["mfu"] == pytest.approx(entry["tflops_per_s"] / 1.0)
-        # FLOP-rate ratio: the variant's FLOPs/s over the reference's, in the same run
-        assert entry["flop_rate_ratio"] == pytest.approx(entry["tflops_per_s"] / base["tflops_per_s"])
+        # FLOP-rate ratio: the variant's FLOPs/s over the reference's, in the same run (the speed ratio, from
+        # paired steps, times the FLOPs ratio), and the speed ratio the median of those pairs
+        work = entry["flops_per_step"] / base["flops_per_step"]
+        assert entry["flop_rate_ratio"] == pytest.approx(entry["speed_ratio"] * work)
+        pairs = [b / x for b_round, x_round in zip(base["times_s"], entry["times_s"], strict=True)
+                 for b, x in zip(b_round, x_round, strict=True)]
+        assert entry["speed_ratio"] == pytest.approx(statistics.median(pairs))
         assert entry["flop_rate_ratio_min"] <= entry["flop_rate_ratio_max"]
     assert first.with_suffix(".png").stat().st_size > 0 and "plot: " in caption
     # the two-map variants do more attention work per token than the baseline
@@ -323,3 +329,40 @@ def test_timed_rounds_run_with_the_garbage_collector_off_and_every_sample_kept()
     for runner in runners.values():  # the first, untimed run precedes the rounds; every later run is in one
         assert runner.collector_on[0] and not any(runner.collector_on[1:])
     assert samples["a"]["seconds"] == [[1.0, 2.0, 3.0], [4.0, 5.0, 6.0]]
+
+
+def test_a_ratio_pairs_runs_so_a_change_in_the_machines_speed_does_not_move_it():
+    """Two identical models, and the machine halves its speed one run earlier for the second than for the first:
+    the pooled medians would read 0.75; pairs of neighbouring runs read 1, and only the one pair split by the
+    change is off."""
+    from diffexp.bench import timing
+
+    base = {"t": [[1.0, 1.0, 1.0], [2.0, 2.0, 2.0]]}
+    copy = {"t": [[1.0, 1.0, 2.0], [2.0, 2.0, 2.0]]}
+    pooled = statistics.median([1.0] * 3 + [2.0] * 3) / statistics.median([1.0] * 2 + [2.0] * 4)
+    assert pooled == 0.75
+    timing.add_ratio(copy, base, "t", "median_t", "ratio")
+    assert copy["ratio"] == 1.0
+    assert copy["round_ratios"] == [1.0, 1.0]
+    assert copy["median_t"] == 2.0 and copy["round_median_t"] == [1.0, 2.0]
+
+    slower = {"t": [[1.25, 1.25, 2.5], [2.5, 2.5, 2.5]]}  # 1.25x the first model's time in every run
+    timing.add_ratio(slower, base, "t", "median_t", "ratio")
+    assert slower["ratio"] == 0.8 and slower["ratio_min"] == slower["ratio_max"] == 0.8
+
+
+def test_compare_says_when_the_runs_estimated_their_ratios_differently(tmp_path, capsys):
+    from diffexp.bench import decode, report, timing
+
+    def run(config_extra):
+        entry = {"variant": "baseline", "mode": "compiled", "seq_len": 1024, "batch_size": 1, "speed_ratio": 1.0,
+                 "speed_ratio_min": 1.0, "speed_ratio_max": 1.0, "cache_ratio": 1.0, "mem_ratio": None}
+        return {"env": {"device": "cpu", "device_name": "x", "threads": 2, "torch": "2"},
+                "config": config_extra, "results": {"baseline@1024x1:compiled": entry}}
+
+    report.compare(run({}), run({"ratio_estimator": timing.RATIO_ESTIMATOR}), decode.LAYOUT, tmp_path / "old.json")
+    out = capsys.readouterr().out
+    assert f"ratio_estimator: {timing.EARLIER_RATIO_ESTIMATOR} -> {timing.RATIO_ESTIMATOR}" in out
+    report.compare(run({"ratio_estimator": timing.RATIO_ESTIMATOR}), run({"ratio_estimator": timing.RATIO_ESTIMATOR}),
+                   decode.LAYOUT, tmp_path / "old.json")
+    assert "ratio_estimator" not in capsys.readouterr().out

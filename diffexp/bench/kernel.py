@@ -194,7 +194,8 @@ def table(data: dict) -> tuple[str, list[str], list[list[str]], str]:
              f"{cfg['dtype']}, {env['threads']} threads, d_model {cfg['d_model']}, {cfg['n_heads']} heads; "
              f"{cfg['rounds']} rounds x {cfg['steps']} steps")
     peak = cfg["peak_flops"]
-    caption = (f"vs base = {ref} median / variant median on the same backend (>1 = faster than {ref}); spread = "
+    caption = (f"vs base = the median over paired runs (a few runs apart in one round) of {ref}'s time / the "
+               f"variant's on the same backend (>1 = faster than {ref}); spread = "
                "min-max of the fwd+bwd ratio per round; peak mem = live tensor bytes of one forward+backward "
                "(weights included); TFLOP/s = the layer's attention FLOPs (linear weights + the registry's "
                f"attention_flops, x3) / fwd+bwd time; MFU = that / the peak "

@@ -18,7 +18,7 @@ def _ratio_series(data: dict, variant: str, key: str, invert: bool = False) -> t
         if invert:
             mid, lo, hi = 1 / mid, 1 / hi, 1 / lo
         values.append(mid)
-        # the ratio is the median over every step, the bar the per-round ratios' range: the median can lie
+        # the ratio is the median over every pair of runs, the bar the per-round ratios' range: the median can lie
         # just outside it, and matplotlib refuses negative error lengths
         low.append(max(0.0, mid - lo))
         high.append(max(0.0, hi - mid))

@@ -14,6 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from diffexp.bench.timing import EARLIER_RATIO_ESTIMATOR
 from diffexp.errors import UserError
 
 PACKAGE_DIR = Path(__file__).resolve().parents[1]
@@ -205,6 +206,9 @@ def compare(old: dict, new: dict, layout: Layout, compare_path: Path) -> None:
     """Ratio changes between an earlier run and this one, per result key present in both."""
     diffs = [f"{k}: {old['env'].get(k)} -> {new['env'].get(k)}" for k in ENV_KEYS
              if old["env"].get(k) != new["env"].get(k)]
+    estimators = [run["config"].get("ratio_estimator", EARLIER_RATIO_ESTIMATOR) for run in (old, new)]
+    if estimators[0] != estimators[1]:
+        diffs.append(f"ratio_estimator: {estimators[0]} -> {estimators[1]}")
     for k in layout.config_keys:
         a, b = old["config"].get(k), new["config"].get(k)
         if isinstance(a, dict) and isinstance(b, dict):  # per variant: only the variants both runs measured

@@ -1,8 +1,9 @@
 """The side-by-side timing scheme every bench kind shares (bench/README.md tells why).
 
 After one untimed run each, the variants take turns run by run in rounds, rotated per round and warmed up first,
-so machine noise hits every variant alike. A ratio is reference median / variant median; its spread, the range
-of the same ratio per round.
+so machine noise hits every variant alike. A ratio is the median over runs of the reference's time over the
+variant's in the same place of the same round (runs a few apart, so a change in the machine's speed between them is
+small); its spread, the range of the per-round medians of those ratios.
 """
 
 from __future__ import annotations
@@ -16,6 +17,10 @@ from typing import Protocol
 
 from diffexp.bench.memory import measure_peaks
 from diffexp.bench.progress import ProgressReporter
+
+#: how add_ratio estimates a ratio, as the results JSON records it; runs before it recorded none used EARLIER
+RATIO_ESTIMATOR = "median of paired runs"
+EARLIER_RATIO_ESTIMATOR = "median / median"
 
 #: samples[runner][measure][round] = the seconds of each timed run
 Samples = dict[str, dict[str, list[list[float]]]]
@@ -124,19 +129,20 @@ def measure(runners: Mapping[str, Runner], args, progress: ProgressReporter, lab
 
 
 def add_ratio(entry: dict, base: dict, times: str, median: str, ratio: str) -> None:
-    """Median of entry[times] (all rounds) and per round, and the reference's median over it, in place.
+    """Median of entry[times] (all rounds) and per round, and the ratio to the reference's times, in place.
 
+    The ratio pairs each of the variant's runs with the reference's run in the same place of the same round, and
+    takes the median of reference / variant over all pairs. A pooled median / pooled median would mix runs from
+    before and after a change in the machine's speed; a pair's runs are a few runs apart.
     Sets entry[median], entry["round_" + median], entry[ratio], entry["round_" + ratio + "s"],
     entry[ratio + "_min"] and entry[ratio + "_max"] (the spread of the per-round ratios).
     """
-    base_all = statistics.median(t for rnd in base[times] for t in rnd)
-    base_rounds = [statistics.median(rnd) for rnd in base[times]]
-    med = statistics.median(t for rnd in entry[times] for t in rnd)
-    rounds = [statistics.median(rnd) for rnd in entry[times]]
-    round_ratios = [b / x for b, x in zip(base_rounds, rounds, strict=True)]
-    entry[median] = med
-    entry[f"round_{median}"] = rounds
-    entry[ratio] = base_all / med
+    paired = [[b / x for b, x in zip(base_round, own_round, strict=True)]
+              for base_round, own_round in zip(base[times], entry[times], strict=True)]
+    round_ratios = [statistics.median(rnd) for rnd in paired]
+    entry[median] = statistics.median(t for rnd in entry[times] for t in rnd)
+    entry[f"round_{median}"] = [statistics.median(rnd) for rnd in entry[times]]
+    entry[ratio] = statistics.median(r for rnd in paired for r in rnd)
     entry[f"round_{ratio}s"] = round_ratios
     entry[f"{ratio}_min"] = min(round_ratios)
     entry[f"{ratio}_max"] = max(round_ratios)

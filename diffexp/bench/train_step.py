@@ -168,7 +168,8 @@ def table(data: dict) -> tuple[str, list[str], list[list[str]], str]:
              f"backend {cfg['backend']}, {env['threads']} threads, d_model {cfg['d_model']}, {cfg['n_layers']} "
              f"layers, {cfg['n_heads']} heads; {cfg['rounds']} rounds x {cfg['steps']} steps")
     peak = cfg["peak_flops"]
-    caption = (f"tokens/s vs base = {ref} median step time / variant median (>1 = faster than {ref}); "
+    caption = (f"tokens/s vs base = the median over paired steps (a few steps apart in one round) of {ref}'s "
+               f"step time / the variant's (>1 = faster than {ref}); "
                "spread = min-max of the same ratio per round; FLOP/s vs base = the variant's model FLOPs per "
                f"second over {ref}'s (tokens/s ratio x FLOPs ratio; 1 = its extra math costs exactly its extra "
                "FLOPs); peak mem = live tensor bytes "

@@ -7,6 +7,7 @@ import argparse
 import contextlib
 
 from diffexp.bench.memory import memory_method
+from diffexp.bench.timing import RATIO_ESTIMATOR
 from diffexp.errors import UserError
 from diffexp.model.attention import variant
 
@@ -72,4 +73,4 @@ def common_config(args: argparse.Namespace) -> dict:
     keys = ("variants", "seq_lens", "batch_size", "d_model", "n_layers", "n_heads", "vocab_size", "steps",
             "warmup", "rounds", "dtype")
     return {**{key: getattr(args, key) for key in keys}, "variant_overrides": overrides(args),
-            "memory_method": memory_method(args.device, not args.no_memory)}
+            "memory_method": memory_method(args.device, not args.no_memory), "ratio_estimator": RATIO_ESTIMATOR}
