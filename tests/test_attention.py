@@ -327,3 +327,25 @@ def test_unavailable_flash_backend_falls_back_or_fails_as_configured():
         strict = build_attention(ModelConfig(**SMALL, attention="diff_v1", backend="flash_attn",
                                              backend_fallback=False), 0)
         strict(x)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rope_equals_llamas_rotate_half_bit_for_bit(dtype):
+    """RoPE as LLaMA (and transformers' Llama, which the export targets) writes it: x cos + rotate_half(x) sin, with
+    rotate_half(x) = [-x2, x1], at a start offset and per row of a decoding step."""
+    from diffexp.model.rope import RotaryEmbedding
+
+    d, positions, theta = 16, 40, 500.0
+    inv_freq = 1.0 / theta ** (torch.arange(0, d, 2, dtype=torch.float32) / d)
+    angles = torch.outer(torch.arange(positions, dtype=torch.float32), inv_freq)
+    angles = torch.cat([angles, angles], dim=-1)
+
+    def llama(x, rows):
+        x1, x2 = x.chunk(2, dim=-1)
+        return x * angles.cos()[rows].to(dtype) + torch.cat([-x2, x1], dim=-1) * angles.sin()[rows].to(dtype)
+
+    rope = RotaryEmbedding(d, positions, theta)
+    x = torch.randn(2, 3, 7, d).to(dtype)
+    assert torch.equal(rope.rotate(x, 5), llama(x, slice(5, 12)))
+    step, starts = x[:, :, :1], torch.tensor([0, 33])
+    assert torch.equal(rope.rotate(step, starts), llama(step, starts.view(-1, 1, 1)))  # row b at starts[b]

@@ -235,7 +235,7 @@ def test_init_from_an_hf_directory_in_a_run(tmp_path):
     module = DiffexpLM(ModelConfig(**arch))
     load_initial_weights(module, str(out), None)
     assert all(torch.equal(module.model.state_dict()[k], v) for k, v in model.state_dict().items()
-               if not k.endswith((".cos", ".sin")))
+               if not k.endswith((".cos", ".signed_sin")))
     with pytest.raises(UserError, match=r"model.arch.n_layers: checkpoint 2, this config 3"):
         check_init_from(str(out), arch | {"n_layers": 3}, {})
 

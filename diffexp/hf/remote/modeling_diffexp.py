@@ -106,8 +106,8 @@ class DiffexpForCausalLM(PreTrainedModel, GenerationMixin):
             positions, head_dim = module.cos.shape
             fresh = type(module)(head_dim, positions, float(self.config.arch["rope_theta"]))
             with torch.no_grad():
-                for name in ("cos", "sin"):
-                    setattr(module, name, getattr(fresh, name).to(getattr(module, name).device))
+                for name, table in fresh.named_buffers():
+                    setattr(module, name, table.to(getattr(module, name).device))
 
     def get_input_embeddings(self):
         return self.model.embed
