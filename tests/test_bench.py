@@ -366,3 +366,9 @@ def test_compare_says_when_the_runs_estimated_their_ratios_differently(tmp_path,
     report.compare(run({"ratio_estimator": timing.RATIO_ESTIMATOR}), run({"ratio_estimator": timing.RATIO_ESTIMATOR}),
                    decode.LAYOUT, tmp_path / "old.json")
     assert "ratio_estimator" not in capsys.readouterr().out
+
+
+def test_the_round_log_shows_a_decoding_steps_milliseconds_with_decimals():
+    from diffexp.bench.timing import _milliseconds
+
+    assert _milliseconds(0.00136) == "1.36" and _milliseconds(0.0118) == "12" and _milliseconds(2.5) == "2500"

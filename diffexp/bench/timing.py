@@ -86,9 +86,15 @@ def interleaved(runners: Mapping[str, Runner], args, progress: ProgressReporter,
         for name, measures in round_samples.items():
             for measure, seconds in measures.items():
                 samples[name].setdefault(measure, [[] for _ in range(args.rounds)])[r].extend(seconds)
-        summary = ", ".join(f"{name} {statistics.median(samples[name][headline][r]) * 1e3:.0f}" for name in order)
+        summary = ", ".join(f"{name} {_milliseconds(statistics.median(samples[name][headline][r]))}" for name in order)
         progress.log(f"{label} round {r + 1}/{args.rounds} median ms: {summary}")
     return samples
+
+
+def _milliseconds(seconds: float) -> str:
+    """Two decimals below 10 ms (a CPU decoding step takes 1-3 ms), whole milliseconds above."""
+    ms = seconds * 1e3
+    return f"{ms:.2f}" if ms < 10 else f"{ms:.0f}"
 
 
 @contextmanager
