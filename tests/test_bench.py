@@ -346,7 +346,7 @@ def test_a_ratio_pairs_runs_so_a_change_in_the_machines_speed_does_not_move_it()
     assert copy["round_ratios"] == [1.0, 1.0]
     assert copy["median_t"] == 2.0 and copy["round_median_t"] == [1.0, 2.0]
 
-    slower = {"t": [[1.25, 1.25, 2.5], [2.5, 2.5, 2.5]]}  # 1.25x the first model's time in every run
+    slower = {"t": [[1.25, 1.25, 2.5], [2.5, 2.5, 2.5]]}  # the copy's times x 1.25: slower, same early slowdown
     timing.add_ratio(slower, base, "t", "median_t", "ratio")
     assert slower["ratio"] == 0.8 and slower["ratio_min"] == slower["ratio_max"] == 0.8
 
