@@ -189,6 +189,22 @@ def test_step_attention_equals_naive(rows, keys, capacity, ragged, d):
     torch.testing.assert_close(cpu_native.step_attention(q, k, v, lengths).double(), want, atol=1e-5, rtol=1e-4)
 
 
+def test_step_softmax_of_far_apart_logits_and_a_nan():
+    """Logits hundreds apart (most weights underflow, as a peaked map's do) equal float64's softmax; a NaN key
+    makes its batch row's output NaN, never a finite number that hides it."""
+    torch.manual_seed(5)
+    q = torch.randn(2, 2, 3, 16) * 40
+    k = torch.randn(2, 2, 301, 16)
+    v = torch.randn(2, 2, 301, 8)
+    want, _ = naive_step_probabilities(q, k, None)
+    torch.testing.assert_close(cpu_native.step_probabilities(q, k, None).double(), want, atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(cpu_native.step_attention(q, k, v, None).double(), want @ v.double(), atol=1e-5,
+                               rtol=1e-4)
+    k[1, 0, 17, 3] = float("nan")
+    out = cpu_native.step_attention(q, k, v, None)
+    assert out[1, 0].isnan().all() and not out[0].isnan().any() and not out[1, 1].isnan().any()
+
+
 @pytest.mark.parametrize("pairs", [1, 2, 3, 5])
 @pytest.mark.parametrize("keys, capacity", [(1, 1), (5, 9), (1027, 1100)])
 @pytest.mark.parametrize("ragged", [False, True])

@@ -129,20 +129,66 @@ struct ChunkedExp {
   }
 };
 
+#if defined(__AVX2__) && defined(__FMA__)
+// exp(x) for x <= 0 (a logit minus its maximum), Cephes' expf in registers: 2^n exp(r), |r| <= ln(2) / 2, within
+// 2 ulp of expf; x is clamped at -87.3 (exp = 1.2e-38, where expf turns denormal); NaN stays NaN. In registers, a
+// loop of it keeps its sums there, where a call to libmvec's expf spills them.
+inline __m256 exp_nonpositive(__m256 x) {
+  x = _mm256_max_ps(_mm256_set1_ps(-87.3f), x);  // max_ps returns its second operand when one is NaN
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 y = _mm256_set1_ps(1.9875691500e-4f);
+  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.3981999507e-3f));
+  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(8.3334519073e-3f));
+  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(4.1665795894e-2f));
+  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.6666665459e-1f));
+  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(5.0000001201e-1f));
+  y = _mm256_fmadd_ps(y, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.f)));
+  const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(y, _mm256_castsi256_ps(bits));
+}
+#endif
+
 // Exponentiates p[0, n) in place, shifted by its maximum; stores that maximum and the sum (-inf, 0 when empty).
-void exp_chunk(float* p, int64_t n, float& top, float& total) {
-  top = -std::numeric_limits<float>::infinity();
-#pragma omp simd reduction(max : top)
-  for (int64_t j = 0; j < n; ++j) top = std::max(top, p[j]);
-  total = 0.f;
-  if (n <= 0) return;
-  float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-  for (int64_t j = 0; j < n; ++j) {
-    p[j] = expf(p[j] - top);
+// Locals, not `top`: a reduction into a reference that p might alias stays scalar. Not inlined: inside the score
+// loop it costs that loop its registers.
+__attribute__((noinline)) void exp_chunk(float* p, int64_t n, float& top, float& total) {
+  float most = -std::numeric_limits<float>::infinity(), sum = 0.f;
+  int64_t j = 0;
+#if defined(__AVX2__) && defined(__FMA__)
+  if (n >= 8) {
+    __m256 m0 = _mm256_loadu_ps(p), m1 = m0;
+    for (; j + 16 <= n; j += 16)
+      m0 = _mm256_max_ps(m0, _mm256_loadu_ps(p + j)), m1 = _mm256_max_ps(m1, _mm256_loadu_ps(p + j + 8));
+    for (; j + 8 <= n; j += 8) m0 = _mm256_max_ps(m0, _mm256_loadu_ps(p + j));
+    alignas(32) float lanes[8];
+    _mm256_store_ps(lanes, _mm256_max_ps(m0, m1));
+    for (const float lane : lanes) most = std::max(most, lane);
+  }
+  for (int64_t i = j; i < n; ++i) most = std::max(most, p[i]);
+  const __m256 shift = _mm256_set1_ps(most);
+  __m256 s0 = _mm256_setzero_ps(), s1 = s0;
+  for (j = 0; j + 16 <= n; j += 16) {
+    const __m256 e0 = exp_nonpositive(_mm256_sub_ps(_mm256_loadu_ps(p + j), shift));
+    const __m256 e1 = exp_nonpositive(_mm256_sub_ps(_mm256_loadu_ps(p + j + 8), shift));
+    _mm256_storeu_ps(p + j, e0), _mm256_storeu_ps(p + j + 8, e1);
+    s0 = _mm256_add_ps(s0, e0), s1 = _mm256_add_ps(s1, e1);
+  }
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, _mm256_add_ps(s0, s1));
+  for (const float lane : lanes) sum += lane;
+#else
+#pragma omp simd reduction(max : most)
+  for (int64_t i = 0; i < n; ++i) most = std::max(most, p[i]);
+#endif
+  for (; j < n; ++j) {
+    p[j] = std::exp(p[j] - most);
     sum += p[j];
   }
-  total = sum;
+  top = most;
+  total = n > 0 ? sum : 0.f;
 }
 
 // One map's phase 1: its queries, keys and result; `score(task)` runs one chunk of one (batch, group).
