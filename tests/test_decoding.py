@@ -191,6 +191,37 @@ def test_compiled_steps_of_several_models_stay_their_own(fresh_dynamo):
 
 
 @pytest.mark.skipif(COMPILE_MISSING is not None, reason=f"torch.compile cannot run here: {COMPILE_MISSING}")
+def test_later_steps_on_a_cache_check_fewer_guards_and_a_new_cache_checks_them_all(fresh_dynamo, monkeypatch):
+    """Steps after the first on one cache skip the guards that cannot change between them; a model changed
+    between two caches (a flag the step reads) or a step in another grad mode is checked in full."""
+    skipped = []
+    real_stance = torch.compiler.set_stance
+    monkeypatch.setattr(torch.compiler, "set_stance", lambda *a, **k: skipped.append(k) or real_stance(*a, **k))
+    model = build("diff_v2")
+    idx = torch.randint(0, model.cfg.vocab_size, (2, 10))
+    assert model.compile_decoding() is None
+    torch.testing.assert_close(step_through(model, idx, 5, model.new_cache(capacity=16, static=True)),
+                               step_through(model, idx, 5, model.new_cache(capacity=16)), rtol=0, atol=1e-5)
+    assert skipped == [{"skip_guard_eval_unsafe": True}] * 4  # steps 2-5
+    for block in model.blocks:
+        block.attn.lambda_mode = "raw"  # read while tracing: a guard on it, checked on a new cache's first step
+    eager = step_through(model, idx, 5, model.new_cache(capacity=16))
+    torch.testing.assert_close(step_through(model, idx, 5, model.new_cache(capacity=16, static=True)), eager,
+                               rtol=0, atol=1e-5)
+    cache = model.new_cache(capacity=16, static=True)
+    step_through(model, idx[:, :7], 5, cache)
+    with torch.enable_grad():
+        in_grad_mode = model.decode_step(idx[:, 7:8], cache)
+    assert in_grad_mode.requires_grad  # not the no-grad graph of the steps before
+    torch.testing.assert_close(in_grad_mode.detach(), eager[:, 2], rtol=0, atol=1e-5)
+    with torch.no_grad():
+        torch.testing.assert_close(model.decode_step(idx[:, 8:9], cache), eager[:, 3], rtol=0, atol=1e-5)
+        model.to(torch.float64)  # RoPE's tables fail their guards: the step is checked and traced again
+        with pytest.raises(Exception, match="float64|Double"):  # the float32 cache refuses float64 keys, as eagerly
+            model.decode_step(idx[:, 9:10], cache)
+
+
+@pytest.mark.skipif(COMPILE_MISSING is not None, reason=f"torch.compile cannot run here: {COMPILE_MISSING}")
 def test_a_compiled_step_follows_the_model_to_another_dtype(fresh_dynamo):
     model = build("diff_v2")
     assert model.compile_decoding() is None

@@ -127,10 +127,29 @@ class Decoder(nn.Module):
         cache.begin(token.shape[0], 1, token.device, step=True)
         token = token.contiguous()  # one layout for the compiled step, whatever tensor the ids were sliced from
         compiled = self._compiled_step is not None and cache.static  # a growing cache would recompile each step
-        logits = (self._compiled_step if compiled else self._step_logits)(token, cache)
+        logits = self._run_compiled_step(token, cache) if compiled else self._step_logits(token, cache)
         if compiled and self._compiled_mode == "reduce-overhead":
             logits = logits.clone()  # a CUDA graph writes its next replay's output into this same memory
         cache.advance(1)
+        return logits
+
+    def _run_compiled_step(self, token: torch.Tensor, cache: DecoderCache) -> torch.Tensor:
+        """The compiled step. Before each call dynamo checks its guards: over a thousand, on the modules, their flags
+        and the cache's layout, a tenth of a CPU step. Once a step on this cache passed them all, later steps on it
+        without grad check only the guards on the cache's, RoPE's and the token's tensors, as
+        torch.compiler.set_stance(skip_guard_eval_unsafe) does: nothing else a step reads changes between two steps
+        on one cache. A model moved to another dtype or device fails RoPE's tables' guards; then every guard is
+        checked again."""
+        checked = (self._compiled_step, torch.is_grad_enabled(), torch.is_inference_mode_enabled())
+        if cache.checked_step == checked and not torch.is_grad_enabled():
+            try:
+                with torch.compiler.set_stance(skip_guard_eval_unsafe=True):
+                    return self._compiled_step(token, cache)
+            except RuntimeError as err:  # a tensor's guard failed (dynamo would recompile): check every guard
+                if "skip_guard_eval_unsafe" not in str(err):
+                    raise
+        logits = self._compiled_step(token, cache)
+        cache.checked_step = checked
         return logits
 
     def _step_logits(self, token: torch.Tensor, cache: DecoderCache) -> torch.Tensor:
