@@ -183,12 +183,13 @@ __attribute__((noinline)) void exp_chunk(float* p, int64_t n, float& top, float&
 #pragma omp simd reduction(max : most)
   for (int64_t i = 0; i < n; ++i) most = std::max(most, p[i]);
 #endif
-  for (; j < n; ++j) {
-    p[j] = std::exp(p[j] - most);
-    sum += p[j];
+#pragma omp simd reduction(+ : sum)
+  for (int64_t i = j; i < n; ++i) {  // the last few (all, without AVX2): libmvec's expf
+    p[i] = expf(p[i] - most);
+    sum += p[i];
   }
   top = most;
-  total = n > 0 ? sum : 0.f;
+  total = sum;
 }
 
 // One map's phase 1: its queries, keys and result; `score(task)` runs one chunk of one (batch, group).
