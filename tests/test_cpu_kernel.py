@@ -210,18 +210,18 @@ def test_step_softmax_of_far_apart_logits_and_a_nan():
 @pytest.mark.parametrize("ragged", [False, True])
 @pytest.mark.parametrize("d", [16, 12])
 def test_step_pair_attention_equals_naive(pairs, keys, capacity, ragged, d):
-    """DIFF V2's pairs in one pass: the two maps of pair i read one K, and V is weighted by
-    softmax(q1_i k^T) - lambda_i softmax(q2_i k^T), against float64."""
+    """DIFF V2's pairs in one pass: the two maps of pair i (rows 2i and 2i + 1 of q) read one K, and V is weighted
+    by softmax(q_2i k^T) - lambda_i softmax(q_2i+1 k^T), against float64."""
     torch.manual_seed(pairs * 1000 + keys)
     b, groups, dv = 3, 2, 20
-    q = torch.randn(b, groups, 2 * pairs, d) * 2
+    q = torch.randn(b, 2 * pairs, groups, d).transpose(1, 2) * 2  # any strides: the kernel copies what it must
     k = torch.randn(b, groups, capacity, d)[..., :keys, :]
     v = torch.randn(b, groups, capacity, dv)[..., :keys, :]
     lam = torch.rand(b, groups, pairs) * 2 - 0.5  # sigmoid's range and beyond ("raw" lambda)
     lengths = torch.tensor([keys, max(1, keys // 2), 1]) if ragged else None
     probs, _ = naive_step_probabilities(q, k, lengths)
     want = (probs[:, :, 0::2] - lam.double()[..., None] * probs[:, :, 1::2]) @ v.double()
-    got = cpu_native.step_pair_attention(q[:, :, 0::2], q[:, :, 1::2], k, v, lam, lengths)  # strided views of q
+    got = cpu_native.step_pair_attention(q, k, v, lam, lengths)
     torch.testing.assert_close(got.double(), want, atol=1e-5, rtol=1e-4)
 
 
@@ -262,7 +262,7 @@ def test_step_ops_split_one_row_across_threads_exactly(visible):
         checks = [
             (cpu_native.step_probabilities(q, k, lengths), probs),
             (cpu_native.step_attention(q, k, v, lengths), probs @ v.double()),
-            (cpu_native.step_pair_attention(q[:, :, 0::2], q[:, :, 1::2], k, v, lam, lengths),
+            (cpu_native.step_pair_attention(q, k, v, lam, lengths),
              (probs[:, :, 0::2] - lam.double()[..., None] * probs[:, :, 1::2]) @ v.double()),
             (cpu_native.step_two_map_attention(q[:, :, :2], k, q[:, :, 2:], k.flip(2), v, lam, lengths),
              (probs[:, :, :2] - lam.double()[..., None] * naive_step_probabilities(q[:, :, 2:], k.flip(2),

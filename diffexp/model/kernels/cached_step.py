@@ -53,8 +53,9 @@ def two_map_step(q1, q2, k1, k2, v, lam, lengths=None, integral=None, col_sums=N
     q1, q2 = q1.reshape(b, h_kv, group, d), q2.reshape(b, h_kv, group, d)
     if integral is None and cpu_native.runs_step(q1, q2, k1, k2, v) and not _tracks_grad(lam):
         lam_rows = torch.as_tensor(lam, dtype=torch.float32).expand(b, h, 1, 1).reshape(b, h_kv, group).contiguous()
-        if k1 is k2:  # DIFF V2's pairs: both maps' rows in one pass over the shared K
-            out = cpu_native.step_pair_attention(q1, q2, k1, v, lam_rows, lengths)
+        if k1 is k2:  # DIFF V2's pairs: both maps' rows in one pass over the shared K, a pair's rows side by side
+            pairs = torch.stack((q1, q2), dim=3).view(b, h_kv, 2 * group, d)
+            out = cpu_native.step_pair_attention(pairs, k1, v, lam_rows, lengths)
         else:
             out = cpu_native.step_two_map_attention(q1, k1, q2, k2, v, lam_rows, lengths)
         return out.view(b, h, 1, v.shape[-1])  # the maps combined as V is read

@@ -109,8 +109,8 @@ def _register_fakes() -> None:
         return q.new_empty(*q.shape[:3], v.shape[3])
 
     @lib.register_fake("diffexp_cpu::step_pair_attention")
-    def _(q1, q2, k, v, lam, lengths, scale):
-        return q1.new_empty(*q1.shape[:3], v.shape[3])
+    def _(q, k, v, lam, lengths, scale):
+        return q.new_empty(q.shape[0], q.shape[1], q.shape[2] // 2, v.shape[3])
 
     @lib.register_fake("diffexp_cpu::step_two_map_attention")
     def _(q1, k1, q2, k2, v, lam, lengths, scale):
@@ -216,13 +216,12 @@ def step_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: t
     return torch.ops.diffexp_cpu.step_attention(q, k, v, lengths, q.shape[-1] ** -0.5)
 
 
-def step_pair_attention(q1: torch.Tensor, q2: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lam: torch.Tensor,
+def step_pair_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lam: torch.Tensor,
                         lengths: torch.Tensor | None) -> torch.Tensor:
-    """(softmax(q1 k^T / sqrt(d)) - lam softmax(q2 k^T / sqrt(d))) v, row by row, for the pairs of query rows that
-    read one K (DIFF V2's), over each batch row's first `lengths[b]` keys. q1, q2: (B, g, pairs, d), any strides
-    with the last 1 (views of one tensor of query heads need no copy); k: (B, g, S, d); v: (B, g, S, dv);
-    lam: (B, g, pairs). Returns (B, g, pairs, dv) fp32."""
-    return torch.ops.diffexp_cpu.step_pair_attention(q1, q2, k, v, lam, lengths, q1.shape[-1] ** -0.5)
+    """(softmax(q_2i k^T / sqrt(d)) - lam_i softmax(q_2i+1 k^T / sqrt(d))) v for the pairs of query rows that read
+    one K (DIFF V2's), over each batch row's first `lengths[b]` keys. q: (B, g, 2 pairs, d), pair i in rows 2i and
+    2i + 1; k: (B, g, S, d); v: (B, g, S, dv); lam: (B, g, pairs). Returns (B, g, pairs, dv) fp32."""
+    return torch.ops.diffexp_cpu.step_pair_attention(q, k, v, lam, lengths, q.shape[-1] ** -0.5)
 
 
 def step_two_map_attention(q1: torch.Tensor, k1: torch.Tensor, q2: torch.Tensor, k2: torch.Tensor, v: torch.Tensor,

@@ -1,7 +1,7 @@
 // One decoding step's attention on CPU, for every variant: the query rows of a GQA group against the cached keys,
 // and the weights of the step's row against the cached values, each cache row read once from memory.
 //   step_attention:         out[b, g, r] = softmax(scale q[b, g, r] . K[b, g, :valid_b]) V        (one map a row)
-//   step_pair_attention:    out[b, g, i] = (P1[b, g, i] - lam[b, g, i] P2[b, g, i]) V, one K     (DIFF V2's pairs)
+//   step_pair_attention:    out[b, g, i] = (P[b, g, 2i] - lam[b, g, i] P[b, g, 2i + 1]) V, one K (DIFF V2's pairs)
 //   step_two_map_attention: out[b, g, r] = (P1[b, g, r] - lam[b, g, r] P2[b, g, r]) V, a K each (DIFF V1, Shared)
 //   step_probabilities:     P[b, g, r] (zeros past valid_b), and step_values: W V, for DINT's integral
 // Two phases, each one parallel pass: the scores of a chunk of keys, exponentiated while they are in L1 (shifted by
@@ -412,25 +412,12 @@ const float* lambda_rows(const at::Tensor& lam, int64_t count) {
   return lam.data_ptr<float>();
 }
 
-// DIFF V2's pairs share K: row i of q1 and row i of q2 are the two maps of pair i, scored in one pass over K and
-// combined (A1 - lam A2) as V is read. q1 and q2 may be strided views of one tensor of query heads; they are
-// interleaved here (rows 2i, 2i + 1), not by a copy in the graph.
-at::Tensor step_pair_attention(const at::Tensor& q1, const at::Tensor& q2, const at::Tensor& k, const at::Tensor& v,
-                               const at::Tensor& lam, const std::optional<at::Tensor>& lengths, double scale) {
-  TORCH_CHECK(q1.dim() == 4 && q1.sizes() == q2.sizes() && q1.scalar_type() == at::kFloat &&
-                  q2.scalar_type() == at::kFloat,
-              "diffexp_cpu: q1 and q2 must be (B, groups, pairs, dim) fp32");
-  const int64_t batch = q1.size(0), groups = q1.size(1), pairs = q1.size(2), dim = q1.size(3);
-  at::Tensor q = at::empty({batch, groups, 2 * pairs, dim}, q1.options().memory_format(at::MemoryFormat::Contiguous));
-  float* row = q.data_ptr<float>();
-  const auto a = q1.accessor<float, 4>(), c = q2.accessor<float, 4>();
-  for (int64_t b = 0; b < batch; ++b)  // a few rows: a plain copy, cheaper than an ATen op's dispatch
-    for (int64_t g = 0; g < groups; ++g)
-      for (int64_t i = 0; i < pairs; ++i)
-        for (const auto* from : {&a, &c}) {
-          for (int64_t x = 0; x < dim; ++x) row[x] = (*from)[b][g][i][x];
-          row += dim;
-        }
+// DIFF V2's pairs share K: rows 2i and 2i + 1 of q are the two maps of pair i, scored in one pass over K and
+// combined (A1 - lam A2) as V is read.
+at::Tensor step_pair_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& lam,
+                               const std::optional<at::Tensor>& lengths, double scale) {
+  TORCH_CHECK(q.dim() == 4 && q.size(2) % 2 == 0, "diffexp_cpu: q must be (B, groups, 2 * pairs, dim)");
+  const int64_t batch = q.size(0), groups = q.size(1), pairs = q.size(2) / 2;
   const ChunkedExp ex = chunked_exp(q, k, lengths, scale);
   check_values(ex, v);
   const float* ld = lambda_rows(lam, batch * groups * pairs);
@@ -472,8 +459,7 @@ TORCH_LIBRARY_FRAGMENT(diffexp_cpu, m) {
   m.def("step_probabilities(Tensor q, Tensor k, Tensor? lengths, float scale) -> Tensor");
   m.def("step_values(Tensor weights, Tensor v, Tensor? lengths) -> Tensor");
   m.def("step_attention(Tensor q, Tensor k, Tensor v, Tensor? lengths, float scale) -> Tensor");
-  m.def("step_pair_attention(Tensor q1, Tensor q2, Tensor k, Tensor v, Tensor lam, Tensor? lengths, "
-        "float scale) -> Tensor");
+  m.def("step_pair_attention(Tensor q, Tensor k, Tensor v, Tensor lam, Tensor? lengths, float scale) -> Tensor");
   m.def("step_two_map_attention(Tensor q1, Tensor k1, Tensor q2, Tensor k2, Tensor v, Tensor lam, Tensor? lengths, "
         "float scale) -> Tensor");
 }
