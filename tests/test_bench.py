@@ -162,6 +162,35 @@ def test_bench_decode_noise_floor_times_a_second_copy_of_the_reference(tmp_path,
     assert f"Noise floor: {ref}#2" in out and "Lowest ratio over the grid: diff_v2 eager" in out
 
 
+def test_bench_decode_match_params_moves_each_variants_ffn_to_the_references_parameter_count(tmp_path, capsys):
+    """--match-params: the V2 blog's parity claim is for a V2 whose extra query parameters are borrowed from the rest
+    of the model. Each variant's SwiGLU is resized so that its total is the nearest to the reference's a step of 8
+    hidden units allows; the models timed are those resized ones."""
+    runs = {}
+    for flag in ([], ["--match-params"]):
+        path = tmp_path / f"decode{len(flag)}.json"
+        assert main([*TINY_DECODE, "--kv-heads", "1", "--no-memory", *flag, "--json", str(path)]) == 0
+        runs[bool(flag)] = json.loads(path.read_text())
+    ref = reference_variant().name
+    half_step = 3 * 32 * 1 * 8 // 2  # SwiGLU: 3 d_model weights per hidden unit, one layer
+    for matched in (False, True):
+        results = runs[matched]["results"]
+        total = {e["variant"]: e["params"]["total"] for e in results.values()}
+        assert runs[matched]["config"]["match_params"] is matched
+        if matched:
+            assert all(abs(n - total[ref]) <= half_step for n in total.values()), total
+        else:  # V2's doubled W_Q, unmatched: more than half a step more
+            assert total["diff_v2"] - total[ref] > half_step
+    bound = {m: runs[m]["results"]["diff_v2@32x1"]["memory_bound_ratio"] for m in runs}
+    assert abs(1 - bound[True]) < abs(1 - bound[False]) / 2  # the bytes a step reads come near the reference's
+    widths = runs[True]["config"]["variant_overrides"]
+    default = ModelConfig(d_model=32).resolved_ffn_hidden
+    assert widths["diff_v2"]["ffn_hidden"] < default and "ffn_hidden" not in widths[ref]
+    assert runs[True]["results"]["diff_v2@32x1"]["overrides"]["ffn_hidden"] == widths["diff_v2"]["ffn_hidden"]
+    out = " ".join(capsys.readouterr().out.split())
+    assert "Parameters matched (--match-params)" in out and f"diff_v2 {widths['diff_v2']['ffn_hidden']}" in out
+
+
 def test_bench_kernel_times_each_backend(tmp_path):
     path = tmp_path / "kernel.json"
     assert main([*TINY_KERNEL, "--json", str(path)]) == 0

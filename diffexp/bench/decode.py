@@ -47,6 +47,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "the torch.compile'd step; CUDA graphs on a GPU); default: both where torch.compile runs")
     p.add_argument("--peak-bandwidth", type=float, default=None, metavar="GB_PER_S",
                    help="memory bandwidth for the 'of bound' column (default: the GPU's from a table; none on CPU)")
+    p.add_argument("--match-params", action="store_true",
+                   help="give every variant the reference's parameter count: each one's SwiGLU width is narrowed "
+                        "(or widened) by what its attention adds (or saves), as the DIFF V2 blog's decoding claim "
+                        "assumes; the caption lists the widths")
     p.add_argument("--noise-floor", action="store_true",
                    help=f"also time a second, separately built copy of the reference (`<reference>{COPY}`): its "
                         "ratio to the reference is what this machine reads for two identical models")
@@ -63,6 +67,8 @@ def validate(args: argparse.Namespace) -> None:
         raise UserError(f"--peak-bandwidth: expected a positive number of GB/s, got {args.peak_bandwidth}")
     args.batch_size = sorted(dict.fromkeys(args.batch_size))
     workload.check_configs(args, max_seq_len(args), [args.backend])
+    if args.match_params:
+        args.matched_ffn_hidden = workload.matched_ffn_widths(args, max_seq_len(args), args.backend)
     args.modes = choose_modes(args)
 
 
@@ -90,7 +96,7 @@ def max_seq_len(args: argparse.Namespace) -> int:
 
 def config(args: argparse.Namespace) -> dict:
     return {**workload.common_config(args), "backend": args.backend, "new_tokens": args.new_tokens,
-            "noise_floor": args.noise_floor,
+            "noise_floor": args.noise_floor, "match_params": args.match_params,
             "kv_heads": args.kv_heads, "kv_cache": KV_CACHE, "modes": args.modes,
             "peak_bandwidth": peak_bandwidth(args)}
 
@@ -245,6 +251,17 @@ def _bound_note(e: dict) -> str:
     return f" (memory-bound: {bound:.2f}x)" if bound is not None and bound < 0.995 else ""
 
 
+def _matched_note(results: dict, cfg: dict, ref: str) -> str:
+    """What --match-params changed: each variant's SwiGLU width, and how far its parameters stay from ref's."""
+    totals = {e["variant"]: e["params"]["total"] for e in results.values() if e.get("params")}
+    widths = {v: o["ffn_hidden"] for v, o in cfg["variant_overrides"].items() if "ffn_hidden" in o}
+    changed = ", ".join(f"{v} {w}" for v, w in widths.items()) or "none changed"
+    gap = max((abs(n - totals[ref]) for v, n in totals.items()), default=0) if ref in totals else None
+    within = f"; every variant within {gap:,} parameters of {ref}'s {totals[ref]:,}" if gap is not None else ""
+    return (f"Parameters matched (--match-params): each variant's SwiGLU width moved by what its attention adds or "
+            f"saves, in steps of 8 hidden units ({changed}){within}.")
+
+
 def table(data: dict) -> tuple[str, list[str], list[list[str]], str]:
     """Title, headers, rows and caption of the results table."""
     cfg, env = data["config"], data["env"]
@@ -285,6 +302,8 @@ def table(data: dict) -> tuple[str, list[str], list[list[str]], str]:
                "traffic (a variant with more weights reads more); GB/s = MiB read/step / time per token; of bound "
                f"= GB/s over the device's memory bandwidth (GPU only).{compiled} Lowest ratio over the grid: "
                f"{worst}.")
+    if cfg.get("match_params"):
+        caption += " " + _matched_note(data["results"], cfg, ref)
     if floor:
         caption += (f" Noise floor: {ref}{COPY}, a second copy of {ref} built and timed the same way, reads as "
                     f"low as {floor} against it; ratios within that of 1 cannot be told from it.")

@@ -14,8 +14,10 @@ from diffexp.model.attention import variant
 SEED = 1234
 
 
-def model_config(args: argparse.Namespace, name: str, max_seq_len: int, backend: str):
-    """The shared shape plus the variant's registry `bench_arch` (its matched benchmark settings)."""
+def model_config(args: argparse.Namespace, name: str, max_seq_len: int, backend: str,
+                 ffn_hidden: int | None = None):
+    """The shared shape plus the variant's registry `bench_arch` (its matched benchmark settings), --kv-heads, and
+    its SwiGLU width under --match-params (or `ffn_hidden`)."""
     from diffexp.model.config import ModelConfig
 
     fields = {"d_model": args.d_model, "n_layers": args.n_layers, "n_heads": args.n_heads,
@@ -23,7 +25,46 @@ def model_config(args: argparse.Namespace, name: str, max_seq_len: int, backend:
     fields.update(variant(name).bench_arch)
     if getattr(args, "kv_heads", None) is not None:  # one KV-head count for every variant (decode)
         fields["n_kv_heads"] = args.kv_heads
+    width = ffn_hidden or getattr(args, "matched_ffn_hidden", {}).get(name)
+    if width is not None:
+        fields["ffn_hidden"] = width
     return ModelConfig(attention=name, **fields)
+
+
+def parameter_count(cfg) -> int:
+    """The parameters of a model built from cfg, counted on the meta device (nothing allocated)."""
+    import torch
+
+    from diffexp.model import Decoder
+
+    with torch.device("meta"):
+        return Decoder(cfg).num_parameters()
+
+
+FFN_STEP = 8  # hidden units: a vector's width, so a matched SwiGLU keeps whole vectors
+
+
+def matched_ffn_widths(args: argparse.Namespace, max_seq_len: int, backend: str) -> dict[str, int]:
+    """--match-params: per variant, the SwiGLU width (a multiple of FFN_STEP) that brings its parameter count nearest
+    the reference's. A variant's extra attention parameters are taken from its FFN and its savings given to it, as
+    the DIFF V2 blog's 'additional parameters (borrowed from other parts of the model)'. Variants already nearest
+    keep their width and are left out."""
+    from diffexp.model.attention.registry import reference_variant
+
+    target = parameter_count(model_config(args, reference_variant().name, max_seq_len, backend))
+    widths = {}
+    for name in args.variants:
+        cfg = model_config(args, name, max_seq_len, backend)
+        width, have = cfg.resolved_ffn_hidden, parameter_count(cfg)
+        per_step = parameter_count(model_config(args, name, max_seq_len, backend, width + FFN_STEP)) - have
+        matched = width + FFN_STEP * round((target - have) / per_step)
+        if matched < FFN_STEP:
+            raise UserError(f"--match-params: variant {name!r} has {have - target:,} parameters more than "
+                            f"{reference_variant().name} at this shape, more than its SwiGLU holds ({width} hidden "
+                            "units); use a larger --d-model or leave out --match-params")
+        if matched != width:
+            widths[name] = matched
+    return widths
 
 
 def check_configs(args: argparse.Namespace, max_seq_len: int, backends: list[str]) -> None:
@@ -38,9 +79,12 @@ def check_configs(args: argparse.Namespace, max_seq_len: int, backends: list[str
 
 
 def overrides(args: argparse.Namespace) -> dict[str, dict]:
-    """Each measured variant's bench_arch (and --kv-heads), as recorded in the results JSON."""
+    """Each measured variant's bench_arch (and --kv-heads, and its width under --match-params), as recorded in the
+    results JSON."""
     kv = {} if getattr(args, "kv_heads", None) is None else {"n_kv_heads": args.kv_heads}
-    return {name: {**variant(name).bench_arch, **kv} for name in args.variants}
+    widths = getattr(args, "matched_ffn_hidden", {})
+    return {name: {**variant(name).bench_arch, **kv, **({"ffn_hidden": widths[name]} if name in widths else {})}
+            for name in args.variants}
 
 
 def batch_for(seq_len: int, args: argparse.Namespace) -> int:
