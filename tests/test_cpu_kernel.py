@@ -225,6 +225,27 @@ def test_step_pair_attention_equals_naive(pairs, keys, capacity, ragged, d):
     torch.testing.assert_close(got.double(), want, atol=1e-5, rtol=1e-4)
 
 
+@pytest.mark.parametrize("given", [True, False])
+def test_two_map_step_reads_diff_v2s_query_heads_as_pairs(given):
+    """DIFF V2's decoding step: query heads 2p and 2p + 1 are the two maps of head p, in GQA groups; passed as one
+    tensor (`pairs`, as DIFF V2 does) or as the two maps' views, the step equals the naive maps in float64."""
+    from diffexp.model.kernels.cached_step import two_map_step
+
+    torch.manual_seed(3)
+    b, h, h_kv, keys, d = 2, 4, 2, 300, 16
+    q = torch.randn(b, 2 * h, 1, d)
+    k, v = torch.randn(b, h_kv, keys, d), torch.randn(b, h_kv, keys, d)
+    lam = torch.rand(b, h, 1, 1)
+    lengths = torch.tensor([keys, 120])
+    with torch.no_grad():
+        got = two_map_step(q[:, 0::2], q[:, 1::2], k, k, v, lam, lengths, pairs=q if given else None)
+    probs, _ = naive_step_probabilities(q.view(b, h_kv, 2 * h // h_kv, d), k, lengths)  # rows: a group's heads
+    per_head = probs.reshape(b, 2 * h, keys)
+    want = (per_head[:, 0::2] - lam.double().view(b, h, 1) * per_head[:, 1::2]).view(b, h_kv, h // h_kv, keys)
+    want = (want @ v.double()).view(b, h, 1, d)
+    torch.testing.assert_close(got.double(), want, atol=1e-5, rtol=1e-4)
+
+
 @pytest.mark.parametrize("rows", [1, 2, 3])
 @pytest.mark.parametrize("keys, capacity", [(1, 1), (5, 9), (1027, 1100)])
 @pytest.mark.parametrize("ragged", [False, True])

@@ -41,21 +41,22 @@ def weighted_values(weights: torch.Tensor, v: torch.Tensor, lengths: torch.Tenso
     return weights.to(v.dtype) @ v
 
 
-def two_map_step(q1, q2, k1, k2, v, lam, lengths=None, integral=None, col_sums=None, positions=None):
+def two_map_step(q1, q2, k1, k2, v, lam, lengths=None, integral=None, col_sums=None, positions=None, pairs=None):
     """q1, q2: (B, h, 1, d); k1, k2: (B, h_kv, S, d); v: (B, h_kv, S, dv); lam: a number, a 0-d tensor or
     (B, h, 1, 1); lengths: (B,), the keys row b may read (the first lengths[b]), or None (all). With an `Integral`:
     col_sums (B, h, >= S), A1's column sums of the earlier rows, updated in place, and positions (B,), each row's
-    position. Returns (B, h, 1, dv)."""
+    position. pairs: q1 and q2 as one tensor (B, 2h, 1, d), head 2p + m the query of map m + 1 of head p, where the
+    caller has it (DIFF V2); the kernel reads it as it is. Returns (B, h, 1, dv)."""
     b, h, _, d = q1.shape
     h_kv, keys = k1.shape[1], k1.shape[-2]
     group = h // h_kv
 
     q1, q2 = q1.reshape(b, h_kv, group, d), q2.reshape(b, h_kv, group, d)
     if integral is None and cpu_native.runs_step(q1, q2, k1, k2, v) and not _tracks_grad(lam):
-        lam_rows = torch.as_tensor(lam, dtype=torch.float32).expand(b, h, 1, 1).reshape(b, h_kv, group).contiguous()
+        lam_rows = torch.as_tensor(lam, dtype=torch.float32).expand(b, h, 1, 1).reshape(b, h).contiguous()
         if k1 is k2:  # DIFF V2's pairs: both maps' rows in one pass over the shared K, a pair's rows side by side
-            pairs = torch.stack((q1, q2), dim=3).view(b, h_kv, 2 * group, d)
-            out = cpu_native.step_pair_attention(pairs, k1, v, lam_rows, lengths)
+            rows = torch.stack((q1, q2), dim=3) if pairs is None else pairs
+            out = cpu_native.step_pair_attention(rows.reshape(b, h_kv, 2 * group, d), k1, v, lam_rows, lengths)
         else:
             out = cpu_native.step_two_map_attention(q1, k1, q2, k2, v, lam_rows, lengths)
         return out.view(b, h, 1, v.shape[-1])  # the maps combined as V is read

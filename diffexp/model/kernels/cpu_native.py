@@ -220,14 +220,16 @@ def step_pair_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lam: 
                         lengths: torch.Tensor | None) -> torch.Tensor:
     """(softmax(q_2i k^T / sqrt(d)) - lam_i softmax(q_2i+1 k^T / sqrt(d))) v for the pairs of query rows that read
     one K (DIFF V2's), over each batch row's first `lengths[b]` keys. q: (B, g, 2 pairs, d), pair i in rows 2i and
-    2i + 1; k: (B, g, S, d); v: (B, g, S, dv); lam: (B, g, pairs). Returns (B, g, pairs, dv) fp32."""
+    2i + 1; k: (B, g, S, d); v: (B, g, S, dv); lam: (B, g, pairs) or (B, g * pairs), contiguous. Returns
+    (B, g, pairs, dv) fp32."""
     return torch.ops.diffexp_cpu.step_pair_attention(q, k, v, lam, lengths, q.shape[-1] ** -0.5)
 
 
 def step_two_map_attention(q1: torch.Tensor, k1: torch.Tensor, q2: torch.Tensor, k2: torch.Tensor, v: torch.Tensor,
                            lam: torch.Tensor, lengths: torch.Tensor | None) -> torch.Tensor:
     """(softmax(q1 k1^T / sqrt(d)) - lam softmax(q2 k2^T / sqrt(d))) v, row by row, over each batch row's first
-    `lengths[b]` keys. q1, q2: (B, g, rows, d); k1, k2: (B, g, S, d); v: (B, g, S, dv); lam: (B, g, rows).
+    `lengths[b]` keys. q1, q2: (B, g, rows, d); k1, k2: (B, g, S, d); v: (B, g, S, dv); lam: (B, g, rows) or
+    (B, g * rows), contiguous.
     Returns (B, g, rows, dv) fp32."""
     return torch.ops.diffexp_cpu.step_two_map_attention(q1, k1, q2, k2, v, lam, lengths, q1.shape[-1] ** -0.5)
 
