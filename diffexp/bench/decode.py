@@ -256,8 +256,10 @@ def _matched_note(results: dict, cfg: dict, ref: str) -> str:
     totals = {e["variant"]: e["params"]["total"] for e in results.values() if e.get("params")}
     widths = {v: o["ffn_hidden"] for v, o in cfg["variant_overrides"].items() if "ffn_hidden" in o}
     changed = ", ".join(f"{v} {w}" for v, w in widths.items()) or "none changed"
-    gap = max((abs(n - totals[ref]) for v, n in totals.items()), default=0) if ref in totals else None
-    within = f"; every variant within {gap:,} parameters of {ref}'s {totals[ref]:,}" if gap is not None else ""
+    within = ""
+    if ref in totals:
+        gap = max(abs(n - totals[ref]) for n in totals.values())
+        within = f"; every variant within {gap:,} parameters of {ref}'s {totals[ref]:,}"
     return (f"Parameters matched (--match-params): each variant's SwiGLU width moved by what its attention adds or "
             f"saves, in steps of 8 hidden units ({changed}){within}.")
 
