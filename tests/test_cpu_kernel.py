@@ -265,6 +265,47 @@ def test_step_two_map_attention_equals_naive(rows, keys, capacity, ragged):
                                atol=1e-5, rtol=1e-4)
 
 
+def naive_dint_step(q1, k1, q2, k2, v, lam, gamma, col_sums, positions, lengths, softmax_integral):
+    """DINT's step in float64: A1's row joins the column sums of the rows before it, G = sums / (position + 1), A3 =
+    softmax of G over the visible keys (or G), and V weighted by A1 - lam A2 + gamma A3; returns (out, new sums)."""
+    b, groups, rows, _ = q1.shape
+    a1, visible = naive_step_probabilities(q1, k1, lengths)
+    a2, _ = naive_step_probabilities(q2, k2, lengths)
+    keys = k1.shape[-2]
+    sums = col_sums.double().clone()
+    sums[..., :keys] += a1.reshape(b, groups * rows, keys)
+    mean = (sums[..., :keys] / (positions.double() + 1).view(-1, 1, 1)).view(b, groups, rows, keys)
+    a3 = mean.masked_fill(~visible[:, None, None], float("-inf")).softmax(-1) if softmax_integral else mean
+    combined = a1 - lam.double().view(b, groups, rows, 1) * a2 + gamma.double() * a3
+    return (combined * visible[:, None, None]) @ v.double(), sums
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3])
+@pytest.mark.parametrize("keys, capacity", [(1, 1), (5, 9), (1027, 1100)])
+@pytest.mark.parametrize("ragged", [False, True])
+@pytest.mark.parametrize("softmax_integral", [True, False], ids=["softmax", "mean"])
+def test_step_dint_attention_equals_naive(rows, keys, capacity, ragged, softmax_integral):
+    """DINT's step in one op: both maps, A1's row added to the cached column sums in place (past each batch row's
+    visible keys they stay as they were), the integral A3 from them, and V weighted by A1 - lambda A2 + gamma A3,
+    against float64."""
+    torch.manual_seed(rows * 1000 + keys)
+    b, groups, d, dv = 3, 2, 16, 32
+    q1, q2 = torch.randn(b, groups, rows, d) * 2, torch.randn(b, groups, rows, d) * 2
+    k1, k2 = (torch.randn(b, groups, capacity, d)[..., :keys, :] for _ in range(2))
+    v = torch.randn(b, groups, capacity, dv)[..., :keys, :]
+    lam = torch.rand(b, groups * rows) * 2 - 0.5
+    gamma = torch.tensor([0.7])
+    lengths = torch.tensor([keys, max(1, keys // 2), 1]) if ragged else None
+    visible = torch.full((b,), keys) if lengths is None else lengths
+    positions = visible - 1 + torch.tensor([0, 3, 7])  # a row's position may lie past its last visible key
+    col_sums = torch.rand(b, groups * rows, capacity + 4) * visible.view(-1, 1, 1)  # earlier rows' sums, any size
+    want, want_sums = naive_dint_step(q1, k1, q2, k2, v, lam, gamma, col_sums, positions, lengths, softmax_integral)
+    got = cpu_native.step_dint_attention(q1, k1, q2, k2, v, lam, gamma, col_sums, positions, lengths,
+                                         softmax_integral)
+    torch.testing.assert_close(got.double(), want, atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(col_sums.double(), want_sums, atol=1e-5, rtol=1e-5)
+
+
 @pytest.mark.parametrize("visible", [None, 700, 300])
 def test_step_ops_split_one_row_across_threads_exactly(visible):
     """At batch 1 a row's keys are split into chunks, one task each, each exponentiated against its own maximum;
@@ -290,6 +331,11 @@ def test_step_ops_split_one_row_across_threads_exactly(visible):
                                                                                  lengths)[0]) @ v.double()),
             (cpu_native.step_values(probs.float(), v, lengths), probs @ v.double()),
         ]
+        sums, positions, gamma = torch.rand(1, 2, keys), torch.tensor([keys + 5]), torch.tensor([0.4])
+        want, _ = naive_dint_step(q[:, :, :2], k, q[:, :, 2:], k.flip(2), v, lam.view(1, 2), gamma, sums,
+                                  positions, lengths, True)
+        checks.append((cpu_native.step_dint_attention(q[:, :, :2], k, q[:, :, 2:], k.flip(2), v, lam.view(1, 2), gamma,
+                                                      sums, positions, lengths, True), want))
     finally:
         torch.set_num_threads(threads)
     for got, want in checks:

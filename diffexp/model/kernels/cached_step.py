@@ -4,8 +4,8 @@ comes from the column sums of A1's earlier rows, kept in the cache: O(context) s
 
 The query rows of a GQA group share one pass over their K and one over their V: on CPU in fp32 through the
 kernel's step ops (cpu/decode_step.cpp), which reach the memory bound where a batched GEMM of a few rows does not,
-and weigh V by the two maps' combination as they read it (not DINT's: its integral reads A1's whole row); elsewhere
-through matmuls.
+and weigh V by the maps' combination as they read it (DINT's A3 made in between, in one pass over A1's row);
+elsewhere through matmuls.
 """
 
 from __future__ import annotations
@@ -52,9 +52,15 @@ def two_map_step(q1, q2, k1, k2, v, lam, lengths=None, integral=None, col_sums=N
     group = h // h_kv
 
     q1, q2 = q1.reshape(b, h_kv, group, d), q2.reshape(b, h_kv, group, d)
-    if integral is None and cpu_native.runs_step(q1, q2, k1, k2, v) and not _tracks_grad(lam):
+    gamma = None if integral is None else integral.gamma
+    if (cpu_native.runs_step(q1, q2, k1, k2, v, *([] if integral is None else [col_sums]))
+            and not _tracks_grad(lam) and not _tracks_grad(gamma)):
         lam_rows = torch.as_tensor(lam, dtype=torch.float32).expand(b, h, 1, 1).reshape(b, h).contiguous()
-        if k1 is k2:  # DIFF V2's pairs: both maps' rows in one pass over the shared K, a pair's rows side by side
+        if integral is not None:  # DINT: A1's row joins col_sums and makes A3 in the same op
+            gamma32 = torch.as_tensor(gamma, dtype=torch.float32).reshape(1)
+            out = cpu_native.step_dint_attention(q1, k1, q2, k2, v, lam_rows, gamma32, col_sums, positions, lengths,
+                                                 integral.kind == "softmax")
+        elif k1 is k2:  # DIFF V2's pairs: both maps' rows in one pass over the shared K, a pair's rows side by side
             rows = torch.stack((q1, q2), dim=3) if pairs is None else pairs
             out = cpu_native.step_pair_attention(rows.reshape(b, h_kv, 2 * group, d), k1, v, lam_rows, lengths)
         else:

@@ -116,6 +116,10 @@ def _register_fakes() -> None:
     def _(q1, k1, q2, k2, v, lam, lengths, scale):
         return q1.new_empty(*q1.shape[:3], v.shape[3])
 
+    @lib.register_fake("diffexp_cpu::step_dint_attention")
+    def _(q1, k1, q2, k2, v, lam, gamma, col_sums, positions, lengths, scale, softmax_integral):
+        return q1.new_empty(*q1.shape[:3], v.shape[3])
+
     @lib.register_fake("diffexp_cpu::step_values")
     def _(weights, v, lengths):
         return weights.new_empty(*weights.shape[:3], v.shape[3])
@@ -232,6 +236,17 @@ def step_two_map_attention(q1: torch.Tensor, k1: torch.Tensor, q2: torch.Tensor,
     (B, g * rows), contiguous.
     Returns (B, g, rows, dv) fp32."""
     return torch.ops.diffexp_cpu.step_two_map_attention(q1, k1, q2, k2, v, lam, lengths, q1.shape[-1] ** -0.5)
+
+
+def step_dint_attention(q1: torch.Tensor, k1: torch.Tensor, q2: torch.Tensor, k2: torch.Tensor, v: torch.Tensor,
+                        lam: torch.Tensor, gamma: torch.Tensor, col_sums: torch.Tensor, positions: torch.Tensor,
+                        lengths: torch.Tensor | None, softmax_integral: bool) -> torch.Tensor:
+    """DINT's step: (A1 - lam A2 + gamma A3) v with A_m = softmax(q_m k_m^T / sqrt(d)) over each batch row's first
+    `lengths[b]` keys, and A3 the integral of the row at positions[b]: G = (col_sums + A1) / (positions[b] + 1),
+    softmax over the visible keys (softmax_integral) or G itself. col_sums (B, g * rows, >= S) gains A1 in place.
+    q1, q2: (B, g, rows, d); lam: (B, g * rows), contiguous; gamma: one fp32 value. Returns (B, g, rows, dv) fp32."""
+    return torch.ops.diffexp_cpu.step_dint_attention(q1, k1, q2, k2, v, lam, gamma, col_sums, positions, lengths,
+                                                     q1.shape[-1] ** -0.5, softmax_integral)
 
 
 def step_values(weights: torch.Tensor, v: torch.Tensor, lengths: torch.Tensor | None) -> torch.Tensor:

@@ -3,7 +3,8 @@
 //   step_attention:         out[b, g, r] = softmax(scale q[b, g, r] . K[b, g, :valid_b]) V        (one map a row)
 //   step_pair_attention:    out[b, g, i] = (P[b, g, 2i] - lam[b, g, i] P[b, g, 2i + 1]) V, one K (DIFF V2's pairs)
 //   step_two_map_attention: out[b, g, r] = (P1[b, g, r] - lam[b, g, r] P2[b, g, r]) V, a K each (DIFF V1, Shared)
-//   step_probabilities:     P[b, g, r] (zeros past valid_b), and step_values: W V, for DINT's integral
+//   step_dint_attention:    out[b, g, r] = (P1 - lam P2 + gamma A3)[b, g, r] V, A3 from P1's column sums (DINT's)
+//   step_probabilities:     P[b, g, r] (zeros past valid_b), and step_values: W V
 // Two phases, each one parallel pass: the scores of a chunk of keys, exponentiated while they are in L1 (shifted by
 // the chunk's maximum); then V, weighted by the exponentials times a coefficient per (row, chunk) that normalises
 // them and, for two maps, subtracts the second. The batched GEMMs these replace have 1-8 rows and run far from the
@@ -310,12 +311,12 @@ at::Tensor step_probabilities(const at::Tensor& q, const at::Tensor& k, const st
 // coef_m[(bg, chunk of s, r)] e_m[bg, r, s], where e_m's row r of group bg starts at e_m + (bg * group_rows +
 // r * row_step) * keys.
 struct Weights {
-  const float* e[2];
-  const float* coef[2];  // per (bg, chunk, r), as ChunkedExp::at with `rows` output rows
+  const float* e[3];
+  const float* coef[3];  // per (bg, chunk, r), as ChunkedExp::at with `rows` output rows
   int64_t group_rows, row_step;
 };
 
-// out[b, g, r] = sum_{s < valid_b} W[b, g, r, s] V[b, g, s] for Maps (1 or 2) maps' weights, in the chunks of keys
+// out[b, g, r] = sum_{s < valid_b} W[b, g, r, s] V[b, g, s] for Maps (1 to 3) maps' weights, in the chunks of keys
 // phase 1 used (same batch, groups and keys give the same chunks).
 template <int Maps>
 at::Tensor weighted_values(const Weights& w, const at::Tensor& v_in, const std::vector<int64_t>& valid, int64_t rows,
@@ -332,16 +333,22 @@ at::Tensor weighted_values(const Weights& w, const at::Tensor& v_in, const std::
       const int64_t bg = task / chunks, b = bg / groups, g = bg % groups;
       const int64_t first = (task % chunks) * chunk, last = std::min(valid[b], first + chunk);
       const float* e0 = w.e[0] + bg * w.group_rows * keys;
-      const float* e1 = Maps == 2 ? w.e[1] + bg * w.group_rows * keys : nullptr;
+      const float* e1 = Maps >= 2 ? w.e[1] + bg * w.group_rows * keys : nullptr;
+      const float* e2 = Maps == 3 ? w.e[2] + bg * w.group_rows * keys : nullptr;
       const int64_t stride = w.row_step * keys, n = std::max<int64_t>(0, last - first);
       // the chunk's weights first, a vectorised pass while its exponentials are hot; then one pass over V
       thread_local std::vector<float> chunk_weights;
       chunk_weights.resize(rows * n);
       for (int64_t r = 0; r < rows; ++r) {
-        const float a = w.coef[0][task * rows + r], c = Maps == 2 ? w.coef[1][task * rows + r] : 0.f;
-        const float *x = e0 + r * stride + first, *y = Maps == 2 ? e1 + r * stride + first : nullptr;
+        const float a = w.coef[0][task * rows + r], c = Maps >= 2 ? w.coef[1][task * rows + r] : 0.f;
+        const float *x = e0 + r * stride + first, *y = Maps >= 2 ? e1 + r * stride + first : nullptr;
         float* out = chunk_weights.data() + r * n;
-        if constexpr (Maps == 2) {
+        if constexpr (Maps == 3) {
+          const float f = w.coef[2][task * rows + r];
+          const float* z = e2 + r * stride + first;
+#pragma omp simd
+          for (int64_t j = 0; j < n; ++j) out[j] = a * x[j] + c * y[j] + f * z[j];
+        } else if constexpr (Maps == 2) {
 #pragma omp simd
           for (int64_t j = 0; j < n; ++j) out[j] = a * x[j] + c * y[j];
         } else {
@@ -386,7 +393,7 @@ at::Tensor step_values(const at::Tensor& w_in, const at::Tensor& v, const std::o
   const int64_t batch = w.size(0), groups = w.size(1), rows = w.size(2), keys = w.size(3);
   const int64_t chunks = chunks_for(batch * groups, keys);
   const std::vector<float> ones(batch * groups * chunks * rows, 1.f);
-  const Weights weights{{w.data_ptr<float>(), nullptr}, {ones.data(), nullptr}, rows, 1};
+  const Weights weights{{w.data_ptr<float>(), nullptr, nullptr}, {ones.data(), nullptr, nullptr}, rows, 1};
   return weighted_values<1>(weights, v, valid_keys(lengths, batch, keys), rows, w.options());
 }
 
@@ -402,7 +409,7 @@ at::Tensor step_attention(const at::Tensor& q, const at::Tensor& k, const at::Te
   const ChunkedExp ex = chunked_exp(q, k, lengths, scale);
   check_values(ex, v);
   const std::vector<float> coef = ex.coefficients([](int64_t, int64_t) { return 1.f; });
-  const Weights w{{ex.e.data_ptr<float>(), nullptr}, {coef.data(), nullptr}, ex.rows, 1};
+  const Weights w{{ex.e.data_ptr<float>(), nullptr, nullptr}, {coef.data(), nullptr, nullptr}, ex.rows, 1};
   return weighted_values<1>(w, v, ex.valid, ex.rows, ex.e.options());
 }
 
@@ -433,7 +440,7 @@ at::Tensor step_pair_attention(const at::Tensor& q, const at::Tensor& k, const a
         second[(bg * ex.chunks + ch) * pairs + i] = coef[ex.at(bg, ch, 2 * i + 1)];
       }
   const float* e = ex.e.data_ptr<float>();
-  const Weights w{{e, e + ex.keys}, {first.data(), second.data()}, 2 * pairs, 2};
+  const Weights w{{e, e + ex.keys, nullptr}, {first.data(), second.data(), nullptr}, 2 * pairs, 2};
   return weighted_values<2>(w, v, ex.valid, pairs, ex.e.options());
 }
 
@@ -449,8 +456,69 @@ at::Tensor step_two_map_attention(const at::Tensor& q1, const at::Tensor& k1, co
   const float* ld = lambda_rows(lam, one.batch * one.groups * one.rows);
   const std::vector<float> c1 = one.coefficients([](int64_t, int64_t) { return 1.f; });
   const std::vector<float> c2 = two.coefficients([&](int64_t bg, int64_t r) { return -ld[bg * two.rows + r]; });
-  const Weights w{{one.e.data_ptr<float>(), two.e.data_ptr<float>()}, {c1.data(), c2.data()}, one.rows, 1};
+  const Weights w{{one.e.data_ptr<float>(), two.e.data_ptr<float>(), nullptr}, {c1.data(), c2.data(), nullptr},
+                  one.rows, 1};
   return weighted_values<2>(w, v, one.valid, one.rows, one.e.options());
+}
+
+
+// DINT's step: V weighted by A1 - lam A2 + gamma A3, with A3 the integral of the step's row n (0-based position):
+// G = (A1's column sums over rows 0..n) / (n + 1), A3 = softmax of G over the visible keys ("softmax") or G ("mean").
+// col_sums (B, h, >= S), h = groups * rows, holds the column sums of the earlier rows and gains this row's A1 in
+// place. Three parallel passes over the same chunks of keys: both maps' scores, then each row's A1 into col_sums
+// and G (exponentiated per chunk for "softmax"), then the values.
+at::Tensor step_dint_attention(const at::Tensor& q1, const at::Tensor& k1, const at::Tensor& q2, const at::Tensor& k2,
+                               const at::Tensor& v, const at::Tensor& lam, const at::Tensor& gamma,
+                               at::Tensor& col_sums, const at::Tensor& positions,
+                               const std::optional<at::Tensor>& lengths, double scale, bool softmax_integral) {
+  ScorePass first(q1, k1, lengths, scale), second(q2, k2, lengths, scale);
+  score_all({&first, &second});
+  const ChunkedExp &one = first.out, &two = second.out;
+  TORCH_CHECK(one.e.sizes() == two.e.sizes(), "diffexp_cpu: the two maps' shapes must match");
+  check_values(one, v);
+  const int64_t batch = one.batch, groups = one.groups, rows = one.rows, keys = one.keys, chunks = one.chunks;
+  TORCH_CHECK(col_sums.scalar_type() == at::kFloat && col_sums.dim() == 3 && col_sums.size(0) == batch &&
+                  col_sums.size(1) == groups * rows && col_sums.size(2) >= keys && col_sums.stride(2) == 1,
+              "diffexp_cpu: col_sums must be a (B, heads, >= S) fp32 tensor with unit last stride");
+  TORCH_CHECK(gamma.scalar_type() == at::kFloat && gamma.numel() == 1, "diffexp_cpu: gamma must be one fp32 value");
+  const at::Tensor position = positions.to(at::kLong).contiguous();
+  TORCH_CHECK(position.numel() == batch, "diffexp_cpu: positions must hold one position per batch row");
+  const float* ld = lambda_rows(lam, batch * groups * rows);
+  const float g = gamma.item<float>();
+  const std::vector<float> c1 = one.coefficients([](int64_t, int64_t) { return 1.f; });  // A1 = c1 e1
+  const std::vector<float> c2 = two.coefficients([&](int64_t bg, int64_t r) { return -ld[bg * rows + r]; });
+
+  ChunkedExp three{at::empty({batch, groups, rows, keys}, one.e.options()), std::vector<float>(c1.size()),
+                   std::vector<float>(c1.size()), one.valid, batch, groups, rows, keys, chunks, one.chunk};
+  const float* e1 = one.e.data_ptr<float>();
+  float* e3 = three.e.data_ptr<float>();
+  float* sums = col_sums.data_ptr<float>();
+  const int64_t* pos = position.data_ptr<int64_t>();
+  const int64_t s0 = col_sums.stride(0), s1 = col_sums.stride(1);
+  at::parallel_for(0, batch * groups * chunks, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t bg = task / chunks, c = task % chunks, b = bg / groups;
+      const int64_t from = c * one.chunk, to = std::min(one.valid[b], from + one.chunk);
+      const float count = static_cast<float>(pos[b] + 1);
+      for (int64_t r = 0; r < rows; ++r) {
+        const float a = c1[one.at(bg, c, r)];
+        const float* x = e1 + (bg * rows + r) * keys;
+        float* column = sums + b * s0 + ((bg % groups) * rows + r) * s1;
+        float* mean = e3 + (bg * rows + r) * keys;
+#pragma omp simd
+        for (int64_t j = from; j < to; ++j) {
+          column[j] += a * x[j];
+          mean[j] = column[j] / count;
+        }
+        if (softmax_integral) exp_chunk(mean + from, std::max<int64_t>(0, to - from), three.top[three.at(bg, c, r)],
+                                        three.total[three.at(bg, c, r)]);
+      }
+    }
+  });
+  const std::vector<float> c3 = softmax_integral ? three.coefficients([&](int64_t, int64_t) { return g; })
+                                                 : std::vector<float>(c1.size(), g);
+  const Weights w{{e1, two.e.data_ptr<float>(), e3}, {c1.data(), c2.data(), c3.data()}, rows, 1};
+  return weighted_values<3>(w, v, one.valid, rows, one.e.options());
 }
 
 }  // namespace
@@ -462,6 +530,8 @@ TORCH_LIBRARY_FRAGMENT(diffexp_cpu, m) {
   m.def("step_pair_attention(Tensor q, Tensor k, Tensor v, Tensor lam, Tensor? lengths, float scale) -> Tensor");
   m.def("step_two_map_attention(Tensor q1, Tensor k1, Tensor q2, Tensor k2, Tensor v, Tensor lam, Tensor? lengths, "
         "float scale) -> Tensor");
+  m.def("step_dint_attention(Tensor q1, Tensor k1, Tensor q2, Tensor k2, Tensor v, Tensor lam, Tensor gamma, "
+        "Tensor(a!) col_sums, Tensor positions, Tensor? lengths, float scale, bool softmax_integral) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(diffexp_cpu, CPU, m) {
@@ -470,4 +540,5 @@ TORCH_LIBRARY_IMPL(diffexp_cpu, CPU, m) {
   m.impl("step_attention", &step_attention);
   m.impl("step_pair_attention", &step_pair_attention);
   m.impl("step_two_map_attention", &step_two_map_attention);
+  m.impl("step_dint_attention", &step_dint_attention);
 }
