@@ -151,7 +151,8 @@ def test_bench_decode_bf16_reads_bf16_weights_and_cache(tmp_path):
 def test_bench_decode_noise_floor_times_a_second_copy_of_the_reference(tmp_path, capsys):
     """--noise-floor: a separately built copy of the reference, timed in the same rotation, with its own ratio."""
     path = tmp_path / "decode.json"
-    assert main([*TINY_DECODE, "--variants", "diff_v2", "--no-memory", "--noise-floor", "--json", str(path)]) == 0
+    assert main([*TINY_DECODE, "--variants", "diff_v2", "--no-memory", "--noise-floor", "--steps", "3", "--json",
+                 str(path)]) == 0  # 6 paired runs, the fewest that give a 95% interval
     data = json.loads(path.read_text())
     ref = reference_variant().name
     copy = data["results"][f"{ref}#2@32x1"]
@@ -160,6 +161,12 @@ def test_bench_decode_noise_floor_times_a_second_copy_of_the_reference(tmp_path,
     assert copy["params"] == data["results"][f"{ref}@32x1"]["params"]
     out = " ".join(capsys.readouterr().out.split())
     assert f"Noise floor: {ref}#2" in out and "Lowest ratio over the grid: diff_v2 eager" in out
+    for name in ("diff_v2@32x1", f"{ref}#2@32x1"):  # each lowest ratio with its interval, as the JSON holds it
+        e = data["results"][name]
+        low, high = e["speed_ratio_ci"]
+        assert low <= e["speed_ratio"] <= high
+        assert f"{e['speed_ratio']:.2f}x (CI {low:.2f}-{high:.2f}" in out
+    assert "95% confidence interval" in out
 
 
 def test_bench_decode_match_params_moves_each_variants_ffn_to_the_references_parameter_count(tmp_path, capsys):
@@ -378,6 +385,34 @@ def test_a_ratio_pairs_runs_so_a_change_in_the_machines_speed_does_not_move_it()
     slower = {"t": [[1.25, 1.25, 2.5], [2.5, 2.5, 2.5]]}  # the copy's times x 1.25: slower, same early slowdown
     timing.add_ratio(slower, base, "t", "median_t", "ratio")
     assert slower["ratio"] == 0.8 and slower["ratio_min"] == slower["ratio_max"] == 0.8
+
+
+@pytest.mark.parametrize("rounds", [1, 3])
+def test_a_ratios_interval_holds_the_true_ratio_and_narrows_with_more_runs(rounds):
+    """A variant 0.9x the reference's speed under 10% noise per run: the 95% interval of the paired runs' median
+    holds 0.9 and the estimate, and narrows as runs are added; too few pairs give none."""
+    import random
+
+    from diffexp.bench import timing
+
+    noise = random.Random(rounds)
+
+    def timed(runs_per_round: int) -> tuple[dict, dict]:
+        base = [[1.0 + noise.gauss(0, 0.1) for _ in range(runs_per_round)] for _ in range(rounds)]
+        own = [[b / 0.9 * (1.0 + noise.gauss(0, 0.1)) for b in r] for r in base]
+        return {"t": own}, {"t": base}
+
+    widths = []
+    for runs in (8, 200):
+        own, base = timed(runs)
+        timing.add_ratio(own, base, "t", "median_t", "ratio")
+        low, high = own["ratio_ci"]
+        assert low <= 0.9 <= high and low <= own["ratio"] <= high
+        widths.append(high - low)
+    assert widths[1] < widths[0] / 2
+    own, base = {"t": [[1.0] * 5]}, {"t": [[1.0] * 5]}
+    timing.add_ratio(own, base, "t", "median_t", "ratio")
+    assert own["ratio_ci"] is None
 
 
 def test_compare_says_when_the_runs_estimated_their_ratios_differently(tmp_path, capsys):

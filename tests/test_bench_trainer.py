@@ -46,7 +46,7 @@ def test_a_bad_fit_argument_stops_before_any_round(tmp_path, monkeypatch, capsys
 
 
 def test_the_interval_of_the_median_is_the_binomial_order_statistics():
-    from diffexp.bench.trainer import median_interval
+    from diffexp.bench.timing import median_interval
 
     values = [float(v) for v in range(20, 0, -1)]  # any order
     assert median_interval(values) == [6.0, 15.0]  # P(Bin(20, 1/2) <= 5) = 0.021, <= 6: 0.058

@@ -245,10 +245,13 @@ def lowest_entries(results: dict) -> dict[tuple[str, str], dict]:
     return lowest
 
 
-def _bound_note(e: dict) -> str:
-    """' (memory-bound: 0.94x)' where the variant reads more bytes per step than the reference."""
-    bound = e.get("memory_bound_ratio")
-    return f" (memory-bound: {bound:.2f}x)" if bound is not None and bound < 0.995 else ""
+def _notes(e: dict) -> str:
+    """' (CI 0.80-0.91, memory-bound: 0.94x)': the speed ratio's confidence interval, where the results have one,
+    and the ratio if memory-bound, where the variant reads more bytes per step than the reference."""
+    ci, bound = e.get("speed_ratio_ci"), e.get("memory_bound_ratio")
+    notes = ([f"CI {ci[0]:.2f}-{ci[1]:.2f}"] if ci else []) + (
+        [f"memory-bound: {bound:.2f}x"] if bound is not None and bound < 0.995 else [])
+    return f" ({', '.join(notes)})" if notes else ""
 
 
 def _matched_note(results: dict, cfg: dict, ref: str) -> str:
@@ -286,9 +289,12 @@ def table(data: dict) -> tuple[str, list[str], list[list[str]], str]:
              f"layers, {cfg['n_heads']} heads, {kv}; {cfg['new_tokens']} tokens per run; {cfg['rounds']} rounds x "
              f"{cfg['steps']} runs")
     lowest = lowest_entries(data["results"])
-    worst = "; ".join(f"{v} {mode} {e['speed_ratio']:.2f}x" + _bound_note(e) for (v, mode), e in sorted(lowest.items())
-                      if v not in (ref, ref + COPY))
-    floor = "; ".join(f"{mode} {e['speed_ratio']:.2f}x" for (v, mode), e in sorted(lowest.items()) if v == ref + COPY)
+    worst = "; ".join(f"{v} {mode} {e['speed_ratio']:.2f}x" + _notes(e)
+                      for (v, mode), e in sorted(lowest.items()) if v not in (ref, ref + COPY))
+    floor = "; ".join(f"{mode} {e['speed_ratio']:.2f}x" + _notes(e)
+                      for (v, mode), e in sorted(lowest.items()) if v == ref + COPY)
+    confidence = (f" CI: the {timing.CONFIDENCE:.0%} confidence interval of the median over the paired runs "
+                  "(order statistics).")
     compile_times = [e["compile_s"] for e in data["results"].values() if e.get("compile_s")]
     compiled = (f" Compiling one step took {min(compile_times):.0f}-{max(compile_times):.0f} s per model."
                 if compile_times else "")
@@ -304,6 +310,8 @@ def table(data: dict) -> tuple[str, list[str], list[list[str]], str]:
                "traffic (a variant with more weights reads more); GB/s = MiB read/step / time per token; of bound "
                f"= GB/s over the device's memory bandwidth (GPU only).{compiled} Lowest ratio over the grid: "
                f"{worst}.")
+    if any(e.get("speed_ratio_ci") for e in lowest.values()):
+        caption += confidence
     if cfg.get("match_params"):
         caption += " " + _matched_note(data["results"], cfg, ref)
     if floor:

@@ -9,6 +9,7 @@ small); its spread, the range of the per-round medians of those ratios.
 from __future__ import annotations
 
 import gc
+import math
 import statistics
 import time
 from collections.abc import Mapping
@@ -21,6 +22,8 @@ from diffexp.bench.progress import ProgressReporter
 #: how add_ratio estimates a ratio, as the results JSON records it; runs before it recorded none used EARLIER
 RATIO_ESTIMATOR = "median of paired runs"
 EARLIER_RATIO_ESTIMATOR = "median / median"
+#: the coverage of a ratio's confidence interval
+CONFIDENCE = 0.95
 
 #: samples[runner][measure][round] = the seconds of each timed run
 Samples = dict[str, dict[str, list[list[float]]]]
@@ -141,7 +144,8 @@ def add_ratio(entry: dict, base: dict, times: str, median: str, ratio: str) -> N
     takes the median of reference / variant over all pairs. A pooled median / pooled median would mix runs from
     before and after a change in the machine's speed; a pair's runs are a few runs apart.
     Sets entry[median], entry["round_" + median], entry[ratio], entry["round_" + ratio + "s"],
-    entry[ratio + "_min"] and entry[ratio + "_max"] (the spread of the per-round ratios).
+    entry[ratio + "_min"] and entry[ratio + "_max"] (the spread of the per-round ratios), and entry[ratio + "_ci"],
+    the CONFIDENCE interval of the pairs' median (None for fewer than 6 pairs).
     """
     paired = [[b / x for b, x in zip(base_round, own_round, strict=True)]
               for base_round, own_round in zip(base[times], entry[times], strict=True)]
@@ -152,6 +156,21 @@ def add_ratio(entry: dict, base: dict, times: str, median: str, ratio: str) -> N
     entry[f"round_{ratio}s"] = round_ratios
     entry[f"{ratio}_min"] = min(round_ratios)
     entry[f"{ratio}_max"] = max(round_ratios)
+    entry[f"{ratio}_ci"] = median_interval([r for rnd in paired for r in rnd])
+
+
+def median_interval(values: list[float], confidence: float = CONFIDENCE) -> list[float] | None:
+    """A distribution-free interval for the median of what `values` sample: order statistics k and n + 1 - k
+    (1-based), k the largest with P(Binomial(n, 1/2) < k) <= (1 - confidence) / 2. None for too few values
+    (fewer than 6 at 95%)."""
+    n, ordered = len(values), sorted(values)
+    k, below = 0, 0.0  # below: P(Binomial(n, 1/2) < k + 1)
+    while True:
+        below += math.comb(n, k) / 2 ** n
+        if below > (1 - confidence) / 2:
+            break
+        k += 1
+    return None if k == 0 else [ordered[k - 1], ordered[n - k]]
 
 
 def add_flop_rate_ratio(entry: dict, base: dict, flops: str, ratio: str) -> None:

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import statistics
 import subprocess
@@ -20,6 +19,7 @@ from pathlib import Path
 
 from diffexp.bench import report
 from diffexp.bench.progress import ProgressReporter
+from diffexp.bench.timing import median_interval
 from diffexp.errors import UserError
 
 NAME = "trainer"
@@ -163,20 +163,6 @@ def run(args: argparse.Namespace, fit_args: list[str]) -> dict:
     return {"plain_step_s": plain_s, "fit_step_s": fit_s, "overhead_per_round": overheads,
             "overhead": statistics.median(overheads), "overhead_interval_95": median_interval(overheads),
             "profile": profile}
-
-
-def median_interval(values: list[float], confidence: float = 0.95) -> list[float] | None:
-    """A distribution-free interval for the median of what `values` sample: order statistics k and n + 1 - k
-    (1-based), k the largest with P(Binomial(n, 1/2) < k) <= (1 - confidence) / 2. None for too few values
-    (fewer than 6 at 95%)."""
-    n, ordered = len(values), sorted(values)
-    k, below = 0, 0.0  # below: P(Binomial(n, 1/2) < k + 1)
-    while True:
-        below += math.comb(n, k) / 2 ** n
-        if below > (1 - confidence) / 2:
-            break
-        k += 1
-    return None if k == 0 else [ordered[k - 1], ordered[n - k]]
 
 
 def slowest_hooks(profiler, top: int = 12) -> list[dict]:
