@@ -461,7 +461,6 @@ at::Tensor step_two_map_attention(const at::Tensor& q1, const at::Tensor& k1, co
   return weighted_values<2>(w, v, one.valid, one.rows, one.e.options());
 }
 
-
 // DINT's step: V weighted by A1 - lam A2 + gamma A3, with A3 the integral of the step's row n (0-based position):
 // G = (A1's column sums over rows 0..n) / (n + 1), A3 = softmax of G over the visible keys ("softmax") or G ("mean").
 // col_sums (B, h, >= S), h = groups * rows, holds the column sums of the earlier rows and gains this row's A1 in
