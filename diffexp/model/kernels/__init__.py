@@ -117,8 +117,8 @@ def two_map_head(q1, q2, k1, k2, v, lam, *, backend: str = "sdpa", integral: Int
     lam: a number, a 0-d tensor, or (B, h, T_q, 1), one per token and head. cache: the layer's LayerCache when
     decoding (the keys hold the cached positions; in a chunk the queries are the last T_q of T_k). pairs: q1 and q2
     interleaved in one tensor (B, 2h, T_q, d), q1 = pairs[:, 0::2], where the caller has it: a decoding step reads it
-    without a copy. Returns
-    (B, h, T_q, dv) and the effective map (B, h, T_q, T_k) when the kernel is eager, else None.
+    without a copy. Returns (B, h, T_q, dv) and the effective map (B, h, T_q, T_k) when the kernel is eager, else
+    None.
     """
     layer_lambda = torch.is_tensor(lam) and lam.dim() == 0
     decoding = None if cache is None else "step" if cache.stepping else "chunk"

@@ -53,8 +53,8 @@ def two_map_step(q1, q2, k1, k2, v, lam, lengths=None, integral=None, col_sums=N
 
     q1, q2 = q1.reshape(b, h_kv, group, d), q2.reshape(b, h_kv, group, d)
     gamma = None if integral is None else integral.gamma
-    if (cpu_native.runs_step(q1, q2, k1, k2, v, *([] if integral is None else [col_sums]))
-            and not _tracks_grad(lam) and not _tracks_grad(gamma)):
+    state = () if integral is None else (col_sums,)
+    if cpu_native.runs_step(q1, q2, k1, k2, v, *state) and not _tracks_grad(lam) and not _tracks_grad(gamma):
         lam_rows = torch.as_tensor(lam, dtype=torch.float32).expand(b, h, 1, 1).reshape(b, h).contiguous()
         if integral is not None:  # DINT: A1's row joins col_sums and makes A3 in the same op
             gamma32 = torch.as_tensor(gamma, dtype=torch.float32).reshape(1)
