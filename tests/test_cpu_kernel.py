@@ -307,19 +307,21 @@ def test_step_dint_attention_equals_naive(rows, keys, capacity, ragged, softmax_
 
 
 @pytest.mark.parametrize("visible", [None, 700, 300])
-def test_step_ops_split_one_row_across_threads_exactly(visible):
-    """At batch 1 a row's keys are split into chunks, one task each, each exponentiated against its own maximum;
-    the chunks are rescaled to one softmax. Peaked scores (one chunk far above the rest) and chunks left partly
+@pytest.mark.parametrize("batch, threads", [(1, 4), (3, 1)])
+def test_step_ops_exact_whether_a_task_holds_a_chunk_or_whole_rows(visible, batch, threads):
+    """At batch 1 on 4 threads a row's keys are split into chunks, one task each, each exponentiated against its
+    own maximum; the chunks are rescaled to one softmax. With more groups than threads a task holds whole rows and
+    scores, normalises and reads V at once. Peaked scores (one chunk far above the rest) and chunks left partly
     or wholly empty by lengths, against float64."""
     torch.manual_seed(7)
     keys, d, dv = 1027, 16, 24
-    q = torch.randn(1, 1, 4, d) * 6
-    k, v = torch.randn(1, 1, keys, d), torch.randn(1, 1, keys, dv)
-    lam = torch.rand(1, 1, 2)
-    lengths = None if visible is None else torch.tensor([visible])
+    q = torch.randn(batch, 1, 4, d) * 6
+    k, v = torch.randn(batch, 1, keys, d), torch.randn(batch, 1, keys, dv)
+    lam = torch.rand(batch, 1, 2)
+    lengths = None if visible is None else torch.tensor([visible, keys, 1][:batch])
     probs, _ = naive_step_probabilities(q, k, lengths)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(4)  # four chunks of the row's keys, whatever the machine's cores
+    saved_threads = torch.get_num_threads()
+    torch.set_num_threads(threads)  # the same tasks whatever the machine's cores
     try:
         checks = [
             (cpu_native.step_probabilities(q, k, lengths), probs),
@@ -331,13 +333,13 @@ def test_step_ops_split_one_row_across_threads_exactly(visible):
                                                                                  lengths)[0]) @ v.double()),
             (cpu_native.step_values(probs.float(), v, lengths), probs @ v.double()),
         ]
-        sums, positions, gamma = torch.rand(1, 2, keys), torch.tensor([keys + 5]), torch.tensor([0.4])
-        want, _ = naive_dint_step(q[:, :, :2], k, q[:, :, 2:], k.flip(2), v, lam.view(1, 2), gamma, sums,
+        sums, positions, gamma = torch.rand(batch, 2, keys), torch.full((batch,), keys + 5), torch.tensor([0.4])
+        want, _ = naive_dint_step(q[:, :, :2], k, q[:, :, 2:], k.flip(2), v, lam.view(batch, 2), gamma, sums,
                                   positions, lengths, True)
-        checks.append((cpu_native.step_dint_attention(q[:, :, :2], k, q[:, :, 2:], k.flip(2), v, lam.view(1, 2), gamma,
-                                                      sums, positions, lengths, True), want))
+        checks.append((cpu_native.step_dint_attention(q[:, :, :2], k, q[:, :, 2:], k.flip(2), v, lam.view(batch, 2),
+                                                      gamma, sums, positions, lengths, True), want))
     finally:
-        torch.set_num_threads(threads)
+        torch.set_num_threads(saved_threads)
     for got, want in checks:
         torch.testing.assert_close(got.double(), want, atol=1e-5, rtol=1e-4)
 

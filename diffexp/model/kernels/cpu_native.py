@@ -39,6 +39,8 @@ SWITCH = "DIFFEXP_CPU_KERNEL"
 #: query rows per block: 64 for the two maps, 32 for DINT (measured fastest on 2 cores at T 512 and 2048)
 TWO_MAP_BLOCK, DINT_BLOCK = 64, 32
 
+#: hot loops at cache-line boundaries: unaligned, a loop's speed depends on where the linker happens to place it
+_ALIGN_FLAGS = ["-falign-functions=64", "-falign-loops=64"]
 _VECTOR_FLAGS = {"AVX512": ["-mavx2", "-mfma", "-mavx512f", "-mavx512dq", "-mavx512bw", "-mavx512vl"],
                  "AVX2": ["-mavx2", "-mfma"]}
 
@@ -66,7 +68,7 @@ def unavailable_reason() -> str | None:
     started = time.perf_counter()
     try:
         cpp_extension.load(name=name, sources=[str(SOURCE), str(STEP_SOURCE)], is_python_module=False, verbose=False,
-                           extra_cflags=["-O3", "-fopenmp", *_VECTOR_FLAGS.get(capability, [])],
+                           extra_cflags=["-O3", "-fopenmp", *_ALIGN_FLAGS, *_VECTOR_FLAGS.get(capability, [])],
                            extra_ldflags=["-fopenmp"])
     except Exception as error:  # no compiler, no ninja, a BLAS without sgemm_: the PyTorch-ops pass runs instead
         first_line = (str(error).strip().splitlines() or [type(error).__name__])[0]

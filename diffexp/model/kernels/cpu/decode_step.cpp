@@ -5,12 +5,12 @@
 //   step_two_map_attention: out[b, g, r] = (P1[b, g, r] - lam[b, g, r] P2[b, g, r]) V, a K each (DIFF V1, Shared)
 //   step_dint_attention:    out[b, g, r] = (P1 - lam P2 + gamma A3)[b, g, r] V, A3 from P1's column sums (DINT's)
 //   step_probabilities:     P[b, g, r] (zeros past valid_b), and step_values: W V
-// Two phases, each one parallel pass: the scores of a chunk of keys, exponentiated while they are in L1 (shifted by
-// the chunk's maximum); then V, weighted by the exponentials times a coefficient per (row, chunk) that normalises
-// them and, for two maps, subtracts the second. The batched GEMMs these replace have 1-8 rows and run far from the
-// memory bound; here every key and value row is loaded once and used by all rows of its group. K and V may be views
-// into a larger cache (any strides, the last 1); valid_b = lengths[b] when given, else every key. The Python side:
-// diffexp/model/kernels/cpu_native.py.
+// Two phases: the scores of a chunk of keys, exponentiated while they are in L1 (shifted by the chunk's maximum);
+// then V, weighted by the exponentials times a coefficient per (row, chunk) that normalises them and, for two maps,
+// subtracts the second. Each phase is one parallel pass; where a task holds whole rows, one pass runs both. The
+// batched GEMMs these replace have 1-8 rows and run far from the memory bound; here every key and value row is loaded
+// once and used by all rows of its group. K and V may be views into a larger cache (any strides, the last 1);
+// valid_b = lengths[b] when given, else every key. The Python side: diffexp/model/kernels/cpu_native.py.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -113,19 +113,27 @@ struct ChunkedExp {
 
   int64_t at(int64_t bg, int64_t c, int64_t r) const { return (bg * chunks + c) * rows + r; }
 
-  // per (bg, chunk, row): exp(top - the row's max) / the row's sum, times `factor(bg, r)` (0 for an empty row)
+  // per (chunk, row) of group bg, into coef[at(bg, c, r)]: exp(top - the row's max) / the row's sum, times
+  // `factor(bg, r)` (0 for an empty row)
+  template <typename Factor>
+  void coefficients_of(int64_t bg, Factor factor, float* coef) const {
+    for (int64_t r = 0; r < rows; ++r) {
+      float row_top = -std::numeric_limits<float>::infinity(), row_total = 0.f;
+      for (int64_t c = 0; c < chunks; ++c) row_top = std::max(row_top, top[at(bg, c, r)]);
+      if (row_top == -std::numeric_limits<float>::infinity()) {
+        for (int64_t c = 0; c < chunks; ++c) coef[at(bg, c, r)] = 0.f;
+        continue;
+      }
+      for (int64_t c = 0; c < chunks; ++c) row_total += total[at(bg, c, r)] * std::exp(top[at(bg, c, r)] - row_top);
+      const float scale = factor(bg, r) / row_total;
+      for (int64_t c = 0; c < chunks; ++c) coef[at(bg, c, r)] = std::exp(top[at(bg, c, r)] - row_top) * scale;
+    }
+  }
+
   template <typename Factor>
   std::vector<float> coefficients(Factor factor) const {
     std::vector<float> coef(top.size(), 0.f);
-    for (int64_t bg = 0; bg < batch * groups; ++bg)
-      for (int64_t r = 0; r < rows; ++r) {
-        float row_top = -std::numeric_limits<float>::infinity(), row_total = 0.f;
-        for (int64_t c = 0; c < chunks; ++c) row_top = std::max(row_top, top[at(bg, c, r)]);
-        if (row_top == -std::numeric_limits<float>::infinity()) continue;
-        for (int64_t c = 0; c < chunks; ++c) row_total += total[at(bg, c, r)] * std::exp(top[at(bg, c, r)] - row_top);
-        const float scale = factor(bg, r) / row_total;
-        for (int64_t c = 0; c < chunks; ++c) coef[at(bg, c, r)] = std::exp(top[at(bg, c, r)] - row_top) * scale;
-      }
+    for (int64_t bg = 0; bg < batch * groups; ++bg) coefficients_of(bg, factor, coef.data());
     return coef;
   }
 };
@@ -316,11 +324,16 @@ struct Weights {
   int64_t group_rows, row_step;
 };
 
+struct Unprepared {
+  void operator()(int64_t) const {}
+};
+
 // out[b, g, r] = sum_{s < valid_b} W[b, g, r, s] V[b, g, s] for Maps (1 to 3) maps' weights, in the chunks of keys
-// phase 1 used (same batch, groups and keys give the same chunks).
-template <int Maps>
+// phase 1 used (same batch, groups and keys give the same chunks). `prepare(task)` runs first in each task: it may
+// make that task's weights (see attend).
+template <int Maps, typename Prepare = Unprepared>
 at::Tensor weighted_values(const Weights& w, const at::Tensor& v_in, const std::vector<int64_t>& valid, int64_t rows,
-                           const at::TensorOptions& options) {
+                           const at::TensorOptions& options, Prepare prepare = {}) {
   const Rows v = rows_of(v_in, "v");
   const int64_t batch = v.batch, groups = v.groups, keys = v.length, dim = v.dim;
   TORCH_CHECK(static_cast<int64_t>(valid.size()) == batch, "diffexp_cpu: v must have the batch of q and k");
@@ -330,6 +343,7 @@ at::Tensor weighted_values(const Weights& w, const at::Tensor& v_in, const std::
   float* sums = partial.data_ptr<float>();
   at::parallel_for(0, batch * groups * chunks, 1, [&](int64_t begin, int64_t end) {
     for (int64_t task = begin; task < end; ++task) {
+      prepare(task);
       const int64_t bg = task / chunks, b = bg / groups, g = bg % groups;
       const int64_t first = (task % chunks) * chunk, last = std::min(valid[b], first + chunk);
       const float* e0 = w.e[0] + bg * w.group_rows * keys;
@@ -403,14 +417,35 @@ void check_values(const ChunkedExp& ex, const at::Tensor& v) {
               "diffexp_cpu: v must be (B, groups, S, dv) matching k");
 }
 
+// The passes' scores, then V weighted by w (rows_out rows a group). `normalise(bg)` makes group bg's coefficients
+// in w from its scores. Where a task holds whole rows (one chunk a group, as at batch 8), both run in one parallel
+// pass, task by task: the task's exponentials are still in cache when its values are read, and no thread waits
+// for the others between the two.
+template <int Maps, typename Normalise>
+at::Tensor attend(std::initializer_list<ScorePass*> passes, const Weights& w, const at::Tensor& v, int64_t rows_out,
+                  Normalise normalise) {
+  const ChunkedExp& ex = (*passes.begin())->out;
+  check_values(ex, v);
+  if (ex.chunks == 1)
+    return weighted_values<Maps>(w, v, ex.valid, rows_out, ex.e.options(), [&](int64_t bg) {
+      for (ScorePass* p : passes) p->score(bg);
+      normalise(bg);
+    });
+  score_all(passes);
+  for (int64_t bg = 0; bg < ex.batch * ex.groups; ++bg) normalise(bg);
+  return weighted_values<Maps>(w, v, ex.valid, rows_out, ex.e.options());
+}
+
+float unit(int64_t, int64_t) { return 1.f; }
+
 // One map per query row (the baseline, and any single-map head): softmax(scale q K^T) V.
 at::Tensor step_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                           const std::optional<at::Tensor>& lengths, double scale) {
-  const ChunkedExp ex = chunked_exp(q, k, lengths, scale);
-  check_values(ex, v);
-  const std::vector<float> coef = ex.coefficients([](int64_t, int64_t) { return 1.f; });
+  ScorePass pass(q, k, lengths, scale);
+  const ChunkedExp& ex = pass.out;
+  std::vector<float> coef(ex.top.size());
   const Weights w{{ex.e.data_ptr<float>(), nullptr, nullptr}, {coef.data(), nullptr, nullptr}, ex.rows, 1};
-  return weighted_values<1>(w, v, ex.valid, ex.rows, ex.e.options());
+  return attend<1>({&pass}, w, v, ex.rows, [&](int64_t bg) { ex.coefficients_of(bg, unit, coef.data()); });
 }
 
 const float* lambda_rows(const at::Tensor& lam, int64_t count) {
@@ -425,23 +460,23 @@ at::Tensor step_pair_attention(const at::Tensor& q, const at::Tensor& k, const a
                                const std::optional<at::Tensor>& lengths, double scale) {
   TORCH_CHECK(q.dim() == 4 && q.size(2) % 2 == 0, "diffexp_cpu: q must be (B, groups, 2 * pairs, dim)");
   const int64_t batch = q.size(0), groups = q.size(1), pairs = q.size(2) / 2;
-  const ChunkedExp ex = chunked_exp(q, k, lengths, scale);
-  check_values(ex, v);
+  ScorePass pass(q, k, lengths, scale);
+  const ChunkedExp& ex = pass.out;
   const float* ld = lambda_rows(lam, batch * groups * pairs);
   // the coefficients of rows 2i and 2i + 1, regrouped per pair: A1's and -lam times A2's
-  const std::vector<float> coef = ex.coefficients([&](int64_t bg, int64_t r) {
-    return r % 2 == 0 ? 1.f : -ld[bg * pairs + r / 2];
-  });
-  std::vector<float> first(batch * groups * ex.chunks * pairs), second(first.size());
-  for (int64_t bg = 0; bg < batch * groups; ++bg)
+  std::vector<float> coef(ex.top.size()), first(batch * groups * ex.chunks * pairs), second(first.size());
+  const auto normalise = [&](int64_t bg) {
+    ex.coefficients_of(bg, [&](int64_t, int64_t r) { return r % 2 == 0 ? 1.f : -ld[bg * pairs + r / 2]; },
+                       coef.data());
     for (int64_t ch = 0; ch < ex.chunks; ++ch)
       for (int64_t i = 0; i < pairs; ++i) {
         first[(bg * ex.chunks + ch) * pairs + i] = coef[ex.at(bg, ch, 2 * i)];
         second[(bg * ex.chunks + ch) * pairs + i] = coef[ex.at(bg, ch, 2 * i + 1)];
       }
+  };
   const float* e = ex.e.data_ptr<float>();
   const Weights w{{e, e + ex.keys, nullptr}, {first.data(), second.data(), nullptr}, 2 * pairs, 2};
-  return weighted_values<2>(w, v, ex.valid, pairs, ex.e.options());
+  return attend<2>({&pass}, w, v, pairs, normalise);
 }
 
 // DIFF V1 and Shared DIFF: each map reads its own K; row r of q1 and row r of q2 are the two maps of one head.
@@ -449,16 +484,16 @@ at::Tensor step_two_map_attention(const at::Tensor& q1, const at::Tensor& k1, co
                                   const at::Tensor& k2, const at::Tensor& v, const at::Tensor& lam,
                                   const std::optional<at::Tensor>& lengths, double scale) {
   ScorePass first(q1, k1, lengths, scale), second(q2, k2, lengths, scale);
-  score_all({&first, &second});
   const ChunkedExp &one = first.out, &two = second.out;
   TORCH_CHECK(one.e.sizes() == two.e.sizes(), "diffexp_cpu: the two maps' shapes must match");
-  check_values(one, v);
   const float* ld = lambda_rows(lam, one.batch * one.groups * one.rows);
-  const std::vector<float> c1 = one.coefficients([](int64_t, int64_t) { return 1.f; });
-  const std::vector<float> c2 = two.coefficients([&](int64_t bg, int64_t r) { return -ld[bg * two.rows + r]; });
+  std::vector<float> c1(one.top.size()), c2(two.top.size());
   const Weights w{{one.e.data_ptr<float>(), two.e.data_ptr<float>(), nullptr}, {c1.data(), c2.data(), nullptr},
                   one.rows, 1};
-  return weighted_values<2>(w, v, one.valid, one.rows, one.e.options());
+  return attend<2>({&first, &second}, w, v, one.rows, [&](int64_t bg) {
+    one.coefficients_of(bg, unit, c1.data());
+    two.coefficients_of(bg, [&](int64_t, int64_t r) { return -ld[bg * two.rows + r]; }, c2.data());
+  });
 }
 
 // DINT's step: V weighted by A1 - lam A2 + gamma A3, with A3 the integral of the step's row n (0-based position):
