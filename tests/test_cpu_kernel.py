@@ -307,12 +307,12 @@ def test_step_dint_attention_equals_naive(rows, keys, capacity, ragged, softmax_
 
 
 @pytest.mark.parametrize("visible", [None, 700, 300])
-@pytest.mark.parametrize("batch, threads", [(1, 4), (3, 1)])
+@pytest.mark.parametrize("batch, threads", [(1, 4), (3, 2), (3, 1)])
 def test_step_ops_exact_whether_a_task_holds_a_chunk_or_whole_rows(visible, batch, threads):
-    """At batch 1 on 4 threads a row's keys are split into chunks, one task each, each exponentiated against its
-    own maximum; the chunks are rescaled to one softmax. With more groups than threads a task holds whole rows and
-    scores, normalises and reads V at once. Peaked scores (one chunk far above the rest) and chunks left partly
-    or wholly empty by lengths, against float64."""
+    """Where the groups do not split evenly over the threads (1 on 4, 3 on 2) a row's keys are split into chunks,
+    one task each, each exponentiated against its own maximum; the chunks are rescaled to one softmax. Where they
+    do (3 on 1), a task holds whole rows and scores, normalises and reads V at once. Peaked scores (one chunk far
+    above the rest) and chunks left partly or wholly empty by lengths, against float64."""
     torch.manual_seed(7)
     keys, d, dv = 1027, 16, 24
     q = torch.randn(batch, 1, 4, d) * 6

@@ -59,9 +59,12 @@ std::vector<int64_t> valid_keys(const std::optional<at::Tensor>& lengths, int64_
   return valid;
 }
 
-// Chunks per (batch, group) so that the tasks fill the threads even at batch 1.
+// Chunks per (batch, group): one where the groups split evenly over the threads (a task then scores, normalises and
+// reads V at once, see attend); else enough for two tasks a thread, so that they fill the threads even at batch 1.
 int64_t chunks_for(int64_t groups_total, int64_t keys) {
-  const int64_t wanted = (2 * at::get_num_threads() + groups_total - 1) / groups_total;
+  const int64_t threads = at::get_num_threads();
+  if (groups_total % threads == 0) return 1;
+  const int64_t wanted = (2 * threads + groups_total - 1) / groups_total;
   return std::max<int64_t>(1, std::min<int64_t>(wanted, keys / kMinChunk));
 }
 
@@ -418,7 +421,7 @@ void check_values(const ChunkedExp& ex, const at::Tensor& v) {
 }
 
 // The passes' scores, then V weighted by w (rows_out rows a group). `normalise(bg)` makes group bg's coefficients
-// in w from its scores. Where a task holds whole rows (one chunk a group, as at batch 8), both run in one parallel
+// in w from its scores. Where a task holds whole rows (one chunk a group, see chunks_for), both run in one parallel
 // pass, task by task: the task's exponentials are still in cache when its values are read, and no thread waits
 // for the others between the two.
 template <int Maps, typename Normalise>
