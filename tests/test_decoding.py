@@ -258,7 +258,7 @@ def test_generate_with_compile_gives_the_eager_tokens(fresh_dynamo):
 def test_generate_warns_and_decodes_eagerly_where_compile_cannot_run(monkeypatch):
     import diffexp.model.decoder as decoder_module
 
-    monkeypatch.setattr(decoder_module, "compile_unavailable", lambda device: "no C++ compiler")
+    monkeypatch.setattr(decoder_module, "compile_unavailable", lambda device, **options: "no C++ compiler")
     model = build("baseline")
     with pytest.warns(UserWarning, match="no C\\+\\+ compiler"):
         tokens = list(generate(model, torch.zeros(1, 3, dtype=torch.long), 3, compile=True))

@@ -133,10 +133,22 @@ def test_compile_gives_the_same_text(memorised, capsys):
 
 
 def test_compile_where_it_cannot_run_is_one_clear_error(memorised, capsys, monkeypatch):
-    monkeypatch.setattr("diffexp.model.compile.compile_unavailable", lambda device: "no C++ compiler found")
+    monkeypatch.setattr("diffexp.model.compile.compile_unavailable", lambda device, **options: "no C++ compiler found")
     code, out, err = run_generate([str(memorised), "--prompt", "the", "--compile", "--max-new-tokens", "5",
                                    "--device", "cpu"], capsys)
     assert code == 2 and "--compile is invalid here" in err and "no C++ compiler found" in err and out == ""
+
+
+def test_compile_is_checked_with_the_compiled_steps_own_inductor_options(memorised, capsys, monkeypatch):
+    """The CPU step compiles with options of its own (a C++ wrapper); where only those fail, --compile is still one
+    clear error before any decoding."""
+    def unavailable(device, options=None):
+        return "the C++ wrapper does not build" if options and options.get("cpp_wrapper") else None
+
+    monkeypatch.setattr("diffexp.model.compile.compile_unavailable", unavailable)
+    code, out, err = run_generate([str(memorised), "--prompt", "the", "--compile", "--max-new-tokens", "5",
+                                   "--device", "cpu"], capsys)
+    assert code == 2 and "the C++ wrapper does not build" in err and out == ""
 
 
 def test_sampling_is_reproducible_by_seed(memorised, capsys):

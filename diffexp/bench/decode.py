@@ -77,11 +77,13 @@ def choose_modes(args: argparse.Namespace) -> list[str]:
     import torch
 
     from diffexp.model.compile import compile_unavailable
+    from diffexp.model.decoder import step_compile_options
 
     wanted = list(dict.fromkeys(args.modes or MODES))
     if "compiled" not in wanted:
         return wanted
-    reason = compile_unavailable(torch.device(args.device))
+    device = torch.device(args.device)
+    reason = compile_unavailable(device, options=step_compile_options(device))
     if reason is None:
         return wanted
     if args.modes:

@@ -11,10 +11,12 @@ import torch
 from torch import nn
 
 
-def compile_unavailable(device: torch.device, backend: str = "inductor") -> str | None:
-    """Why torch.compile cannot run here (None: it can), from compiling and running a one-line probe."""
+def compile_unavailable(device: torch.device, backend: str = "inductor", options: dict | None = None) -> str | None:
+    """Why torch.compile cannot run here (None: it can), from compiling and running a one-line probe with the
+    inductor `options` the real graph will use."""
     try:
-        probe = torch.compile(lambda x: torch.nn.functional.silu(x) * 2, backend=backend, dynamic=False)
+        probe = torch.compile(lambda x: torch.nn.functional.silu(x) * 2, backend=backend, dynamic=False,
+                              options=options)
         probe(torch.ones(4, device=device))
     except Exception as err:  # noqa: BLE001 - any failure means: train without it
         return (str(err).strip().splitlines() or [type(err).__name__])[0][:300]

@@ -33,14 +33,21 @@ def _cpu_step_options() -> dict:
     """Inductor's options for a CPU decoding step. A batch-1 step's products with the weights are GEMVs, bound by
     reading the weights: inductor's decompose_mm_pass writes them as vector sums fused with their neighbours
     instead of one MKL call each, which is faster for one row (skipped where this torch lacks the pass).
-    size_asserts off: the step's Python wrapper would check the size and stride of every input and extern output
-    on each token; the inputs are guarded by dynamo already, and the compiled step is tested equal to eager."""
-    options: dict = {"size_asserts": False}
+    cpp_wrapper: the step's wrapper (its buffers, views and calls) in C++, not Python. That cost comes on every
+    token and grows with a step's inputs and buffers, which the variants have more of than the baseline.
+    size_asserts off: the wrapper would check the size and stride of every input and extern output on each token;
+    the inputs are guarded by dynamo already, and the compiled step is tested equal to eager."""
+    options: dict = {"size_asserts": False, "cpp_wrapper": True}
     try:
         import torch._inductor.fx_passes.decompose_mem_bound_mm  # noqa: F401 - the pass registers on import
     except ImportError:
         return options
     return {**options, "post_grad_fusion_options": {"decompose_mm_pass": {}}}
+
+
+def step_compile_options(device: torch.device, mode: str = "default") -> dict | None:
+    """Inductor's options for the compiled decoding step on `device` in `mode` (None: the mode's own)."""
+    return _cpu_step_options() if device.type == "cpu" and mode == "default" else None
 
 
 class Decoder(nn.Module):
@@ -166,13 +173,11 @@ class Decoder(nn.Module):
             mode = "reduce-overhead" if device.type == "cuda" else "default"
         if self._compiled_mode == mode:
             return None
-        reason = compile_unavailable(device)
+        options = step_compile_options(device, mode)
+        reason = compile_unavailable(device, options=options)
         if reason is not None:
             return reason
-        if device.type == "cpu" and mode == "default":  # torch.compile takes a mode or options, not both
-            settings = {"options": _cpu_step_options()}
-        else:
-            settings = {"mode": mode}
+        settings = {"mode": mode} if options is None else {"options": options}  # torch.compile takes one, not both
         self._compiled_step = torch.compile(self._own_step(), dynamic=False, fullgraph=True, **settings)
         self._compiled_mode = mode
         return None
