@@ -253,6 +253,7 @@ def test_bench_records_the_threads_it_ran_with(kind, tmp_path):
     ([*TINY_DECODE, "--new-tokens", "0"], "--new-tokens: expected a positive integer, got 0"),
     ([*TINY_DECODE, "--kv-heads", "0"], "--kv-heads: expected a positive integer, got 0"),
     ([*TINY_DECODE, "--kv-heads", "3"], "n_kv_heads"),
+    ([*TINY_DECODE, "--seq-lens", "2000000000"], "--seq-lens 2000000000 --batch-size"),  # more than any host holds
     ([*TINY_KERNEL, "--variants", "diff_v9"], "unknown variant 'diff_v9'"),
     ([*TINY_KERNEL, "--backends", "flash_attn"], "--backends flash_attn needs --device cuda"),
     ([*TINY_KERNEL, "--backends", "fast"], "--backends: invalid choice: 'fast'"),

@@ -128,3 +128,33 @@ def test_the_end_of_fit_sets_a_gpus_measured_peak_beside_the_estimate(monkeypatc
                 "(+20%)")
     assert expected in summary("cuda", 9 * gib)
     assert "peak memory" not in summary("cpu", 9 * gib)
+
+
+# -- an unsharded CPU run against the host's free memory (diffexp.training.preflight) ---------------------------
+
+@pytest.mark.parametrize("attention", VARIANTS)
+@pytest.mark.parametrize("batch, seq_len", [(1, 8), (16, 64)])
+def test_the_rough_bound_that_skips_the_cpu_check_lies_above_the_estimate(attention, batch, seq_len):
+    """Where the rough bound fits the free memory the estimate is never computed: it must never be below it."""
+    from diffexp.training.preflight import rough_training_bytes
+
+    cfg = arch(attention)
+    assert rough_training_bytes(cfg, batch, seq_len) >= estimate_memory(cfg, batch, seq_len, 1, torch.float32).total
+
+
+def test_a_cpu_run_needing_more_than_the_free_memory_is_refused(monkeypatch):
+    from diffexp.training.preflight import check_cpu_memory
+
+    cfg, data = arch("diff_v1"), {"batch_size": 16, "seq_len": 64}
+    needed = estimate_memory(cfg, 16, 64, 1, torch.float32).total
+    monkeypatch.setattr(memory, "host_memory_available", lambda: needed + 1)
+    check_cpu_memory(cfg, {"accelerator": "cpu"}, data)  # fits
+    with pytest.raises(UserError, match=r"in each of 2 processes.*killed out of memory"):
+        check_cpu_memory(cfg, {"accelerator": "cpu", "devices": 2}, data)  # two replicas on this host
+    monkeypatch.setattr(memory, "host_memory_available", lambda: needed - 1)
+    with pytest.raises(UserError) as refused:
+        check_cpu_memory(cfg, {"accelerator": "cpu"}, data)
+    assert "data.batch_size=16 x data.seq_len=64" in str(refused.value) and "d_model=64" in str(refused.value)
+    # FSDP2 checks its own shards; a GPU run is not measured against the host
+    check_cpu_memory(cfg, {"accelerator": "cpu", "strategy": "diffexp.parallel.FSDP2Strategy"}, data)
+    check_cpu_memory(cfg, {"accelerator": "gpu"}, data)

@@ -118,6 +118,11 @@ CASES = [
     ("layers-zero", ["fit", "--config", RECIPE, "--model.arch.n_layers", "0"], ["model.arch.n_layers", "0"]),
     ("init-std", ["fit", "--config", RECIPE, "--model.arch.init_std", "0"], ["model.arch.init_std", "0"]),
     ("norm-eps", ["fit", "--config", RECIPE, "--model.arch.norm_eps", "-1e-5"], ["model.arch.norm_eps"]),
+    # more memory than any host has: the states (d_model), the activations (batch_size)
+    ("memory-states", ["fit", "--config", RECIPE, "--model.arch.d_model", "65536", "--model.arch.n_layers", "8"],
+     ["model.arch", "d_model=65536", "GiB", "free", "killed out of memory"]),
+    ("memory-activations", ["fit", "--config", RECIPE, "--data.batch_size", "100000000"],
+     ["data.batch_size=100000000", "activations", "free"]),
     ("rope-theta", ["fit", "--config", RECIPE, "--model.arch.rope_theta", "0"], ["model.arch.rope_theta", "0"]),
     ("ffn-hidden", ["fit", "--config", RECIPE, "--model.arch.ffn_hidden", "-64"], ["model.arch.ffn_hidden", "-64"]),
     ("unknown-arch-key", ["fit", "--config", RECIPE, "--model.arch.nope", "1"], ["model.arch.nope"]),

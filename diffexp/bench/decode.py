@@ -70,6 +70,43 @@ def validate(args: argparse.Namespace) -> None:
     if args.match_params:
         args.matched_ffn_hidden = workload.matched_ffn_widths(args, max_seq_len(args), args.backend)
     args.modes = choose_modes(args)
+    check_memory(args)
+
+
+def check_memory(args: argparse.Namespace) -> None:
+    """Refuse a grid whose largest shape cannot be held: every variant's model and cache at once (the runs
+    interleave), for each mode, plus a rough bound on one prefill's activations, against the device's free memory.
+    Sizes come from meta-device models that decode one token, with no real allocation."""
+    import torch
+
+    from diffexp.model import Decoder
+    from diffexp.parallel.memory import host_memory_available, size
+
+    device = torch.device(args.device)
+    available = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else host_memory_available()
+    if available is None:
+        return
+    context, batch, capacity = max(args.seq_lens), max(args.batch_size), max_seq_len(args)
+    dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
+    variants = args.variants + ([reference_variant().name] if args.noise_floor else [])
+    held = 0
+    for name in variants:
+        cfg = workload.model_config(args, name, capacity, args.backend)
+        with torch.device("meta"):
+            model = Decoder(cfg).to(dtype).eval()
+        cache = model.new_cache(capacity, static=True)
+        with torch.inference_mode():
+            model(torch.zeros(batch, 1, dtype=torch.long, device="meta"), cache=cache)
+        weights = sum(p.numel() * p.element_size() for p in {id(p): p for p in model.parameters()}.values())
+        held += len(args.modes) * (weights + cache.bytes() * capacity)  # one position written so far
+    # the prefill's logits, and a layer's transients: SwiGLU's gate, up and product, a few d_model-wide tensors
+    prefill = 4 * batch * context * (args.vocab_size + 3 * cfg.resolved_ffn_hidden + 8 * args.d_model)
+    if held + prefill <= available:
+        return
+    raise UserError(f"--seq-lens {context} --batch-size {batch}: the {len(variants)} models' weights and caches "
+                    f"({', '.join(args.modes)}) take {size(held)}, and a prefill about {size(prefill)}, more than the "
+                    f"{size(available)} free on {device.type}; lower --seq-lens or --batch-size, or measure fewer "
+                    "--variants or --modes")
 
 
 def choose_modes(args: argparse.Namespace) -> list[str]:

@@ -26,7 +26,7 @@ def requested_world_size(trainer: dict[str, Any]) -> int | None:
     return None
 
 
-def _strategy_class(trainer: dict[str, Any]) -> str | None:
+def strategy_class(trainer: dict[str, Any]) -> str | None:
     strategy = trainer.get("strategy")
     if isinstance(strategy, dict):
         return str(strategy.get("class_path", ""))
@@ -36,7 +36,7 @@ def _strategy_class(trainer: dict[str, Any]) -> str | None:
 def check_launch(trainer: dict[str, Any]) -> None:
     """Refuse, before any process starts, a strategy diffexp cannot shard with, a precision that would fight
     FSDP2's own, and a torchrun / SLURM launch whose process count differs from the config's."""
-    strategy = _strategy_class(trainer) or ""
+    strategy = strategy_class(trainer) or ""
     if strategy.rsplit(".", 1)[-1] in ("ModelParallelStrategy", "model_parallel"):
         raise UserError(f"trainer.strategy={strategy!r}: diffexp shards with its subclass {FSDP2} (FSDP2 per "
                         "decoder block, mixed precision and activation checkpointing as its init_args); use that "

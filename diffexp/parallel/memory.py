@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass, replace
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -137,6 +138,25 @@ def check_fits(arch, micro_batch: int, seq_len: int, shard_size: int, compute_dt
     options.append(f"twice the GPUs ({2 * shard_size}): {size(more.total)}")
     raise UserError(f"{line}: more than {FIT_FRACTION:.0%} of the {available / GIB:.1f} GiB of one device, so the "
                     "run would stop out of memory. What helps, each alone:\n  " + "\n  ".join(options))
+
+
+def host_memory_available() -> int | None:
+    """Bytes the host can still give this process: /proc/meminfo's MemAvailable, or less where a cgroup (v2) limit
+    leaves less (a container); None where neither can be read."""
+    try:
+        meminfo = Path("/proc/meminfo").read_text()
+        available = int(next(line.split()[1] for line in meminfo.splitlines() if line.startswith("MemAvailable:")))
+        available *= 1024
+    except (OSError, StopIteration, ValueError, IndexError):
+        return None
+    try:
+        limit = Path("/sys/fs/cgroup/memory.max").read_text().strip()
+        if limit != "max":
+            used = int(Path("/sys/fs/cgroup/memory.current").read_text())
+            available = min(available, max(0, int(limit) - used))
+    except (OSError, ValueError):
+        pass
+    return available
 
 
 def peak_line(device: torch.device, estimated: int | None = None) -> str | None:

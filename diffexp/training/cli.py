@@ -27,7 +27,13 @@ from diffexp.training.diagnostics import Diagnostics
 from diffexp.training.global_batch import GlobalBatch
 from diffexp.training.hparams import RunHParams
 from diffexp.training.module import DiffexpLM
-from diffexp.training.preflight import check_resume, data_init_args, validate_fit_config
+from diffexp.training.preflight import (
+    check_cpu_memory,
+    check_resume,
+    data_init_args,
+    model_sections,
+    validate_fit_config,
+)
 from diffexp.training.progress import use_step_progress_bar
 from diffexp.training.report import RunReport, print_summary
 from diffexp.training.runs import AtomicCheckpointIO, resolve_resume, run_logger
@@ -115,8 +121,11 @@ class DiffexpCLI(LightningCLI):
     def instantiate_classes(self) -> None:
         """What this machine cannot build is refused first, before data and model exist (check_buildable).
         jsonargparse wraps a class's own UserError in a union error with a Namespace dump: unwrap it."""
-        check_buildable(to_builtin(self._get(self.config, "trainer", default={})),
-                        to_builtin(self._get(self.config, "model", default={})))
+        trainer = to_builtin(self._get(self.config, "trainer", default={}))
+        check_buildable(trainer, to_builtin(self._get(self.config, "model", default={})))
+        if self.subcommand == "fit":
+            config = self.config[self.subcommand]
+            check_cpu_memory(model_sections(config)[0], trainer, data_init_args(config)[1])
         try:
             super().instantiate_classes()
         except Exception as err:

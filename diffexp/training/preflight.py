@@ -11,14 +11,16 @@ from __future__ import annotations
 import os
 import sys
 import tempfile
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
+
+import torch
 
 from diffexp.checkpoint_io import FILLED
 from diffexp.errors import UserError, invalid
 from diffexp.model.config import ModelConfig
-from diffexp.parallel.launch import check_launch, requested_world_size
+from diffexp.parallel.launch import check_launch, requested_world_size, strategy_class
 from diffexp.training.checkpointing import check_checkpoint_settings
 from diffexp.training.construction import check_build_config
 from diffexp.training.global_batch import GLOBAL_BATCH, accumulation_for
@@ -142,6 +144,62 @@ def validate_fit_config(config, subcommand: str = "fit") -> ModelConfig:
     check_checkpoint_settings(checkpoint, trainer, subcommand)
     warn_unused_settings(arch)
     return arch
+
+
+def check_cpu_memory(arch: ModelConfig, trainer: dict[str, Any], data_args: dict[str, Any]) -> None:
+    """A CPU run that would need more memory than the host has free is refused: the kernel's OOM killer would end
+    it mid-run without a word. A rough upper bound skips the estimate (two meta-device forwards) where it is far
+    below the free memory. FSDP2 checks its own shards; a GPU run gets CUDA's out-of-memory error. Run once the
+    config is known to build (check_buildable), before data and model exist."""
+    micro_batch, seq_len = data_args.get("batch_size"), data_args.get("seq_len") or arch.max_seq_len
+    if not _trains_on_cpu(trainer) or "fsdp" in (strategy_class(trainer) or "").lower() or not (
+            isinstance(micro_batch, int) and isinstance(seq_len, int) and micro_batch > 0 and seq_len > 0):
+        return
+    from diffexp.parallel.memory import estimate_memory, host_memory_available, size
+
+    available = host_memory_available()
+    if available is None:
+        return
+    if data_args.get("tokenizer") == "bpe" and isinstance(data_args.get("bpe_vocab_size"), int):
+        arch = replace(arch, vocab_size=max(arch.vocab_size, data_args["bpe_vocab_size"]))  # linked at build time
+    nodes = int(trainer.get("num_nodes") or 1)
+    processes = max(1, (requested_world_size(trainer) or nodes) // nodes)  # on this host, each a whole replica
+    if processes * rough_training_bytes(arch, micro_batch, seq_len) <= available / 4:
+        return
+    compute = torch.bfloat16 if "bf16" in str(trainer.get("precision") or "") else torch.float32
+    estimate = estimate_memory(arch, micro_batch, seq_len, 1, compute)
+    if processes * estimate.total <= available:
+        return
+    each = f" in each of {processes} processes" if processes > 1 else ""
+    raise UserError(
+        f"model.arch (attention={arch.attention}, d_model={arch.d_model}, n_layers={arch.n_layers}) with "
+        f"data.batch_size={micro_batch} x data.seq_len={seq_len}: training needs about "
+        f"{estimate.describe().replace(' per rank', '')}"
+        f"{each}, more than the {size(available)} this machine has free, so it would be killed out of memory; "
+        "lower model.arch.d_model or model.arch.n_layers (the states), or data.batch_size or data.seq_len (the "
+        "activations)")
+
+
+def rough_training_bytes(arch: ModelConfig, micro_batch: int, seq_len: int) -> int:
+    """An upper bound of estimate_memory's total for one process, from the parameter count alone: AdamW's 16 bytes
+    a parameter, 64 floats per token, layer and (d_model + SwiGLU width), and 4 of the logits' width per token."""
+    per_token = arch.n_layers * 256 * (arch.d_model + arch.resolved_ffn_hidden) + 16 * arch.vocab_size
+    return 16 * _parameter_count(arch) + micro_batch * seq_len * per_token
+
+
+def _trains_on_cpu(trainer: dict[str, Any]) -> bool:
+    accelerator = trainer.get("accelerator") or "auto"
+    if accelerator == "cpu":
+        return True
+    return accelerator == "auto" and not torch.cuda.is_available() and not torch.backends.mps.is_available()
+
+
+def _parameter_count(arch: ModelConfig) -> int:
+    from diffexp.model import Decoder
+
+    with torch.device("meta"):
+        model = Decoder(arch)
+    return sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
 
 
 def derived_accumulation(config) -> int | None:
