@@ -249,6 +249,7 @@ def test_bench_records_the_threads_it_ran_with(kind, tmp_path):
     ([*TINY, "--variants", "diff_v9"], "unknown variant 'diff_v9'"),
     ([*TINY, "--peak-tflops", "0"], "--peak-tflops: expected a positive number"),
     ([*TINY, "--seq-lens", "0"], "--seq-lens: expected a positive integer, got 0"),
+    ([*TINY, "--seq-lens", "2000000000"], "--seq-lens 2000000000 (batch 1)"),  # more than any host holds
     ([*TINY_DECODE, "--variants", "diff_v9"], "unknown variant 'diff_v9'"),
     ([*TINY_DECODE, "--new-tokens", "0"], "--new-tokens: expected a positive integer, got 0"),
     ([*TINY_DECODE, "--kv-heads", "0"], "--kv-heads: expected a positive integer, got 0"),

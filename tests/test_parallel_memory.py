@@ -12,7 +12,7 @@ from diffexp.errors import UserError
 from diffexp.model import Decoder
 from diffexp.model.config import ModelConfig
 from diffexp.parallel import memory
-from diffexp.parallel.memory import check_fits, estimate_memory, peak_line
+from diffexp.parallel.memory import check_fits, estimate_memory, peak_line, rough_training_bytes
 
 VARIANTS = ["baseline", "diff_v1", "diff_v2", "shared_diff", "dint"]
 
@@ -136,8 +136,6 @@ def test_the_end_of_fit_sets_a_gpus_measured_peak_beside_the_estimate(monkeypatc
 @pytest.mark.parametrize("batch, seq_len", [(1, 8), (16, 64)])
 def test_the_rough_bound_that_skips_the_cpu_check_lies_above_the_estimate(attention, batch, seq_len):
     """Where the rough bound fits the free memory the estimate is never computed: it must never be below it."""
-    from diffexp.training.preflight import rough_training_bytes
-
     cfg = arch(attention)
     assert rough_training_bytes(cfg, batch, seq_len) >= estimate_memory(cfg, batch, seq_len, 1, torch.float32).total
 
@@ -158,3 +156,13 @@ def test_a_cpu_run_needing_more_than_the_free_memory_is_refused(monkeypatch):
     # FSDP2 checks its own shards; a GPU run is not measured against the host
     check_cpu_memory(cfg, {"accelerator": "cpu", "strategy": "diffexp.parallel.FSDP2Strategy"}, data)
     check_cpu_memory(cfg, {"accelerator": "gpu"}, data)
+
+
+@pytest.mark.parametrize("attention", ["baseline", "dint"])
+def test_long_sequences_are_extrapolated_to_what_a_direct_measurement_gives(attention, monkeypatch):
+    """Past MEASURED_TOKENS the activations come from two shorter meta forwards; they must equal a measurement at
+    the full length (linear growth plus the RoPE table's fixed storage)."""
+    cfg = replace(arch(attention), max_seq_len=256)
+    direct = estimate_memory(cfg, 2, 192, 1, torch.float32)
+    monkeypatch.setattr(memory, "MEASURED_TOKENS", 64)
+    assert estimate_memory(cfg, 2, 192, 1, torch.float32) == direct

@@ -13,6 +13,7 @@ from pathlib import Path
 from diffexp.bench import options, report, timing, workload
 from diffexp.bench.memory import peak_bytes, release, tensor_bytes
 from diffexp.bench.progress import ProgressReporter
+from diffexp.errors import UserError
 from diffexp.model.attention.registry import reference_variant
 
 NAME = "train"
@@ -41,7 +42,36 @@ def build_parser() -> argparse.ArgumentParser:
 
 def validate(args: argparse.Namespace) -> None:
     workload.check_configs(args, max(args.seq_lens), [args.backend])
+    check_memory(args)
     args.peak_flops = report.peak_flops(args.device, args.dtype, args.peak_tflops)
+
+
+def check_memory(args: argparse.Namespace) -> None:
+    """Refuse a sequence length whose models cannot be held: every variant's weights and AdamW states at once (the
+    runs interleave), with the largest one step's gradients and activations, as diffexp.parallel.memory estimates
+    them for a training run, against the device's free memory."""
+    import torch
+
+    from diffexp.parallel.memory import estimate_memory, host_memory_available, rough_training_bytes, size
+
+    device = torch.device(args.device)
+    available = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else host_memory_available()
+    if available is None:
+        return
+    dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
+    archs = [workload.model_config(args, name, max(args.seq_lens), args.backend) for name in args.variants]
+    for seq_len in args.seq_lens:
+        batch = workload.batch_for(seq_len, args)
+        if sum(rough_training_bytes(arch, batch, seq_len) for arch in archs) <= available / 4:
+            continue
+        estimates = [estimate_memory(arch, batch, seq_len, 1, dtype) for arch in archs]
+        held = sum(e.parameters + e.optimizer for e in estimates)
+        step = max(e.gradients + e.activations for e in estimates)
+        if held + step > available:
+            raise UserError(f"--seq-lens {seq_len} (batch {batch}): the {len(archs)} models' weights and AdamW "
+                            f"states take {size(held)}, and one training step about {size(step)} more, beyond the "
+                            f"{size(available)} free on {device.type}; lower --seq-lens, --batch-size or "
+                            "--tokens-per-batch, or measure fewer --variants")
 
 
 def config(args: argparse.Namespace) -> dict:

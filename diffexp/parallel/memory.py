@@ -16,6 +16,9 @@ import torch.nn.functional as F
 
 GIB = 2**30
 FIT_FRACTION = 0.9  # of the device's memory: the rest for the CUDA context, NCCL buffers and fragmentation
+#: the longest sequence run on the meta device; longer ones scale its activations (a meta forward of DINT's
+#: integral walks its blocks in Python: seconds at 16K tokens)
+MEASURED_TOKENS = 2048
 
 
 @dataclass(frozen=True)
@@ -88,15 +91,29 @@ def _measure_layers(arch, n_layers: int, micro_batch: int, seq_len: int, dtype: 
     return parameters, sum(saved.values()), logits.numel()
 
 
+def _measure(arch, micro_batch: int, seq_len: int, dtype: torch.dtype) -> tuple[int, int, int, int, int]:
+    """(block params, root params, block saved, root saved, logits) from a 1- and a 2-layer copy. Past
+    MEASURED_TOKENS, the saved bytes and logits are extrapolated from two lengths: they grow linearly with the
+    tokens (the attention kept as a fused kernel keeps it), plus what does not grow (the RoPE table's storage)."""
+    def at(length: int) -> tuple[int, ...]:
+        params_1, saved_1, logits = _measure_layers(arch, 1, micro_batch, length, dtype)
+        params_2, saved_2, _ = _measure_layers(arch, 2, micro_batch, length, dtype)
+        block_params, block_saved = params_2 - params_1, saved_2 - saved_1
+        return block_params, params_1 - block_params, block_saved, saved_1 - block_saved, logits
+
+    if seq_len <= MEASURED_TOKENS:
+        return at(seq_len)
+    long, short = at(MEASURED_TOKENS), at(MEASURED_TOKENS // 2)
+    grown = [n + (n - m) * (seq_len - MEASURED_TOKENS) // (MEASURED_TOKENS // 2) for n, m in zip(long[2:], short[2:])]
+    return (*long[:2], *grown)
+
+
 def estimate_memory(arch, micro_batch: int, seq_len: int, shard_size: int,
                     compute_dtype: torch.dtype = torch.bfloat16,
                     activation_checkpointing: bool = False) -> MemoryEstimate:
     """Bytes per rank for `arch` (a ModelConfig) trained on micro-batches of micro_batch x seq_len tokens,
     its states sharded over shard_size ranks (the world size, or the GPUs of a node under HSDP)."""
-    params_1, saved_1, logits = _measure_layers(arch, 1, micro_batch, seq_len, compute_dtype)
-    params_2, saved_2, _ = _measure_layers(arch, 2, micro_batch, seq_len, compute_dtype)
-    block_params, block_saved = params_2 - params_1, saved_2 - saved_1
-    root_params, root_saved = params_1 - block_params, saved_1 - block_saved
+    block_params, root_params, block_saved, root_saved, logits = _measure(arch, micro_batch, seq_len, compute_dtype)
     total_params = root_params + arch.n_layers * block_params
     compute_bytes = torch.finfo(compute_dtype).bits // 8
     if activation_checkpointing:  # each block keeps its input; one block's activations are recomputed at a time
@@ -112,6 +129,22 @@ def estimate_memory(arch, micro_batch: int, seq_len: int, shard_size: int,
         optimizer=8 * total_params // shard_size,  # AdamW's two fp32 moments of the shard
         activations=layers + root_saved + 4 * logits,  # + the logits' gradient the backward starts with
     )
+
+
+def rough_training_bytes(arch, micro_batch: int, seq_len: int) -> int:
+    """An upper bound of estimate_memory's total for one process, from the parameter count alone: AdamW's 16 bytes
+    a parameter, 64 floats per token, layer and (d_model + SwiGLU width), and 4 of the logits' width per token."""
+    per_token = arch.n_layers * 256 * (arch.d_model + arch.resolved_ffn_hidden) + 16 * arch.vocab_size
+    return 16 * parameter_count(arch) + micro_batch * seq_len * per_token
+
+
+def parameter_count(arch) -> int:
+    """Distinct parameters of a Decoder built from `arch`, on the meta device."""
+    from diffexp.model import Decoder
+
+    with torch.device("meta"):
+        model = Decoder(arch)
+    return sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
 
 
 def check_fits(arch, micro_batch: int, seq_len: int, shard_size: int, compute_dtype: torch.dtype,

@@ -155,7 +155,7 @@ def check_cpu_memory(arch: ModelConfig, trainer: dict[str, Any], data_args: dict
     if not _trains_on_cpu(trainer) or "fsdp" in (strategy_class(trainer) or "").lower() or not (
             isinstance(micro_batch, int) and isinstance(seq_len, int) and micro_batch > 0 and seq_len > 0):
         return
-    from diffexp.parallel.memory import estimate_memory, host_memory_available, size
+    from diffexp.parallel.memory import estimate_memory, host_memory_available, rough_training_bytes, size
 
     available = host_memory_available()
     if available is None:
@@ -180,26 +180,11 @@ def check_cpu_memory(arch: ModelConfig, trainer: dict[str, Any], data_args: dict
         "activations)")
 
 
-def rough_training_bytes(arch: ModelConfig, micro_batch: int, seq_len: int) -> int:
-    """An upper bound of estimate_memory's total for one process, from the parameter count alone: AdamW's 16 bytes
-    a parameter, 64 floats per token, layer and (d_model + SwiGLU width), and 4 of the logits' width per token."""
-    per_token = arch.n_layers * 256 * (arch.d_model + arch.resolved_ffn_hidden) + 16 * arch.vocab_size
-    return 16 * _parameter_count(arch) + micro_batch * seq_len * per_token
-
-
 def _trains_on_cpu(trainer: dict[str, Any]) -> bool:
     accelerator = trainer.get("accelerator") or "auto"
     if accelerator == "cpu":
         return True
     return accelerator == "auto" and not torch.cuda.is_available() and not torch.backends.mps.is_available()
-
-
-def _parameter_count(arch: ModelConfig) -> int:
-    from diffexp.model import Decoder
-
-    with torch.device("meta"):
-        model = Decoder(arch)
-    return sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
 
 
 def derived_accumulation(config) -> int | None:
