@@ -133,10 +133,11 @@ def test_the_end_of_fit_sets_a_gpus_measured_peak_beside_the_estimate(monkeypatc
 # -- an unsharded CPU run against the host's free memory (diffexp.training.preflight) ---------------------------
 
 @pytest.mark.parametrize("attention", VARIANTS)
-@pytest.mark.parametrize("batch, seq_len", [(1, 8), (16, 64)])
-def test_the_rough_bound_that_skips_the_cpu_check_lies_above_the_estimate(attention, batch, seq_len):
-    """Where the rough bound fits the free memory the estimate is never computed: it must never be below it."""
-    cfg = arch(attention)
+@pytest.mark.parametrize("batch, seq_len, max_seq_len", [(1, 8, 64), (16, 64, 64), (2, 8, 100_000)])
+def test_the_rough_bound_that_skips_the_cpu_check_lies_above_the_estimate(attention, batch, seq_len, max_seq_len):
+    """Where the rough bound fits the free memory the estimate is never computed: it must never be below it, also
+    where a long max_seq_len's RoPE table outweighs the rest."""
+    cfg = replace(arch(attention), max_seq_len=max_seq_len)
     assert rough_training_bytes(cfg, batch, seq_len) >= estimate_memory(cfg, batch, seq_len, 1, torch.float32).total
 
 

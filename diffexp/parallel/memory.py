@@ -16,8 +16,8 @@ import torch.nn.functional as F
 
 GIB = 2**30
 FIT_FRACTION = 0.9  # of the device's memory: the rest for the CUDA context, NCCL buffers and fragmentation
-#: the longest sequence run on the meta device; longer ones scale its activations (a meta forward of DINT's
-#: integral walks its blocks in Python: seconds at 16K tokens)
+#: the longest sequence run on the meta device; longer ones are extrapolated from it and its half (a meta forward
+#: of DINT's integral walks its blocks in Python: seconds at 16K tokens)
 MEASURED_TOKENS = 2048
 
 
@@ -132,19 +132,17 @@ def estimate_memory(arch, micro_batch: int, seq_len: int, shard_size: int,
 
 
 def rough_training_bytes(arch, micro_batch: int, seq_len: int) -> int:
-    """An upper bound of estimate_memory's total for one process, from the parameter count alone: AdamW's 16 bytes
-    a parameter, 64 floats per token, layer and (d_model + SwiGLU width), and 4 of the logits' width per token."""
-    per_token = arch.n_layers * 256 * (arch.d_model + arch.resolved_ffn_hidden) + 16 * arch.vocab_size
-    return 16 * parameter_count(arch) + micro_batch * seq_len * per_token
-
-
-def parameter_count(arch) -> int:
-    """Distinct parameters of a Decoder built from `arch`, on the meta device."""
+    """An upper bound of estimate_memory's total for one process, from the model's sizes alone: AdamW's 16 bytes a
+    parameter, 8 an element of its buffers (the RoPE table), 64 floats per token, layer and (d_model + SwiGLU
+    width), and 4 of the logits' width per token."""
     from diffexp.model import Decoder
 
     with torch.device("meta"):
         model = Decoder(arch)
-    return sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
+    parameters = sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
+    buffers = sum(b.numel() for b in model.buffers())
+    per_token = arch.n_layers * 256 * (arch.d_model + arch.resolved_ffn_hidden) + 16 * arch.vocab_size
+    return 16 * parameters + 8 * buffers + micro_batch * seq_len * per_token
 
 
 def check_fits(arch, micro_batch: int, seq_len: int, shard_size: int, compute_dtype: torch.dtype,
