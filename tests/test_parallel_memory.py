@@ -154,6 +154,10 @@ def test_a_cpu_run_needing_more_than_the_free_memory_is_refused(monkeypatch):
     with pytest.raises(UserError) as refused:
         check_cpu_memory(cfg, {"accelerator": "cpu"}, data)
     assert "data.batch_size=16 x data.seq_len=64" in str(refused.value) and "d_model=64" in str(refused.value)
+    # the host's later processes: the first checked for all of them, before their memory was taken
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    check_cpu_memory(cfg, {"accelerator": "cpu", "devices": 2}, data)
+    monkeypatch.delenv("LOCAL_RANK")
     # FSDP2 checks its own shards; a GPU run is not measured against the host
     check_cpu_memory(cfg, {"accelerator": "cpu", "strategy": "diffexp.parallel.FSDP2Strategy"}, data)
     check_cpu_memory(cfg, {"accelerator": "gpu"}, data)

@@ -152,6 +152,8 @@ def check_cpu_memory(arch: ModelConfig, trainer: dict[str, Any], data_args: dict
     below the free memory. FSDP2 checks its own shards; a GPU run gets CUDA's out-of-memory error. Run once the
     config is known to build (check_buildable), before data and model exist."""
     micro_batch, seq_len = data_args.get("batch_size"), data_args.get("seq_len") or arch.max_seq_len
+    if os.environ.get("LOCAL_RANK", "0") != "0":  # the host's first process checked for all of them
+        return
     if not _trains_on_cpu(trainer) or "fsdp" in (strategy_class(trainer) or "").lower() or not (
             isinstance(micro_batch, int) and isinstance(seq_len, int) and micro_batch > 0 and seq_len > 0):
         return
