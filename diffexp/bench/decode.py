@@ -80,10 +80,10 @@ def check_memory(args: argparse.Namespace) -> None:
     import torch
 
     from diffexp.model import Decoder
-    from diffexp.parallel.memory import host_memory_available, size
+    from diffexp.parallel.memory import free_memory, size
 
     device = torch.device(args.device)
-    available = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else host_memory_available()
+    available = free_memory(device)
     if available is None:
         return
     context, batch, capacity = max(args.seq_lens), max(args.batch_size), max_seq_len(args)

@@ -52,10 +52,10 @@ def check_memory(args: argparse.Namespace) -> None:
     them for a training run, against the device's free memory."""
     import torch
 
-    from diffexp.parallel.memory import estimate_memory, host_memory_available, rough_training_bytes, size
+    from diffexp.parallel.memory import estimate_memory, free_memory, rough_training_bytes, size
 
     device = torch.device(args.device)
-    available = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else host_memory_available()
+    available = free_memory(device)
     if available is None:
         return
     dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32

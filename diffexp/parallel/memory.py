@@ -190,6 +190,11 @@ def host_memory_available() -> int | None:
     return available
 
 
+def free_memory(device: torch.device) -> int | None:
+    """Bytes free on `device`: the CUDA driver's count on a GPU, the host's (host_memory_available) elsewhere."""
+    return torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else host_memory_available()
+
+
 def peak_line(device: torch.device, estimated: int | None = None) -> str | None:
     """The CUDA allocator's peak on `device` so far, beside the estimate printed before training (None off CUDA)."""
     if device.type != "cuda":
