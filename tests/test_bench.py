@@ -245,10 +245,34 @@ def test_bench_records_the_threads_it_ran_with(kind, tmp_path):
     assert "1 -> 2" in report.load_note({**env, "threads_end": 2})
 
 
+@pytest.mark.parametrize("kind", [TINY, TINY_DECODE, TINY_KERNEL], ids=lambda args: args[0])
+def test_bench_profile_lists_where_each_variants_time_goes(kind, tmp_path, capsys):
+    path = tmp_path / "profile.json"
+    assert main([*kind, "--variants", "diff_v1", "--no-memory", "--profile", "40", "--json", str(path)]) == 0
+    data = json.loads(path.read_text())
+    assert data["config"]["profile"] == 40 and "Where the time goes (--profile 40)" in capsys.readouterr().out
+    unit = "token" if kind is TINY_DECODE else "run"
+    names = {}
+    for entry in data["results"].values():
+        prof = entry["profile"]
+        assert prof["unit"] == unit and prof["clock"] == "cpu" and 0 < len(prof["top"]) <= 40
+        times = [item["self_us"] for item in prof["top"]]
+        assert times == sorted(times, reverse=True) and times[-1] > 0 and sum(times) <= prof["total_us"] * (1 + 1e-9)
+        assert all(item["calls"] > 0 for item in prof["top"])
+        names[entry["variant"]] = {item["name"] for item in prof["top"]}
+    if kind is TINY_DECODE:  # each runner's own run: the step op of its variant
+        from tests.helpers import require_cpu_kernel
+
+        require_cpu_kernel()
+        assert "diffexp_cpu::step_attention" in names["baseline"] - names["diff_v1"]
+        assert "diffexp_cpu::step_two_map_attention" in names["diff_v1"] - names["baseline"]
+
+
 @pytest.mark.parametrize("args, message", [
     ([*TINY, "--variants", "diff_v9"], "unknown variant 'diff_v9'"),
     ([*TINY, "--peak-tflops", "0"], "--peak-tflops: expected a positive number"),
     ([*TINY, "--seq-lens", "0"], "--seq-lens: expected a positive integer, got 0"),
+    ([*TINY, "--profile", "-1"], "--profile: expected 0 (no profile) or a number of entries per variant, got -1"),
     ([*TINY, "--seq-lens", "2000000000"], "--seq-lens 2000000000 (batch 1)"),  # more than any host holds
     ([*TINY_DECODE, "--variants", "diff_v9"], "unknown variant 'diff_v9'"),
     ([*TINY_DECODE, "--new-tokens", "0"], "--new-tokens: expected a positive integer, got 0"),
@@ -361,7 +385,8 @@ def test_timed_rounds_run_with_the_garbage_collector_off_and_every_sample_kept()
     runners = {"a": Runner(), "b": Runner()}
     args = argparse.Namespace(rounds=2, warmup=1, steps=3)
     assert gc.isenabled()
-    with ProgressReporter(total=timing.runs_per_variant(argparse.Namespace(**vars(args), no_memory=True)) * 2) as p:
+    total = timing.runs_per_variant(argparse.Namespace(**vars(args), no_memory=True, profile=0)) * 2
+    with ProgressReporter(total=total) as p:
         samples = timing.interleaved(runners, args, p, "test", headline="seconds")
     assert gc.isenabled()
     for runner in runners.values():  # the first, untimed run precedes the rounds; every later run is in one

@@ -10,7 +10,7 @@ import datetime as _dt
 import importlib
 import sys
 
-from diffexp.bench import options, report
+from diffexp.bench import options, profile, report
 from diffexp.errors import UserError, guarded
 
 #: kind -> its module; each has NAME, ABOUT, LAYOUT, build_parser, validate, config, run and table (and may have
@@ -66,6 +66,7 @@ def run_kind(kind, argv: list[str]) -> int:
     kind.validate(args)
     old = None if args.compare is None else report.load_results(args.compare, kind.NAME)
     options.output_path(args, kind.NAME)
+    profile.prepare(args)
     env, results = report.recorded_run(args.device, args.threads, lambda: kind.run(args))
     data = {
         "kind": kind.NAME,
@@ -82,6 +83,7 @@ def run_kind(kind, argv: list[str]) -> int:
         caption += f", plot: {kind.plot(data, args.json)}"
     caption += report.load_note(env)
     report.print_table(title, headers, rows, caption, group_columns=tuple(range(1, len(kind.LAYOUT.labels))))
+    profile.print_profiles(data, kind.LAYOUT.labels)
     if old is not None:
         report.compare(old, data, kind.LAYOUT, args.compare)
     return 0

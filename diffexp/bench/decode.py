@@ -166,6 +166,7 @@ class DecodeRunner:
         self.model = Decoder(workload.model_config(args, name, max_seq_len(args), args.backend)).to(device).eval()
         self.params = self.model.parameter_report()
         self.new_tokens = args.new_tokens
+        self.profile_unit = ("token", args.new_tokens)  # --profile: per token, as ms/token
         if args.dtype == "bf16":  # inference runs on bf16 weights and cache, not on autocast's fp32 weights
             self.model.to(torch.bfloat16)
         batch, context = prompt.shape
@@ -235,7 +236,8 @@ def run(args: argparse.Namespace) -> dict:
                          "tokens per run" + (" (compiling each step first)" if "compiled" in modes else ""))
             torch._dynamo.reset()  # one compiled step per model; the previous shape's models are gone
             runners = {f"{v} {mode}": DecodeRunner(args, v, prompt, device, mode) for mode in modes for v in variants}
-            samples, peaks = timing.measure(runners, args, progress, label, headline="decode_token_times_s")
+            samples, peaks, profiles = timing.measure(runners, args, progress, label,
+                                                      headline="decode_token_times_s")
             for key, r in runners.items():
                 v, mode = key.split()
                 results[result_key(v, mode, context, batch)] = {
@@ -245,6 +247,7 @@ def run(args: argparse.Namespace) -> dict:
                     "params": r.params, "cache_bytes_per_token": r.cache_bytes_per_token,
                     "bytes_per_step": r.bytes_per_step, "decode_flops_per_token": r.flops_per_token,
                     "compile_s": r.compile_s, **samples[key], "peak_bytes": peaks[key],
+                    "profile": profiles.get(key),
                 }
             del runners, prompt
             release(device)

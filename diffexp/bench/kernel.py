@@ -146,14 +146,14 @@ def run(args: argparse.Namespace) -> dict:
             grad_out = torch.randn(batch, seq_len, args.d_model, generator=gen).to(device)
             progress.log(f"seq {seq_len}, batch {batch}: building {len(pairs)} attention modules")
             runners = {f"{v}/{b}": AttentionRunner(args, v, b, x, grad_out, device) for v, b in pairs}
-            samples, peaks = timing.measure(runners, args, progress, f"seq {seq_len}", headline="times_s")
+            samples, peaks, profiles = timing.measure(runners, args, progress, f"seq {seq_len}", headline="times_s")
             for v, b in pairs:
                 r = runners[f"{v}/{b}"]
                 results[f"{v}@{seq_len}/{b}"] = {
                     "variant": v, "seq_len": seq_len, "backend": b, "batch_size": batch,
                     "tokens_per_step": batch * seq_len, "overrides": workload.overrides(args)[v],
                     "params": r.params, "flops_forward": r.flops_forward, "flops_per_step": r.flops_per_step,
-                    **samples[f"{v}/{b}"], "peak_bytes": peaks[f"{v}/{b}"],
+                    **samples[f"{v}/{b}"], "peak_bytes": peaks[f"{v}/{b}"], "profile": profiles.get(f"{v}/{b}"),
                 }
             del runners, x, grad_out
             release(device)

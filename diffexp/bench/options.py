@@ -66,6 +66,9 @@ def build_parser(kind: str, description: str, *, batch_size: int | list[int], se
                    help=dtype_help or "bf16 = autocast mixed precision (fp32 weights and optimizer state)")
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's default)")
     p.add_argument("--no-memory", action="store_true", help="skip the peak-memory run")
+    p.add_argument("--profile", type=int, default=0, metavar="N",
+                   help="after the timed rounds, one more run of each variant under torch.profiler: a table of its "
+                        "N most expensive operations and kernels by self time (GPU time on CUDA); 0 = none")
     p.add_argument("--json", type=Path, default=None, metavar="PATH",
                    help=f"where to write the results (default: {RESULTS_DIR}/{kind}-<timestamp>.json under the "
                         "current directory)")
@@ -114,6 +117,8 @@ def validate(args: argparse.Namespace) -> None:
         positive("--threads", args.threads)
     if args.warmup < 0:
         raise UserError(f"--warmup: expected 0 or more, got {args.warmup}")
+    if args.profile < 0:
+        raise UserError(f"--profile: expected 0 (no profile) or a number of entries per variant, got {args.profile}")
     if getattr(args, "tokens_per_batch", None) is not None and args.tokens_per_batch < 0:
         raise UserError(f"--tokens-per-batch: expected 0 (no cap) or more, got {args.tokens_per_batch}")
     args.seq_lens = sorted(dict.fromkeys(args.seq_lens))

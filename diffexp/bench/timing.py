@@ -17,6 +17,7 @@ from contextlib import contextmanager
 from typing import Protocol
 
 from diffexp.bench.memory import measure_peaks
+from diffexp.bench.profile import profile_runs
 from diffexp.bench.progress import ProgressReporter
 
 #: how add_ratio estimates a ratio, as the results JSON records it; runs before it recorded none used EARLIER
@@ -65,7 +66,7 @@ class Stopwatch:
 
 def runs_per_variant(args) -> int:
     """Runs `measure` makes per runner (for the progress total): interleaved, plus one for memory."""
-    return 1 + args.rounds * (args.warmup + args.steps) + (0 if args.no_memory else 1)
+    return 1 + args.rounds * (args.warmup + args.steps) + (0 if args.no_memory else 1) + (1 if args.profile else 0)
 
 
 def rotated(items: list[str], r: int) -> list[str]:
@@ -131,10 +132,16 @@ def _round(runners: Mapping[str, Runner], order: list[str], args, progress: Prog
 
 
 def measure(runners: Mapping[str, Runner], args, progress: ProgressReporter, label: str,
-            headline: str) -> tuple[Samples, dict[str, int | None]]:
-    """`interleaved` timing, then each runner's peak memory (None without memory runs)."""
+            headline: str) -> tuple[Samples, dict[str, int | None], dict[str, dict]]:
+    """`interleaved` timing, then each runner's peak memory (None without memory runs) and, with --profile, where
+    one run's time goes (diffexp.bench.profile; empty without)."""
     samples = interleaved(runners, args, progress, label, headline)
-    return samples, measure_peaks(runners, not args.no_memory, progress, label)
+    peaks = measure_peaks(runners, not args.no_memory, progress, label)
+    if not args.profile:
+        return samples, peaks, {}
+    import torch
+
+    return samples, peaks, profile_runs(runners, args.profile, torch.device(args.device), progress, label)
 
 
 def add_ratio(entry: dict, base: dict, times: str, median: str, ratio: str) -> None:

@@ -141,12 +141,13 @@ def run(args: argparse.Namespace) -> dict:
             tokens = workload.random_tokens(args, batch, seq_len + 1, seq_len, device)
             progress.log(f"seq {seq_len}, batch {batch}: building {len(variants)} models")
             runners = {v: StepRunner(args, v, tokens, device) for v in variants}
-            samples, peaks = timing.measure(runners, args, progress, f"seq {seq_len}", headline="times_s")
+            samples, peaks, profiles = timing.measure(runners, args, progress, f"seq {seq_len}", headline="times_s")
             for v in variants:
                 results[f"{v}@{seq_len}"] = {
                     "variant": v, "seq_len": seq_len, "batch_size": batch, "tokens_per_step": batch * seq_len,
                     "overrides": workload.overrides(args)[v], "params": runners[v].params,
                     "flops_per_step": runners[v].flops_per_step, **samples[v], "peak_bytes": peaks[v],
+                    "profile": profiles.get(v),
                 }
             del runners, tokens
             release(device)

@@ -115,6 +115,6 @@ def autocast(args: argparse.Namespace, device):
 def common_config(args: argparse.Namespace) -> dict:
     """The settings every kind records in its results JSON (--compare warns when they differ)."""
     keys = ("variants", "seq_lens", "batch_size", "d_model", "n_layers", "n_heads", "vocab_size", "steps",
-            "warmup", "rounds", "dtype")
+            "warmup", "rounds", "dtype", "profile")
     return {**{key: getattr(args, key) for key in keys}, "variant_overrides": overrides(args),
             "memory_method": memory_method(args.device, not args.no_memory), "ratio_estimator": RATIO_ESTIMATOR}
