@@ -7,7 +7,8 @@
 #    forward and backward;
 # 4. the training step at 125M-class size (GPT-2 small's width and depth), seq 2048, with the baseline's MFU;
 # 5. decoding with the KV cache, eager and compiled (CUDA graphs), with the fraction of the memory bound;
-#    then compiled at a larger, more memory-bound size, and with bf16 weights and cache at 16K (near the bound).
+#    then compiled at a larger, more memory-bound size, and with bf16 weights and cache at 16K (near the bound);
+# 6. where a compiled fp32 decoding step's GPU time goes, per variant (--profile: the top kernels a token).
 # Add --dtype fp32 to any line to compare with the CPU table in the README.
 set -euo pipefail
 diffexp bench train --device cuda --dtype bf16 --d-model 256 --n-layers 4 --n-heads 4 --seq-lens 512 2048 \
@@ -26,3 +27,5 @@ diffexp bench decode --device cuda --d-model 2048 --n-layers 4 --n-heads 16 --kv
   --batch-size 8 --modes compiled --rounds 3 --steps 3 --no-memory
 diffexp bench decode --device cuda --dtype bf16 --d-model 2048 --n-layers 4 --n-heads 16 --kv-heads 4 --seq-lens 16384 \
   --batch-size 8 --modes compiled --rounds 2 --steps 2 --new-tokens 16 --no-memory
+diffexp bench decode --device cuda --modes compiled --d-model 1024 --n-layers 4 --n-heads 8 --kv-heads 2 \
+  --seq-lens 4096 --batch-size 1 --rounds 1 --steps 2 --new-tokens 32 --no-memory --profile 5

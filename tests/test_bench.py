@@ -355,7 +355,7 @@ def test_every_command_of_the_gpu_script_parses():
 
     script = (REPO / "bench/gpu.sh").read_text().replace("\\\n", " ").replace("$backends", "sdpa triton")
     commands = [shlex.split(line, comments=True) for line in script.splitlines() if line.startswith("diffexp bench")]
-    assert len(commands) == 7
+    assert len(commands) == 8
     for words in commands:
         args = kind_module(words[2]).build_parser().parse_args(words[3:])
         assert args.device == "cuda"
