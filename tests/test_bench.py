@@ -103,8 +103,10 @@ def test_bench_decode_compiled_mode_times_the_compiled_step(tmp_path, capsys):
 
     torch._dynamo.reset()
     path = tmp_path / "decode.json"
-    args = [*TINY_DECODE[:-1], "compiled", "eager", "--variants", "diff_v2", "--no-memory", "--json", str(path)]
+    args = [*TINY_DECODE[:-1], "compiled", "eager", "--variants", "diff_v2", "--no-memory", "--json", str(path),
+            "--profile", "60"]
     assert main(args) == 0
+    assert torch._inductor.config.cpp.enable_kernel_profile is False  # --profile's setting ends with the run
     results = json.loads(path.read_text())["results"]
     assert set(results) == {f"{v}@32x1{m}" for v in ("baseline", "diff_v2") for m in ("", ":compiled")}
     for key, entry in results.items():
@@ -116,6 +118,8 @@ def test_bench_decode_compiled_mode_times_the_compiled_step(tmp_path, capsys):
         weights = 4 * (model.num_parameters() - model.embed.weight.numel() + 32)
         assert entry["bytes_per_step"] == weights + 32 * entry["cache_bytes_per_token"]
         assert entry["bandwidth_fraction"] is None  # no bandwidth bound on CPU
+        # --profile names the kernels inductor compiled for the step (none in eager mode)
+        assert any("cpp_fused" in item["name"] for item in entry["profile"]["top"]) == compiled
     assert results["baseline@32x1:compiled"]["speed_ratio"] == pytest.approx(1.0)
     assert "Lowest ratio over the grid: diff_v2 compiled" in " ".join(capsys.readouterr().out.split())
     torch._dynamo.reset()

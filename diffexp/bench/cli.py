@@ -66,8 +66,8 @@ def run_kind(kind, argv: list[str]) -> int:
     kind.validate(args)
     old = None if args.compare is None else report.load_results(args.compare, kind.NAME)
     options.output_path(args, kind.NAME)
-    profile.prepare(args)
-    env, results = report.recorded_run(args.device, args.threads, lambda: kind.run(args))
+    with profile.prepared(args):
+        env, results = report.recorded_run(args.device, args.threads, lambda: kind.run(args))
     data = {
         "kind": kind.NAME,
         "created": _dt.datetime.now().isoformat(timespec="seconds"),

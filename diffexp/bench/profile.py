@@ -2,12 +2,13 @@
 
 One more run of every runner under torch.profiler; its N most expensive operations and kernels by self time (the
 GPU's kernel time on CUDA, the host's on CPU), per token for decoding and per run otherwise. The CPU kernels that
-inductor writes are named only when they were compiled to record themselves, so `prepare` turns that on before
-any model is built (a check of one flag per kernel call while no profiler runs).
+inductor writes are named only when they were compiled to record themselves, so `prepared` turns that on while
+the models are built and run (a check of one flag per kernel call while no profiler runs).
 """
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Mapping
 
 from diffexp.bench.progress import ProgressReporter
@@ -15,12 +16,14 @@ from diffexp.bench.progress import ProgressReporter
 NAME_WIDTH = 70  # the table's cut of a kernel's name; the JSON keeps it whole
 
 
-def prepare(args) -> None:
-    """Before any model is built: make the CPU kernels inductor compiles record themselves."""
-    if args.profile:
-        import torch._inductor.config as inductor_config
+def prepared(args) -> contextlib.AbstractContextManager:
+    """Within it, with --profile, the CPU kernels inductor compiles record themselves (the setting is restored
+    after)."""
+    if not args.profile:
+        return contextlib.nullcontext()
+    import torch._inductor.config as inductor_config
 
-        inductor_config.cpp.enable_kernel_profile = True
+    return inductor_config.patch({"cpp.enable_kernel_profile": True})
 
 
 def profile_runs(runners: Mapping, top: int, device, progress: ProgressReporter, label: str) -> dict[str, dict]:
