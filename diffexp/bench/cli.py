@@ -83,7 +83,7 @@ def run_kind(kind, argv: list[str]) -> int:
         caption += f", plot: {kind.plot(data, args.json)}"
     caption += report.load_note(env)
     report.print_table(title, headers, rows, caption, group_columns=tuple(range(1, len(kind.LAYOUT.labels))))
-    profile.print_profiles(data, kind.LAYOUT.labels)
+    report.print_profiles(data, kind.LAYOUT.labels)
     if old is not None:
         report.compare(old, data, kind.LAYOUT, args.compare)
     return 0

@@ -1,9 +1,10 @@
 """`--profile N`: where each variant's time goes, after the timed rounds.
 
 One more run of every runner under torch.profiler; its N most expensive operations and kernels by self time (the
-GPU's kernel time on CUDA, the host's on CPU), per token for decoding and per run otherwise. The CPU kernels that
-inductor writes are named only when they were compiled to record themselves, so `prepared` turns that on while
-the models are built and run (a check of one flag per kernel call while no profiler runs).
+GPU's kernel time on CUDA, the host's on CPU), per token for decoding and per run otherwise; `report.print_profiles`
+prints them. The CPU kernels that inductor writes are named only when they were compiled to record themselves, so
+`prepared` turns that on while the models are built and run (a check of one flag per kernel call while no
+profiler runs).
 """
 
 from __future__ import annotations
@@ -12,8 +13,6 @@ import contextlib
 from collections.abc import Mapping
 
 from diffexp.bench.progress import ProgressReporter
-
-NAME_WIDTH = 70  # the table's cut of a kernel's name; the JSON keeps it whole
 
 
 def prepared(args) -> contextlib.AbstractContextManager:
@@ -51,40 +50,3 @@ def profile_runs(runners: Mapping, top: int, device, progress: ProgressReporter,
         }
         progress.advance(f"{label} profile {name}")
     return profiles
-
-
-def _shortened(name: str) -> str:
-    """A long name cut in the middle: inductor's kernel names differ in their last characters."""
-    if len(name) <= NAME_WIDTH:
-        return name
-    tail = NAME_WIDTH // 3
-    return name[: NAME_WIDTH - tail - 3] + "..." + name[-tail:]
-
-
-def print_profiles(data: dict, labels: tuple[tuple[str, str], ...]) -> None:
-    """One table of every profiled result's top entries, under the results table."""
-    from diffexp.bench import report  # report reads timing, which reads this module
-
-    rows = []
-    for entry in data["results"].values():
-        prof = entry.get("profile")
-        if not prof:
-            continue
-        cells = [str(entry.get(key, "")) for _, key in labels]
-        for item in prof["top"]:
-            name = _shortened(item["name"])
-            rows.append([*cells, name, f"{item['calls']:g}", f"{item['self_us']:.1f}",
-                         f"{item['self_us'] / prof['total_us']:.0%}"])
-    if not rows:
-        return
-    first = next(e["profile"] for e in data["results"].values() if e.get("profile"))
-    unit, clock = first["unit"], first["clock"]
-    where = "GPU kernel time" if clock == "gpu" else "host time on the calling thread"
-    caption = (f"One run of each after the timed rounds, under torch.profiler: the operations and kernels with the "
-               f"most self time ({where}), per {unit}; share = of all self time profiled. Under the profiler a "
-               "run is slower than timed, most in the smallest operations. The whole names are in the results "
-               "JSON (\"profile\").")
-    report.print_table(f"Where the time goes (--profile {data['config'].get('profile')})",
-                       [header for header, _ in labels] + ["operation or kernel", f"calls/{unit}", f"us/{unit}",
-                                                           "share"], rows, caption,
-                       group_columns=tuple(range(len(labels))))

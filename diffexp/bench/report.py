@@ -242,3 +242,42 @@ def compare(old: dict, new: dict, layout: Layout, compare_path: Path) -> None:
     print()
     print_table(f"Change vs {compare_path} (commit {commit[:10]}, {old.get('created')})", headers, rows, caption,
                 group_columns=tuple(range(1, len(layout.labels))))
+
+
+#: the profile table's cut of a kernel's name; the JSON keeps it whole
+PROFILE_NAME_WIDTH = 70
+
+
+def _shortened(name: str) -> str:
+    """A long name cut in the middle: inductor's kernel names differ in their last characters."""
+    if len(name) <= PROFILE_NAME_WIDTH:
+        return name
+    tail = PROFILE_NAME_WIDTH // 3
+    return name[: PROFILE_NAME_WIDTH - tail - 3] + "..." + name[-tail:]
+
+
+def print_profiles(data: dict, labels: tuple[tuple[str, str], ...]) -> None:
+    """One table of every profiled result's top entries, under the results table."""
+    rows = []
+    for entry in data["results"].values():
+        prof = entry.get("profile")
+        if not prof:
+            continue
+        cells = [str(entry.get(key, "")) for _, key in labels]
+        for item in prof["top"]:
+            name = _shortened(item["name"])
+            rows.append([*cells, name, f"{item['calls']:g}", f"{item['self_us']:.1f}",
+                         f"{item['self_us'] / prof['total_us']:.0%}"])
+    if not rows:
+        return
+    first = next(e["profile"] for e in data["results"].values() if e.get("profile"))
+    unit, clock = first["unit"], first["clock"]
+    where = "GPU kernel time" if clock == "gpu" else "host time on the calling thread"
+    caption = (f"One run of each after the timed rounds, under torch.profiler: the operations and kernels with the "
+               f"most self time ({where}), per {unit}; share = of all self time profiled. Under the profiler a "
+               "run is slower than timed, most in the smallest operations. The whole names are in the results "
+               "JSON (\"profile\").")
+    headers = [header for header, _ in labels] + ["operation or kernel", f"calls/{unit}", f"us/{unit}", "share"]
+    print()
+    print_table(f"Where the time goes (--profile {data['config'].get('profile')})", headers, rows, caption,
+                group_columns=tuple(range(len(labels))))
