@@ -65,7 +65,8 @@ class Stopwatch:
 
 
 def runs_per_variant(args) -> int:
-    """Runs `measure` makes per runner (for the progress total): interleaved, plus one for memory."""
+    """Runs `measure` makes per runner (for the progress total): interleaved, plus one for memory and one for
+    --profile."""
     return 1 + args.rounds * (args.warmup + args.steps) + (0 if args.no_memory else 1) + (1 if args.profile else 0)
 
 
