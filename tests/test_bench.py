@@ -249,6 +249,38 @@ def test_bench_records_the_threads_it_ran_with(kind, tmp_path):
     assert "1 -> 2" in report.load_note({**env, "threads_end": 2})
 
 
+def test_a_bench_stopped_part_way_keeps_the_shapes_it_finished(tmp_path, monkeypatch, capsys):
+    """The results JSON is rewritten after each shape: a run stopped in its second shape keeps the first one's runs,
+    marked unfinished, and --compare refuses it before any work."""
+    from diffexp.bench import timing
+
+    class Stopped(Exception):
+        pass
+
+    real, calls = timing.measure, []
+
+    def measure(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:
+            raise Stopped  # as a kill in the middle of the second shape
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(timing, "measure", measure)
+    path = tmp_path / "stopped.json"
+    args = [*TINY_DECODE, "--seq-lens", "16", "32", "--no-memory", "--variants", "diff_v1"]
+    with pytest.raises(Stopped):
+        main([*args, "--json", str(path)])
+    data = json.loads(path.read_text())
+    assert data["complete"] is False and data["kind"] == "decode" and data["config"]["seq_lens"] == [16, 32]
+    assert set(data["results"]) == {"baseline@16x1", "diff_v1@16x1"}
+    for entry in data["results"].values():
+        assert [len(runs) for runs in entry["decode_token_times_s"]] == [1, 1]  # 2 rounds of 1 timed run
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["stopped.json"]  # written whole: no temporary left
+    monkeypatch.undo()
+    assert exit_code(["bench", *args, "--json", str(tmp_path / "next.json"), "--compare", str(path)]) == 2
+    assert "an unfinished run" in capsys.readouterr().err and not (tmp_path / "next.json").exists()
+
+
 @pytest.mark.parametrize("kind", [TINY, TINY_DECODE, TINY_KERNEL], ids=lambda args: args[0])
 def test_bench_profile_lists_where_each_variants_time_goes(kind, tmp_path, capsys):
     path = tmp_path / "profile.json"

@@ -13,8 +13,8 @@ import sys
 from diffexp.bench import options, profile, report
 from diffexp.errors import UserError, guarded
 
-#: kind -> its module; each has NAME, ABOUT, LAYOUT, build_parser, validate, config, run and table (and may have
-#: plot(data, json_path) -> the figure's path)
+#: kind -> its module; each has NAME, ABOUT, LAYOUT, build_parser, validate, config, run(args, save_finished) and
+#: table (and may have plot(data, json_path) -> the figure's path)
 KINDS = {"train": "diffexp.bench.train_step", "decode": "diffexp.bench.decode", "kernel": "diffexp.bench.kernel"}
 DEFAULT_KIND = "train"
 
@@ -66,16 +66,16 @@ def run_kind(kind, argv: list[str]) -> int:
     kind.validate(args)
     old = None if args.compare is None else report.load_results(args.compare, kind.NAME)
     options.output_path(args, kind.NAME)
+    header = {"kind": kind.NAME, "created": _dt.datetime.now().isoformat(timespec="seconds"),
+              "command": " ".join(["diffexp", "bench", kind.NAME, *argv]), "config": kind.config(args)}
+
+    def save_finished(results: dict) -> None:
+        """After each shape, the raw runs of the shapes finished so far: a run stopped later keeps them."""
+        report.write_results(args.json, {**header, "complete": False, "results": results})
+
     with profile.prepared(args):
-        env, results = report.recorded_run(args.device, args.threads, lambda: kind.run(args))
-    data = {
-        "kind": kind.NAME,
-        "created": _dt.datetime.now().isoformat(timespec="seconds"),
-        "command": " ".join(["diffexp", "bench", kind.NAME, *argv]),
-        "env": env,
-        "config": kind.config(args),
-        "results": results,
-    }
+        env, results = report.recorded_run(args.device, args.threads, lambda: kind.run(args, save_finished))
+    data = {**header, "env": env, "results": results}
     report.write_results(args.json, data)
     title, headers, rows, caption = kind.table(data)
     caption += f" Wall time {env['wall_s']:.0f} s. Results: {args.json}"

@@ -7,6 +7,7 @@ rewinds the cache, so every run decodes at the same context. Details: bench/READ
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable
 
 from diffexp.bench import options, report, timing, workload
 from diffexp.bench.memory import peak_bytes, release, tensor_bytes
@@ -219,7 +220,7 @@ def step_bytes(model, cache_bytes: int, batch: int) -> int:
     return total + cache_bytes
 
 
-def run(args: argparse.Namespace) -> dict:
+def run(args: argparse.Namespace, save_finished: Callable[[dict], None] = lambda results: None) -> dict:
     import torch
 
     device = torch.device(args.device)
@@ -249,6 +250,7 @@ def run(args: argparse.Namespace) -> dict:
                     "compile_s": r.compile_s, **samples[key], "peak_bytes": peaks[key],
                     "profile": profiles.get(key),
                 }
+            save_finished(results)
             del runners, prompt
             release(device)
     summarise(results, variants, modes, shapes, peak_bandwidth(args))

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+from collections.abc import Callable
 
 from diffexp.bench import options, report, timing, workload
 from diffexp.bench.memory import peak_bytes, release, tensor_bytes
@@ -131,7 +132,7 @@ class AttentionRunner:
                           tensor_bytes([*self.module.parameters(), *self.module.buffers()]))
 
 
-def run(args: argparse.Namespace) -> dict:
+def run(args: argparse.Namespace, save_finished: Callable[[dict], None] = lambda results: None) -> dict:
     import torch
 
     device = torch.device(args.device)
@@ -155,6 +156,7 @@ def run(args: argparse.Namespace) -> dict:
                     "params": r.params, "flops_forward": r.flops_forward, "flops_per_step": r.flops_per_step,
                     **samples[f"{v}/{b}"], "peak_bytes": peaks[f"{v}/{b}"], "profile": profiles.get(f"{v}/{b}"),
                 }
+            save_finished(results)
             del runners, x, grad_out
             release(device)
     summarise(results, pairs, args.seq_lens, args.peak_flops)

@@ -100,7 +100,11 @@ def load_note(env: dict) -> str:
 # results JSON
 # --------------------------------------------------------------------------------------------------
 def write_results(path: Path, data: dict) -> None:
-    Path(path).write_text(json.dumps(data, indent=1))
+    """Written whole or not at all: a run stopped mid-write leaves the previous file."""
+    path = Path(path)
+    partial = path.with_name(f".{path.name}.partial")
+    partial.write_text(json.dumps(data, indent=1))
+    os.replace(partial, path)
 
 
 def load_results(path: Path, kind: str) -> dict:
@@ -111,6 +115,9 @@ def load_results(path: Path, kind: str) -> dict:
             raise ValueError("not a diffexp bench result (no 'results'/'config')")
     except (OSError, ValueError) as err:
         raise UserError(f"--compare {path}: cannot read an earlier result: {err}") from None
+    if data.get("complete") is False:
+        raise UserError(f"--compare {path}: an unfinished run (it stopped after the shapes it lists, and its ratios "
+                        "are computed at the end); compare with a finished run")
     found = data.get("kind", "train")
     if found != kind:
         raise UserError(f"--compare {path}: a `diffexp bench {found}` result; expected the JSON of a "

@@ -8,6 +8,7 @@ its peak memory that of one extra untimed step, state included. On CPU the batch
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable
 from pathlib import Path
 
 from diffexp.bench import options, report, timing, workload
@@ -128,7 +129,7 @@ class StepRunner:
                           tensor_bytes([*self.model.parameters(), *self.model.buffers(), *state]))
 
 
-def run(args: argparse.Namespace) -> dict:
+def run(args: argparse.Namespace, save_finished: Callable[[dict], None] = lambda results: None) -> dict:
     import torch
 
     device = torch.device(args.device)
@@ -149,6 +150,7 @@ def run(args: argparse.Namespace) -> dict:
                     "flops_per_step": runners[v].flops_per_step, **samples[v], "peak_bytes": peaks[v],
                     "profile": profiles.get(v),
                 }
+            save_finished(results)
             del runners, tokens
             release(device)
     summarise(results, variants, args.seq_lens, args.peak_flops)
