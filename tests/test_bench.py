@@ -281,6 +281,31 @@ def test_a_bench_stopped_part_way_keeps_the_shapes_it_finished(tmp_path, monkeyp
     assert "an unfinished run" in capsys.readouterr().err and not (tmp_path / "next.json").exists()
 
 
+def test_a_bench_that_cannot_write_its_results_measures_on_and_prints_its_table(tmp_path, monkeypatch, capsys):
+    """A full disk: the results so far cannot be saved after a shape; the run says so once, measures on, prints
+    its table, and then ends with an error naming --json (exit 2), leaving no file behind."""
+    import errno
+    import pathlib
+
+    real_write = pathlib.Path.write_text
+
+    def full_disk(self, *args, **kwargs):
+        if self.name.endswith(".partial"):
+            real_write(self, "{")  # a few bytes, then the disk is full
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_write(self, *args, **kwargs)
+
+    monkeypatch.setattr(pathlib.Path, "write_text", full_disk)
+    path = tmp_path / "full.json"
+    code = exit_code(["bench", *TINY_DECODE, "--seq-lens", "16", "32", "--no-memory", "--variants", "diff_v1",
+                      "--json", str(path)])
+    out, err = capsys.readouterr()
+    assert code == 2 and "Decoding with the KV cache" in out and "diff_v1" in out
+    assert err.count("cannot write the results so far") == 1 and "No space left on device" in err
+    assert f"--json {path}: cannot write the results" in err and "Traceback" not in err
+    assert list(tmp_path.iterdir()) == []  # no half-written file
+
+
 @pytest.mark.parametrize("kind", [TINY, TINY_DECODE, TINY_KERNEL], ids=lambda args: args[0])
 def test_bench_profile_lists_where_each_variants_time_goes(kind, tmp_path, capsys):
     path = tmp_path / "profile.json"

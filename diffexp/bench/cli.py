@@ -69,23 +69,39 @@ def run_kind(kind, argv: list[str]) -> int:
     header = {"kind": kind.NAME, "created": _dt.datetime.now().isoformat(timespec="seconds"),
               "command": " ".join(["diffexp", "bench", kind.NAME, *argv]), "config": kind.config(args)}
 
+    unwritten: list[OSError] = []
+
     def save_finished(results: dict) -> None:
-        """After each shape, the raw runs of the shapes finished so far: a run stopped later keeps them."""
-        report.write_results(args.json, {**header, "complete": False, "results": results})
+        """After each shape, the raw runs of the shapes finished so far: a run stopped later keeps them. A file that
+        cannot be written (a full disk) is said once; the measuring goes on."""
+        try:
+            report.write_results(args.json, {**header, "complete": False, "results": results})
+        except OSError as err:
+            if not unwritten:
+                print(f"warning: --json {args.json}: cannot write the results so far ({err}); measuring on",
+                      file=sys.stderr, flush=True)
+            unwritten.append(err)
 
     with profile.prepared(args):
         env, results = report.recorded_run(args.device, args.threads, lambda: kind.run(args, save_finished))
     data = {**header, "env": env, "results": results}
-    report.write_results(args.json, data)
+    try:
+        report.write_results(args.json, data)
+        unwritten.clear()
+    except OSError as err:  # the table is still printed below, then the error
+        unwritten[:] = [err]
     title, headers, rows, caption = kind.table(data)
-    caption += f" Wall time {env['wall_s']:.0f} s. Results: {args.json}"
-    if hasattr(kind, "plot"):  # a kind with a figure writes it beside the JSON
+    caption += f" Wall time {env['wall_s']:.0f} s. Results: " + ("not written (below)" if unwritten else str(args.json))
+    if hasattr(kind, "plot") and not unwritten:  # a kind with a figure writes it beside the JSON
         caption += f", plot: {kind.plot(data, args.json)}"
     caption += report.load_note(env)
     report.print_table(title, headers, rows, caption, group_columns=tuple(range(1, len(kind.LAYOUT.labels))))
     report.print_profiles(data, kind.LAYOUT.labels)
     if old is not None:
         report.compare(old, data, kind.LAYOUT, args.compare)
+    if unwritten:
+        raise UserError(f"--json {args.json}: cannot write the results: {unwritten[0]}; the table above is all "
+                        "this run kept")
     return 0
 
 

@@ -103,8 +103,12 @@ def write_results(path: Path, data: dict) -> None:
     """Written whole or not at all: a run stopped mid-write leaves the previous file."""
     path = Path(path)
     partial = path.with_name(f".{path.name}.partial")
-    partial.write_text(json.dumps(data, indent=1))
-    os.replace(partial, path)
+    try:
+        partial.write_text(json.dumps(data, indent=1))
+        os.replace(partial, path)
+    except OSError:
+        partial.unlink(missing_ok=True)
+        raise
 
 
 def load_results(path: Path, kind: str) -> dict:
