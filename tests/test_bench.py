@@ -93,6 +93,7 @@ def test_bench_decode_uses_the_kv_cache(tmp_path, capsys):
                                     max_seq_len=34, **entry["overrides"]))
         assert entry["decode_flops_per_token"] == entry["batch_size"] * model.decode_flops_per_token(32)
         assert entry["cache_bytes_per_token"] > 0
+    assert path.with_suffix(".png").stat().st_size > 0 and "plot: " in out  # the figure beside the JSON
     assert main([*TINY_DECODE, "--no-memory", "--json", str(tmp_path / "again.json"), "--compare", str(path)]) == 0
     assert "old tok/s ratio" in capsys.readouterr().out
 

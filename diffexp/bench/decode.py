@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 from collections.abc import Callable
+from pathlib import Path
 
 from diffexp.bench import options, report, timing, workload
 from diffexp.bench.memory import peak_bytes, release, tensor_bytes
@@ -207,6 +208,13 @@ class DecodeRunner:
     def peak_bytes(self) -> int | None:
         held = tensor_bytes([*self.model.parameters(), *self.model.buffers()]) + self.cache.bytes()
         return peak_bytes(self.decode, self.device, held)
+
+
+def plot(data: dict, json_path) -> str:
+    """The figure beside the results JSON (same name, .png): tokens/s ratios across contexts, per mode and batch."""
+    from diffexp.bench.plot import plot_decode
+
+    return str(plot_decode(data, Path(json_path).with_suffix(".png")))
 
 
 def step_bytes(model, cache_bytes: int, batch: int) -> int:

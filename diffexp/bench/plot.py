@@ -1,5 +1,6 @@
-"""The training-step figure: step-time ratio and FLOP-rate ratio to the reference per variant, across sequence
-lengths, with each ratio's per-round spread as error bars. Drawn on an Agg figure (matplotlib imported here only).
+"""The bench's figures, each ratio to the reference with its per-round spread as error bars: the training step's
+time and FLOP rate across sequence lengths, and decoding's tokens/s across contexts, one panel per mode and batch.
+Drawn on Agg figures (matplotlib imported here only).
 """
 
 from __future__ import annotations
@@ -46,6 +47,39 @@ def plot_train(data: dict, path: str | Path) -> Path:
     env = data["env"]
     fig.suptitle(f"training step vs {variants[0]}: {env['device']} ({env['device_name']}), {cfg['dtype']}, "
                  f"{env['threads']} threads, d_model {cfg['d_model']}, {cfg['n_layers']} layers, "
+                 f"{cfg['n_heads']} heads; bars: per-round spread", fontsize=10)
+    path = Path(path)
+    fig.savefig(path)
+    return path
+
+
+def plot_decode(data: dict, path: str | Path) -> Path:
+    """One panel per (mode, batch): tokens/s / reference's against the context, per variant (a second copy of the
+    reference, with --noise-floor, shows how far two identical models read apart); returns the path."""
+    cfg, results = data["config"], data["results"]
+    contexts = cfg["seq_lens"]
+    variants = list(dict.fromkeys(e["variant"] for e in results.values()))
+    panels_at = list(dict.fromkeys((e.get("mode", "eager"), e["batch_size"]) for e in results.values()))
+    fig = new_figure(4.2 * len(panels_at) + 1, 4.2)
+    panels = fig.subplots(1, len(panels_at), squeeze=False, sharey=True)[0]
+    for ax, (mode, batch) in zip(panels, panels_at, strict=True):
+        for variant, color in zip(variants, series_colors(len(variants)), strict=True):
+            entries = [results[key] for key in (f"{variant}@{c}x{batch}" + ("" if mode == "eager" else f":{mode}")
+                                                for c in contexts)]
+            values = [e["speed_ratio"] for e in entries]
+            low = [max(0.0, e["speed_ratio"] - e["speed_ratio_min"]) for e in entries]
+            high = [max(0.0, e["speed_ratio_max"] - e["speed_ratio"]) for e in entries]
+            ax.errorbar(contexts, values, yerr=[low, high], marker="o", capsize=3, color=color, label=variant,
+                        linestyle="--" if variant.endswith("#2") else "-")
+        ax.axhline(1.0, color="grey", linewidth=0.8, linestyle=":")
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(contexts, [str(c) for c in contexts])
+        ax.set_xlabel("context (tokens)")
+        ax.set_title(f"{mode}, batch {batch}: tok/s / reference's (higher is faster)", fontsize=10)
+    panels[-1].legend(fontsize=8)
+    env = data["env"]
+    fig.suptitle(f"decoding with the KV cache vs {variants[0]}: {env['device']} ({env['device_name']}), "
+                 f"{cfg['dtype']}, {env['threads']} threads, d_model {cfg['d_model']}, {cfg['n_layers']} layers, "
                  f"{cfg['n_heads']} heads; bars: per-round spread", fontsize=10)
     path = Path(path)
     fig.savefig(path)
