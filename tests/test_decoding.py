@@ -235,6 +235,28 @@ def test_a_compiled_step_follows_the_model_to_another_dtype(fresh_dynamo):
     torch.testing.assert_close(stepped, full, rtol=0, atol=1e-10)
 
 
+@pytest.mark.skipif(COMPILE_MISSING is not None, reason=f"torch.compile cannot run here: {COMPILE_MISSING}")
+def test_a_compiled_step_reads_the_weights_as_they_are_now(fresh_dynamo):
+    """The CPU step is compiled with the weights as constants (inductor's freezing; DIFF V1's lambda folded into
+    one number): weights loaded or written in place after it was compiled, or swapped for other tensors, are what
+    the next cache's steps read."""
+    model = build("diff_v1")
+    idx = torch.randint(0, model.cfg.vocab_size, (2, 9))
+    assert model.compile_decoding() is None
+    first = step_through(model, idx, 5, model.new_cache(capacity=16, static=True))
+    torch.manual_seed(1)
+    other = Decoder(model.cfg).eval()
+    model.load_state_dict(other.state_dict())  # every weight written in place, the lambda vectors too
+    loaded = step_through(model, idx, 5, model.new_cache(capacity=16, static=True))
+    torch.testing.assert_close(loaded, step_through(model, idx, 5, model.new_cache(capacity=16)), rtol=0, atol=1e-5)
+    assert not torch.allclose(loaded, first, atol=1e-3)
+    with torch.no_grad():
+        model.lm_head.weight.data = model.lm_head.weight.data * 2  # another tensor, not a write
+    swapped = step_through(model, idx, 5, model.new_cache(capacity=16, static=True))
+    torch.testing.assert_close(swapped, step_through(model, idx, 5, model.new_cache(capacity=16)), rtol=0, atol=1e-5)
+    torch.testing.assert_close(swapped, 2 * loaded, rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA GPU; none here")
 @pytest.mark.parametrize("name", VARIANTS)
 def test_the_cuda_graph_step_equals_the_eager_step(name, fresh_dynamo):

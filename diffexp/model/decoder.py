@@ -6,6 +6,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import inspect
@@ -36,8 +37,12 @@ def _cpu_step_options() -> dict:
     cpp_wrapper: the step's wrapper (its buffers, views and calls) in C++, not Python. That cost comes on every
     token and grows with a step's inputs and buffers, which the variants have more of than the baseline.
     size_asserts off: the wrapper would check the size and stride of every input and extern output on each token;
-    the inputs are guarded by dynamo already, and the compiled step is tested equal to eager."""
-    options: dict = {"size_asserts": False, "cpp_wrapper": True}
+    the inputs are guarded by dynamo already, and the compiled step is tested equal to eager.
+    freezing: the weights enter the graph as constants, not as ~60 inputs handed over on every token, and what
+    depends on weights alone (DIFF V1's lambda) is computed once; such a step may read copies made when it was
+    compiled, so `decode_step` compiles it again after a weight changes. weight_prepack off: with freezing, the
+    linears would otherwise go to oneDNN's packed GEMM, slower for one row."""
+    options: dict = {"size_asserts": False, "cpp_wrapper": True, "freezing": True, "cpp.weight_prepack": False}
     try:
         import torch._inductor.fx_passes.decompose_mem_bound_mm  # noqa: F401 - the pass registers on import
     except ImportError:
@@ -147,6 +152,9 @@ class Decoder(nn.Module):
         torch.compiler.set_stance(skip_guard_eval_unsafe) does: nothing else a step reads changes between two steps
         on one cache. A model moved to another dtype or device fails RoPE's tables' guards; then every guard is
         checked again."""
+        if cache.checked_step is None and self._weights_changed():  # a frozen step holds the weights it was built on
+            self._compiled_step, self._compiled_mode = None, None
+            self.compile_decoding(self._compile_request)
         checked = (self._compiled_step, torch.is_grad_enabled(), torch.is_inference_mode_enabled())
         if cache.checked_step == checked and not torch.is_grad_enabled():
             try:
@@ -155,20 +163,46 @@ class Decoder(nn.Module):
             except RuntimeError as err:  # a tensor's guard failed (dynamo would recompile): check every guard
                 if "skip_guard_eval_unsafe" not in str(err):
                     raise
-        logits = self._compiled_step(token, cache)
+        with self._tracing_settings():  # this call may trace and compile the step
+            logits = self._compiled_step(token, cache)
         cache.checked_step = checked
         return logits
+
+    def _tracing_settings(self):
+        """Inductor's freezing must be on while dynamo traces, not only in inductor's options: dynamo decides then
+        whether the weights are inputs or constants."""
+        if not (self._compile_options or {}).get("freezing"):
+            return contextlib.nullcontext()
+        import torch._inductor.config
+
+        return torch._inductor.config.patch(freezing=True)
 
     def _step_logits(self, token: torch.Tensor, cache: DecoderCache) -> torch.Tensor:
         return self._logits(token, cache)[:, -1]
 
     _compiled_step = None
     _compiled_mode: str | None = None
+    _compile_request: str | None = None
+    _compile_options: dict | None = None
+    _compiled_weights: tuple = ()
+
+    def _weight_versions(self) -> tuple:
+        """Each weight and buffer, its storage and its in-place write count: any change (an optimizer step,
+        load_state_dict, a `.data` swap) changes the tuple."""
+        def version(t):
+            try:
+                return t._version
+            except RuntimeError:  # an inference tensor keeps no count; its storage still identifies it
+                return None
+        return tuple((id(t), t.data_ptr(), version(t)) for t in (*self.parameters(), *self.buffers()))
+
+    def _weights_changed(self) -> bool:
+        return self._compiled_step is not None and self._compiled_weights != self._weight_versions()
 
     def compile_decoding(self, mode: str | None = None) -> str | None:
         """Compile `decode_step` with torch.compile (inductor; CUDA graphs on a GPU with mode "reduce-overhead",
         the default there); use it with static caches. Returns why it cannot run here, else None."""
-        device = next(self.parameters()).device
+        device, requested = next(self.parameters()).device, mode
         if mode is None:
             mode = "reduce-overhead" if device.type == "cuda" else "default"
         if self._compiled_mode == mode:
@@ -179,7 +213,8 @@ class Decoder(nn.Module):
             return reason
         settings = {"mode": mode} if options is None else {"options": options}  # torch.compile takes one, not both
         self._compiled_step = torch.compile(self._own_step(), dynamic=False, fullgraph=True, **settings)
-        self._compiled_mode = mode
+        self._compiled_mode, self._compile_request, self._compile_options = mode, requested, options
+        self._compiled_weights = self._weight_versions()
         return None
 
     def _own_step(self):
