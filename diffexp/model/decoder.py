@@ -171,7 +171,7 @@ class Decoder(nn.Module):
     def _tracing_settings(self):
         """Inductor's freezing must be on while dynamo traces, not only in inductor's options: dynamo decides then
         whether the weights are inputs or constants."""
-        if not (self._compile_options or {}).get("freezing"):
+        if not self._frozen_step():
             return contextlib.nullcontext()
         import torch._inductor.config
 
@@ -196,8 +196,11 @@ class Decoder(nn.Module):
                 return None
         return tuple((id(t), t.data_ptr(), version(t)) for t in (*self.parameters(), *self.buffers()))
 
+    def _frozen_step(self) -> bool:
+        return self._compiled_step is not None and bool((self._compile_options or {}).get("freezing"))
+
     def _weights_changed(self) -> bool:
-        return self._compiled_step is not None and self._compiled_weights != self._weight_versions()
+        return self._frozen_step() and self._compiled_weights != self._weight_versions()
 
     def compile_decoding(self, mode: str | None = None) -> str | None:
         """Compile `decode_step` with torch.compile (inductor; CUDA graphs on a GPU with mode "reduce-overhead",
