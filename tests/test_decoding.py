@@ -236,7 +236,7 @@ def test_a_compiled_step_follows_the_model_to_another_dtype(fresh_dynamo):
 
 
 @pytest.mark.skipif(COMPILE_MISSING is not None, reason=f"torch.compile cannot run here: {COMPILE_MISSING}")
-def test_a_compiled_step_reads_the_weights_as_they_are_now(fresh_dynamo):
+def test_a_compiled_step_reads_the_weights_as_they_are_now(fresh_dynamo, monkeypatch):
     """The CPU step is compiled with the weights as constants (inductor's freezing; DIFF V1's lambda folded into
     one number): weights loaded or written in place after it was compiled, or swapped for other tensors, are what
     the next cache's steps read."""
@@ -255,6 +255,12 @@ def test_a_compiled_step_reads_the_weights_as_they_are_now(fresh_dynamo):
     swapped = step_through(model, idx, 5, model.new_cache(capacity=16, static=True))
     torch.testing.assert_close(swapped, step_through(model, idx, 5, model.new_cache(capacity=16)), rtol=0, atol=1e-5)
     torch.testing.assert_close(swapped, 2 * loaded, rtol=1e-5, atol=1e-5)
+    import diffexp.model.decoder as decoder_module
+
+    monkeypatch.setattr(decoder_module, "compile_unavailable", lambda *a, **k: "no compiler")
+    model.load_state_dict(other.state_dict())  # changed again where it cannot compile: the steps run eagerly
+    torch.testing.assert_close(step_through(model, idx, 5, model.new_cache(capacity=16, static=True)), loaded,
+                               rtol=0, atol=1e-5)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA GPU; none here")

@@ -154,7 +154,8 @@ class Decoder(nn.Module):
         checked again."""
         if cache.checked_step is None and self._weights_changed():  # a frozen step holds the weights it was built on
             self._compiled_step, self._compiled_mode = None, None
-            self.compile_decoding(self._compile_request)
+            if self.compile_decoding(self._compile_request) is not None:  # torch.compile stopped working here
+                return self._step_logits(token, cache)
         checked = (self._compiled_step, torch.is_grad_enabled(), torch.is_inference_mode_enabled())
         if cache.checked_step == checked and not torch.is_grad_enabled():
             try:
