@@ -153,8 +153,8 @@ class Decoder(nn.Module):
         on one cache. A model moved to another dtype or device fails RoPE's tables' guards; then every guard is
         checked again."""
         if cache.checked_step is None and self._weights_changed():  # a frozen step holds the weights it was built on
-            self._compiled_step, self._compiled_mode = None, None
-            if self.compile_decoding(self._compile_request) is not None:  # torch.compile stopped working here
+            mode, self._compiled_step, self._compiled_mode = self._compiled_mode, None, None
+            if self.compile_decoding(mode) is not None:  # torch.compile stopped working here
                 return self._step_logits(token, cache)
         checked = (self._compiled_step, torch.is_grad_enabled(), torch.is_inference_mode_enabled())
         if cache.checked_step == checked and not torch.is_grad_enabled():
@@ -183,7 +183,6 @@ class Decoder(nn.Module):
 
     _compiled_step = None
     _compiled_mode: str | None = None
-    _compile_request: str | None = None
     _compile_options: dict | None = None
     _compiled_weights: tuple = ()
 
@@ -206,7 +205,7 @@ class Decoder(nn.Module):
     def compile_decoding(self, mode: str | None = None) -> str | None:
         """Compile `decode_step` with torch.compile (inductor; CUDA graphs on a GPU with mode "reduce-overhead",
         the default there); use it with static caches. Returns why it cannot run here, else None."""
-        device, requested = next(self.parameters()).device, mode
+        device = next(self.parameters()).device
         if mode is None:
             mode = "reduce-overhead" if device.type == "cuda" else "default"
         if self._compiled_mode == mode:
@@ -217,8 +216,8 @@ class Decoder(nn.Module):
             return reason
         settings = {"mode": mode} if options is None else {"options": options}  # torch.compile takes one, not both
         self._compiled_step = torch.compile(self._own_step(), dynamic=False, fullgraph=True, **settings)
-        self._compiled_mode, self._compile_request, self._compile_options = mode, requested, options
-        self._compiled_weights = self._weight_versions()
+        self._compiled_mode, self._compile_options = mode, options
+        self._compiled_weights = self._weight_versions() if self._frozen_step() else ()
         return None
 
     def _own_step(self):
