@@ -155,11 +155,12 @@ def naive_step_probabilities(q, k, lengths):
 @pytest.mark.parametrize("keys, capacity", [(1, 1), (3, 9), (130, 130), (1027, 1100)])
 @pytest.mark.parametrize("ragged", [False, True])
 @pytest.mark.parametrize("d", [16, 12])  # a multiple of the vector width, and not
-def test_step_products_equal_naive(rows, keys, capacity, ragged, d):
+@pytest.mark.parametrize("dv", [24, 64])  # values summed in blocks of 32 columns where they split so, else not
+def test_step_products_equal_naive(rows, keys, capacity, ragged, d, dv):
     """A decoding step's two products against float64 matmuls: the query rows of each group, keys that are a view
     into a larger cache, each batch row reading its own first lengths[b] keys (the rest weigh 0)."""
     torch.manual_seed(rows * 1000 + keys)
-    b, groups, dv = 3, 2, 24
+    b, groups = 3, 2
     q = torch.randn(b, groups, rows, d)
     k = torch.randn(b, groups, capacity, d)[..., :keys, :]
     v = torch.randn(b, groups, capacity, dv)[..., :keys, :]
@@ -176,11 +177,12 @@ def test_step_products_equal_naive(rows, keys, capacity, ragged, d):
 @pytest.mark.parametrize("keys, capacity", [(1, 1), (3, 9), (1027, 1100)])
 @pytest.mark.parametrize("ragged", [False, True])
 @pytest.mark.parametrize("d", [16, 12])
-def test_step_attention_equals_naive(rows, keys, capacity, ragged, d):
+@pytest.mark.parametrize("dv", [24, 64])
+def test_step_attention_equals_naive(rows, keys, capacity, ragged, d, dv):
     """One map per row, both phases in one op: softmax(q k^T / sqrt(d)) v against float64, each batch row reading
     its own first lengths[b] keys of a view into a larger cache."""
     torch.manual_seed(rows * 1000 + keys)
-    b, groups, dv = 3, 2, 24
+    b, groups = 3, 2
     q = torch.randn(b, groups, rows, d) * 2
     k = torch.randn(b, groups, capacity, d)[..., :keys, :]
     v = torch.randn(b, groups, capacity, dv)[..., :keys, :]
@@ -209,11 +211,12 @@ def test_step_softmax_of_far_apart_logits_and_a_nan():
 @pytest.mark.parametrize("keys, capacity", [(1, 1), (5, 9), (1027, 1100)])
 @pytest.mark.parametrize("ragged", [False, True])
 @pytest.mark.parametrize("d", [16, 12])
-def test_step_pair_attention_equals_naive(pairs, keys, capacity, ragged, d):
+@pytest.mark.parametrize("dv", [20, 64])
+def test_step_pair_attention_equals_naive(pairs, keys, capacity, ragged, d, dv):
     """DIFF V2's pairs in one pass: the two maps of pair i (rows 2i and 2i + 1 of q) read one K, and V is weighted
     by softmax(q_2i k^T) - lambda_i softmax(q_2i+1 k^T), against float64."""
     torch.manual_seed(pairs * 1000 + keys)
-    b, groups, dv = 3, 2, 20
+    b, groups = 3, 2
     q = torch.randn(b, 2 * pairs, groups, d).transpose(1, 2) * 2  # any strides: the kernel copies what it must
     k = torch.randn(b, groups, capacity, d)[..., :keys, :]
     v = torch.randn(b, groups, capacity, dv)[..., :keys, :]
@@ -308,13 +311,14 @@ def test_step_dint_attention_equals_naive(rows, keys, capacity, ragged, softmax_
 
 @pytest.mark.parametrize("visible", [None, 700, 300])
 @pytest.mark.parametrize("batch, threads", [(1, 4), (3, 2), (3, 1)])
-def test_step_ops_exact_whether_a_task_holds_a_chunk_or_whole_rows(visible, batch, threads):
+@pytest.mark.parametrize("dv", [24, 96])
+def test_step_ops_exact_whether_a_task_holds_a_chunk_or_whole_rows(visible, batch, threads, dv):
     """Where the groups do not split evenly over the threads (1 on 4, 3 on 2) a row's keys are split into chunks,
     one task each, each exponentiated against its own maximum; the chunks are rescaled to one softmax. Where they
     do (3 on 1), a task holds whole rows and scores, normalises and reads V at once. Peaked scores (one chunk far
     above the rest) and chunks left partly or wholly empty by lengths, against float64."""
     torch.manual_seed(7)
-    keys, d, dv = 1027, 16, 24
+    keys, d = 1027, 16
     q = torch.randn(batch, 1, 4, d) * 6
     k, v = torch.randn(batch, 1, keys, d), torch.randn(batch, 1, keys, dv)
     lam = torch.rand(batch, 1, 2)

@@ -327,6 +327,74 @@ struct Weights {
   int64_t group_rows, row_step;
 };
 
+#if defined(__AVX2__) && defined(__FMA__)
+// acc[r, i:i+32] += sum over keys j of w[r, j] value_j[i:i+32] for rows r and r+1 (Two), in registers: 8 sums, not
+// the 16 a full 64-wide row pair needs, which leave no registers for the values and go through memory on every key.
+template <bool Two>
+inline void accumulate_block(const float* values, int64_t stride, int64_t from, int64_t to, const float* w,
+                             int64_t n, float* acc, int64_t dim) {
+  float* o0 = acc;
+  float* o1 = acc + dim;
+  __m256 a0 = _mm256_loadu_ps(o0), a1 = _mm256_loadu_ps(o0 + 8), a2 = _mm256_loadu_ps(o0 + 16),
+         a3 = _mm256_loadu_ps(o0 + 24);
+  __m256 b0 = a0, b1 = a1, b2 = a2, b3 = a3;
+  if constexpr (Two)
+    b0 = _mm256_loadu_ps(o1), b1 = _mm256_loadu_ps(o1 + 8), b2 = _mm256_loadu_ps(o1 + 16),
+    b3 = _mm256_loadu_ps(o1 + 24);
+  for (int64_t j = from; j < to; ++j) {
+    const float* x = values + j * stride;
+    const __m256 x0 = _mm256_loadu_ps(x), x1 = _mm256_loadu_ps(x + 8), x2 = _mm256_loadu_ps(x + 16),
+                 x3 = _mm256_loadu_ps(x + 24);
+    const __m256 c = _mm256_set1_ps(w[j]);
+    a0 = _mm256_fmadd_ps(c, x0, a0), a1 = _mm256_fmadd_ps(c, x1, a1);
+    a2 = _mm256_fmadd_ps(c, x2, a2), a3 = _mm256_fmadd_ps(c, x3, a3);
+    if constexpr (Two) {
+      const __m256 d = _mm256_set1_ps(w[n + j]);
+      b0 = _mm256_fmadd_ps(d, x0, b0), b1 = _mm256_fmadd_ps(d, x1, b1);
+      b2 = _mm256_fmadd_ps(d, x2, b2), b3 = _mm256_fmadd_ps(d, x3, b3);
+    }
+  }
+  _mm256_storeu_ps(o0, a0), _mm256_storeu_ps(o0 + 8, a1), _mm256_storeu_ps(o0 + 16, a2), _mm256_storeu_ps(o0 + 24, a3);
+  if constexpr (Two)
+    _mm256_storeu_ps(o1, b0), _mm256_storeu_ps(o1 + 8, b1), _mm256_storeu_ps(o1 + 16, b2),
+    _mm256_storeu_ps(o1 + 24, b3);
+}
+#endif
+
+// acc[r] += sum over keys j < n of w[r * n + j] value_j for `rows` rows of `dim`; value_j = values + j * stride.
+inline void accumulate_values(const float* values, int64_t stride, int64_t n, const float* w, int64_t rows,
+                              int64_t dim, float* acc) {
+#if defined(__AVX2__) && defined(__FMA__)
+  if (dim % 32 == 0) {  // blocks of keys that stay in L1 while each pair of rows reads them, 32 columns at a time
+    constexpr int64_t kKeyBlock = 64;
+    for (int64_t from = 0; from < n; from += kKeyBlock) {
+      const int64_t to = std::min(n, from + kKeyBlock);
+      for (int64_t j = to; j < std::min(n, to + kAhead); ++j)
+        for (int64_t i = 0; i < dim; i += 16) __builtin_prefetch(values + j * stride + i);
+      for (int64_t r = 0; r < rows; r += 2)
+        for (int64_t i = 0; i < dim; i += 32) {
+          if (r + 1 < rows)
+            accumulate_block<true>(values + i, stride, from, to, w + r * n, n, acc + r * dim + i, dim);
+          else
+            accumulate_block<false>(values + i, stride, from, to, w + r * n, n, acc + r * dim + i, dim);
+        }
+    }
+    return;
+  }
+#endif
+  for (int64_t j = 0; j < n; ++j) {
+    const float* value = values + j * stride;
+    if (j + kAhead < n)
+      for (int64_t i = 0; i < dim; i += 16) __builtin_prefetch(value + kAhead * stride + i);
+    for (int64_t r = 0; r < rows; ++r) {
+      const float weight = w[r * n + j];
+      float* __restrict__ out = acc + r * dim;
+#pragma omp simd
+      for (int64_t i = 0; i < dim; ++i) out[i] += weight * value[i];
+    }
+  }
+}
+
 struct Unprepared {
   void operator()(int64_t) const {}
 };
@@ -373,19 +441,7 @@ at::Tensor weighted_values(const Weights& w, const at::Tensor& v_in, const std::
           for (int64_t j = 0; j < n; ++j) out[j] = a * x[j];
         }
       }
-      const float* wg = chunk_weights.data();
-      float* acc = sums + task * rows * dim;
-      for (int64_t j = 0; j < n; ++j) {
-        const float* value = v.row(b, g, first + j);
-        if (j + kAhead < n)
-          for (int64_t i = 0; i < dim; i += 16) __builtin_prefetch(v.row(b, g, first + j + kAhead) + i);
-        for (int64_t r = 0; r < rows; ++r) {
-          const float weight = wg[r * n + j];
-          float* __restrict__ out = acc + r * dim;
-#pragma omp simd
-          for (int64_t i = 0; i < dim; ++i) out[i] += weight * value[i];
-        }
-      }
+      accumulate_values(v.row(b, g, first), v.s2, n, chunk_weights.data(), rows, dim, sums + task * rows * dim);
     }
   });
   if (chunks == 1) return partial.view({batch, groups, rows, dim});
