@@ -3,6 +3,8 @@ logits of a full forward for every variant; rows of different lengths decode tog
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 
@@ -12,6 +14,7 @@ from diffexp.generate.decode import prompt_rows, static_capacity
 from diffexp.generate.sampling import Sampling
 from diffexp.model.cache import DecoderCache
 from diffexp.model.compile import compile_unavailable
+from diffexp.model.one_row_products import HAVE_CUSTOM_PASSES, SplitOneRowProducts
 from tests.helpers import CASES, make_config, require_cpu_kernel, small_blocks
 
 VARIANTS = ["baseline", "diff_v1", "diff_v2", "shared_diff", "dint"]
@@ -261,6 +264,54 @@ def test_a_compiled_step_reads_the_weights_as_they_are_now(fresh_dynamo, monkeyp
     model.load_state_dict(other.state_dict())  # changed again where it cannot compile: the steps run eagerly
     torch.testing.assert_close(step_through(model, idx, 5, model.new_cache(capacity=16, static=True)), loaded,
                                rtol=0, atol=1e-5)
+
+
+@pytest.mark.skipif(not HAVE_CUSTOM_PASSES, reason="this torch takes no custom inductor passes")
+def test_one_row_products_split_in_halves_give_the_same_outputs():
+    """The CPU step's pre-pass: a one-row product with an even number (64 or more) of outputs becomes two products
+    over the halves, joined; narrower, odd or many-row products stay as they are. Every output is unchanged."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    def products(x, w, narrow, odd, rows):
+        return x @ w, x @ narrow, x @ odd, rows @ w
+
+    args = (torch.randn(1, 48), torch.randn(48, 96), torch.randn(48, 32), torch.randn(48, 65), torch.randn(3, 48))
+    graph_module = make_fx(products, tracing_mode="fake")(*args)
+    find = graph_module.graph.find_nodes
+    assert len(find(op="call_function", target=torch.ops.aten.mm.default)) == 4
+    SplitOneRowProducts()(graph_module.graph)
+    graph_module.graph.lint()
+    graph_module.recompile()
+    assert len(find(op="call_function", target=torch.ops.aten.mm.default)) == 5
+    assert len(find(op="call_function", target=torch.ops.aten.cat.default)) == 1
+    for got, want in zip(graph_module(*args), products(*args)):
+        torch.testing.assert_close(got, want)
+
+
+@pytest.mark.skipif(COMPILE_MISSING is not None, reason=f"torch.compile cannot run here: {COMPILE_MISSING}")
+@pytest.mark.skipif(not HAVE_CUSTOM_PASSES, reason="this torch takes no custom inductor passes")
+def test_the_compiled_cpu_step_splits_its_one_row_products(fresh_dynamo, monkeypatch):
+    """At batch 1 the compiled step's products with the weights go through the split, and it equals eager."""
+    import torch._inductor.config
+
+    import diffexp.model.one_row_products as products
+
+    split, plain = [], products._split
+
+    def counting(graph):
+        count = functools.partial(graph.find_nodes, op="call_function", target=torch.ops.aten.mm.default)
+        before = len(count())
+        plain(graph)
+        split.append(len(count()) - before)
+
+    monkeypatch.setattr(products, "_split", counting)
+    monkeypatch.setattr(torch._inductor.config, "force_disable_caches", True)  # a cached step would skip the pass
+    model = build("diff_v2")
+    idx = torch.randint(0, model.cfg.vocab_size, (1, 9))
+    assert model.compile_decoding() is None
+    compiled = step_through(model, idx, 5, model.new_cache(capacity=16, static=True))
+    assert split and max(split) >= 3  # W_Q, W_O and the SwiGLU's products in each compiled graph (64 outputs or more)
+    torch.testing.assert_close(compiled, step_through(model, idx, 5, model.new_cache(capacity=16)), rtol=0, atol=1e-5)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA GPU; none here")
