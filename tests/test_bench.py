@@ -250,6 +250,24 @@ def test_bench_records_the_threads_it_ran_with(kind, tmp_path):
     assert "1 -> 2" in report.load_note({**env, "threads_end": 2})
 
 
+def test_the_competition_note_counts_other_processes_not_the_runs_own_threads(tmp_path):
+    """A run whose own threads fill the CPUs raises the load average to their number: that is not competition.
+    The note counts the CPU time other processes took (from /proc/stat), and falls back to the load average
+    where there is none."""
+    path = tmp_path / "alone.json"
+    assert main([*TINY_KERNEL, "--variants", reference_variant().name, "--no-memory", "--json", str(path)]) == 0
+    env = json.loads(path.read_text())["env"]
+    if env["cpu_seconds_start"] is not None:
+        assert 0 <= env["others_cpu_share"] <= 1
+    filled = {"cpu_count": 2, "threads": 2, "loadavg_start": [0.3], "loadavg_end": [2.1], "others_cpu_share": 0.01}
+    assert report.load_note(filled) == ""
+    assert "other processes took 30% of the 2 CPUs' time" in report.load_note({**filled, "others_cpu_share": 0.3})
+    assert "load average 0.3 -> 2.1" in report.load_note({**filled, "others_cpu_share": None})
+    start = {"busy": 100.0, "own": 5.0}
+    assert report.others_share(start, {"busy": 110.0, "own": 13.0}, 10.0, 2) == pytest.approx(0.1)
+    assert report.others_share(start, {"busy": 101.0, "own": 7.0}, 10.0, 2) == 0  # never below 0
+
+
 def test_a_bench_stopped_part_way_keeps_the_shapes_it_finished(tmp_path, monkeypatch, capsys):
     """The results JSON is rewritten after each shape: a run stopped in its second shape keeps the first one's runs,
     marked unfinished, and --compare refuses it before any work."""

@@ -40,13 +40,35 @@ def loadavg() -> list[float] | None:
     return list(os.getloadavg()) if hasattr(os, "getloadavg") else None
 
 
+def cpu_seconds() -> dict | None:
+    """The machine's busy CPU seconds so far (all CPUs, time stolen by the hypervisor included) and this process's
+    own, from /proc/stat (None where there is none). Their difference over a run is what other processes took,
+    which the load average cannot tell from the run's own threads."""
+    try:
+        with open("/proc/stat") as stat:
+            fields = [int(x) for x in stat.readline().split()[1:]]
+        tick = os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError):
+        return None
+    idle = fields[3] + (fields[4] if len(fields) > 4 else 0)  # idle and iowait
+    return {"busy": (sum(fields[:8]) - idle) / tick, "own": time.process_time()}
+
+
+def others_share(start: dict | None, end: dict | None, wall_s: float, cpus: int | None) -> float | None:
+    """The share of the machine's CPU time other processes used between `start` and `end` (cpu_seconds)."""
+    if not start or not end or wall_s <= 0 or not cpus:
+        return None
+    others = (end["busy"] - start["busy"]) - (end["own"] - start["own"])
+    return max(0.0, others) / (wall_s * cpus)
+
+
 def environment(device: str) -> dict:
     import torch
 
     env = {
         "torch": torch.__version__, "python": platform.python_version(), "platform": platform.platform(),
         "device": device, "threads": torch.get_num_threads(), "cpu_count": os.cpu_count(),
-        "git": git_info(), "loadavg_start": loadavg(),
+        "git": git_info(), "loadavg_start": loadavg(), "cpu_seconds_start": cpu_seconds(),
     }
     if device == "cuda":
         env["device_name"] = torch.cuda.get_device_name(0)
@@ -67,9 +89,12 @@ def recorded_run(device: str, threads: int | None, run: Callable[[], dict]) -> t
     started = time.perf_counter()
     results = run()
     env["loadavg_end"] = loadavg()
+    env["cpu_seconds_end"] = cpu_seconds()
     # the count the whole run used: a library that resets torch's threads mid-run would show here
     env["threads_end"] = torch.get_num_threads()
-    env["wall_s"] = round(time.perf_counter() - started, 1)
+    wall_s = time.perf_counter() - started
+    env["wall_s"] = round(wall_s, 1)
+    env["others_cpu_share"] = others_share(env["cpu_seconds_start"], env["cpu_seconds_end"], wall_s, env["cpu_count"])
     return env, results
 
 
@@ -84,12 +109,21 @@ def peak_flops(device: str, dtype: str, peak_tflops: float | None) -> float | No
     return device_peak(torch.device(device), torch.bfloat16 if dtype == "bf16" else torch.float32)
 
 
+OTHERS_SHARE_NOTED = 0.05  # a shell, the OS and a few daemons take about 1%
+
+
 def load_note(env: dict) -> str:
     """Caption lines when other processes competed for the CPUs, or torch's thread count changed mid-run."""
     note = ""
     if env.get("threads_end", env.get("threads")) != env.get("threads"):
         note += f"\nNOTE: torch's thread count changed during the run: {env['threads']} -> {env['threads_end']}."
-    start, end = env.get("loadavg_start"), env.get("loadavg_end")
+    share = env.get("others_cpu_share")
+    if share is not None:
+        if share <= OTHERS_SHARE_NOTED:
+            return note
+        return note + (f"\nNOTE: other processes took {share:.0%} of the {env['cpu_count']} CPUs' time during the run: "
+                       "trust ratios only within their spread.")
+    start, end = env.get("loadavg_start"), env.get("loadavg_end")  # no /proc/stat: the load, the run's own included
     if not start or not end or max(start[0], end[0]) <= (env.get("cpu_count") or 1):
         return note
     return note + (f"\nNOTE: load average {start[0]:.1f} -> {end[0]:.1f} on {env['cpu_count']} CPUs: other "

@@ -53,7 +53,7 @@ class SplitOneRowProducts(CustomGraphPass):
 
     def uuid(self) -> str:  # inductor's cache key: a compiled step is reused only while the pass is unchanged
         try:
-            return hashlib.sha256(inspect.getsource(_split).encode()).hexdigest()
+            return hashlib.sha256(f"{inspect.getsource(_split)}/{MIN_OUTPUTS}".encode()).hexdigest()
         except OSError:  # no source to read
             return f"{__name__}.SplitOneRowProducts/{MIN_OUTPUTS}"
 
