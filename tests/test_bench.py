@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 import statistics
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -266,6 +268,11 @@ def test_the_competition_note_counts_other_processes_not_the_runs_own_threads(tm
     start = {"busy": 100.0, "own": 5.0}
     assert report.others_share(start, {"busy": 110.0, "own": 13.0}, 10.0, 2) == pytest.approx(0.1)
     assert report.others_share(start, {"busy": 101.0, "own": 7.0}, 10.0, 2) == 0  # never below 0
+    before = report.cpu_seconds()
+    if before is not None:  # a process the run starts (a compiler) is the run's own
+        busy = "import time\nt = time.process_time()\nwhile time.process_time() - t < 0.3: pass"
+        subprocess.run([sys.executable, "-c", busy], check=True)
+        assert report.cpu_seconds()["own"] - before["own"] >= 0.25
 
 
 def test_a_bench_stopped_part_way_keeps_the_shapes_it_finished(tmp_path, monkeypatch, capsys):

@@ -40,18 +40,40 @@ def loadavg() -> list[float] | None:
     return list(os.getloadavg()) if hasattr(os, "getloadavg") else None
 
 
+def _own_ticks() -> int:
+    """CPU ticks of this process and its descendants (the compiler processes torch.compile starts), the children
+    they have waited for included, from /proc/<pid>/stat."""
+    parents, ticks = {}, {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as stat:
+                fields = stat.read().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue  # gone meanwhile
+        parents[int(entry)] = int(fields[1])
+        ticks[int(entry)] = sum(int(x) for x in fields[11:15])  # utime, stime, cutime, cstime
+    tree, grown = {os.getpid()}, True
+    while grown:
+        found = {pid for pid, parent in parents.items() if parent in tree} - tree
+        tree, grown = tree | found, bool(found)
+    return sum(ticks.get(pid, 0) for pid in tree)
+
+
 def cpu_seconds() -> dict | None:
-    """The machine's busy CPU seconds so far (all CPUs, time stolen by the hypervisor included) and this process's
-    own, from /proc/stat (None where there is none). Their difference over a run is what other processes took,
-    which the load average cannot tell from the run's own threads."""
+    """The machine's busy CPU seconds so far (all CPUs, time stolen by the hypervisor included) and those of this
+    process and its descendants, from /proc (None where there is none). Their difference over a run is what other
+    processes took, which the load average cannot tell from the run's own threads and compilers."""
     try:
         with open("/proc/stat") as stat:
             fields = [int(x) for x in stat.readline().split()[1:]]
         tick = os.sysconf("SC_CLK_TCK")
+        own = _own_ticks()
     except (OSError, ValueError):
         return None
     idle = fields[3] + (fields[4] if len(fields) > 4 else 0)  # idle and iowait
-    return {"busy": (sum(fields[:8]) - idle) / tick, "own": time.process_time()}
+    return {"busy": (sum(fields[:8]) - idle) / tick, "own": own / tick}
 
 
 def others_share(start: dict | None, end: dict | None, wall_s: float, cpus: int | None) -> float | None:
