@@ -305,11 +305,12 @@ def test_the_compiled_cpu_step_splits_its_one_row_products(fresh_dynamo, monkeyp
         split.append(len(count()) - before)
 
     monkeypatch.setattr(products, "_split", counting)
-    monkeypatch.setattr(torch._inductor.config, "force_disable_caches", True)  # a cached step would skip the pass
     model = build("diff_v2")
     idx = torch.randint(0, model.cfg.vocab_size, (1, 9))
-    assert model.compile_decoding() is None
-    compiled = step_through(model, idx, 5, model.new_cache(capacity=16, static=True))
+    # a cached step would skip the pass; config.patch, not monkeypatch, whose undo deletes this aliased option
+    with torch._inductor.config.patch(force_disable_caches=True):
+        assert model.compile_decoding() is None
+        compiled = step_through(model, idx, 5, model.new_cache(capacity=16, static=True))
     assert split and max(split) >= 3  # W_Q, W_O and the SwiGLU's products in each compiled graph (64 outputs or more)
     torch.testing.assert_close(compiled, step_through(model, idx, 5, model.new_cache(capacity=16)), rtol=0, atol=1e-5)
 
