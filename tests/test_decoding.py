@@ -14,7 +14,7 @@ from diffexp.generate.decode import prompt_rows, static_capacity
 from diffexp.generate.sampling import Sampling
 from diffexp.model.cache import DecoderCache
 from diffexp.model.compile import compile_unavailable
-from diffexp.model.one_row_products import HAVE_CUSTOM_PASSES, SplitOneRowProducts
+from diffexp.model.step_products import HAVE_CUSTOM_PASSES, StepProducts
 from tests.helpers import CASES, make_config, require_cpu_kernel, small_blocks
 
 VARIANTS = ["baseline", "diff_v1", "diff_v2", "shared_diff", "dint"]
@@ -279,7 +279,7 @@ def test_one_row_products_split_in_halves_give_the_same_outputs():
     graph_module = make_fx(products, tracing_mode="fake")(*args)
     find = graph_module.graph.find_nodes
     assert len(find(op="call_function", target=torch.ops.aten.mm.default)) == 4
-    SplitOneRowProducts()(graph_module.graph)
+    StepProducts()(graph_module.graph)
     graph_module.graph.lint()
     graph_module.recompile()
     assert len(find(op="call_function", target=torch.ops.aten.mm.default)) == 5
@@ -288,13 +288,45 @@ def test_one_row_products_split_in_halves_give_the_same_outputs():
         torch.testing.assert_close(got, want)
 
 
+@pytest.mark.skipif(not HAVE_CUSTOM_PASSES, reason="this torch takes no custom inductor passes")
+def test_narrow_products_join_the_others_of_their_input_and_give_the_same_outputs():
+    """Above one row, the products of one input with constant weights become one product, sliced, where one of them
+    is narrow (under 64 outputs); wide-only groups, one-row inputs and weights that are inputs stay as they are."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.proxy_tensor import make_fx
+    from torch.fx.passes.fake_tensor_prop import FakeTensorProp
+
+    wide, other, narrow = torch.randn(48, 96), torch.randn(48, 64), torch.randn(48, 4)
+
+    def products(x, one_row, w):
+        return x @ wide, x @ other, x @ narrow, one_row @ wide, one_row @ narrow, x @ w, (2 * x) @ wide, (2 * x) @ other
+
+    args = (torch.randn(3, 48), torch.randn(1, 48), torch.randn(48, 8))
+    graph_module = make_fx(products)(*args)
+    find = graph_module.graph.find_nodes
+    assert len(find(op="call_function", target=torch.ops.aten.mm.default)) == 8
+    assert len({n.target for n in find(op="get_attr")}) == 3  # the closed-over weights: constants, as when frozen
+    fake_mode = FakeTensorMode(allow_non_fake_inputs=True)  # values for every node, fake, as in inductor
+    FakeTensorProp(graph_module, fake_mode).propagate(*(fake_mode.from_tensor(a) for a in args))
+    for node in find(op="get_attr"):
+        node.meta["val"] = fake_mode.from_tensor(getattr(graph_module, node.target))
+    StepProducts()(graph_module.graph)
+    graph_module.graph.lint()
+    graph_module.recompile()
+    # x's three joined into one (x @ w's weight is an input); the one-row products split or kept; 2x's kept
+    mm = find(op="call_function", target=torch.ops.aten.mm.default)
+    assert sorted(n.args[1].meta["val"].shape[1] for n in mm if n.args[0].name == "x_1") == [8, 164]
+    for got, want in zip(graph_module(*args), products(*args)):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
 @pytest.mark.skipif(COMPILE_MISSING is not None, reason=f"torch.compile cannot run here: {COMPILE_MISSING}")
 @pytest.mark.skipif(not HAVE_CUSTOM_PASSES, reason="this torch takes no custom inductor passes")
 def test_the_compiled_cpu_step_splits_its_one_row_products(fresh_dynamo, monkeypatch):
     """At batch 1 the compiled step's products with the weights go through the split, and it equals eager."""
     import torch._inductor.config
 
-    import diffexp.model.one_row_products as products
+    import diffexp.model.step_products as products
 
     split, plain = [], products._split
 
@@ -312,6 +344,33 @@ def test_the_compiled_cpu_step_splits_its_one_row_products(fresh_dynamo, monkeyp
         assert model.compile_decoding() is None
         compiled = step_through(model, idx, 5, model.new_cache(capacity=16, static=True))
     assert split and max(split) >= 3  # W_Q, W_O and the SwiGLU's products in each compiled graph (64 outputs or more)
+    torch.testing.assert_close(compiled, step_through(model, idx, 5, model.new_cache(capacity=16)), rtol=0, atol=1e-5)
+
+
+@pytest.mark.skipif(COMPILE_MISSING is not None, reason=f"torch.compile cannot run here: {COMPILE_MISSING}")
+@pytest.mark.skipif(not HAVE_CUSTOM_PASSES, reason="this torch takes no custom inductor passes")
+def test_the_compiled_cpu_step_joins_diff_v2s_lambda_projection_to_its_neighbours(fresh_dynamo, monkeypatch):
+    """At batch 2 each layer's products of its normed input (W_Q, W_K, W_V and the narrow W_lam) become one, and
+    the compiled step equals eager."""
+    import torch._inductor.config
+
+    import diffexp.model.step_products as products
+
+    joined, plain = [], products._join
+
+    def counting(graph):
+        count = functools.partial(graph.find_nodes, op="call_function", target=torch.ops.aten.mm.default)
+        before = len(count())
+        plain(graph)
+        joined.append(before - len(count()))
+
+    monkeypatch.setattr(products, "_join", counting)
+    model = build("diff_v2")
+    idx = torch.randint(0, model.cfg.vocab_size, (2, 9))
+    with torch._inductor.config.patch(force_disable_caches=True):
+        assert model.compile_decoding() is None
+        compiled = step_through(model, idx, 5, model.new_cache(capacity=16, static=True))
+    assert max(joined) == 3 * model.cfg.n_layers  # four products a layer become one
     torch.testing.assert_close(compiled, step_through(model, idx, 5, model.new_cache(capacity=16)), rtol=0, atol=1e-5)
 
 

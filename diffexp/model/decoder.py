@@ -22,7 +22,7 @@ from diffexp.model.blocks import DecoderBlock, RMSNorm
 from diffexp.model.cache import DecoderCache
 from diffexp.model.compile import compile_unavailable
 from diffexp.model.config import ModelConfig
-from diffexp.model.one_row_products import split_pass
+from diffexp.model.step_products import step_pass
 
 
 def named_seed(seed: int, name: str) -> int:
@@ -43,10 +43,11 @@ def _cpu_step_options() -> dict:
     depends on weights alone (DIFF V1's lambda) is computed once; such a step may read copies made when it was
     compiled, so `decode_step` compiles it again after a weight changes. weight_prepack off: with freezing, the
     linears would otherwise go to oneDNN's packed GEMM, slower for one row. The pre-pass splits those vector sums
-    in two, so each loop runs two at once (diffexp/model/one_row_products.py)."""
+    in two, so each loop runs two at once, and above batch 1 joins narrow products to the others of their input
+    (diffexp/model/step_products.py)."""
     options: dict = {"size_asserts": False, "cpp_wrapper": True, "freezing": True, "cpp.weight_prepack": False}
-    if (split := split_pass()) is not None:
-        options["post_grad_custom_pre_pass"] = split
+    if (products := step_pass()) is not None:
+        options["post_grad_custom_pre_pass"] = products
     try:
         import torch._inductor.fx_passes.decompose_mem_bound_mm  # noqa: F401 - the pass registers on import
     except ImportError:
