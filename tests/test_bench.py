@@ -252,6 +252,15 @@ def test_bench_records_the_threads_it_ran_with(kind, tmp_path):
     assert "1 -> 2" in report.load_note({**env, "threads_end": 2})
 
 
+def test_a_cpu_run_names_the_cpu_model_and_a_comparison_notices_a_change_of_machine(tmp_path):
+    """The machines a run lands on differ: a CPU run records its model, not only "x86_64"."""
+    cpuinfo = tmp_path / "cpuinfo"
+    cpuinfo.write_text("processor\t: 0\nvendor_id\t: AuthenticAMD\nmodel name\t: AMD EPYC 7B13\nflags\t\t: fpu\n")
+    assert report.cpu_name(str(cpuinfo)) == "AMD EPYC 7B13"
+    assert report.cpu_name(str(tmp_path / "absent")) != ""  # no /proc: the architecture
+    assert "device_name" in report.ENV_KEYS  # compare() lists a changed machine among what differs
+
+
 def test_the_competition_note_counts_other_processes_not_the_runs_own_threads(tmp_path):
     """A run whose own threads fill the CPUs raises the load average to their number: that is not competition.
     The note counts the CPU time other processes took (from /proc/stat), and falls back to the load average

@@ -96,8 +96,22 @@ def environment(device: str) -> dict:
         env["device_name"] = torch.cuda.get_device_name(0)
         env["cuda"] = torch.version.cuda
     else:
-        env["device_name"] = platform.processor() or platform.machine()
+        env["device_name"] = cpu_name()
     return env
+
+
+def cpu_name(cpuinfo: str = "/proc/cpuinfo") -> str:
+    """The CPU's model ("AMD EPYC 7B13"): the machines a run lands on differ, and their figures with them. Where
+    the system does not say, the architecture."""
+    try:
+        with open(cpuinfo) as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                if key.strip() == "model name" and value.strip():
+                    return value.strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
 
 
 def recorded_run(device: str, threads: int | None, run: Callable[[], dict]) -> tuple[dict, dict]:
