@@ -320,31 +320,38 @@ def test_narrow_products_join_the_others_of_their_input_and_give_the_same_output
         torch.testing.assert_close(got, want, rtol=0, atol=0)
 
 
-@pytest.mark.skipif(COMPILE_MISSING is not None, reason=f"torch.compile cannot run here: {COMPILE_MISSING}")
-@pytest.mark.skipif(not HAVE_CUSTOM_PASSES, reason="this torch takes no custom inductor passes")
-def test_the_compiled_cpu_step_splits_its_one_row_products(fresh_dynamo, monkeypatch):
-    """At batch 1 the compiled step's products with the weights go through the split, and it equals eager."""
+def compiled_with_spy(monkeypatch, stage: str, batch: int):
+    """DIFF V2's step compiled at `batch` with the pass's stage `stage` counted: the change in the number of products
+    per compiled graph, and the compiled and eager logits."""
     import torch._inductor.config
 
     import diffexp.model.step_products as products
 
-    split, plain = [], products._split
+    changes, plain = [], getattr(products, stage)
 
     def counting(graph):
         count = functools.partial(graph.find_nodes, op="call_function", target=torch.ops.aten.mm.default)
         before = len(count())
         plain(graph)
-        split.append(len(count()) - before)
+        changes.append(len(count()) - before)
 
-    monkeypatch.setattr(products, "_split", counting)
+    monkeypatch.setattr(products, stage, counting)
     model = build("diff_v2")
-    idx = torch.randint(0, model.cfg.vocab_size, (1, 9))
+    idx = torch.randint(0, model.cfg.vocab_size, (batch, 9))
     # a cached step would skip the pass; config.patch, not monkeypatch, whose undo deletes this aliased option
     with torch._inductor.config.patch(force_disable_caches=True):
         assert model.compile_decoding() is None
         compiled = step_through(model, idx, 5, model.new_cache(capacity=16, static=True))
+    return model, changes, compiled, step_through(model, idx, 5, model.new_cache(capacity=16))
+
+
+@pytest.mark.skipif(COMPILE_MISSING is not None, reason=f"torch.compile cannot run here: {COMPILE_MISSING}")
+@pytest.mark.skipif(not HAVE_CUSTOM_PASSES, reason="this torch takes no custom inductor passes")
+def test_the_compiled_cpu_step_splits_its_one_row_products(fresh_dynamo, monkeypatch):
+    """At batch 1 the compiled step's products with the weights go through the split, and it equals eager."""
+    _, split, compiled, eager = compiled_with_spy(monkeypatch, "_split", batch=1)
     assert split and max(split) >= 3  # W_Q, W_O and the SwiGLU's products in each compiled graph (64 outputs or more)
-    torch.testing.assert_close(compiled, step_through(model, idx, 5, model.new_cache(capacity=16)), rtol=0, atol=1e-5)
+    torch.testing.assert_close(compiled, eager, rtol=0, atol=1e-5)
 
 
 @pytest.mark.skipif(COMPILE_MISSING is not None, reason=f"torch.compile cannot run here: {COMPILE_MISSING}")
@@ -352,26 +359,9 @@ def test_the_compiled_cpu_step_splits_its_one_row_products(fresh_dynamo, monkeyp
 def test_the_compiled_cpu_step_joins_diff_v2s_lambda_projection_to_its_neighbours(fresh_dynamo, monkeypatch):
     """At batch 2 each layer's products of its normed input (W_Q, W_K, W_V and the narrow W_lam) become one, and
     the compiled step equals eager."""
-    import torch._inductor.config
-
-    import diffexp.model.step_products as products
-
-    joined, plain = [], products._join
-
-    def counting(graph):
-        count = functools.partial(graph.find_nodes, op="call_function", target=torch.ops.aten.mm.default)
-        before = len(count())
-        plain(graph)
-        joined.append(before - len(count()))
-
-    monkeypatch.setattr(products, "_join", counting)
-    model = build("diff_v2")
-    idx = torch.randint(0, model.cfg.vocab_size, (2, 9))
-    with torch._inductor.config.patch(force_disable_caches=True):
-        assert model.compile_decoding() is None
-        compiled = step_through(model, idx, 5, model.new_cache(capacity=16, static=True))
-    assert max(joined) == 3 * model.cfg.n_layers  # four products a layer become one
-    torch.testing.assert_close(compiled, step_through(model, idx, 5, model.new_cache(capacity=16)), rtol=0, atol=1e-5)
+    model, joined, compiled, eager = compiled_with_spy(monkeypatch, "_join", batch=2)
+    assert min(joined) == -3 * model.cfg.n_layers  # four products a layer become one
+    torch.testing.assert_close(compiled, eager, rtol=0, atol=1e-5)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA GPU; none here")
