@@ -364,6 +364,26 @@ def test_the_compiled_cpu_step_joins_diff_v2s_lambda_projection_to_its_neighbour
     torch.testing.assert_close(compiled, eager, rtol=0, atol=1e-5)
 
 
+@pytest.mark.skipif(COMPILE_MISSING is not None, reason=f"torch.compile cannot run here: {COMPILE_MISSING}")
+def test_a_compiled_step_never_takes_another_models_weights_from_inductors_cache(fresh_dynamo):
+    """Models of one shape with different weights, compiled one after the other at batch 2, where a frozen step holds
+    constants made from the weights: each decodes as its own eager step, not with constants inductor's graph cache
+    kept from the other (its key holds the weights' shapes, not their values)."""
+    import torch._inductor.config
+
+    model = build("baseline")
+    idx = torch.randint(0, model.cfg.vocab_size, (2, 9))
+    with torch._inductor.config.patch(force_disable_caches=False, fx_graph_cache=True):
+        for seed in (1, 2):
+            torch.manual_seed(seed)
+            model.reset_parameters()
+            model._compiled_step, model._compiled_mode = None, None  # compiled anew, as a new model would be
+            assert model.compile_decoding() is None
+            compiled = step_through(model, idx, 5, model.new_cache(capacity=16, static=True))
+            eager = step_through(model, idx, 5, model.new_cache(capacity=16))
+            torch.testing.assert_close(compiled, eager, rtol=0, atol=1e-5)
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA GPU; none here")
 @pytest.mark.parametrize("name", VARIANTS)
 def test_the_cuda_graph_step_equals_the_eager_step(name, fresh_dynamo):

@@ -46,7 +46,7 @@ def _cpu_step_options() -> dict:
     in two, so each loop runs two at once, and above batch 1 joins narrow products to the others of their input
     (diffexp/model/step_products.py)."""
     options: dict = {"size_asserts": False, "cpp_wrapper": True, "freezing": True, "cpp.weight_prepack": False}
-    if (products := step_pass()) is not None:
+    if (products := step_pass()) is not None:  # compile_decoding keys it to the model's weights
         options["post_grad_custom_pre_pass"] = products
     try:
         import torch._inductor.fx_passes.decompose_mem_bound_mm  # noqa: F401 - the pass registers on import
@@ -216,6 +216,8 @@ class Decoder(nn.Module):
         if self._compiled_mode == mode:
             return None
         options = step_compile_options(device, mode)
+        if options is not None and options.get("freezing"):
+            options = self._keyed_to_weights(options)
         reason = compile_unavailable(device, options=options)
         if reason is not None:
             return reason
@@ -224,6 +226,19 @@ class Decoder(nn.Module):
         self._compiled_mode, self._compile_options = mode, options
         self._compiled_weights = self._weight_versions() if self._frozen_step() else ()
         return None
+
+    def _keyed_to_weights(self, options: dict) -> dict:
+        """A frozen step holds constants made from the weights when it was compiled (their transposed copies above
+        batch 1, DIFF V1's lambda), and inductor's graph cache keys it by the weights' shapes, not their values: a
+        model of the same shapes would get this one's constants. The pre-pass's cache key carries a digest of the
+        weights; where this torch takes no custom pass, the step skips inductor's graph cache."""
+        digest = hashlib.sha256()
+        for t in (*self.parameters(), *self.buffers()):
+            digest.update(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy())
+        products = step_pass(digest.hexdigest())
+        if products is None:
+            return {**options, "fx_graph_cache": False}
+        return {**options, "post_grad_custom_pre_pass": products}
 
     def _own_step(self):
         """`_step_logits` bound to this model through a code object of its own: dynamo keeps its compiled graphs per

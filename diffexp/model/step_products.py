@@ -91,6 +91,9 @@ def _split(graph: torch.fx.Graph) -> None:
 
 
 class StepProducts(CustomGraphPass):
+    def __init__(self, weights_key: str = "") -> None:
+        self.weights_key = weights_key
+
     def __call__(self, graph: torch.fx.Graph) -> None:
         _join(graph)
         _split(graph)
@@ -100,9 +103,10 @@ class StepProducts(CustomGraphPass):
             source = inspect.getsource(_join) + inspect.getsource(_split)
         except OSError:  # no source to read
             source = f"{__name__}.StepProducts"
-        return hashlib.sha256(f"{source}/{MIN_OUTPUTS}".encode()).hexdigest()
+        return hashlib.sha256(f"{source}/{MIN_OUTPUTS}/{self.weights_key}".encode()).hexdigest()
 
 
-def step_pass() -> StepProducts | None:
-    """The pass, for inductor's `post_grad_custom_pre_pass` (None where this torch takes no custom passes)."""
-    return StepProducts() if HAVE_CUSTOM_PASSES else None
+def step_pass(weights_key: str = "") -> StepProducts | None:
+    """The pass, for inductor's `post_grad_custom_pre_pass` (None where this torch takes no custom passes).
+    weights_key joins its cache key: see `Decoder.compile_decoding`."""
+    return StepProducts(weights_key) if HAVE_CUSTOM_PASSES else None
