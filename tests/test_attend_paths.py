@@ -146,7 +146,9 @@ def test_decoder_single_pass_equals_one_call_per_map(name, overrides):
     names = ["logits"] + [param for param, _ in model.named_parameters()]
     for mode in SINGLE_PASSES:
         for what, err, per_map_err, want in zip(names, errors[mode], errors["per_map"], reference, strict=True):
-            # fp32 sums in another order: within 4x the per-map path's own error, or 1e-5 of the largest entry
-            allowed = max(4 * per_map_err, 1e-5 * want.abs().max().item())
+            # fp32 sums in another order: within 4x the per-map path's own error, or 1e-5 of the largest entry;
+            # lambda's and DINT gamma's gradients sum terms that cancel over every token (see above): 1e-4
+            floor = 1e-4 if "lambda" in what or "gamma" in what else 1e-5
+            allowed = max(4 * per_map_err, floor * want.abs().max().item())
             assert err <= allowed, f"{mode}, {what}: off float64 by {err:.3g}, one SDPA call per map by " \
                                    f"{per_map_err:.3g} (allowed {allowed:.3g})"
