@@ -42,12 +42,10 @@ def _cpu_step_options() -> dict:
     freezing: the weights enter the graph as constants, not as ~60 inputs handed over on every token, and what
     depends on weights alone (DIFF V1's lambda) is computed once; such a step may read copies made when it was
     compiled, so `decode_step` compiles it again after a weight changes. weight_prepack off: with freezing, the
-    linears would otherwise go to oneDNN's packed GEMM, slower for one row. The pre-pass splits those vector sums
-    in two, so each loop runs two at once, and above batch 1 joins narrow products to the others of their input
-    (diffexp/model/step_products.py)."""
+    linears would otherwise go to oneDNN's packed GEMM, slower for one row. `compile_decoding` adds the pre-pass
+    that splits those vector sums in two, so each loop runs two at once, and above batch 1 joins narrow products
+    to the others of their input (diffexp/model/step_products.py)."""
     options: dict = {"size_asserts": False, "cpp_wrapper": True, "freezing": True, "cpp.weight_prepack": False}
-    if (products := step_pass()) is not None:  # compile_decoding keys it to the model's weights
-        options["post_grad_custom_pre_pass"] = products
     try:
         import torch._inductor.fx_passes.decompose_mem_bound_mm  # noqa: F401 - the pass registers on import
     except ImportError:

@@ -14,8 +14,10 @@ Every output is the same sum as before: the joined weights hold each output's co
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import inspect
+import itertools
 
 import torch
 
@@ -41,12 +43,12 @@ def _join(graph: torch.fx.Graph) -> None:
         if isinstance(xv.shape[0], int) and xv.shape[0] > 1:
             by_input.setdefault(x, []).append(node)
     for x, products in by_input.items():
-        weights = [getattr(module, node.args[1].target) for node in products]
+        weights = [_attribute(module, node.args[1].target) for node in products]
         widths = [w.shape[1] for w in weights]
         if len(products) < 2 or min(widths) >= MIN_OUTPUTS or len({(w.shape[0], w.dtype) for w in weights}) > 1:
             continue
         joined = torch.cat([w.t() for w in weights]).t()  # each output's column contiguous, as in the weights
-        name = f"_joined_products_{len(module._buffers)}"
+        name = next(f"_joined_products_{i}" for i in itertools.count() if not hasattr(module, f"_joined_products_{i}"))
         module.register_buffer(name, joined)
         fake_mode = x.meta["val"].fake_mode
         with graph.inserting_before(products[0]):
@@ -62,6 +64,11 @@ def _join(graph: torch.fx.Graph) -> None:
                 start += width
         for node in products:
             graph.erase_node(node)
+
+
+def _attribute(module: torch.nn.Module, target: str) -> torch.Tensor:
+    """The tensor a get_attr node names ("a.b.c" reads through submodules)."""
+    return functools.reduce(getattr, target.split("."), module)
 
 
 def _split(graph: torch.fx.Graph) -> None:
