@@ -1,31 +1,78 @@
 #!/usr/bin/env bash
-# The speed issue's whole target table on one CUDA GPU, in one command (results and figures in bench/results/):
-#   bash bench/gpu.sh
-# 1. training step, every variant against the baseline, FLOP-rate ratios at seq 512 and 2048 (the CPU table's setup);
-# 2. DINT's peak memory against DIFF V1's at seq 8192;
-# 3. one attention layer alone on sdpa, flash_attn (where installed) and the Triton kernels (backend triton),
-#    forward and backward;
-# 4. the training step at 125M-class size (GPT-2 small's width and depth), seq 2048, with the baseline's MFU;
-# 5. decoding with the KV cache, eager and compiled (CUDA graphs), with the fraction of the memory bound;
-#    then compiled at a larger, more memory-bound size, and with bf16 weights and cache at 16K (near the bound);
-# 6. where a compiled fp32 decoding step's GPU time goes, per variant (--profile: the top kernels a token).
-# Add --dtype fp32 to any line to compare with the CPU table in the README.
-set -euo pipefail
-diffexp bench train --device cuda --dtype bf16 --d-model 256 --n-layers 4 --n-heads 4 --seq-lens 512 2048 \
-  --tokens-per-batch 4096 --batch-size 8 --rounds 5 --steps 10
-diffexp bench train --device cuda --dtype bf16 --d-model 256 --n-layers 4 --n-heads 4 --variants diff_v1 dint \
-  --seq-lens 8192 --batch-size 1 --rounds 3 --steps 5
-backends="sdpa triton"
-python -c "import flash_attn" 2>/dev/null && backends="sdpa flash_attn triton"  # the optional extra
-diffexp bench kernel --device cuda --dtype bf16 --d-model 1024 --n-heads 8 --seq-lens 2048 8192 --batch-size 4 \
-  --backends $backends --rounds 5 --steps 10
-diffexp bench train --device cuda --dtype bf16 --d-model 768 --n-layers 12 --n-heads 12 --seq-lens 2048 \
-  --batch-size 8 --rounds 2 --steps 5
-diffexp bench decode --device cuda --d-model 1024 --n-layers 4 --n-heads 8 --kv-heads 2 --seq-lens 1024 4096 \
-  --batch-size 1 8 --modes eager compiled --rounds 3 --steps 5 --no-memory
-diffexp bench decode --device cuda --d-model 2048 --n-layers 4 --n-heads 16 --kv-heads 4 --seq-lens 8192 \
-  --batch-size 8 --modes compiled --rounds 3 --steps 3 --no-memory
-diffexp bench decode --device cuda --dtype bf16 --d-model 2048 --n-layers 4 --n-heads 16 --kv-heads 4 --seq-lens 16384 \
-  --batch-size 8 --modes compiled --rounds 2 --steps 2 --new-tokens 16 --no-memory
-diffexp bench decode --device cuda --modes compiled --d-model 1024 --n-layers 4 --n-heads 8 --kv-heads 2 \
-  --seq-lens 4096 --batch-size 1 --rounds 1 --steps 2 --new-tokens 32 --no-memory --profile 5
+# The GPU speed issue's measurements on one H100 or H200, in one command of at most 8 minutes, offline:
+#   bash bench/gpu.sh OUT_DIR
+# run from the repository root. It writes into OUT_DIR: summary.md (every table), gpu.log (all output), the results
+# JSONs (probe.json, train-compiled.json, train-eager.json, train-fitshape.json, fit.json) and failed.txt (steps that
+# failed or ran out of time; the others still run). Scratch (run directories, plots) goes to $DIFFEXP_GPU_WORK
+# (default /tmp/diffexp-gpu). Packages the GPU image lacks are installed from wheels in .whl/ (docs/gpu.md).
+#  1. probe: which SDPA backends take the 125m recipe's attention calls; each differential formulation's cost;
+#  2. the five variants at the 125m recipe's own shape (32K vocab, seq 2048, micro-batch 8), bf16, compiled;
+#  3. the same, eager;
+#  4. a short real `diffexp fit` of the 125m DIFF V1 recipe (byte tokenizer on the embedded corpus, no download)
+#     beside the bench step of the same model (vocab 257): what the trainer adds.
+# DIFFEXP_GPU_SH_SMOKE=1 runs the same steps on the CPU at a tiny size from DIFFEXP_GPU_RECIPE_DIR (tests do).
+set -uo pipefail
+out=${1:?usage: bash bench/gpu.sh OUT_DIR}
+mkdir -p "$out" || exit 2
+out=$(cd "$out" && pwd)
+work=${DIFFEXP_GPU_WORK:-/tmp/diffexp-gpu}
+mkdir -p "$work"
+: >"$out/failed.txt"
+exec > >(tee -a "$out/gpu.log") 2>&1
+
+budget=${DIFFEXP_GPU_BUDGET_S:-470}   # the whole script's seconds; each step gets at most what is left
+size=${DIFFEXP_GPU_SIZE:-125m}
+recipes=${DIFFEXP_GPU_RECIPE_DIR:-recipes/gpu}
+device=cuda dtype=bf16 rounds=2 steps=3 fit_steps=40 seq=() fit_extra=()
+if [ "${DIFFEXP_GPU_SH_SMOKE:-0}" = 1 ]; then
+  device=cpu dtype=fp32 rounds=1 steps=1 fit_steps=4 seq=(--seq-lens 32 --batch-size 1)
+  fit_extra=(--model.arch.d_model 32 --model.arch.n_layers 1 --model.arch.n_heads 2 --data.seq_len 32
+             --model.arch.max_seq_len 32 --data.batch_size 1 --trainer.accelerator cpu --trainer.devices 1)
+fi
+
+# Packages the image lacks, from wheels carried in .whl/ (installed once, outside the image's environment)
+if [ -d .whl ] && ! python3 -c "import jsonargparse, docstring_parser, typeshed_client" 2>/dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+fi
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+dx=(python3 -m diffexp)
+python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'device',
+torch.cuda.get_device_name(0) if torch.cuda.is_available() else 'cpu')"
+git log -1 --format='commit %h %s' 2>/dev/null || true
+
+step() {  # step NAME CAP_SECONDS COMMAND...: runs it within min(CAP, what is left); a failure is noted, not fatal
+  local name=$1 cap=$2; shift 2
+  local left=$((budget - SECONDS)); local limit=$((cap < left ? cap : left))
+  if [ "$limit" -lt 10 ]; then echo "$name: skipped, the ${budget} s budget is spent" | tee -a "$out/failed.txt"; return; fi
+  echo "=== $name (at ${SECONDS} s, limit ${limit} s): $*"
+  timeout --signal=INT --kill-after=10 "$limit" "$@"
+  local rc=$?
+  if [ $rc -ne 0 ]; then
+    echo "$name: exit $rc$([ $rc -eq 124 ] && echo ", stopped at its ${limit} s limit")" | tee -a "$out/failed.txt"
+  fi
+}
+
+common=(--recipe "$size" --recipe-dir "$recipes" --device "$device" --dtype "$dtype" --backend sdpa
+        --rounds "$rounds" --steps "$steps" --warmup 1 "${seq[@]}")
+step probe 60 "${dx[@]}" bench probe --recipe "$size" --recipe-dir "$recipes" --device "$device" --dtype "$dtype" \
+  --steps 5 --json "$work/probe.json" $([ "${DIFFEXP_GPU_SH_SMOKE:-0}" = 1 ] && echo --seq-len 32 --batch-size 1)
+step train-compiled 240 "${dx[@]}" bench train "${common[@]}" --compile --profile 8 \
+  --json "$work/train-compiled.json"
+step train-eager 100 "${dx[@]}" bench train "${common[@]}" --profile 8 --json "$work/train-eager.json"
+step train-fitshape 45 "${dx[@]}" bench train "${common[@]}" --variants diff_v1 --vocab-size 257 --no-memory \
+  --json "$work/train-fitshape.json"
+fit_dir="$work/fit-$(date +%Y%m%d-%H%M%S)"
+fit=("${dx[@]}" fit --config "$recipes/base.yaml" --config "$recipes/size/$size.yaml"
+     --config "$recipes/variant/diff_v1.yaml" --data.source stdlib --data.tokenizer byte --data.num_workers 4
+     --data.cache_dir "$work/cache" --global_batch.rows 8 --trainer.max_steps "$fit_steps"
+     --trainer.val_check_interval "$fit_steps" --trainer.limit_val_batches 0 --trainer.log_every_n_steps 4
+     --model.compile false --checkpoint.every_n_train_steps 0 --trainer.logger.init_args.save_dir "$fit_dir"
+     "${fit_extra[@]}")
+step fit 120 "${fit[@]}"
+cp "$work"/probe.json "$work"/train-*.json "$out"/ 2>/dev/null
+if [ -d "$fit_dir" ]; then
+  python3 -m diffexp.bench.summary fit "$fit_dir" "$out/fit.json" diff_v1 "${fit[@]:2}" \
+    || echo "fit: no tokens/s read from its logs" | tee -a "$out/failed.txt"
+fi
+python3 -m diffexp.bench.summary "$out" >/dev/null && echo "=== summary: $out/summary.md (${SECONDS} s in all)"

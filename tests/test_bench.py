@@ -443,20 +443,6 @@ def test_plot_draws_a_ratio_outside_its_rounds_range(tmp_path):
     assert path.stat().st_size > 0
 
 
-def test_every_command_of_the_gpu_script_parses():
-    """bench/gpu.sh runs only on a GPU: its flags are checked here, where each kind's parser reads them."""
-    import shlex
-
-    from diffexp.bench.cli import kind_module
-
-    script = (REPO / "bench/gpu.sh").read_text().replace("\\\n", " ").replace("$backends", "sdpa triton")
-    commands = [shlex.split(line, comments=True) for line in script.splitlines() if line.startswith("diffexp bench")]
-    assert len(commands) == 8
-    for words in commands:
-        args = kind_module(words[2]).build_parser().parse_args(words[3:])
-        assert args.device == "cuda"
-
-
 def test_timed_rounds_run_with_the_garbage_collector_off_and_every_sample_kept():
     """A collection's pause must not land in one variant's timed run; the collector is back on after the rounds,
     and each round keeps each runner's timed runs in order."""

@@ -29,9 +29,11 @@ def usage() -> str:
              "Cost of each registered attention variant relative to the reference variant, measured side by side",
              f"in one run. With no KIND (or options first) the kind is {DEFAULT_KIND}.", "", "kinds:"]
     lines += [f"  {kind:<{width}}  {kind_module(kind).ABOUT}" for kind in KINDS]
-    from diffexp.bench import data, trainer
+    from diffexp.bench import data, probe, trainer
 
-    lines += [f"  {trainer.NAME:<{width}}  {trainer.ABOUT}", f"  {data.NAME:<{width}}  {data.ABOUT}"]
+    width = max(width, len(probe.NAME))
+    lines += [f"  {trainer.NAME:<{width}}  {trainer.ABOUT}", f"  {data.NAME:<{width}}  {data.ABOUT}",
+              f"  {probe.NAME:<{width}}  {probe.ABOUT}"]
     lines += ["", "`diffexp bench KIND --help` lists the options of a kind."]
     return "\n".join(lines) + "\n"
 
@@ -48,12 +50,16 @@ def main(argv: list[str] | None = None) -> int:
         from diffexp.bench.trainer import main as trainer_main
 
         return trainer_main(argv[1:])
+    if argv[0] == "probe":  # one attention layer's SDPA backends and formulations (diffexp.bench.probe)
+        from diffexp.bench.probe import main as probe_main
+
+        return probe_main(argv[1:])
     if argv[0] == "data":  # the data preparation, not the model (diffexp.bench.data)
         from diffexp.bench.data import main as data_main
 
         return data_main(argv[1:])
     if argv[0] not in KINDS:
-        kinds = ", ".join([*KINDS, "trainer", "data"])
+        kinds = ", ".join([*KINDS, "trainer", "data", "probe"])
         raise UserError(f"diffexp bench KIND: got {argv[0]!r}; expected one of {kinds} "
                         "(`diffexp bench --help` describes them)")
     return run_kind(kind_module(argv[0]), argv[1:])

@@ -110,9 +110,11 @@ def validate(args: argparse.Namespace) -> None:
         print(f"note: adding {reference!r} to --variants (ratios are relative to it)", file=sys.stderr)
     args.variants = [reference] + [v for v in dict.fromkeys(requested) if v != reference]
 
-    positive("--seq-lens", args.seq_lens)
+    if args.seq_lens is not None:  # None: the kind fills it in (bench train --recipe: the recipe's)
+        positive("--seq-lens", args.seq_lens)
     for flag in ("batch_size", "d_model", "n_layers", "n_heads", "vocab_size", "steps", "rounds"):
-        positive(f"--{flag.replace('_', '-')}", getattr(args, flag))
+        if getattr(args, flag) is not None:
+            positive(f"--{flag.replace('_', '-')}", getattr(args, flag))
     if args.threads is not None:
         positive("--threads", args.threads)
     if args.warmup < 0:
@@ -121,7 +123,8 @@ def validate(args: argparse.Namespace) -> None:
         raise UserError(f"--profile: expected 0 (no profile) or a number of entries per variant, got {args.profile}")
     if getattr(args, "tokens_per_batch", None) is not None and args.tokens_per_batch < 0:
         raise UserError(f"--tokens-per-batch: expected 0 (no cap) or more, got {args.tokens_per_batch}")
-    args.seq_lens = sorted(dict.fromkeys(args.seq_lens))
+    if args.seq_lens is not None:
+        args.seq_lens = sorted(dict.fromkeys(args.seq_lens))
 
     import torch
 

@@ -50,3 +50,60 @@ def profile_runs(runners: Mapping, top: int, device, progress: ProgressReporter,
         }
         progress.advance(f"{label} profile {name}")
     return profiles
+
+
+#: aten's fused attention operators -> the SDPA backend that ran them (forward and backward)
+SDPA_BACKENDS = {
+    "_scaled_dot_product_flash_attention_for_cpu": "cpu_flash",
+    "_scaled_dot_product_flash_attention": "flash",
+    "_flash_attention_forward": "flash",
+    "_flash_attention_backward": "flash",
+    "_scaled_dot_product_efficient_attention": "efficient",
+    "_efficient_attention_forward": "efficient",
+    "_efficient_attention_backward": "efficient",
+    "_scaled_dot_product_cudnn_attention": "cudnn",
+    "_scaled_dot_product_attention_math": "math",
+    "_scaled_dot_product_fused_attention_overrideable": "overrideable",
+}
+
+
+def sdpa_backend(op: str) -> tuple[str, str] | None:
+    """(backend, "fwd" or "bwd") of an aten operator's profiler name, or None for any other operator. The
+    forward operators' names are prefixes of their backward's (`..._backward`); the longest match decides."""
+    name = op.removeprefix("aten::")
+    backward = name.endswith("_backward")
+    base = name.removesuffix("_backward")
+    if base not in SDPA_BACKENDS:
+        return None
+    return SDPA_BACKENDS[base], "bwd" if backward else "fwd"
+
+
+def attention_ops(runner, device) -> dict[str, dict[str, float]]:
+    """Which SDPA backend the runner's attention calls took in one run: {backend: {"fwd": calls, "bwd": calls}},
+    read from the host-side operators torch.profiler records (eager or compiled alike: inductor calls the same aten
+    operators). An empty dict: no fused SDPA call (the variant's attention ran in other kernels)."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        runner.run()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    per_run = getattr(runner, "profile_unit", ("run", 1))[1]
+    found: dict[str, dict[str, float]] = {}
+    for event in prof.key_averages():
+        kind = sdpa_backend(event.key)
+        if kind is not None:
+            backend, direction = kind
+            calls = found.setdefault(backend, {"fwd": 0.0, "bwd": 0.0})
+            calls[direction] += event.count / per_run
+    return found
+
+
+def attention_text(ops: dict[str, dict[str, float]] | None) -> str:
+    """`flash 12/12` (forward/backward calls per run), several joined by commas; `none` without SDPA calls."""
+    if ops is None:
+        return "n/a"
+    if not ops:
+        return "none"
+    return ", ".join(f"{name} {calls['fwd']:g}/{calls['bwd']:g}" for name, calls in sorted(ops.items()))

@@ -13,6 +13,7 @@ from pathlib import Path
 
 from diffexp.bench import options, report, timing, workload
 from diffexp.bench.memory import peak_bytes, release, tensor_bytes
+from diffexp.bench.profile import attention_ops, attention_text
 from diffexp.bench.progress import ProgressReporter
 from diffexp.errors import UserError
 from diffexp.model.attention.registry import reference_variant
@@ -26,9 +27,9 @@ LAYOUT = report.Layout(
             report.Ratio("mem_ratio", "old mem ratio", "new mem ratio", "mem change")),
     config_keys=("dtype", "backend", "d_model", "n_layers", "n_heads", "vocab_size", "variant_overrides"),
 )
-HEADERS = ["variant", "seq", "batch", "params (non-emb)", "step ms (median)", "tokens/s vs base",
+HEADERS = ["variant", "seq", "batch", "heads (kv)", "params (non-emb)", "step ms (median)", "tokens/s vs base",
            "ratio spread (rounds)", "FLOPs vs base", "FLOP/s vs base", "FLOP/s spread (rounds)", "peak mem MiB",
-           "mem vs base", "TFLOP/s", "MFU"]
+           "mem vs base", "TFLOP/s", "MFU", "SDPA calls fwd/bwd"]
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -38,10 +39,52 @@ def build_parser() -> argparse.ArgumentParser:
     options.add_batch_cap(p)
     options.add_backend(p)
     options.add_peak_tflops(p)
+    p.add_argument("--recipe", default=None, metavar="SIZE",
+                   help="measure the GPU recipes' own models at this size (125m, 350m, ...): each variant as "
+                        "`diffexp fit` builds it from base.yaml + size/SIZE.yaml + variant/<variant>.yaml (its heads, "
+                        "KV heads, rank, the 32K vocabulary); --seq-lens and --batch-size default to the recipe's. "
+                        "--d-model, --n-layers and --n-heads are then ignored; --vocab-size, where given, replaces "
+                        "the recipe's vocabulary (to match a fit on another tokenizer)")
+    p.add_argument("--recipe-dir", type=Path, default=None, metavar="DIR",
+                   help="the GPU recipe directory --recipe reads (default: recipes/gpu)")
+    p.add_argument("--compile", action="store_true",
+                   help="torch.compile each decoder block, as model.compile does in training")
+    # filled in by validate: the recipe's, or the bench's defaults (256 1024, 8, DEFAULT_SHAPE's vocabulary)
+    p.set_defaults(seq_lens=None, batch_size=None, vocab_size=None)
+    for action in p._actions:
+        if action.dest == "seq_lens":
+            action.help = "sequence lengths (default: 256 1024; with --recipe, the recipe's data.seq_len)"
+        elif action.dest == "vocab_size":
+            action.help = (f"token ids (default: {options.DEFAULT_SHAPE['vocab_size']}; with --recipe, the "
+                           "recipe's)")
+        elif action.dest == "batch_size":
+            action.help = "sequences per batch (default: 8; with --recipe, the recipe's data.batch_size)"
     return p
 
 
+DEFAULT_SEQ_LENS, DEFAULT_BATCH = [256, 1024], 8
+
+
 def validate(args: argparse.Namespace) -> None:
+    if args.recipe is not None:
+        from diffexp.bench.recipe_shape import load
+
+        load(args)
+    elif args.recipe_dir is not None:
+        raise UserError("--recipe-dir: only read with --recipe SIZE; add --recipe (e.g. --recipe 125m)")
+    args.seq_lens = sorted(dict.fromkeys(args.seq_lens or DEFAULT_SEQ_LENS))
+    args.batch_size = args.batch_size or DEFAULT_BATCH
+    args.vocab_size = args.vocab_size or options.DEFAULT_SHAPE["vocab_size"]
+    options.positive("--seq-lens", args.seq_lens)
+    options.positive("--batch-size", args.batch_size)
+    if args.compile:
+        import torch
+
+        from diffexp.model.compile import compile_unavailable
+
+        reason = compile_unavailable(torch.device(args.device))
+        if reason is not None:
+            raise UserError(f"--compile: torch.compile cannot run on {args.device} here: {reason}")
     workload.check_configs(args, max(args.seq_lens), [args.backend])
     check_memory(args)
     args.peak_flops = report.peak_flops(args.device, args.dtype, args.peak_tflops)
@@ -77,7 +120,7 @@ def check_memory(args: argparse.Namespace) -> None:
 
 def config(args: argparse.Namespace) -> dict:
     return {**workload.common_config(args), "tokens_per_batch": args.tokens_per_batch, "backend": args.backend,
-            "peak_flops": args.peak_flops}
+            "peak_flops": args.peak_flops, "recipe": args.recipe, "compile": args.compile}
 
 
 class StepRunner:
@@ -93,6 +136,10 @@ class StepRunner:
         self.device = device
         self.model = Decoder(workload.model_config(args, name, max(args.seq_lens), args.backend)).to(device)
         self.model.train()
+        if args.compile:  # as model.compile does in training: each block, in place
+            from diffexp.model.compile import compile_blocks
+
+            compile_blocks(self.model.blocks, device)
         self.params = self.model.parameter_report()
         # model FLOPs of one training step (forward + backward, causal attention counted once)
         self.flops_per_step = tokens.shape[0] * (tokens.shape[1] - 1) * self.model.flops_per_token(
@@ -143,12 +190,13 @@ def run(args: argparse.Namespace, save_finished: Callable[[dict], None] = lambda
             progress.log(f"seq {seq_len}, batch {batch}: building {len(variants)} models")
             runners = {v: StepRunner(args, v, tokens, device) for v in variants}
             samples, peaks, profiles = timing.measure(runners, args, progress, f"seq {seq_len}", headline="times_s")
+            attention = {v: attention_ops(runner, device) for v, runner in runners.items()}
             for v in variants:
                 results[f"{v}@{seq_len}"] = {
                     "variant": v, "seq_len": seq_len, "batch_size": batch, "tokens_per_step": batch * seq_len,
                     "overrides": workload.overrides(args)[v], "params": runners[v].params,
                     "flops_per_step": runners[v].flops_per_step, **samples[v], "peak_bytes": peaks[v],
-                    "profile": profiles.get(v),
+                    "profile": profiles.get(v), "attention_ops": attention[v],
                 }
             save_finished(results)
             del runners, tokens
@@ -188,24 +236,37 @@ def table(data: dict) -> tuple[str, list[str], list[list[str]], str]:
         for v in cfg["variants"]:
             e = data["results"][f"{v}@{seq_len}"]
             rows.append([
-                v, str(seq_len), str(e["batch_size"]), f"{e['params']['non_embedding']:,}",
+                v, str(seq_len), str(e["batch_size"]), heads_cell(e.get("overrides") or {}, cfg),
+                f"{e['params']['non_embedding']:,}",
                 f"{e['median_step_s'] * 1e3:.0f}", report.ratio_cell(e["speed_ratio"]),
                 report.spread_cell(e, "speed_ratio"), report.ratio_cell(e["flop_rate_ratio"] / e["speed_ratio"]),
                 report.ratio_cell(e["flop_rate_ratio"]), report.spread_cell(e, "flop_rate_ratio"),
                 report.mib_cell(e["peak_bytes"]),
                 report.ratio_cell(e["mem_ratio"]), f"{e['tflops_per_s']:.3g}",
                 "n/a" if e.get("mfu") is None else f"{100 * e['mfu']:.1f}%",
+                attention_text(e.get("attention_ops")),
             ])
     ref = cfg["variants"][0]  # the reference variant
+    shape = (f"recipe {cfg['recipe']} (d_model {cfg['d_model']}, {cfg['n_layers']} layers, vocab {cfg['vocab_size']})"
+             if cfg.get("recipe") else f"d_model {cfg['d_model']}, {cfg['n_layers']} layers, {cfg['n_heads']} heads")
     title = (f"Training step vs {ref}: {env['device']} ({env['device_name']}), {cfg['dtype']}, "
-             f"backend {cfg['backend']}, {env['threads']} threads, d_model {cfg['d_model']}, {cfg['n_layers']} "
-             f"layers, {cfg['n_heads']} heads; {cfg['rounds']} rounds x {cfg['steps']} steps")
+             f"backend {cfg['backend']}, {'compiled' if cfg.get('compile') else 'eager'}, {env['threads']} threads, "
+             f"{shape}; {cfg['rounds']} rounds x {cfg['steps']} steps")
     peak = cfg["peak_flops"]
     caption = (f"tokens/s vs base = the median over paired steps (a few steps apart in one round) of {ref}'s "
                f"step time / the variant's (>1 = faster than {ref}); "
                "spread = min-max of the same ratio per round; FLOP/s vs base = the variant's model FLOPs per "
                f"second over {ref}'s (tokens/s ratio x FLOPs ratio; 1 = its extra math costs exactly its extra "
                "FLOPs); peak mem = live tensor bytes "
-               "(state + step); TFLOP/s = model FLOPs (Decoder.flops_per_token, training) / step time; MFU = "
+               "(state + step); SDPA calls = the fused SDPA backend each attention call took (forward/backward calls "
+               "per step; none = no SDPA call); TFLOP/s = model FLOPs (Decoder.flops_per_token, training) / step "
+               "time; MFU = "
                f"that / the peak ({report.tflops_text(peak)} TFLOP/s).")
     return title, HEADERS, rows, caption
+
+
+def heads_cell(overrides: dict, cfg: dict) -> str:
+    """`12 (4)`: the variant's heads and KV heads (its overrides, else the run's shared shape)."""
+    heads = overrides.get("n_heads", cfg["n_heads"])
+    kv = overrides.get("n_kv_heads") or heads
+    return f"{heads} ({kv})"

@@ -18,8 +18,13 @@ def model_config(args: argparse.Namespace, name: str, max_seq_len: int, backend:
                  ffn_hidden: int | None = None):
     """The shared shape plus the variant's registry `bench_arch` (its matched benchmark settings), --kv-heads, and
     its SwiGLU width under --match-params (or `ffn_hidden`)."""
+    from dataclasses import replace
+
     from diffexp.model.config import ModelConfig
 
+    recipe_archs = getattr(args, "recipe_archs", None)
+    if recipe_archs:  # --recipe: the recipe's own model (diffexp.bench.recipe_shape)
+        return replace(recipe_archs[name], max_seq_len=max_seq_len, backend=backend)
     fields = {"d_model": args.d_model, "n_layers": args.n_layers, "n_heads": args.n_heads,
               "vocab_size": args.vocab_size, "max_seq_len": max_seq_len, "backend": backend}
     fields.update(variant(name).bench_arch)
@@ -81,6 +86,11 @@ def check_configs(args: argparse.Namespace, max_seq_len: int, backends: list[str
 def overrides(args: argparse.Namespace) -> dict[str, dict]:
     """Each measured variant's bench_arch (and --kv-heads, and its width under --match-params), as recorded in the
     results JSON."""
+    from diffexp.bench.recipe_shape import shapes
+
+    recipe = shapes(args)
+    if recipe is not None:
+        return recipe
     kv = {} if getattr(args, "kv_heads", None) is None else {"n_kv_heads": args.kv_heads}
     widths = getattr(args, "matched_ffn_hidden", {})
     return {name: {**variant(name).bench_arch, **kv, **({"ffn_hidden": widths[name]} if name in widths else {})}

@@ -1,0 +1,99 @@
+"""`python -m diffexp.bench.summary DIR`: one markdown page of every bench result in DIR (bench/gpu.sh's output).
+
+Each `diffexp bench train` JSON becomes its table (the same rows the run printed), the probe its two tables, a
+fit's JSON its tokens/s beside the bench step of the same model, and a step that failed its line from
+`failed.txt`.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+
+def markdown_table(headers: list[str], rows: list[list[str]]) -> str:
+    lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
+    lines += ["| " + " | ".join(str(cell) for cell in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def train_section(data: dict, name: str) -> str:
+    from diffexp.bench.train_step import table
+
+    title, headers, rows, caption = table(data)
+    complete = "" if data.get("complete", True) else " (stopped part-way: the shapes it finished)"
+    return f"### {name}: {title}{complete}\n\n`{data['command']}`\n\n{markdown_table(headers, rows)}\n\n{caption}\n"
+
+
+def fit_section(fit: dict, bench: dict | None) -> str:
+    lines = [f"### diffexp fit: {fit['command']}", "",
+             f"- tokens/s (median of the logged train/tokens_per_s after the first {fit['skipped']} logs): "
+             f"{fit['tokens_per_s']:,.0f} over {fit['logs']} logs"]
+    if bench is not None:
+        entry = next((e for e in bench["results"].values() if e["variant"] == fit["variant"]), None)
+        if entry is not None:
+            lines.append(f"- the bench step of the same model ({bench['command']}): {entry['tokens_per_s']:,.0f} "
+                         f"tokens/s; fit / bench step = {fit['tokens_per_s'] / entry['tokens_per_s']:.3f}")
+    return "\n".join(lines) + "\n"
+
+
+def summarise(folder: Path) -> str:
+    parts = [f"# bench/gpu.sh results: {folder.name}\n"]
+    failed = folder / "failed.txt"
+    if failed.is_file() and failed.read_text().strip():
+        parts.append("## Steps that did not finish\n\n" + "\n".join(f"- {line}" for line in
+                                                                   failed.read_text().splitlines()) + "\n")
+    probe = folder / "probe.json"
+    if probe.is_file():
+        from diffexp.bench.probe import markdown
+
+        parts.append(markdown(json.loads(probe.read_text())))
+    for path in sorted(folder.glob("train-*.json")):
+        try:
+            parts.append(train_section(json.loads(path.read_text()), path.stem))
+        except (KeyError, ValueError, TypeError) as err:
+            parts.append(f"### {path.stem}: unreadable ({type(err).__name__}: {err})\n")
+    fit = folder / "fit.json"
+    if fit.is_file():
+        shape = folder / "train-fitshape.json"
+        parts.append(fit_section(json.loads(fit.read_text()),
+                                 json.loads(shape.read_text()) if shape.is_file() else None))
+    return "\n".join(parts)
+
+
+def fit_throughput(run_dir: Path, command: str, variant: str, skip: int = 2) -> dict:
+    """The logged train/tokens_per_s of a fit's TensorBoard events under run_dir (the first `skip` logs, which hold
+    the first steps' one-time costs, left out)."""
+    import statistics
+
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    values = []
+    for events in sorted(run_dir.rglob("events.out.tfevents.*")):
+        acc = EventAccumulator(str(events), size_guidance={"scalars": 0})
+        acc.Reload()
+        if "train/tokens_per_s" in acc.Tags().get("scalars", []):
+            values += [s.value for s in acc.Scalars("train/tokens_per_s")]
+    kept = values[skip:] or values
+    if not kept:
+        raise SystemExit(f"no train/tokens_per_s logged under {run_dir}")
+    return {"command": command, "variant": variant, "logs": len(kept), "skipped": len(values) - len(kept),
+            "tokens_per_s": statistics.median(kept)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["fit"]:  # fit RUN_DIR OUT_JSON VARIANT COMMAND...
+        run_dir, out, variant, command = Path(argv[1]), Path(argv[2]), argv[3], " ".join(argv[4:])
+        out.write_text(json.dumps(fit_throughput(run_dir, command, variant), indent=1))
+        return 0
+    folder = Path(argv[0])
+    text = summarise(folder)
+    (folder / "summary.md").write_text(text)
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,140 @@
+"""`diffexp bench train --recipe`, `diffexp bench probe` and bench/gpu.sh: the GPU recipes' own shapes, the SDPA
+backend each call took, and the one GPU script's wiring, all on CPU."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from diffexp.bench import options, probe, profile, recipe_shape, train_step
+from diffexp.bench.cli import main
+from diffexp.errors import UserError
+from tests.helpers import REPO
+
+
+@pytest.fixture
+def tiny_recipes(tmp_path) -> Path:
+    """A copy of recipes/gpu with a tiny size (and the size parts of the variants that have them)."""
+    gpu = tmp_path / "gpu"
+    shutil.copytree(REPO / "recipes/gpu", gpu)
+    (gpu / "size/tiny.yaml").write_text("model:\n  arch:\n    d_model: 64\n    n_layers: 1\n    n_heads: 2\n"
+                                        "    rank: 4\n    max_seq_len: 64\n")
+    (gpu / "variant/baseline/tiny.yaml").write_text("model:\n  arch:\n    n_heads: 4\n")
+    (gpu / "variant/diff_v2/tiny.yaml").write_text("model:\n  arch:\n    n_heads: 4\n    n_kv_heads: 1\n")
+    return gpu
+
+
+def recipe_args(*argv: str):
+    args = train_step.build_parser().parse_args(list(argv))
+    options.validate(args)
+    recipe_shape.load(args)
+    return args
+
+
+def test_a_recipe_shape_is_each_variants_model_as_its_recipe_files_define_it():
+    """125m: GPT-2 small's width and depth; the baseline and DIFF V2 at 2h = 12 heads (V2 over 3 KV heads), the
+    two-map variants at h = 6, Shared DIFF's rank 48, the recipes' 32K vocabulary, seq 2048 and micro-batch 8."""
+    args = recipe_args("--recipe", "125m")
+    archs = args.recipe_archs
+    assert {cfg.d_model for cfg in archs.values()} == {768} and {cfg.n_layers for cfg in archs.values()} == {12}
+    assert {cfg.vocab_size for cfg in archs.values()} == {32768}
+    heads = {name: (cfg.n_heads, cfg.kv_heads, cfg.resolved_head_dim) for name, cfg in archs.items()}
+    assert heads == {"baseline": (12, 12, 64), "diff_v1": (6, 6, 64), "diff_v2": (12, 3, 64),
+                     "shared_diff": (6, 6, 64), "dint": (6, 6, 64)}
+    assert archs["shared_diff"].rank == 48
+    assert args.seq_lens == [2048] and args.batch_size == 8
+    assert recipe_shape.shapes(args)["diff_v2"]["n_kv_heads"] == 3
+    assert "rank" not in recipe_shape.shapes(args)["diff_v1"]  # a field the variant does not read is not recorded
+
+
+def test_a_recipe_shape_takes_given_lengths_and_another_vocabulary():
+    args = recipe_args("--recipe", "125m", "--seq-lens", "512", "--batch-size", "2", "--vocab-size", "257")
+    assert args.seq_lens == [512] and args.batch_size == 2
+    assert {cfg.vocab_size for cfg in args.recipe_archs.values()} == {257}
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--recipe", "999m"], "--recipe '999m': no such size"),
+    (["--recipe", "125m", "--recipe-dir", "recipes/tiny"], "not a GPU recipe directory"),
+])
+def test_a_bad_recipe_is_refused_before_any_model_is_built(argv, message):
+    with pytest.raises(UserError, match=message):
+        recipe_args(*argv)
+
+
+def test_recipe_dir_without_recipe_is_refused(tmp_path):
+    with pytest.raises(UserError, match="--recipe-dir: only read with --recipe"):
+        main(["train", "--recipe-dir", "recipes/gpu", "--json", str(tmp_path / "r.json")])
+
+
+@pytest.mark.parametrize("op, expected", [
+    ("aten::_scaled_dot_product_flash_attention", ("flash", "fwd")),
+    ("aten::_scaled_dot_product_flash_attention_backward", ("flash", "bwd")),
+    ("aten::_scaled_dot_product_cudnn_attention_backward", ("cudnn", "bwd")),
+    ("aten::_scaled_dot_product_efficient_attention", ("efficient", "fwd")),
+    ("aten::_scaled_dot_product_flash_attention_for_cpu_backward", ("cpu_flash", "bwd")),
+    ("aten::_scaled_dot_product_attention_math", ("math", "fwd")),
+    ("aten::mm", None),
+])
+def test_each_fused_sdpa_operator_is_named_by_its_backend(op, expected):
+    assert profile.sdpa_backend(op) == expected
+
+
+def test_a_recipe_bench_reports_each_variants_heads_and_the_sdpa_backend_it_took(tiny_recipes, tmp_path):
+    """The baseline's attention is one SDPA call per layer, forward and backward; the table shows each variant's own
+    heads (DIFF V2's 4 output heads over 1 KV head)."""
+    out = tmp_path / "train.json"
+    assert main(["train", "--recipe", "tiny", "--recipe-dir", str(tiny_recipes), "--seq-lens", "32",
+                 "--batch-size", "1", "--steps", "1", "--warmup", "0", "--rounds", "1", "--no-memory",
+                 "--variants", "baseline", "diff_v2", "--json", str(out)]) == 0
+    data = json.loads(out.read_text())
+    assert data["config"]["recipe"] == "tiny" and data["config"]["vocab_size"] == 32768
+    base = data["results"]["baseline@32"]
+    assert base["attention_ops"] == {"cpu_flash": {"fwd": 1.0, "bwd": 1.0}}
+    assert data["results"]["diff_v2@32"]["overrides"]["n_kv_heads"] == 1
+    _, headers, rows, _ = train_step.table(data)
+    assert rows[1][headers.index("heads (kv)")] == "4 (1)"
+
+
+def test_the_probe_computes_each_formulation_of_a_head_alike(tiny_recipes, tmp_path):
+    """Every formulation of DIFF V1's and DIFF V2's heads gives the first one's output; the math backend takes every
+    call, and the markdown names each."""
+    out = tmp_path / "probe.json"
+    assert main(["probe", "--recipe", "tiny", "--recipe-dir", str(tiny_recipes), "--device", "cpu", "--dtype", "fp32",
+                 "--seq-len", "16", "--batch-size", "1", "--steps", "1", "--json", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert len(result["formulations"]) == 6
+    for entry in result["formulations"].values():
+        assert entry["max_rel_diff_to_first"] < 1e-5
+    assert all(row["math"]["ok"] for row in result["backends"].values())
+    text = out.with_suffix(".md").read_text()
+    assert "diff_v1: 1 call over 2h heads, V at 2d" in text and "diff_v2: 1 GQA call" in text
+
+
+def test_the_gpu_script_commands_parse():
+    """bench/gpu.sh runs only on a GPU; each of its bench commands' flags parse here."""
+    script = (REPO / "bench/gpu.sh").read_text()
+    assert "bench train" in script and "bench probe" in script and " fit " in script
+    assert probe.build_parser().parse_args(["--json", "x.json"]).device == "cuda"
+
+
+@pytest.mark.heavy
+def test_the_gpu_script_runs_end_to_end_on_cpu_in_smoke_mode(tiny_recipes, tmp_path):
+    """DIFFEXP_GPU_SH_SMOKE=1: every step of bench/gpu.sh on the CPU at a tiny size; each writes its JSON and the
+    summary has every table (2-3 minutes on 2 cores)."""
+    out = tmp_path / "out"
+    env = {**os.environ, "DIFFEXP_GPU_SH_SMOKE": "1", "DIFFEXP_GPU_SIZE": "tiny",
+           "DIFFEXP_GPU_RECIPE_DIR": str(tiny_recipes), "DIFFEXP_GPU_WORK": str(tmp_path / "work")}
+    subprocess.run(["bash", "bench/gpu.sh", str(out)], cwd=REPO, env=env, check=True, timeout=900)
+    assert (out / "failed.txt").read_text() == ""
+    names = {p.name for p in out.iterdir()}
+    assert {"probe.json", "train-compiled.json", "train-eager.json", "train-fitshape.json", "fit.json",
+            "summary.md", "gpu.log"} <= names
+    assert len(names) <= 8  # the device tool brings back at most 8 files
+    summary = (out / "summary.md").read_text()
+    assert "SDPA probe" in summary and "train-compiled" in summary and "fit / bench step" in summary
