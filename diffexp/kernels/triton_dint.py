@@ -331,8 +331,8 @@ def map1_attention(q1: torch.Tensor, k1: torch.Tensor, v: torch.Tensor, scale: f
     """(A1 V, lse1) from one flex_attention call, causal, GQA when k1 has fewer heads: out (B, h, T, dv) with
     gradients; lse1 (B, h, T), the natural log-sum-exp of the scaled scores, fp32 (fp64 for fp64 inputs).
     compiled: whether to run the compiled kernel; by default on CUDA only (eager flex_attention materialises the
-    scores: fine for CPU tests only). torch 2.13's flex_attention has no CPU backward: on CPU the inputs must not
-    require grad."""
+    scores: fine for CPU tests only; compiled on CPU, torch 2.13 refuses the log-sum-exp). torch 2.13's
+    flex_attention has no CPU backward: on CPU the inputs must not require grad."""
     compiled = q1.is_cuda if compiled is None else compiled
     attend = _compiled_flex() if compiled else flex_attention
     t = q1.shape[-2]
@@ -346,3 +346,6 @@ def map1_lse(q1: torch.Tensor, k1: torch.Tensor, scale: float | None = None, com
     default 1/sqrt(d)), from flex_attention's log-sum-exp. No gradient: dint_integral takes it as given."""
     q1, k1 = q1.detach(), k1.detach()
     return map1_attention(q1, k1, k1, scale, compiled)[1]
+
+
+__all__ = ["dint_integral", "map1_attention", "map1_lse"]
