@@ -1,0 +1,1 @@
+"""Fast GPU kernels behind announced extension points (Triton), each tested against tests/reference.py."""
