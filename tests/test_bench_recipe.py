@@ -123,6 +123,20 @@ def test_the_gpu_script_commands_parse():
     assert probe.build_parser().parse_args(["--json", "x.json"]).device == "cuda"
 
 
+def test_the_gpu_wheels_are_what_the_gpu_script_installs():
+    """bench/gpu_wheels.sh downloads (it needs the registry, so it is not run here) exactly the packages bench/gpu.sh
+    checks for before installing from .whl/, and those are what diffexp's fit imports beyond the GPU image's
+    packages (torch, lightning, tensorboard, ...): LightningCLI's jsonargparse[signatures]."""
+    import re
+
+    wheels = (REPO / "bench/gpu_wheels.sh").read_text()
+    downloaded = re.search(r"pip download[^\n]*-d \.whl \\\n\s*(.+)", wheels).group(1)
+    names = {re.split(r"[<>=\"]", word.strip('"'))[0].replace("-", "_") for word in downloaded.split()}
+    checked = re.search(r'import (jsonargparse[^"]*)"', (REPO / "bench/gpu.sh").read_text()).group(1)
+    assert names == {name.strip() for name in checked.split(",")} == {"jsonargparse", "docstring_parser",
+                                                                     "typeshed_client"}
+
+
 @pytest.mark.heavy
 def test_the_gpu_script_runs_end_to_end_on_cpu_in_smoke_mode(tiny_recipes, tmp_path):
     """DIFFEXP_GPU_SH_SMOKE=1: every step of bench/gpu.sh on the CPU at a tiny size; each writes its JSON and the
