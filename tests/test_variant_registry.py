@@ -258,8 +258,7 @@ def test_built_in_variants_are_named_only_in_their_own_file_and_the_registry():
 
     from diffexp.model.attention import variant_class
 
-    # diffexp/hf/ maps named variants onto transformers' own classes (Llama, DiffLlama), as a convert_* module does
-    sources = {p: p.read_text() for p in (REPO / "diffexp").rglob("*.py") if (REPO / "diffexp/hf") not in p.parents}
+    sources = {p: p.read_text() for p in (REPO / "diffexp").rglob("*.py")}
     for name in variant_names():
         own = {Path(inspect.getfile(variant_class(name))), REPO / "diffexp/model/attention/registry.py"}
         # "baseline" is also an English word: only its use as a string literal counts
@@ -267,6 +266,34 @@ def test_built_in_variants_are_named_only_in_their_own_file_and_the_registry():
         named = [f"{p.relative_to(REPO)}:{i}" for p, text in sources.items() if p not in own
                  for i, line in enumerate(text.splitlines(), 1) if pattern.search(line)]
         assert named == [], f"{name} is named outside its own file: {named}"
+
+
+def test_its_transformers_class_is_the_one_its_entry_names(toy):
+    """`export --format hf` writes the class on the entry: none refuses (naming the variants that have one), a
+    known one is written, an unknown one is an error; model.init_from reads the class back as that variant."""
+    from dataclasses import replace
+
+    from diffexp.hf.classes import read_as
+    from diffexp.hf.writer import hf_form
+
+    cfg = ModelConfig(attention=TOY, vocab_size=64, d_model=32, n_layers=1, n_heads=2)
+    with pytest.raises(UserError, match=rf"model.arch.attention='{TOY}' has no transformers class \(only "
+                                        r"baseline as LlamaForCausalLM and diff_v1 as DiffLlamaForCausalLM"):
+        hf_form(cfg, remote=False)
+    assert hf_form(cfg, remote=True) == "remote"
+
+    class Named(GatedAttention):
+        variant = replace(GatedAttention.variant, hf_architecture="NoSuchForCausalLM")
+
+    unregister(TOY)
+    register(Named)
+    try:
+        with pytest.raises(ValueError, match="NoSuchForCausalLM"):
+            hf_form(cfg, remote=False)
+    finally:
+        unregister(TOY)
+        register(GatedAttention)
+    assert read_as("llama")[0] == "baseline" and read_as("diffllama")[0] == "diff_v1" and read_as("gpt2") is None
 
 
 def test_appears_in_the_benchmark(toy, tmp_path):

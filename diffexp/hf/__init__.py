@@ -1,9 +1,11 @@
 """The model as Hugging Face transformers sees it: `diffexp export --format hf` and `model.init_from` an HF directory.
 
-`llama.py`: the baseline as `LlamaForCausalLM` (and the names every Llama-shaped layout shares); `diff_llama.py`:
-DIFF V1 as `DiffLlamaForCausalLM` where its flags allow; `remote_code.py`: any variant as remote code built from
-diffexp's own model source (`remote/` holds the wrapper it ships); `tokenizer.py`: the tokenizer files
-`AutoTokenizer` reads; `reading.py`: an HF Llama or DiffLlama directory back as a diffexp checkpoint.
+`classes.py`: the transformers classes a variant's registry entry may name (`Variant.hf_architecture`), each with
+its config and weight layout; `llama.py`: `LlamaForCausalLM` (and the names every Llama-shaped layout shares);
+`diff_llama.py`: `DiffLlamaForCausalLM`, and the DIFF V1 settings it cannot compute; `remote_code.py`: any
+variant as remote code built from diffexp's own model source (`remote/` holds the wrapper it ships);
+`tokenizer.py`: the tokenizer files `AutoTokenizer` reads; `reading.py`: an HF Llama or DiffLlama directory back
+as a diffexp checkpoint.
 transformers is an optional extra (`pip install 'diffexp[hf]'`), imported only here and only when needed.
 """
 

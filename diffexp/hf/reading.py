@@ -1,5 +1,5 @@
 """An HF Llama or DiffLlama directory (an export, or a published Llama-architecture checkpoint) as a diffexp
-checkpoint, for `model.init_from`: LlamaForCausalLM -> baseline, DiffLlamaForCausalLM -> diff_v1.
+checkpoint, for `model.init_from`: the variant whose registry entry names the class (diffexp.hf.classes).
 
 What diffexp cannot compute is refused, naming the config.json field: biases, another activation, RoPE scaling.
 Weights are read from model.safetensors or the shards its index names.
@@ -14,9 +14,8 @@ from pathlib import Path
 import torch
 
 from diffexp.errors import UserError
-from diffexp.hf import diff_llama, llama
-
-MODEL_TYPES = {"llama": "baseline", "diffllama": "diff_v1"}
+from diffexp.hf import diff_llama
+from diffexp.hf.classes import read_as, written_as
 
 
 def hf_model_type(path: os.PathLike | str) -> str | None:
@@ -38,8 +37,9 @@ def _refuse(key: str, path: Path, problem: str) -> UserError:
 def hf_arch(fields: dict, key: str, path: Path) -> dict:
     """The `model.arch` of an HF Llama or DiffLlama config.json."""
     model_type = fields.get("model_type")
-    if model_type not in MODEL_TYPES:
-        raise _refuse(key, path, f"model_type {model_type!r}; expected one of {', '.join(MODEL_TYPES)}")
+    if read_as(model_type) is None:
+        known = ", ".join(c.model_type for c in written_as().values())
+        raise _refuse(key, path, f"model_type {model_type!r}; expected one of {known}")
     for name, wanted in (("attention_bias", False), ("mlp_bias", False), ("hidden_act", "silu")):
         if fields.get(name, wanted) != wanted:
             raise _refuse(key, path, f"config.json has {name}={fields[name]!r}; diffexp's decoder has {wanted!r}")
@@ -55,7 +55,7 @@ def hf_arch(fields: dict, key: str, path: Path) -> dict:
         if fields.get("rms_norm_eps", 1e-5) != diff_llama.HEAD_NORM_EPS:
             raise _refuse(key, path, f"config.json's rms_norm_eps {fields['rms_norm_eps']!r} is DiffLlama's head "
                                      f"norm epsilon too; diffexp's is {diff_llama.HEAD_NORM_EPS:g}")
-    arch = {"attention": MODEL_TYPES[model_type], "vocab_size": fields["vocab_size"], "d_model": fields["hidden_size"],
+    arch = {"attention": read_as(model_type)[0], "vocab_size": fields["vocab_size"], "d_model": fields["hidden_size"],
             "n_layers": fields["num_hidden_layers"], "n_heads": heads, "n_kv_heads": kv_heads, "head_dim": head_dim,
             "ffn_hidden": fields["intermediate_size"], "max_seq_len": fields.get("max_position_embeddings", 2048),
             "rope_theta": float(theta), "tie_embeddings": bool(fields.get("tie_word_embeddings", False)),
@@ -92,9 +92,8 @@ def read_hf_model(path: os.PathLike | str, key: str, weights: bool = True) -> di
     if weights:
         cfg = ModelConfig(**arch)
         hf = _hf_weights(path, key)
-        convert = llama.from_llama if arch["attention"] == "baseline" else diff_llama.from_diff_llama
         try:
-            decoder = convert(hf, cfg)
+            decoder = read_as(fields["model_type"])[1].from_hf(hf, cfg)
         except KeyError as missing:
             raise _refuse(key, path, f"its weights lack {missing}") from None
         checkpoint["state_dict"] = {f"model.{name}": tensor for name, tensor in decoder.items()}

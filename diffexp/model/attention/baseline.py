@@ -28,6 +28,7 @@ class BaselineAttention(AttentionBase):
         differential=False,
         reference_variant=True,
         attention_flops=attention_flops,
+        hf_architecture="LlamaForCausalLM",
     )
 
     def __init__(self, cfg, layer_idx: int) -> None:

@@ -27,4 +27,5 @@ class DiffV1Attention(TwoMapDifferentialAttention):
         maps_per_head=2,
         flags=TWO_MAP_FLAGS,
         attention_flops=two_map_flops,
+        hf_architecture="DiffLlamaForCausalLM",
     )

@@ -37,6 +37,9 @@ class Variant:
             attention-times-V, low-rank updates), given the config and the mean number of keys per query.
         bench_arch: arch overrides of the matched benchmark (e.g. GQA groups the variant needs).
         reference_variant: the baseline that speed and quality ratios are taken against (exactly one).
+        hf_architecture: the transformers class that computes it (as config.json's `architectures` names it,
+            one of `diffexp.hf.classes.CLASSES`), which `export --format hf` writes and `model.init_from`
+            reads back; None when only `--remote-code` exports it.
     """
 
     name: str
@@ -49,6 +52,7 @@ class Variant:
     check: Callable[[Any], None] = _no_check
     bench_arch: Mapping[str, Any] = field(default_factory=dict)
     reference_variant: bool = False
+    hf_architecture: str | None = None
 
     @property
     def fields(self) -> tuple[str, ...]:
