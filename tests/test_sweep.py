@@ -363,3 +363,25 @@ def test_a_spec_without_case_recipes_keeps_its_fingerprint(tmp_path):
                "search": spec.search, "n_trials": spec.n_trials, "objective": spec.objective_metric}
     assert spec.fingerprint() == hashlib.sha256(json.dumps(payload, sort_keys=True, default=str)
                                                 .encode()).hexdigest()[:16]
+
+
+def test_a_seed_sets_the_data_order_and_the_cases_of_one_seed_read_the_same_batches(tmp_path, monkeypatch):
+    """Paired within a seed (every case reads the same batches), varied across seeds (another order): the
+    spread over seeds then includes data-order noise, as the intervals `compare` draws assume."""
+    import torch
+
+    from diffexp.sweep.command import fit_args
+    from diffexp.training.cli import build_fit
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("PL_GLOBAL_SEED", raising=False)  # restored after: building a run seeds this process
+    spec = load_spec(write_spec(tmp_path, "order", grid={}, cases={"DIFF": {}, "DINT": {
+        "base": "recipes/tiny/dint.yaml"}}), repo_root=REPO)
+    batches = {}
+    for point in spec.points():
+        _, data, _ = build_fit(fit_args(spec, point, {**spec.overrides, **point.overrides}))
+        batches[point.case, point.seed] = torch.cat([b for b, _ in zip(data.train_dataloader(), range(3))])
+    assert set(batches) == {("DIFF", 0), ("DINT", 0), ("DIFF", 1), ("DINT", 1)}
+    for seed in (0, 1):
+        assert torch.equal(batches["DIFF", seed], batches["DINT", seed])
+    assert not torch.equal(batches["DIFF", 0], batches["DIFF", 1])
