@@ -385,3 +385,13 @@ def test_a_seed_sets_the_data_order_and_the_cases_of_one_seed_read_the_same_batc
     for seed in (0, 1):
         assert torch.equal(batches["DIFF", seed], batches["DINT", seed])
     assert not torch.equal(batches["DIFF", 0], batches["DIFF", 1])
+
+
+def test_the_order_seed_is_data_order_seed_else_the_run_seed_else_data_seed(monkeypatch):
+    from diffexp.data.loader import training_order_seed
+
+    monkeypatch.setenv("PL_GLOBAL_SEED", "7")  # what seed_everything(7) leaves
+    assert training_order_seed(None, 1234) == 7
+    assert training_order_seed(3, 1234) == 3  # a recipe that fixes data.order_seed keeps one order for all seeds
+    monkeypatch.delenv("PL_GLOBAL_SEED")
+    assert training_order_seed(None, 1234) == 1234

@@ -196,8 +196,9 @@ class ResumableDataLoader(DataLoader):
         now = self.state_dict()
         if saved.get("seed") != self.seed:
             raise UserError(f"{prefix}: its training order was shuffled with seed {saved.get('seed')}, this run's "
-                            f"with {self.seed}; resume with the saved run's seed_everything and data.* settings "
-                            f"(the order follows data.order_seed, else seed_everything)")
+                            f"with {self.seed}; resume with the saved run's seed_everything and data.* settings (text "
+                            f"data orders by data.order_seed, else seed_everything: --data.order_seed "
+                            f"{saved.get('seed')} restores it)")
         if saved.get("data_identity") and now["data_identity"] and saved["data_identity"] != now["data_identity"]:
             raise UserError(f"{prefix}: its training rows came from other token shards (data identity "
                             f"{saved['data_identity']}, this run's {now['data_identity']}): the prepared data "
