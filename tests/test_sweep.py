@@ -245,6 +245,12 @@ def test_search_space_is_sampled_per_trial_and_reaches_the_run(tmp_path):
         assert hparams["model.optim.lr"] == pytest.approx(record["overrides"]["model.optim.lr"])
         assert hparams["data.seq_len"] == 32 and hparams["trainer.max_steps"] == 6
         assert "hparams/val/loss" in metric_tags
+        assert "step" not in record["metrics"]  # the x of the validation metrics, not a result
+    # every view counts steps as the CLI prints them, the optimizer steps done: validation after 3 and 6 steps
+    from diffexp.compare import load_study_runs
+
+    for trial in load_study_runs(tmp_path / "runs/search").trials.values():
+        assert [step for step, _ in trial.curves["val/loss"]] == [3, 6]
     # compare finds both draws: the runner and compare name trial directories the same way
     assert compare_main([str(tmp_path / "runs/search"), "--out", str(tmp_path / "cmp"), "--no-plots"]) == 0
     rows = list(csv.DictReader((tmp_path / "cmp/compare.csv").open()))
