@@ -466,3 +466,45 @@ def check_causality(case: str, backend: str) -> None:
     for m_before, m_after in zip(maps_before, maps_after):
         assert torch.all(m_before.triu(1) == 0), "weight on a future token"
         torch.testing.assert_close(m_before[:, :, : t + 1], m_after[:, :, : t + 1], rtol=0, atol=1e-6)
+
+
+# ----------------------------------------------------------------------------- eval harness
+
+def naive_logprob(model, ids: list[int], start: int) -> float:
+    """log p(ids[start:] | ids[:start]) from one full forward, no batching or padding."""
+    with torch.no_grad():
+        logits = model(torch.tensor([ids[:-1]]))[0].double().log_softmax(-1)
+    return float(sum(logits[t - 1, ids[t]] for t in range(start, len(ids))))
+
+
+LOCAL_TASK = """task: diffexp_toy
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    test: {data}
+output_type: multiple_choice
+test_split: test
+doc_to_text: "{{{{question}}}}"
+doc_to_target: "{{{{answer}}}}"
+doc_to_choice: "{{{{choices}}}}"
+metric_list:
+  - metric: acc
+    aggregation: mean
+    higher_is_better: true
+metadata:
+  version: 1.0
+"""
+DOCS = [{"question": "the cat sat on the", "choices": ["mat.", "hat.", "dog."], "answer": 0},
+        {"question": "the cat sat", "choices": ["in", "on", "at"], "answer": 1},
+        {"question": "on the mat. the", "choices": ["dog", "cat", "mat"], "answer": 1},
+        {"question": "the mat", "choices": ["sat", "."], "answer": 0}]
+
+
+def write_local_task(root: Path, data_name: str = "toy.jsonl", write_data: bool = True) -> Path:
+    tasks = root / "tasks"
+    tasks.mkdir(parents=True, exist_ok=True)
+    data = root / data_name
+    if write_data:
+        data.write_text("".join(json.dumps(doc) + "\n" for doc in DOCS))
+    (tasks / "toy.yaml").write_text(LOCAL_TASK.format(data=data))
+    return tasks

@@ -291,3 +291,48 @@ def test_printed_table_splits_to_fit_the_terminal_and_keeps_every_column(study, 
     tables = printed.count("┃ Case")
     assert printed.count("│ DIFF -GroupNorm ") == tables
     assert tables > 1 if width == 100 else tables == 1
+
+
+def test_a_study_validated_once_per_trial_is_warned_of_its_one_point_curves(tmp_path, capsys):
+    study = tmp_path / "short"
+    write_sweep(study, [("Transformer", "transformer"), ("DIFF", "diff")], [0, 1])
+    for seed in (0, 1):
+        for name, slug, loss in (("Transformer", "transformer", 3.4), ("DIFF", "diff", 3.3)):
+            write_trial(study, name, slug, seed, {"val/loss": loss + 0.01 * seed}, curve=[(400, loss + 0.01 * seed)])
+    assert compare.main([str(study), "--out", str(tmp_path / "out")]) == 0
+    printed = " ".join(capsys.readouterr().out.split())
+    assert "warning: val_loss_curves.png has one point per case" in printed
+    assert "set a lower trainer.val_check_interval" in printed
+    # a study with curves is not warned
+    assert compare.main([str(make_study(tmp_path / "full")), "--out", str(tmp_path / "out2")]) == 0
+    assert "one point per case" not in capsys.readouterr().out
+
+
+def test_each_case_keeps_one_colour_in_every_plot(study, tmp_path, monkeypatch):
+    """The curves plot leaves out cases with no complete seed, the paired plot the reference; colours follow
+    the case, not its position in a plot."""
+    from matplotlib.colors import to_rgb
+
+    from diffexp.compare import plots
+
+    figures = []
+    real_new_figure = plots.new_figure
+    monkeypatch.setattr(plots, "new_figure", lambda *a: figures.append(real_new_figure(*a)) or figures[-1])
+    assert compare.main([str(study), "--out", str(tmp_path / "out"), "--reference", "DIFF"]) == 0
+    curves, bars, paired = figures
+    expected = {name: to_rgb(plots.case_colors(compare.load_study_runs(study))[slug]) for name, slug in
+                [("Transformer", "transformer"), ("DIFF", "diff"), ("DIFF -GroupNorm", "diff-groupnorm")]}
+    drawn = {line.get_label().split(" (")[0]: to_rgb(line.get_color()) for line in curves.axes[0].get_lines()}
+    assert drawn == expected  # three cases with a complete seed, their own colours
+    bar_colors = [to_rgb(patch.get_facecolor()) for patch in bars.axes[0].patches]
+    assert bar_colors == list(expected.values())  # table order, the case without a seed drawn no bar
+    ax = paired.axes[0]
+    marks = {label.get_text().split("  (")[0]: y for label, y in zip(ax.get_yticklabels(), ax.get_yticks())}
+    checked = set()
+    for line in ax.get_lines():
+        y = line.get_ydata()
+        if len(y) == 1 and line.get_marker() == "o":  # a case's mean difference
+            case = next(name for name, mark in marks.items() if mark == y[0])
+            assert to_rgb(line.get_color()) == expected[case], case
+            checked.add(case)
+    assert checked == {"Transformer", "DIFF -GroupNorm"}  # DIFF is the reference here

@@ -13,7 +13,7 @@ import sys
 import numpy as np
 import pytest
 from rich.console import Console
-from scipy.stats import norm
+from scipy.stats import nct, norm
 from scipy.stats import t as student_t
 
 from diffexp import compare
@@ -22,9 +22,11 @@ from diffexp.compare.paired import (
     BETTER,
     DISAGREES,
     INCONCLUSIVE,
+    MIN_PRICED_SEEDS,
     NOISE,
     TOO_FEW,
     WORSE,
+    Power,
     paired_difference,
     paired_report,
     paper_agreement,
@@ -165,19 +167,56 @@ def test_markdown_and_csv_columns(study, tmp_path):
     assert f"[{low:+.4f}, {high:+.4f}]" in far_printed and "better" in far_printed
 
 
-def test_power_line_follows_the_normal_approximation(study, tmp_path):
+def _power_by_hand(delta: float, sd: float, n: int) -> float:
+    """A two-sided paired t test's power at 95%, from the noncentral t written out (scipy's nct)."""
+    crit, ncp = student_t.ppf(0.975, n - 1), delta * math.sqrt(n) / sd
+    return nct.sf(crit, n - 1, ncp) + np.nan_to_num(nct.cdf(-crit, n - 1, ncp))  # the second: ~0, NaN at times
+
+
+def test_power_line_is_the_paired_t_tests(study, tmp_path):
     printed = _print(study, tmp_path / "out")
     diffs = [FAR - BASE, NEAR - BASE[:5], WORSE_ - BASE]  # the cases with 2 or more paired seeds
     sd = math.sqrt(sum((len(d) - 1) * d.var(ddof=1) for d in diffs) / sum(len(d) - 1 for d in diffs))
-    z = norm.ppf(0.975) + norm.ppf(0.8)
-    resolvable = z * sd / math.sqrt(len(SEEDS))
-    needs = [max(2, math.ceil((z * sd / delta) ** 2)) for delta in (0.01, 0.02)]
+    needs = [next(n for n in range(2, 10_000) if _power_by_hand(delta, sd, n) >= 0.8) for delta in (0.01, 0.02)]
     line = next(line for line in printed.splitlines() if line.startswith("Power:"))
+    resolvable = float(re.search(r"resolves differences of ([0-9.e-]+) nats", line).group(1))
+    assert _power_by_hand(resolvable, sd, 6) == pytest.approx(0.8, abs=0.01)  # 3 significant digits
     assert line == (f"Power: with 6 seeds this study resolves differences of {resolvable:.3g} nats or more in "
                     f"val/loss; a difference of 0.01 nats needs {needs[0]} seeds, 0.02 nats needs {needs[1]} seeds.")
     assert needs[0] > 2  # the numbers say something here
     assert f"sd {sd:.3g} of the paired differences, pooled over 3 cases" in printed
-    assert "n = ((z_0.975 + z_0.8) · sd / δ)²" in printed
+    assert "noncentral t with n − 1 df" in printed
+
+
+def test_the_power_agrees_with_the_t_interval_at_few_seeds_and_with_the_normal_formula_at_many():
+    sd, z = 0.1, norm.ppf(0.975) + norm.ppf(0.8)
+    power = Power(sd, cases=5, seeds=2, level=0.95)
+    half_width = student_t.ppf(0.975, 1) * sd / math.sqrt(2)  # the 2-seed interval beside it: +-0.9 sd
+    assert power.resolvable() > half_width  # never claims to resolve less than the interval can exclude
+    assert _power_by_hand(power.resolvable(), sd, 2) == pytest.approx(0.8, abs=1e-6)
+    assert not power.priced and Power(sd, 5, MIN_PRICED_SEEDS, 0.95).priced
+    many = Power(sd, cases=5, seeds=5000, level=0.95)
+    assert many.resolvable() == pytest.approx(z * sd / math.sqrt(5000), rel=2e-3)
+    assert many.seeds_for(0.002) == pytest.approx((z * sd / 0.002) ** 2, rel=0.01)
+    for delta in (0.05, 0.1, 0.3):  # the fewest seeds whose exact power reaches 80%
+        n = power.seeds_for(delta)
+        assert _power_by_hand(delta, sd, n) >= 0.8 and (n == 2 or _power_by_hand(delta, sd, n - 1) < 0.8)
+
+
+def test_two_seeds_are_said_to_be_too_few_to_price(tmp_path):
+    """The README's old 2-seed line said "resolves 0.048 nats" beside an interval of [-0.125, +0.312]."""
+    study = tmp_path / "two"
+    write_sweep(study, [("Transformer", "baseline"), ("DIFF", "diff_v1")], [0, 1])
+    for seed in (0, 1):
+        write_trial(study, "Transformer", "baseline", seed, {"val/loss": 3.40})
+        write_trial(study, "DIFF", "diff_v1", seed, {"val/loss": 3.30 + 0.1 * seed})
+    printed = " ".join(_print(study, tmp_path / "out").split())
+    diff = np.array([-0.1, 0.0])
+    half_width = student_t.ppf(0.975, 1) * diff.std(ddof=1) / math.sqrt(2)
+    assert ("Power: 2 seeds are too few to price a difference: a paired t test on them has 1 degree of freedom"
+            in printed)
+    resolvable = float(re.search(r"only a difference of ([0-9.e-]+) nats", printed).group(1))
+    assert resolvable > half_width
 
 
 def test_paired_plot_is_written(study, tmp_path):

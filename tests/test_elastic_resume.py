@@ -122,7 +122,8 @@ def saved_state(**changes) -> dict:
     ({"global_batch_rows": 8}, (1, 1), r"global batches of 8 rows .* this run's are 4 \(data.batch_size 1 x world "
                                        r"size 1 x trainer.accumulate_grad_batches 4\); resume with "
                                        r"--global_batch.rows 8"),
-    ({"seed": 9}, (1, 1), r"data.seed=9, this run has data.seed=3; resume with --data.seed 9"),
+    ({"seed": 9}, (1, 1), r"shuffled with seed 9, this run's with 3; resume with the saved run's "
+                          r"seed_everything .* --data.order_seed 9 restores it"),
     ({"num_rows": 20}, (1, 1), r"training split had 20 rows, this run's has 18"),
     ({}, (2, 1), r"saved after 1 rows of epoch 0, which is not a whole number of this run's micro-steps of 2 rows "
                  r"\(data.batch_size 1 x world size 2\)"),

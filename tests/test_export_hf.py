@@ -26,7 +26,7 @@ from diffexp.generate.decode import generate
 from diffexp.generate.sampling import Sampling
 from diffexp.model.config import ModelConfig
 from diffexp.model.decoder import Decoder
-from tests.helpers import CASES, make_config
+from tests.helpers import CASES, make_config, naive_logprob, write_local_task
 
 transformers = pytest.importorskip("transformers")
 
@@ -257,7 +257,6 @@ def test_init_from_refuses_rope_scaling(tmp_path):
 def test_lm_eval_hf_gives_the_accuracy_of_diffexp_eval_harness(tmp_path, capsys, case, remote):
     """`lm_eval --model hf` on the export and `diffexp eval harness` on the checkpoint, one local task, offline."""
     pytest.importorskip("accelerate", reason="lm_eval --model hf needs accelerate (in the dev extra)")
-    from tests.test_harness import naive_logprob, write_local_task
 
     model = tiny_decoder(case)
     checkpoint = write_checkpoint(model, tmp_path / "model.ckpt")

@@ -32,4 +32,4 @@ def test_a_run_accumulates_to_the_global_batch_and_validates_on_steps(tmp_path, 
     assert [step for step, _ in logged["diag/layer_01/act_max_abs"]] == [step for step, _ in logged["diag/act_max_abs"]]
     assert [step for step, _ in logged["diag/act_max_abs"]] == [0]  # diagnostics.every_n_steps 4: step 0 only
     assert logged["train/samples"][-1] == (3, 4 * 12)  # ... of 12 rows: 3 micro-batches of 4 each
-    assert [step for step, _ in logged["val/loss"]] == [1, 3]  # every 2 steps, not every 2 micro-batches
+    assert [step for step, _ in logged["val/loss"]] == [2, 4]  # every 2 steps, not every 2 micro-batches

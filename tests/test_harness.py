@@ -5,28 +5,19 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from pathlib import Path
 
 import pytest
-import torch
 
 from diffexp.cli import main
 from diffexp.data.tokenizer import ByteTokenizer
 from diffexp.evals.harness_lm import DiffexpHarnessLM
 from diffexp.training.loading import load_checkpoint, load_model
-from tests.helpers import PATTERN
+from tests.helpers import DOCS, PATTERN, naive_logprob, write_local_task
 
 
 @dataclass
 class Request:  # what the adapter reads of an lm_eval Instance
     args: tuple
-
-
-def naive_logprob(model, ids: list[int], start: int) -> float:
-    """log p(ids[start:] | ids[:start]) from one full forward, no batching or padding."""
-    with torch.no_grad():
-        logits = model(torch.tensor([ids[:-1]]))[0].double().log_softmax(-1)
-    return float(sum(logits[t - 1, ids[t]] for t in range(start, len(ids))))
 
 
 def adapter(path, **kwargs) -> DiffexpHarnessLM:
@@ -92,39 +83,6 @@ def test_generate_until_stops_at_the_stop_string_and_the_token_budget(memorised)
     assert outputs[3] == " on the mat"
     # batched with another prompt or alone, the same greedy text
     assert lm.generate_until([requests[2]]) == [outputs[2]]
-
-
-LOCAL_TASK = """task: diffexp_toy
-dataset_path: json
-dataset_kwargs:
-  data_files:
-    test: {data}
-output_type: multiple_choice
-test_split: test
-doc_to_text: "{{{{question}}}}"
-doc_to_target: "{{{{answer}}}}"
-doc_to_choice: "{{{{choices}}}}"
-metric_list:
-  - metric: acc
-    aggregation: mean
-    higher_is_better: true
-metadata:
-  version: 1.0
-"""
-DOCS = [{"question": "the cat sat on the", "choices": ["mat.", "hat.", "dog."], "answer": 0},
-        {"question": "the cat sat", "choices": ["in", "on", "at"], "answer": 1},
-        {"question": "on the mat. the", "choices": ["dog", "cat", "mat"], "answer": 1},
-        {"question": "the mat", "choices": ["sat", "."], "answer": 0}]
-
-
-def write_local_task(root: Path, data_name: str = "toy.jsonl", write_data: bool = True) -> Path:
-    tasks = root / "tasks"
-    tasks.mkdir(parents=True, exist_ok=True)
-    data = root / data_name
-    if write_data:
-        data.write_text("".join(json.dumps(doc) + "\n" for doc in DOCS))
-    (tasks / "toy.yaml").write_text(LOCAL_TASK.format(data=data))
-    return tasks
 
 
 def expected_accuracy(lm: DiffexpHarnessLM) -> float:

@@ -245,6 +245,12 @@ def test_search_space_is_sampled_per_trial_and_reaches_the_run(tmp_path):
         assert hparams["model.optim.lr"] == pytest.approx(record["overrides"]["model.optim.lr"])
         assert hparams["data.seq_len"] == 32 and hparams["trainer.max_steps"] == 6
         assert "hparams/val/loss" in metric_tags
+        assert "step" not in record["metrics"]  # the x of the validation metrics, not a result
+    # every view counts steps as the CLI prints them, the optimizer steps done: validation after 3 and 6 steps
+    from diffexp.compare import load_study_runs
+
+    for trial in load_study_runs(tmp_path / "runs/search").trials.values():
+        assert [step for step, _ in trial.curves["val/loss"]] == [3, 6]
     # compare finds both draws: the runner and compare name trial directories the same way
     assert compare_main([str(tmp_path / "runs/search"), "--out", str(tmp_path / "cmp"), "--no-plots"]) == 0
     rows = list(csv.DictReader((tmp_path / "cmp/compare.csv").open()))
@@ -363,3 +369,35 @@ def test_a_spec_without_case_recipes_keeps_its_fingerprint(tmp_path):
                "search": spec.search, "n_trials": spec.n_trials, "objective": spec.objective_metric}
     assert spec.fingerprint() == hashlib.sha256(json.dumps(payload, sort_keys=True, default=str)
                                                 .encode()).hexdigest()[:16]
+
+
+def test_a_seed_sets_the_data_order_and_the_cases_of_one_seed_read_the_same_batches(tmp_path, monkeypatch):
+    """Paired within a seed (every case reads the same batches), varied across seeds (another order): the
+    spread over seeds then includes data-order noise, as the intervals `compare` draws assume."""
+    import torch
+
+    from diffexp.sweep.command import fit_args
+    from diffexp.training.cli import build_fit
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("PL_GLOBAL_SEED", raising=False)  # restored after: building a run seeds this process
+    spec = load_spec(write_spec(tmp_path, "order", grid={}, cases={"DIFF": {}, "DINT": {
+        "base": "recipes/tiny/dint.yaml"}}), repo_root=REPO)
+    batches = {}
+    for point in spec.points():
+        _, data, _ = build_fit(fit_args(spec, point, {**spec.overrides, **point.overrides}))
+        batches[point.case, point.seed] = torch.cat([b for b, _ in zip(data.train_dataloader(), range(3))])
+    assert set(batches) == {("DIFF", 0), ("DINT", 0), ("DIFF", 1), ("DINT", 1)}
+    for seed in (0, 1):
+        assert torch.equal(batches["DIFF", seed], batches["DINT", seed])
+    assert not torch.equal(batches["DIFF", 0], batches["DIFF", 1])
+
+
+def test_the_order_seed_is_data_order_seed_else_the_run_seed_else_data_seed(monkeypatch):
+    from diffexp.data.loader import training_order_seed
+
+    monkeypatch.setenv("PL_GLOBAL_SEED", "7")  # what seed_everything(7) leaves
+    assert training_order_seed(None, 1234) == 7
+    assert training_order_seed(3, 1234) == 3  # a recipe that fixes data.order_seed keeps one order for all seeds
+    monkeypatch.delenv("PL_GLOBAL_SEED")
+    assert training_order_seed(None, 1234) == 1234

@@ -33,7 +33,7 @@ def test_fit_logs_to_tensorboard_and_never_overwrites(tmp_path, monkeypatch):
                 "lambda/layer_00", "lambda/layer_01", "params/total", "val/ar_hit_loss", "val/others_loss",
                 "diag/grad_spikes", "diag/layer_01/act_kurtosis", "diag/layer_00/attn_logit_max", "diag/act_max_abs"):
         assert tag in logged, tag
-    assert [step for step, _ in logged["val/loss"]] == [5, 11]
+    assert [step for step, _ in logged["val/loss"]] == [6, 12]  # the steps done, as the CLI prints them
     # lambda: at the logging steps (log_every_n_steps 2), as train/loss; the diagnostics: at the steps they were
     # measured (diagnostics.every_n_steps 4), once each
     assert [s for s, _ in logged["lambda/layer_00"]] == [s for s, _ in logged["train/loss"]] == [1, 3, 5, 7, 9, 11]
@@ -158,7 +158,7 @@ def test_run_ending_off_the_validation_grid_validates_its_final_weights(tmp_path
     main(["fit", "--config", str(write_recipe(tmp_path, max_steps=8))])  # validates every 6 steps
     run_dir = tmp_path / "runs/run/version_0"
     val_steps = [step for step, _ in scalars(run_dir)["val/loss"]]
-    assert val_steps == [5, 7]  # after 6 steps, then the final weights after 8 (logged one back, like fit)
+    assert val_steps == [6, 8]  # after 6 steps, then the final weights after 8: the steps done, as printed
     ckpt = torch.load(run_dir / "checkpoints/last.ckpt", weights_only=True)
     assert ckpt["global_step"] == 8
     cli = DiffexpCLI(DiffexpLM, TextDataModule, auto_configure_optimizers=False,

@@ -10,7 +10,14 @@ from diffexp.compare.errors import CompareError
 from diffexp.compare.harness import DEFAULT_METRIC, harness_markdown, harness_table, print_harness, write_harness_csv
 from diffexp.compare.paired import LEVEL, check_level, paired_reports
 from diffexp.compare.paper import paper_checks, paper_markdown, paper_metrics, print_paper
-from diffexp.compare.plots import CURVE_TAG, plot_objective_bars, plot_paired_diffs, plot_val_curves
+from diffexp.compare.plots import (
+    CURVE_TAG,
+    case_colors,
+    plot_objective_bars,
+    plot_paired_diffs,
+    plot_val_curves,
+    sparse_curves_note,
+)
 from diffexp.compare.render import print_report, render_markdown, write_csv
 from diffexp.compare.scaling import (
     plot_scaling,
@@ -83,16 +90,20 @@ def compare(study_dir: str | Path, out: str | Path | None = None, metrics: Seque
     (out / "compare.md").write_text(markdown)
     write_csv(out / "compare.csv", runs, rows, columns, paired)
     if plots:
-        if plot_val_curves(runs, rows, out / "val_loss_curves.png"):
+        colors = case_colors(runs, rows)  # one colour per case across every plot
+        if plot_val_curves(runs, rows, out / "val_loss_curves.png", colors=colors):
             written.append(out / "val_loss_curves.png")
+            if (note := sparse_curves_note(runs, rows)) is not None:
+                console.print(f"warning: {note}", soft_wrap=True, markup=False, highlight=False)
         else:
             console.print(f"no {CURVE_TAG} curve in any complete trial: val_loss_curves.png not written",
                           soft_wrap=True, markup=False, highlight=False)
-        plot_objective_bars(runs, rows, out / "objective_bars.png")
+        plot_objective_bars(runs, rows, out / "objective_bars.png", colors=colors)
         written.append(out / "objective_bars.png")
         for view, report in reports.items():
             path = out / (plot_name(view) if view else "paired_diffs.png")
-            if plot_paired_diffs(runs, view_rows(runs, rows, view) if view else rows, report, path, view):
+            if plot_paired_diffs(runs, view_rows(runs, rows, view) if view else rows, report, path, view,
+                                 colors=colors):
                 written.append(path)
         if scaling is not None:
             plot_scaling(scaling, runs.study, out / "scaling.png")

@@ -13,10 +13,8 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-import numpy as np
-
 from diffexp.compare.errors import CompareError
-from diffexp.compare.stats import CaseSummary, t_quantile, trial_value
+from diffexp.compare.stats import CaseSummary, Stat, t_quantile, trial_value
 from diffexp.sweep.runs import StudyRuns
 
 LEVEL = 0.95  # the default confidence level of the intervals and the power statement
@@ -75,16 +73,21 @@ class PairedDiff:
         return len(self.diffs)
 
     @property
+    def stat(self) -> Stat:
+        """The summary of the differences (mean, sample std, t interval): the one every table uses."""
+        return Stat(list(self.diffs))
+
+    @property
     def mean(self) -> float | None:
-        return float(np.mean(self.diffs)) if self.diffs else None
+        return self.stat.mean
 
     @property
     def sd(self) -> float | None:
-        return float(np.std(self.diffs, ddof=1)) if self.n > 1 else None
+        return self.stat.std
 
     @property
     def half_width(self) -> float | None:
-        return t_critical(self.level, self.n - 1) * self.sd / math.sqrt(self.n) if self.n > 1 else None
+        return self.stat.half_width(self.level)
 
     @property
     def low(self) -> float | None:
@@ -131,11 +134,28 @@ def paper_agreement(paper_diff: float, measured: PairedDiff) -> str:
     return AGREES if (measured.sign > 0) == (paper_diff > 0) else DISAGREES
 
 
+MIN_PRICED_SEEDS = 3  # below this a paired t test has 1 df: its 95% interval is +-12.7 sd / sqrt(2) wide
+MAX_SEEDS = 100_000  # seeds_for gives up (returns None) past this
+
+
+def paired_t_power(delta: float, sd: float, seeds: int, level: float) -> float:
+    """The power of a two-sided paired t test at `level` on `seeds` seeds against a true difference `delta`
+    with per-seed sd `sd`: P(|T| > t_crit) for T noncentral t with seeds - 1 df and noncentrality
+    delta sqrt(seeds) / sd (the exact power; the normal approximation overstates it at few seeds)."""
+    from scipy.stats import nct
+
+    df, crit = seeds - 1, t_critical(level, seeds - 1)
+    noncentrality = abs(delta) * math.sqrt(seeds) / sd
+    lower = float(nct.cdf(-crit, df, noncentrality))  # the wrong-sign rejections: below alpha / 2, often ~1e-18,
+    return float(nct.sf(crit, df, noncentrality)) + (lower if math.isfinite(lower) else 0.0)  # where scipy says NaN
+
+
 @dataclass(frozen=True)
 class Power:
-    """How many seeds a paired two-sided test at `level` needs to detect a difference with power POWER, by the
-    normal approximation n = ((z_(1-alpha/2) + z_power) * sd / delta)^2, from the measured sd of the paired
-    differences (pooled over the cases: sum (n_i - 1) s_i^2 / sum (n_i - 1))."""
+    """What a paired two-sided t test at `level` detects with power POWER, from the measured sd of the paired
+    differences (pooled over the cases: sum (n_i - 1) s_i^2 / sum (n_i - 1)) taken as the true one. Exact for a
+    t test: the power is the noncentral t's (`paired_t_power`), so the differences it resolves are never
+    narrower than the t interval the table prints beside it."""
 
     sd: float
     cases: int  # cases whose differences the sd pools
@@ -144,18 +164,41 @@ class Power:
     power: float = POWER
 
     @property
-    def z_sum(self) -> float:
-        from scipy.stats import norm
+    def priced(self) -> bool:
+        """False below MIN_PRICED_SEEDS seeds: the test has too few degrees of freedom to price a difference."""
+        return self.seeds >= MIN_PRICED_SEEDS
 
-        return float(norm.ppf(0.5 + self.level / 2) + norm.ppf(self.power))
+    def power_at(self, delta: float, seeds: int | None = None) -> float:
+        return paired_t_power(delta, self.sd, seeds or self.seeds, self.level)
 
-    def seeds_for(self, delta: float) -> int:
-        """Seeds needed to detect a difference `delta` (at least 2: one seed has no spread to test against)."""
-        return max(2, math.ceil((self.z_sum * self.sd / delta) ** 2))
+    def seeds_for(self, delta: float) -> int | None:
+        """The fewest seeds (at least 2) whose paired t test detects `delta` with power POWER; None past
+        MAX_SEEDS. The power grows with the seeds, so a doubling search then bisection finds it."""
+        if self.sd == 0:
+            return 2
+        high = 2
+        while self.power_at(delta, high) < self.power:
+            if high >= MAX_SEEDS:
+                return None
+            high = min(2 * high, MAX_SEEDS)
+        low = max(2, high // 2)  # power_at(low) < power unless low == high == 2
+        while low < high:
+            mid = (low + high) // 2
+            low, high = (mid + 1, high) if self.power_at(delta, mid) < self.power else (low, mid)
+        return high
 
     def resolvable(self, seeds: int | None = None) -> float:
-        """The smallest difference `seeds` (default: the study's) detect: (z_(1-alpha/2) + z_power) sd / sqrt(n)."""
-        return self.z_sum * self.sd / math.sqrt(seeds or self.seeds)
+        """The smallest difference `seeds` (default: the study's) detect with power POWER: the root in delta
+        of paired_t_power(delta) = POWER. Always wider than the interval's half width t_crit sd / sqrt(n)."""
+        from scipy.optimize import brentq
+
+        n = seeds or self.seeds
+        if self.sd == 0:
+            return 0.0
+        high = 2 * t_critical(self.level, n - 1) * self.sd / math.sqrt(n)  # twice the interval's half width
+        while self.power_at(high, n) < self.power:
+            high *= 2
+        return float(brentq(lambda d: self.power_at(d, n) - self.power, 0.0, high, xtol=1e-12 * high))
 
 
 def pooled_power(runs: StudyRuns, diffs: Sequence[PairedDiff], level: float) -> Power | None:

@@ -30,6 +30,24 @@ def series_colors(n: int) -> list:
     return [cmap(i) if n <= 20 else cmap(i / max(1, n - 1)) for i in range(n)]
 
 
+def case_colors(runs: StudyRuns, rows: Sequence[CaseSummary] = ()) -> dict[str, tuple]:
+    """Case slug -> its colour in every plot of a compare: decided once, from the study's cases in sweep.json
+    order (then any other row's, e.g. a view's), so a case keeps its colour whichever cases a plot shows."""
+    slugs = list(dict.fromkeys([case.slug for case in runs.cases] + [row.case.slug for row in rows]))
+    return dict(zip(slugs, series_colors(len(slugs))))
+
+
+def sparse_curves_note(runs: StudyRuns, rows: Sequence[CaseSummary], tag: str = CURVE_TAG) -> str | None:
+    """A warning when every case's curve has at most one point (validation ran only at the last step), else None."""
+    points = [len(_case_curve(row.complete, tag)[0]) for row in rows]
+    if not any(points) or max(points) > 1:
+        return None
+    return (f"val_loss_curves.png has one point per case: {tag} was logged only once per trial "
+            "(trainer.val_check_interval >= trainer.max_steps). For curves, set a lower trainer.val_check_interval "
+            "in the sweep's overrides (e.g. max_steps / 10); each validation costs trainer.limit_val_batches "
+            "batches.")
+
+
 def new_figure(width: float, height: float):
     """An Agg matplotlib Figure of width x height inches at PLOT_DPI, with a constrained layout."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
@@ -51,7 +69,8 @@ def _case_curve(trials: Sequence[TrialRun], tag: str):
             np.nanmax(grid, axis=0).tolist(), len(series))
 
 
-def plot_val_curves(runs: StudyRuns, rows: Sequence[CaseSummary], path: str | Path, tag: str = CURVE_TAG) -> bool:
+def plot_val_curves(runs: StudyRuns, rows: Sequence[CaseSummary], path: str | Path, tag: str = CURVE_TAG,
+                    colors: dict[str, tuple] | None = None) -> bool:
     """Validation loss vs step per case (complete seeds): mean line, min–max band. False when nothing to plot."""
     curves = [(row, _case_curve(row.complete, tag)) for row in rows]
     curves = [(row, c) for row, c in curves if c[0]]
@@ -59,7 +78,7 @@ def plot_val_curves(runs: StudyRuns, rows: Sequence[CaseSummary], path: str | Pa
         return False
     fig = new_figure(13, 5.2 + 0.25 * math.ceil(len(curves) / 3))
     full, zoom = fig.subplots(1, 2)
-    colors = dict(zip([row.case.slug for row in rows], series_colors(len(rows))))
+    colors = colors or case_colors(runs, rows)
     last_step = max(c[0][-1] for _, c in curves)
     zoom_from = last_step / 2
     zoom_values = []
@@ -83,15 +102,20 @@ def plot_val_curves(runs: StudyRuns, rows: Sequence[CaseSummary], path: str | Pa
         ax.set_xlabel("step")
         ax.set_ylabel(tag)
         ax.grid(True, alpha=0.3)
-    fig.suptitle(f"{runs.study}: {tag} vs step, mean over complete seeds, shaded band = min–max over seeds")
+    sparse = " (one point per case: lower trainer.val_check_interval for curves)" \
+        if sparse_curves_note(runs, rows, tag) else ""
+    fig.suptitle(f"{runs.study}: {tag} vs step, mean over complete seeds, shaded band = min–max over seeds{sparse}")
     fig.legend(loc="outside lower center", ncol=min(len(curves), 3), fontsize=9, frameon=False)
     fig.savefig(path, dpi=PLOT_DPI)
     return True
 
 
-def plot_objective_bars(runs: StudyRuns, rows: Sequence[CaseSummary], path: str | Path) -> None:
-    """Horizontal bars of the objective mean per case (table order, top to bottom), std error bars, seed dots."""
+def plot_objective_bars(runs: StudyRuns, rows: Sequence[CaseSummary], path: str | Path,
+                        colors: dict[str, tuple] | None = None) -> None:
+    """Horizontal bars of the objective mean per case (table order, top to bottom) in the case's colour, std error
+    bars, seed dots; the best case's bar outlined."""
     metric = runs.objective
+    colors = colors or case_colors(runs, rows)
     best = best_case(runs, rows)
     n = len(rows)
     fig = new_figure(9, max(2.6, 0.5 * n + 1.6))
@@ -111,8 +135,8 @@ def plot_objective_bars(runs: StudyRuns, rows: Sequence[CaseSummary], path: str 
         left, right = 0.0, 1.0
     for y, row in scored:
         stat = row.stats[metric]
-        color = "tab:orange" if row is best else "tab:blue"
-        ax.barh(y, stat.mean - left, left=left, height=0.6, color=color, alpha=0.85)
+        ax.barh(y, stat.mean - left, left=left, height=0.6, color=colors[row.case.slug], alpha=0.85,
+                edgecolor="black" if row is best else "none", linewidth=2.0 if row is best else 0.0)
         if stat.std is not None:
             ax.errorbar(stat.mean, y, xerr=stat.std, fmt="none", ecolor="black", capsize=4, lw=1.2)
         ax.scatter(stat.values, [y] * stat.n, s=14, color="black", zorder=3)
@@ -127,20 +151,20 @@ def plot_objective_bars(runs: StudyRuns, rows: Sequence[CaseSummary], path: str 
     ax.set_yticks(ys, [f"{row.case.name}  ({len(row.complete)}/{row.n_expected})" for row in rows])
     ax.set_xlabel(f"{metric} ({runs.direction}; axis does not start at 0)")
     ax.grid(True, axis="x", alpha=0.3)
-    ax.set_title(f"{runs.study}: {metric}, mean ± sample std over complete seeds (dots: seeds; best in orange)",
+    ax.set_title(f"{runs.study}: {metric}, mean ± sample std over complete seeds (dots: seeds; best outlined)",
                  fontsize=10)
     fig.savefig(path, dpi=PLOT_DPI)
 
 
 def plot_paired_diffs(runs: StudyRuns, rows: Sequence[CaseSummary], paired: PairedReport, path: str | Path,
-                      view: str = "") -> bool:
+                      view: str = "", colors: dict[str, tuple] | None = None) -> bool:
     """Per case (table order, top to bottom; the reference left out): the mean paired difference to the reference,
     its interval as error bars, each seed's difference as a dot, the verdict beside it, and a zero line.
     False when the study has no case besides the reference."""
     others = [row for row in rows if paired.of(row) is not None]
     if not others:
         return False
-    colors = dict(zip([row.case.slug for row in rows], series_colors(len(rows))))  # as in val_loss_curves.png
+    colors = colors or case_colors(runs, rows)  # as in val_loss_curves.png
     fig = new_figure(9, max(2.6, 0.5 * len(others) + 1.8))
     ax = fig.subplots()
     ys = list(range(len(others)))[::-1]

@@ -134,13 +134,21 @@ def power_lines(runs: StudyRuns, paired: PairedReport) -> list[str]:
         return ["Power: no case has 2 paired seeds yet, so the spread of the differences (and the seeds a "
                 "difference needs) is unknown."]
     unit = " nats" if runs.objective.endswith("loss") else ""
-    needs = ", ".join(f"{delta:g}{unit} needs {power.seeds_for(delta)} seeds" for delta in POWER_DELTAS)
-    quantile = f"{0.5 + power.level / 2:g}"
-    return [f"Power: with {power.seeds} seed{'s' if power.seeds != 1 else ''} this study resolves differences "
-            f"of {power.resolvable():.3g}{unit} or more in {runs.objective}; a difference of {needs}.",
-            f"  (sd {power.sd:.3g} of the paired differences, pooled over {power.cases} case"
-            f"{'s' if power.cases != 1 else ''}; a two-sided paired test at {level_text(power.level)} with "
-            f"{power.power:.0%} power, normal approximation n = ((z_{quantile} + z_{power.power:g}) · sd / δ)²)"]
+    counts = {delta: power.seeds_for(delta) for delta in POWER_DELTAS}
+    needs = ", ".join(f"{delta:g}{unit} needs {'more than 100,000' if n is None else n} seeds"
+                      for delta, n in counts.items())
+    plural = "s" if power.seeds != 1 else ""
+    basis = (f"  (sd {power.sd:.3g} of the paired differences, pooled over {power.cases} case"
+             f"{'s' if power.cases != 1 else ''}, taken as the true sd; a two-sided paired t test at "
+             f"{level_text(power.level)} with {power.power:.0%} power, from the noncentral t with n − 1 df)")
+    if not power.priced:
+        return [f"Power: {power.seeds} seed{plural} are too few to price a difference: a paired t test on them has "
+                f"{power.seeds - 1} degree{'s' if power.seeds != 2 else ''} of freedom, so its "
+                f"{level_text(power.level)} intervals are as wide as the table shows and only a difference of "
+                f"{power.resolvable():.3g}{unit} or more in {runs.objective} would be detected; a difference of "
+                f"{needs}.", basis]
+    return [f"Power: with {power.seeds} seed{plural} this study resolves differences of {power.resolvable():.3g}"
+            f"{unit} or more in {runs.objective}; a difference of {needs}.", basis]
 
 
 def print_paired(console, runs: StudyRuns, rows: Sequence[CaseSummary], paired: PairedReport, view: str = "") -> None:

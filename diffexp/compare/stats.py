@@ -67,10 +67,14 @@ class Stat:
     def std(self) -> float | None:
         return float(np.std(self.values, ddof=1)) if self.n > 1 else None
 
+    def half_width(self, level: float) -> float | None:
+        """Half-width of the `level` confidence interval of the mean: t(0.5 + level/2, n-1) * std / sqrt(n)."""
+        return t_quantile(0.5 + level / 2, self.n - 1) * self.std / math.sqrt(self.n) if self.n > 1 else None
+
     @property
     def ci95(self) -> float | None:
         """Half-width of the 95% confidence interval of the mean: t(0.975, n-1) * std / sqrt(n)."""
-        return t_quantile_975(self.n - 1) * self.std / math.sqrt(self.n) if self.n > 1 else None
+        return self.half_width(0.95)
 
     def format(self) -> str:
         if self.mean is None:

@@ -23,7 +23,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from diffexp.data import checks, sources
-from diffexp.data.loader import PackedRows, collate_rows, resumable_train_loader
+from diffexp.data.loader import PackedRows, collate_rows, resumable_train_loader, training_order_seed
 from diffexp.data.prepare import BPE_SAMPLE_CHARS, SETTINGS, Plan, check_settings, prepare
 from diffexp.data.prepared import Prepared, open_prepared
 from diffexp.data.shards import MANIFEST
@@ -78,7 +78,10 @@ class TextDataModule(L.LightningDataModule):
             None means everything, except for "stdlib" where it means 8 M characters.
         num_workers: DataLoader worker processes (0 loads in the main process).
         cache_dir: Directory for prepared raw sources and Hub downloads.
-        seed: Seeds the held-out split of a raw source and the per-epoch shuffle order.
+        seed: Seeds the held-out split of a raw source (and the BPE training sample); fixed across a sweep's seeds.
+        order_seed: Seeds the training order (epoch e is a permutation seeded by ``order_seed + e``). None: the
+            run's seed (``seed_everything``), so a sweep's seeds vary the order while every case at one seed reads
+            the same batches; ``data.seed`` when no run seed is set.
     """
 
     def __init__(
@@ -95,6 +98,7 @@ class TextDataModule(L.LightningDataModule):
         num_workers: int = 0,
         cache_dir: str = ".cache/diffexp",
         seed: int = 1234,
+        order_seed: int | None = None,
     ) -> None:
         super().__init__()
         self.save_hyperparameters()
@@ -116,6 +120,7 @@ class TextDataModule(L.LightningDataModule):
         self.num_workers = num_workers
         self.cache_dir = Path(cache_dir).expanduser()
         self.seed = seed
+        self.order_seed = training_order_seed(order_seed, seed)
         self.prepared_source = self._prepared_source(source)
         if self.prepared_source is None:
             self._check_raw_settings(source)
@@ -318,7 +323,7 @@ class TextDataModule(L.LightningDataModule):
             # Lightning wants a fixed sequential order when overfitting (it would otherwise try to
             # rebuild the loader with a SequentialSampler); resuming is moot there.
             return self._ordered_loader(self.train_rows, drop_last=True)
-        return resumable_train_loader(PackedRows(self.train_rows), trainer, self.batch_size, self.seed,
+        return resumable_train_loader(PackedRows(self.train_rows), trainer, self.batch_size, self.order_seed,
                                       self.num_workers)
 
     def val_dataloader(self) -> DataLoader:

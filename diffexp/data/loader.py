@@ -7,6 +7,7 @@ optimizer step over all ranks; the last N mod G rows dropped); rank r of W takes
 
 from __future__ import annotations
 
+import os
 import weakref
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -17,6 +18,19 @@ import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 from diffexp.errors import UserError
+
+
+def training_order_seed(order_seed: int | None, data_seed: int) -> int:
+    """The seed of the training order: ``data.order_seed`` when set, else the run's seed (``seed_everything``,
+    which Lightning records in ``PL_GLOBAL_SEED`` before the data module is built), else ``data.seed``.
+
+    Following the run's seed is what makes a sweep's seeds vary the data order as well as the weights, while the
+    cases of one seed still read the same batches (paired). A resume reads the saved run's config, so the same
+    seed; a checkpoint records the order seed and refuses another."""
+    if order_seed is not None:
+        return int(order_seed)
+    run_seed = os.environ.get("PL_GLOBAL_SEED")
+    return int(run_seed) if run_seed is not None else int(data_seed)
 
 
 class PackedRows(Dataset):
@@ -181,8 +195,10 @@ class ResumableDataLoader(DataLoader):
         prefix = "cannot resume the training order of this checkpoint"
         now = self.state_dict()
         if saved.get("seed") != self.seed:
-            raise UserError(f"{prefix}: it was shuffled with data.seed={saved.get('seed')}, this run has "
-                            f"data.seed={self.seed}; resume with --data.seed {saved.get('seed')}")
+            raise UserError(f"{prefix}: its training order was shuffled with seed {saved.get('seed')}, this run's "
+                            f"with {self.seed}; resume with the saved run's seed_everything and data.* settings (text "
+                            f"data orders by data.order_seed, else seed_everything: --data.order_seed "
+                            f"{saved.get('seed')} restores it)")
         if saved.get("data_identity") and now["data_identity"] and saved["data_identity"] != now["data_identity"]:
             raise UserError(f"{prefix}: its training rows came from other token shards (data identity "
                             f"{saved['data_identity']}, this run's {now['data_identity']}): the prepared data "

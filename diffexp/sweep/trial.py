@@ -22,7 +22,7 @@ from diffexp.training.diagnostics import diverged_at
 
 STORAGE_ENV = "DIFFEXP_SWEEP_STORAGE"
 #: last values that say nothing about a run's result (tokens/s is recorded as a median instead)
-NOT_RESULTS = {"lr", "epoch", "train/tokens_per_s", "train/grad_norm"}
+NOT_RESULTS = {"lr", "epoch", "step", "train/tokens_per_s", "train/grad_norm"}  # "step": where val logs
 
 
 def build_pruner(spec: dict[str, Any]) -> optuna.pruners.BasePruner:

@@ -166,13 +166,8 @@ class DiffexpCLI(LightningCLI):
         needs = getattr(self.model, "needs_final_validation", None)
         if needs is not None and needs():
             print(f"validating the final weights (step {self.model.global_step})", file=sys.stderr)
-            # logged one step back, like Lightning's validations inside fit (after 6 steps: step 5)
-            epoch_loop = self.trainer.fit_loop.epoch_loop
-            epoch_loop._batches_that_stepped -= 1
-            try:
-                self.trainer.validate(self.model, datamodule=self.datamodule, verbose=False)
-            finally:
-                epoch_loop._batches_that_stepped += 1
+            # logged at the steps done, like the validations inside fit (DiffexpLM.on_validation_epoch_end)
+            self.trainer.validate(self.model, datamodule=self.datamodule, verbose=False)
         if not self.trainer.interrupted:
             print_summary(self.trainer)
 

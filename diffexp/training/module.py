@@ -223,6 +223,10 @@ class DiffexpLM(L.LightningModule):
     def on_validation_epoch_end(self) -> None:
         if not self.trainer.sanity_checking:
             self.validated_step = self.global_step
+            # The x of every validation metric: the optimizer steps done, as the CLI prints it ("step 30"), not
+            # Lightning's default (the steps done before the one being run: 29). Lightning reads a "step" key as
+            # the step to log at and does not write it as a metric.
+            self.log("step", float(self.global_step), sync_dist=True)
         val_loss = self.trainer.callback_metrics.get("val/loss")
         if val_loss is not None:
             self.log("val/ppl", torch.exp(val_loss.float()), sync_dist=True)
