@@ -28,3 +28,14 @@ def test_compiled_blocks_share_one_graph_across_layers(attention):
     """Layers differ only in lambda_init (depth-dependent): 4 layers compile no more graphs than 1 (a Python
     float attribute would be a guard, one graph per layer until the recompile limit, then eager)."""
     assert _graphs(attention, 4) == _graphs(attention, 1)
+
+
+def test_adamw_fused_on_cuda_foreach_elsewhere():
+    from diffexp.training.module import DiffexpLM, adamw_kernel
+
+    assert adamw_kernel(torch.device("cuda", 0)) == {"fused": True}
+    assert adamw_kernel(torch.device("cpu")) == {"foreach": True}
+    module = DiffexpLM(ModelConfig(n_layers=1, d_model=16, n_heads=2, vocab_size=32, max_seq_len=8))
+    module.optim = module.optim.__class__(**{**module.optim.__dict__, "schedule_steps": 10})
+    optimizer = module.configure_optimizers()["optimizer"]
+    assert optimizer.defaults["foreach"] is True and not optimizer.defaults["fused"]

@@ -52,6 +52,12 @@ def warmup_cosine(step: int, warmup_steps: int, total_steps: int, min_ratio: flo
     return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
 
 
+def adamw_kernel(device: torch.device) -> dict[str, bool]:
+    """AdamW's implementation: one fused kernel over all parameters on CUDA, the multi-tensor (foreach) one
+    elsewhere. Both keep the same state_dict, so a run resumes exactly under either."""
+    return {"fused": True} if device.type == "cuda" else {"foreach": True}
+
+
 def _tokens(batch) -> torch.Tensor:
     return batch["tokens"] if isinstance(batch, dict) else batch
 
@@ -385,7 +391,7 @@ class DiffexpLM(L.LightningModule):
         opt = torch.optim.AdamW(
             [{"params": decay, "weight_decay": self.optim.weight_decay},
              {"params": no_decay, "weight_decay": 0.0}],
-            lr=self.optim.lr, betas=tuple(self.optim.betas), eps=self.optim.eps,
+            lr=self.optim.lr, betas=tuple(self.optim.betas), eps=self.optim.eps, **adamw_kernel(self.device),
         )
         total = self.schedule_steps()
         warmup, min_ratio = self.optim.warmup_steps, self.optim.min_lr_ratio
