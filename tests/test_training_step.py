@@ -39,3 +39,59 @@ def test_adamw_fused_on_cuda_foreach_elsewhere():
     module.optim = module.optim.__class__(**{**module.optim.__dict__, "schedule_steps": 10})
     optimizer = module.configure_optimizers()["optimizer"]
     assert optimizer.defaults["foreach"] is True and not optimizer.defaults["fused"]
+
+
+def _plain_losses(hidden, weight, targets):
+    logits = hidden @ weight.T
+    return torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), targets.flatten(),
+                                             reduction="none").view_as(targets)
+
+
+@pytest.mark.parametrize("autocast", [False, True], ids=["fp32", "bf16-autocast"])
+def test_chunked_cross_entropy_matches_plain_loss_and_gradients(autocast):
+    """Per-row losses, and the gradients of the LM head weight and the hidden states, against the plain
+    F.cross_entropy(logits.float()) over the whole batch; 7 chunks of 5 rows with one short chunk."""
+    from diffexp.training.loss import token_losses
+
+    torch.manual_seed(0)
+    hidden = torch.randn(3, 11, 16, requires_grad=True)
+    weight = torch.randn(48, 16, requires_grad=True)
+    targets = torch.randint(0, 48, (3, 11))
+    grad_out = torch.rand(3, 11)  # a masked mean weighs the rows unequally
+    results = []
+    for loss_fn in (_plain_losses, lambda h, w, t: token_losses(h, w, t, chunk_logits=5 * 48)):
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            losses = loss_fn(hidden, weight, targets)
+        assert losses.dtype == torch.float32 and losses.shape == targets.shape
+        grads = torch.autograd.grad((losses * grad_out).sum(), (hidden, weight))
+        results.append((losses.detach(), *grads))
+    tol = {"rtol": 1e-2, "atol": 1e-2} if autocast else {"rtol": 1e-5, "atol": 1e-6}
+    for plain, chunked in zip(*results):
+        torch.testing.assert_close(chunked, plain, **tol)
+    if not autocast:  # the same products row by row
+        torch.testing.assert_close(results[1][0], results[0][0], rtol=0, atol=1e-6)
+
+
+def test_chunked_cross_entropy_never_holds_the_whole_batch_of_logits():
+    """Peak memory of forward + backward at a 4K vocab: the chunked loss stays below the plain one by at least
+    the whole batch's fp32 logits less one chunk's."""
+    from diffexp.bench.memory import peak_bytes
+    from diffexp.training.loss import token_losses
+
+    rows, vocab, dim, chunk_rows = 2048, 4096, 64, 256
+    hidden = torch.randn(rows, dim, requires_grad=True)
+    weight = torch.randn(vocab, dim, requires_grad=True)
+    targets = torch.randint(0, vocab, (rows,))
+
+    def run(loss_fn):
+        def step():
+            loss_fn(hidden, weight, targets).mean().backward()
+            hidden.grad = weight.grad = None
+        return peak_bytes(step, torch.device("cpu"), 0)
+
+    plain = run(lambda h, w, t: torch.nn.functional.cross_entropy(h @ w.T, t, reduction="none"))
+    chunked = run(lambda h, w, t: token_losses(h, w, t, chunk_logits=chunk_rows * vocab))
+    if plain is None or chunked is None:
+        pytest.skip("the CPU profiler's memory events are not available here")
+    whole_logits = rows * vocab * 4
+    assert plain - chunked >= whole_logits - 2 * chunk_rows * vocab * 4, (plain, chunked)

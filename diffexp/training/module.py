@@ -10,7 +10,6 @@ from typing import Any
 
 import lightning as L
 import torch
-import torch.nn.functional as F
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from lightning.pytorch.utilities.model_helpers import is_overridden
 
@@ -20,6 +19,7 @@ from diffexp.model import Decoder
 from diffexp.model.config import ModelConfig
 from diffexp.parallel import FSDP2Strategy, full_value
 from diffexp.training.global_batch import resumed_layout
+from diffexp.training.loss import token_losses
 from diffexp.training.loss_slices import ar_hit_mask, frequent_bigrams
 from diffexp.training.nonfinite import any_rank, stop_with_last_finite
 from diffexp.training.options import ARHitConfig, OptimConfig
@@ -153,10 +153,8 @@ class DiffexpLM(L.LightningModule):
     def _token_losses(self, batch: torch.Tensor | dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Per-target losses (B, T) and the optional (B, T) loss_mask of a dict batch."""
         tokens, mask = (batch["tokens"], batch.get("loss_mask")) if isinstance(batch, dict) else (batch, None)
-        logits = self.model(tokens[:, :-1])
-        targets = tokens[:, 1:]
-        losses = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), reduction="none")
-        return losses.view_as(targets), mask
+        hidden = self.model(tokens[:, :-1], head=False)  # lm_head is applied per chunk of rows (training.loss)
+        return token_losses(hidden, self.model.lm_head.weight, tokens[:, 1:]), mask
 
     def _loss(self, batch: torch.Tensor | dict[str, torch.Tensor]) -> torch.Tensor:
         """Next-token loss. A batch is (B, T + 1) token ids, or a dict with "tokens" and an optional
