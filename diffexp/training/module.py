@@ -115,6 +115,7 @@ class DiffexpLM(L.LightningModule):
         self._flops_cache: dict[int, float] = {}
         self._frequent_bigrams: torch.Tensor | None = None
         self._split_sums = torch.zeros(4, dtype=torch.float64)  # ar-hit loss, count, others loss, count
+        self._step_losses: list[torch.Tensor] = []  # this optimizer step's micro-batch losses, on the device
 
     def setup(self, stage: str) -> None:
         # before FSDP wraps the model and before a resume restores its own weights (which then win)
@@ -163,8 +164,8 @@ class DiffexpLM(L.LightningModule):
 
     def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
         loss = self._loss(batch)
-        if any_rank(self.trainer, not bool(torch.isfinite(loss))):  # before backward: nothing has moved yet
-            stop_with_last_finite(self.trainer, self, "train/loss", loss.item(), self.optim.lr)
+        # checked once per optimizer step, before it (on_before_optimizer_step): no host sync per micro-batch
+        self._step_losses.append(loss.detach())
         # the mean over every rank's rows, as one process with the whole batch would log it
         self.last_train_loss = self.trainer.strategy.reduce(loss.detach(), reduce_op="mean")
         if logs_this_step(self.trainer):  # the progress bar shows last_train_loss at the other steps
@@ -288,6 +289,7 @@ class DiffexpLM(L.LightningModule):
 
     # -- logs that need the step boundaries -------------------------------------------------------
     def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
+        self._stop_if_loss_non_finite()
         # in the optimizer's order, as clip_grad_norm_ sums them: the same norm to the last bit
         grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
         if grads:  # before clipping: spikes are what we want to see
@@ -306,6 +308,19 @@ class DiffexpLM(L.LightningModule):
                 self.log("train/grad_norm", norm)
         if logs_this_step(self.trainer):  # once per optimizer step, after every micro-batch's forward
             self._write_traces()
+
+    def _stop_if_loss_non_finite(self) -> None:
+        """One check of the step's micro-batch losses (one host sync, one all-reduce), before the optimizer step
+        and the gradient norm: a non-finite loss stops the run before it reaches the weights."""
+        losses, self._step_losses = self._step_losses, []
+        if not losses:
+            return
+        losses = torch.stack(losses)
+        finite = torch.isfinite(losses)
+        if any_rank(self.trainer, not bool(finite.all())):
+            # this rank's first non-finite loss (another rank's when all of this rank's are finite)
+            value = losses[~finite][0] if not bool(finite.all()) else losses[-1]
+            stop_with_last_finite(self.trainer, self, "train/loss", value.item(), self.optim.lr)
 
     def configure_gradient_clipping(self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None) -> None:
         """Clip by the norm on_before_optimizer_step just computed, instead of computing it again (the same
