@@ -95,3 +95,32 @@ def test_chunked_cross_entropy_never_holds_the_whole_batch_of_logits():
         pytest.skip("the CPU profiler's memory events are not available here")
     whole_logits = rows * vocab * 4
     assert plain - chunked >= whole_logits - 2 * chunk_rows * vocab * 4, (plain, chunked)
+
+
+@pytest.mark.slow
+def test_throughput_reads_once_per_optimizer_step_and_counts_every_micro_batch(tmp_path, monkeypatch):
+    """Two micro-batches per step (global_batch.rows 8, data.batch_size 4): one reading per step, whose FLOPs and
+    samples are both micro-batches', so FLOPs/s over samples/s is exactly the FLOPs of one row."""
+    from lightning.fabric.utilities.throughput import Throughput
+
+    from diffexp.cli import main
+    from tests.helpers import scalars, write_recipe
+
+    monkeypatch.chdir(tmp_path)
+    readings = []
+    update = Throughput.update
+    monkeypatch.setattr(Throughput, "update", lambda self, **kw: (readings.append(kw), update(self, **kw))[1])
+    main(["fit", "--config", str(write_recipe(tmp_path, max_steps=6)), "--global_batch.rows", "8",
+          "--throughput.window_size=2", "--trainer.limit_val_batches=0"])
+    assert [r["batches"] for r in readings] == [2, 4, 6, 8, 10, 12]  # one reading (and sync) per step
+    logged = scalars(tmp_path / "runs/run/version_0")
+    flops, samples = logged["train/device/flops_per_sec"], logged["train/device/samples_per_sec"]
+    batches = dict(logged["train/batches"])
+    assert len(flops) >= 2 and [s for s, _ in flops] == [s for s, _ in samples]
+    assert all(batches[step] == 2 * (step + 1) for step in batches)  # every micro-batch counted
+    checkpoint = torch.load(tmp_path / "runs/run/version_0/checkpoints/last.ckpt", weights_only=True)
+    arch = ModelConfig(**checkpoint["hyper_parameters"]["arch"])
+    seq_len = round(logged["train/lengths"][-1][1] / logged["train/samples"][-1][1])  # tokens per row
+    per_row = seq_len * Decoder(arch).flops_per_token(seq_len, training=True)
+    for (_, f), (_, n) in zip(flops, samples):
+        assert f / n == pytest.approx(per_row, rel=1e-6)
