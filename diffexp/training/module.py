@@ -324,11 +324,11 @@ class DiffexpLM(L.LightningModule):
 
     def configure_gradient_clipping(self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None) -> None:
         """Clip by the norm on_before_optimizer_step just computed, instead of computing it again (the same
-        result as clip_grad_norm_, one pass over the gradients less); sharded, fp16-scaled or value clipping go
-        through Lightning."""
+        result as clip_grad_norm_, one pass over the gradients less; under FSDP2 the full norm, the all-reduce of
+        its shards', as torchtitan clips); FSDP1-sharded, fp16-scaled or value clipping go through Lightning."""
         norm, self._unclipped_norm = getattr(self, "_unclipped_norm", None), None
-        clips_here = getattr(self.trainer.precision_plugin, "scaler", None) is None and not isinstance(
-            self.trainer.strategy, FSDP2Strategy) and gradient_clip_algorithm in (None, "norm")
+        clips_here = getattr(self.trainer.precision_plugin, "scaler", None) is None and gradient_clip_algorithm in (
+            None, "norm")
         if not gradient_clip_val or norm is None or not clips_here:
             return super().configure_gradient_clipping(optimizer, gradient_clip_val, gradient_clip_algorithm)
         params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
