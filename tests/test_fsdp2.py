@@ -115,6 +115,17 @@ def test_two_processes_train_like_one_with_the_same_global_batch(root):
                         torch.load(root / "sharded.pt", weights_only=True))
 
 
+def test_clipped_two_processes_train_like_one(root):
+    """Gradient clipping by the norm computed once for the logs (its shards' all-reduce under FSDP2)."""
+    clip = ("--trainer.gradient_clip_val", "0.05", "--trainer.max_steps", "4")  # below every step's norm: all clip
+    fit(root, "--config", str(write(root, "sharded_clip", devices=2, batch=2, strategy=FSDP2 % "false")), *clip)
+    fit(root, "--config", str(write(root, "single_clip", devices=1, batch=4, strategy="auto")), *clip)
+    norms = [v for _, v in logged(root, "single_clip")["train/grad_norm"]]
+    assert min(norms) > 0.05
+    assert_same_weights(torch.load(root / "single_clip.pt", weights_only=True),
+                        torch.load(root / "sharded_clip.pt", weights_only=True))
+
+
 @pytest.mark.heavy  # torchrun killed and relaunched (about 50 s); test_elastic_resume.py stops and resumes ranks
 def test_kill_of_the_launcher_then_resume_ends_on_the_uninterrupted_weights(root):
     recipe = write(root, "killed", devices=2, batch=2, strategy=FSDP2 % "false")

@@ -23,15 +23,18 @@ def all_finite(tree) -> bool:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("quantity, clip", [("train/grad_norm", 1.0), ("train/loss", 0.0)])
-def test_non_finite_value_stops_and_saves_the_last_finite_state(tmp_path, monkeypatch, quantity, clip):
+@pytest.mark.parametrize("quantity, clip, rows", [("train/grad_norm", 1.0, None), ("train/loss", 0.0, None),
+                                                   ("train/loss", 0.0, 8)],
+                         ids=["grad_norm", "loss", "loss-accum"])
+def test_non_finite_value_stops_and_saves_the_last_finite_state(tmp_path, monkeypatch, quantity, clip, rows):
+    """rows 8: two micro-batches of 4 per step; the losses are checked once per optimizer step, before it."""
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("DIFFEXP_DEBUG", "1")  # the error itself, rather than `error: ...` and exit 2
     inject = ('--trainer.callbacks+={"class_path": "tests.helpers.InjectNonFinite", "init_args": '
               f'{{"step": 5, "quantity": "{quantity}", "weights_path": "{tmp_path / "before.pt"}"}}}}')
     with pytest.raises(NonFiniteError) as error:
         main(["fit", "--config", str(write_recipe(tmp_path, max_steps=8)), inject,
-              "--trainer.gradient_clip_val", str(clip)])
+              "--trainer.gradient_clip_val", str(clip), *(["--global_batch.rows", str(rows)] if rows else [])])
 
     run = tmp_path / "runs/run/version_0"
     saved = run / "checkpoints/last-finite-step000005.ckpt"

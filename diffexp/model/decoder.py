@@ -99,8 +99,10 @@ class Decoder(nn.Module):
                 elif module is not self and callable(getattr(module, "reset_parameters", None)):
                     module.reset_parameters()
 
-    def forward(self, idx: torch.Tensor, need_weights: bool = False, cache: DecoderCache | None = None):
-        """Logits (B, T, vocab); with need_weights also each layer's effective map (B, h, T, T).
+    def forward(self, idx: torch.Tensor, need_weights: bool = False, cache: DecoderCache | None = None,
+                head: bool = True):
+        """Logits (B, T, vocab); with need_weights also each layer's effective map (B, h, T, T). head=False:
+        the final-normed hidden states (B, T, d_model) instead, for a loss that applies lm_head in chunks.
 
         With a cache (`new_cache()`), idx holds the tokens after the cached ones (a prompt, one token or a
         chunk) and the cache grows by them: prefill + decode gives the logits of one full forward."""
@@ -111,9 +113,10 @@ class Decoder(nn.Module):
             logits = self._logits(idx, cache)
             cache.advance(idx.shape[1])
             return logits
-        return self._logits(idx, need_weights=need_weights)
+        return self._logits(idx, need_weights=need_weights, head=head)
 
-    def _logits(self, idx: torch.Tensor, cache: DecoderCache | None = None, need_weights: bool = False):
+    def _logits(self, idx: torch.Tensor, cache: DecoderCache | None = None, need_weights: bool = False,
+                head: bool = True):
         x = self.embed(idx)
         maps = []
         recompute = self.checkpoint_activations and torch.is_grad_enabled() and cache is None and not need_weights
@@ -123,7 +126,7 @@ class Decoder(nn.Module):
                 continue
             x, weights = block(x, need_weights, None if cache is None else cache.layers[i])
             maps.append(weights)
-        logits = self.lm_head(self.final_norm(x))
+        logits = self.lm_head(self.final_norm(x)) if head else self.final_norm(x)
         return (logits, maps) if need_weights else logits
 
     def new_cache(self, capacity: int | None = None, static: bool = False) -> DecoderCache:

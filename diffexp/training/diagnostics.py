@@ -74,7 +74,7 @@ class Diagnostics(L.Callback):
         self._norm_mean: float | None = None
         self._norms_seen = 0
         self._step_seen: int | None = None
-        self._losses: list[float] = []  # the micro-batch losses of the step under way
+        self._losses: list[torch.Tensor] = []  # the micro-batch losses of the step under way
 
     def state_dict(self) -> dict:
         return {"spikes": self.spikes, "norm_mean": self._norm_mean, "norms_seen": self._norms_seen,
@@ -103,7 +103,7 @@ class Diagnostics(L.Callback):
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         loss = getattr(pl_module, "last_train_loss", None)
         if loss is not None:
-            self._losses.append(float(loss))
+            self._losses.append(loss.detach())  # read once per optimizer step (no host sync per micro-batch)
         if self._recorder is not None:
             recorder, self._recorder = self._recorder, None
             stats, self._sinks = {**recorder.stop(), **self._sinks}, {}
@@ -118,7 +118,8 @@ class Diagnostics(L.Callback):
         self._step_seen = trainer.global_step
         self._count_spike(pl_module)
         if self._losses:
-            step_loss, self._losses = sum(self._losses) / len(self._losses), []
+            losses, self._losses = torch.stack(self._losses).tolist(), []
+            step_loss = sum(losses) / len(losses)
             self.loss_spikes.update(step_loss)
             self._check_divergence(trainer, pl_module, step_loss)
         # counted every step, logged at the steps Lightning writes (and at a stop, which it writes too)

@@ -10,7 +10,6 @@ from typing import Any
 
 import lightning as L
 import torch
-import torch.nn.functional as F
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from lightning.pytorch.utilities.model_helpers import is_overridden
 
@@ -20,6 +19,7 @@ from diffexp.model import Decoder
 from diffexp.model.config import ModelConfig
 from diffexp.parallel import FSDP2Strategy, full_value
 from diffexp.training.global_batch import resumed_layout
+from diffexp.training.loss import token_losses
 from diffexp.training.loss_slices import ar_hit_mask, frequent_bigrams
 from diffexp.training.nonfinite import any_rank, stop_with_last_finite
 from diffexp.training.options import ARHitConfig, OptimConfig
@@ -50,6 +50,12 @@ def warmup_cosine(step: int, warmup_steps: int, total_steps: int, min_ratio: flo
         return (step + 1) / warmup_steps
     progress = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
     return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+def adamw_kernel(device: torch.device) -> dict[str, bool]:
+    """AdamW's implementation: one fused kernel over all parameters on CUDA, the multi-tensor (foreach) one
+    elsewhere. Both keep the same state_dict, so a run resumes exactly under either."""
+    return {"fused": True} if device.type == "cuda" else {"foreach": True}
 
 
 def _tokens(batch) -> torch.Tensor:
@@ -109,6 +115,7 @@ class DiffexpLM(L.LightningModule):
         self._flops_cache: dict[int, float] = {}
         self._frequent_bigrams: torch.Tensor | None = None
         self._split_sums = torch.zeros(4, dtype=torch.float64)  # ar-hit loss, count, others loss, count
+        self._step_losses: list[torch.Tensor] = []  # this optimizer step's micro-batch losses, on the device
 
     def setup(self, stage: str) -> None:
         # before FSDP wraps the model and before a resume restores its own weights (which then win)
@@ -147,10 +154,8 @@ class DiffexpLM(L.LightningModule):
     def _token_losses(self, batch: torch.Tensor | dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Per-target losses (B, T) and the optional (B, T) loss_mask of a dict batch."""
         tokens, mask = (batch["tokens"], batch.get("loss_mask")) if isinstance(batch, dict) else (batch, None)
-        logits = self.model(tokens[:, :-1])
-        targets = tokens[:, 1:]
-        losses = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), reduction="none")
-        return losses.view_as(targets), mask
+        hidden = self.model(tokens[:, :-1], head=False)  # lm_head is applied per chunk of rows (training.loss)
+        return token_losses(hidden, self.model.lm_head.weight, tokens[:, 1:]), mask
 
     def _loss(self, batch: torch.Tensor | dict[str, torch.Tensor]) -> torch.Tensor:
         """Next-token loss. A batch is (B, T + 1) token ids, or a dict with "tokens" and an optional
@@ -159,8 +164,8 @@ class DiffexpLM(L.LightningModule):
 
     def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
         loss = self._loss(batch)
-        if any_rank(self.trainer, not bool(torch.isfinite(loss))):  # before backward: nothing has moved yet
-            stop_with_last_finite(self.trainer, self, "train/loss", loss.item(), self.optim.lr)
+        # checked once per optimizer step, before it (on_before_optimizer_step): no host sync per micro-batch
+        self._step_losses.append(loss.detach())
         # the mean over every rank's rows, as one process with the whole batch would log it
         self.last_train_loss = self.trainer.strategy.reduce(loss.detach(), reduce_op="mean")
         if logs_this_step(self.trainer):  # the progress bar shows last_train_loss at the other steps
@@ -288,6 +293,7 @@ class DiffexpLM(L.LightningModule):
 
     # -- logs that need the step boundaries -------------------------------------------------------
     def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
+        self._stop_if_loss_non_finite()
         # in the optimizer's order, as clip_grad_norm_ sums them: the same norm to the last bit
         grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
         if grads:  # before clipping: spikes are what we want to see
@@ -307,13 +313,26 @@ class DiffexpLM(L.LightningModule):
         if logs_this_step(self.trainer):  # once per optimizer step, after every micro-batch's forward
             self._write_traces()
 
+    def _stop_if_loss_non_finite(self) -> None:
+        """One check of the step's micro-batch losses (one host sync, one all-reduce), before the optimizer step
+        and the gradient norm: a non-finite loss stops the run before it reaches the weights."""
+        losses, self._step_losses = self._step_losses, []
+        if not losses:
+            return
+        losses = torch.stack(losses)
+        finite = torch.isfinite(losses)
+        if any_rank(self.trainer, not bool(finite.all())):
+            # this rank's first non-finite loss (another rank's when all of this rank's are finite)
+            value = losses[~finite][0] if not bool(finite.all()) else losses[-1]
+            stop_with_last_finite(self.trainer, self, "train/loss", value.item(), self.optim.lr)
+
     def configure_gradient_clipping(self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None) -> None:
         """Clip by the norm on_before_optimizer_step just computed, instead of computing it again (the same
-        result as clip_grad_norm_, one pass over the gradients less); sharded, fp16-scaled or value clipping go
-        through Lightning."""
+        result as clip_grad_norm_, one pass over the gradients less; under FSDP2 the full norm, the all-reduce of
+        its shards', as torchtitan clips); FSDP1-sharded, fp16-scaled or value clipping go through Lightning."""
         norm, self._unclipped_norm = getattr(self, "_unclipped_norm", None), None
-        clips_here = getattr(self.trainer.precision_plugin, "scaler", None) is None and not isinstance(
-            self.trainer.strategy, FSDP2Strategy) and gradient_clip_algorithm in (None, "norm")
+        clips_here = getattr(self.trainer.precision_plugin, "scaler", None) is None and gradient_clip_algorithm in (
+            None, "norm")
         if not gradient_clip_val or norm is None or not clips_here:
             return super().configure_gradient_clipping(optimizer, gradient_clip_val, gradient_clip_algorithm)
         params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
@@ -389,7 +408,7 @@ class DiffexpLM(L.LightningModule):
         opt = torch.optim.AdamW(
             [{"params": decay, "weight_decay": self.optim.weight_decay},
              {"params": no_decay, "weight_decay": 0.0}],
-            lr=self.optim.lr, betas=tuple(self.optim.betas), eps=self.optim.eps,
+            lr=self.optim.lr, betas=tuple(self.optim.betas), eps=self.optim.eps, **adamw_kernel(self.device),
         )
         total = self.schedule_steps()
         warmup, min_ratio = self.optim.warmup_steps, self.optim.min_lr_ratio

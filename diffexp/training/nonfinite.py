@@ -1,9 +1,9 @@
 """Stop at the first non-finite loss or gradient norm, before it reaches the weights or a checkpoint.
 
-DiffexpLM checks train/loss before backward and train/grad_norm before the optimizer step, while the weights and
-optimizer state are still the step's finite ones: they are saved as checkpoints/last-finite-step<N>.ckpt and the
-run stops with NonFiniteError, which says what to change and how to resume, and carries {"step", "reason"}
-(`NonFiniteError.divergence`) for a sweep trial to record as "diverged".
+DiffexpLM checks the step's micro-batch train/loss values, then train/grad_norm, once per optimizer step and
+before it, while the weights and optimizer state are still the step's finite ones: they are saved as
+checkpoints/last-finite-step<N>.ckpt and the run stops with NonFiniteError, which says what to change and how to
+resume, and carries {"step", "reason"} (`NonFiniteError.divergence`) for a sweep trial to record as "diverged".
 """
 
 from __future__ import annotations

@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 import lightning as L
+import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 from diffexp.parallel.memory import peak_line
@@ -27,7 +28,12 @@ class RunReport(L.Callback):
     def __init__(self) -> None:
         self.started = time.time()
         self.tokens_per_s: list[float] = []
-        self.train_loss: float | None = None
+        self._train_loss: torch.Tensor | float | None = None
+
+    @property
+    def train_loss(self) -> float | None:
+        """The last micro-batch's train loss (the mean over ranks)."""
+        return None if self._train_loss is None else float(self._train_loss)
 
     def on_fit_start(self, trainer, pl_module) -> None:
         self.started = time.time()
@@ -43,8 +49,8 @@ class RunReport(L.Callback):
         loss = getattr(pl_module, "last_train_loss", None)
         if loss is None:
             loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
-        if loss is not None:
-            self.train_loss = float(loss)
+        if loss is not None:  # read as a float when the run ends (train_loss): no host sync per micro-batch
+            self._train_loss = loss.detach() if isinstance(loss, torch.Tensor) else loss
 
     def on_validation_end(self, trainer, pl_module) -> None:
         if trainer.sanity_checking or not trainer.is_global_zero or _shows_live_bar(trainer):

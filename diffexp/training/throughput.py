@@ -5,6 +5,7 @@ from __future__ import annotations
 import warnings
 
 from lightning.pytorch.callbacks import ThroughputMonitor
+from lightning.pytorch.utilities import rank_zero_only
 
 from diffexp.errors import UserError
 from diffexp.gpu_peaks import peak_flops
@@ -26,7 +27,11 @@ class Throughput(ThroughputMonitor):
     Args:
         peak_tflops: peak dense TFLOP/s of one device for MFU, for GPUs Lightning does not know
             (e.g. 989 for an H100/H200 SXM in bf16). None: the device's (diffexp.gpu_peaks; none on CPU).
-        window_size: batches averaged in each reading.
+        window_size: optimizer steps averaged in each reading.
+
+    One reading per optimizer step, not per micro-batch: each reading waits for the GPU (cuda.synchronize), which
+    between the micro-batches of a step would only stall the host. The micro-batches still count in batches,
+    samples and lengths, and their FLOPs in the step's reading.
     """
 
     def __init__(self, peak_tflops: float | None = None, window_size: int = 20) -> None:
@@ -34,6 +39,25 @@ class Throughput(ThroughputMonitor):
             raise UserError(f"throughput.peak_tflops={peak_tflops!r} is invalid: expected a positive number")
         super().__init__(batch_size_fn=_rows, length_fn=_tokens, window_size=window_size)
         self.peak_tflops = peak_tflops
+        self._step_flops = 0.0  # the FLOPs of the step's micro-batches before its last
+
+    @rank_zero_only
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, *args) -> None:
+        if trainer.fit_loop._should_accumulate():
+            stage = trainer.state.stage
+            self._samples[stage] += _rows(batch)
+            self._lengths[stage] += _tokens(batch)
+            self._batches[stage] += 1
+            self._step_flops += getattr(pl_module, "flops_per_batch", 0.0)
+            return
+        flops, earlier, self._step_flops = getattr(pl_module, "flops_per_batch", None), self._step_flops, 0.0
+        if flops is not None:  # Lightning's reading takes flops_per_batch as the FLOPs since the last reading
+            pl_module.flops_per_batch = flops + earlier
+        try:
+            super().on_train_batch_end(trainer, pl_module, outputs, batch, *args)
+        finally:
+            if flops is not None:
+                pl_module.flops_per_batch = flops
 
     def setup(self, trainer, pl_module, stage: str) -> None:
         flops = self.peak_flops(trainer)

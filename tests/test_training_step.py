@@ -1,0 +1,126 @@
+"""The training step without waste (issue 54, part 2): one compiled graph for every layer of a variant, the
+chunked cross-entropy against the plain one, fused/foreach AdamW."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch._dynamo.testing import CompileCounter
+
+from diffexp.model import Decoder
+from diffexp.model.compile import compile_blocks
+from diffexp.model.config import ModelConfig
+
+
+def _graphs(attention: str, n_layers: int) -> int:
+    torch._dynamo.reset()
+    counter = CompileCounter()
+    cfg = ModelConfig(attention=attention, n_layers=n_layers, d_model=32, n_heads=2, vocab_size=64, max_seq_len=16,
+                      backend="sdpa")
+    model = Decoder(cfg)
+    assert compile_blocks(model.blocks, torch.device("cpu"), backend=counter) is None
+    model(torch.randint(0, 64, (2, 16)))
+    return counter.frame_count
+
+
+@pytest.mark.parametrize("attention", ["baseline", "diff_v1", "shared_diff", "dint", "diff_v2"])
+def test_compiled_blocks_share_one_graph_across_layers(attention):
+    """Layers differ only in lambda_init (depth-dependent): 4 layers compile no more graphs than 1 (a Python
+    float attribute would be a guard, one graph per layer until the recompile limit, then eager)."""
+    assert _graphs(attention, 4) == _graphs(attention, 1)
+
+
+def test_adamw_fused_on_cuda_foreach_elsewhere():
+    from diffexp.training.module import DiffexpLM, adamw_kernel
+
+    assert adamw_kernel(torch.device("cuda", 0)) == {"fused": True}
+    assert adamw_kernel(torch.device("cpu")) == {"foreach": True}
+    module = DiffexpLM(ModelConfig(n_layers=1, d_model=16, n_heads=2, vocab_size=32, max_seq_len=8))
+    module.optim = module.optim.__class__(**{**module.optim.__dict__, "schedule_steps": 10})
+    optimizer = module.configure_optimizers()["optimizer"]
+    assert optimizer.defaults["foreach"] is True and not optimizer.defaults["fused"]
+
+
+def _plain_losses(hidden, weight, targets):
+    logits = hidden @ weight.T
+    return torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), targets.flatten(),
+                                             reduction="none").view_as(targets)
+
+
+@pytest.mark.parametrize("autocast", [False, True], ids=["fp32", "bf16-autocast"])
+def test_chunked_cross_entropy_matches_plain_loss_and_gradients(autocast):
+    """Per-row losses, and the gradients of the LM head weight and the hidden states, against the plain
+    F.cross_entropy(logits.float()) over the whole batch; 7 chunks of 5 rows with one short chunk."""
+    from diffexp.training.loss import token_losses
+
+    torch.manual_seed(0)
+    hidden = torch.randn(3, 11, 16, requires_grad=True)
+    weight = torch.randn(48, 16, requires_grad=True)
+    targets = torch.randint(0, 48, (3, 11))
+    grad_out = torch.rand(3, 11)  # a masked mean weighs the rows unequally
+    results = []
+    for loss_fn in (_plain_losses, lambda h, w, t: token_losses(h, w, t, chunk_logits=5 * 48)):
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            losses = loss_fn(hidden, weight, targets)
+        assert losses.dtype == torch.float32 and losses.shape == targets.shape
+        grads = torch.autograd.grad((losses * grad_out).sum(), (hidden, weight))
+        results.append((losses.detach(), *grads))
+    tol = {"rtol": 1e-2, "atol": 1e-2} if autocast else {"rtol": 1e-5, "atol": 1e-6}
+    for plain, chunked in zip(*results):
+        torch.testing.assert_close(chunked, plain, **tol)
+    if not autocast:  # the same products row by row
+        torch.testing.assert_close(results[1][0], results[0][0], rtol=0, atol=1e-6)
+
+
+def test_chunked_cross_entropy_never_holds_the_whole_batch_of_logits():
+    """Peak memory of forward + backward at a 4K vocab: the chunked loss stays below the plain one by at least
+    the whole batch's fp32 logits less one chunk's."""
+    from diffexp.bench.memory import peak_bytes
+    from diffexp.training.loss import token_losses
+
+    rows, vocab, dim, chunk_rows = 2048, 4096, 64, 256
+    hidden = torch.randn(rows, dim, requires_grad=True)
+    weight = torch.randn(vocab, dim, requires_grad=True)
+    targets = torch.randint(0, vocab, (rows,))
+
+    def run(loss_fn):
+        def step():
+            loss_fn(hidden, weight, targets).mean().backward()
+            hidden.grad = weight.grad = None
+        return peak_bytes(step, torch.device("cpu"), 0)
+
+    plain = run(lambda h, w, t: torch.nn.functional.cross_entropy(h @ w.T, t, reduction="none"))
+    chunked = run(lambda h, w, t: token_losses(h, w, t, chunk_logits=chunk_rows * vocab))
+    if plain is None or chunked is None:
+        pytest.skip("the CPU profiler's memory events are not available here")
+    whole_logits = rows * vocab * 4
+    assert plain - chunked >= whole_logits - 2 * chunk_rows * vocab * 4, (plain, chunked)
+
+
+@pytest.mark.slow
+def test_throughput_reads_once_per_optimizer_step_and_counts_every_micro_batch(tmp_path, monkeypatch):
+    """Two micro-batches per step (global_batch.rows 8, data.batch_size 4): one reading per step, whose FLOPs and
+    samples are both micro-batches', so FLOPs/s over samples/s is exactly the FLOPs of one row."""
+    from lightning.fabric.utilities.throughput import Throughput
+
+    from diffexp.cli import main
+    from tests.helpers import scalars, write_recipe
+
+    monkeypatch.chdir(tmp_path)
+    readings = []
+    update = Throughput.update
+    monkeypatch.setattr(Throughput, "update", lambda self, **kw: (readings.append(kw), update(self, **kw))[1])
+    main(["fit", "--config", str(write_recipe(tmp_path, max_steps=6)), "--global_batch.rows", "8",
+          "--throughput.window_size=2", "--trainer.limit_val_batches=0"])
+    assert [r["batches"] for r in readings] == [2, 4, 6, 8, 10, 12]  # one reading (and sync) per step
+    logged = scalars(tmp_path / "runs/run/version_0")
+    flops, samples = logged["train/device/flops_per_sec"], logged["train/device/samples_per_sec"]
+    batches = dict(logged["train/batches"])
+    assert len(flops) >= 2 and [s for s, _ in flops] == [s for s, _ in samples]
+    assert all(batches[step] == 2 * (step + 1) for step in batches)  # every micro-batch counted
+    checkpoint = torch.load(tmp_path / "runs/run/version_0/checkpoints/last.ckpt", weights_only=True)
+    arch = ModelConfig(**checkpoint["hyper_parameters"]["arch"])
+    seq_len = round(logged["train/lengths"][-1][1] / logged["train/samples"][-1][1])  # tokens per row
+    per_row = seq_len * Decoder(arch).flops_per_token(seq_len, training=True)
+    for (_, f), (_, n) in zip(flops, samples):
+        assert f / n == pytest.approx(per_row, rel=1e-6)
