@@ -1,7 +1,7 @@
 """`diffexp bench train`: training-step cost of every attention variant relative to the reference, side by side.
 
-A step is forward, cross-entropy, backward and AdamW; its time is the median over diffexp.bench.timing's rounds,
-its peak memory that of one extra untimed step, state included. On CPU the batch is capped at
+A step is forward, cross-entropy, backward and AdamW, as `diffexp fit` takes it (its chunked loss and AdamW
+kernel); its time is the median over diffexp.bench.timing's rounds, its peak memory that of one extra untimed step, state included. On CPU the batch is capped at
 ``--tokens-per-batch`` tokens (all variants at the same batch). Details: bench/README.md.
 """
 
@@ -144,16 +144,21 @@ class StepRunner:
         # model FLOPs of one training step (forward + backward, causal attention counted once)
         self.flops_per_step = tokens.shape[0] * (tokens.shape[1] - 1) * self.model.flops_per_token(
             tokens.shape[1] - 1, training=True)
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=1e-4, weight_decay=0.1)
+        from diffexp.training.module import adamw_kernel
+
+        # the step `diffexp fit` takes: its AdamW kernel, its chunked LM head and loss (diffexp.training.loss)
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=1e-4, weight_decay=0.1,
+                                           **adamw_kernel(device))
         self.inputs, self.targets = tokens[:, :-1], tokens[:, 1:]
         self.autocast = lambda: workload.autocast(args, device)
         self.clock = timing.Stopwatch(device)
 
     def step(self) -> None:
+        from diffexp.training.loss import token_losses
+
         with self.autocast():
-            logits = self.model(self.inputs)
-        loss = self.torch.nn.functional.cross_entropy(logits.float().reshape(-1, logits.shape[-1]),
-                                                      self.targets.reshape(-1))
+            hidden = self.model(self.inputs, head=False)
+            loss = token_losses(hidden, self.model.lm_head.weight, self.targets).mean()
         loss.backward()
         self.optimizer.step()
         # at the end, so no gradient outlives the step (the CPU memory count starts from none)
