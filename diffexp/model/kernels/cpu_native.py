@@ -32,8 +32,6 @@ from pathlib import Path
 import torch
 
 SOURCE = Path(__file__).with_name("cpu") / "two_map_attention.cpp"
-#: a decoding step's products (cached_step.py), built into the same library
-STEP_SOURCE = SOURCE.with_name("decode_step.cpp")
 #: set to 0 to never build the kernel (the PyTorch-ops pass runs instead)
 SWITCH = "DIFFEXP_CPU_KERNEL"
 #: query rows per block: 64 for the two maps, 32 for DINT (measured fastest on 2 cores at T 512 and 2048)
@@ -67,7 +65,7 @@ def unavailable_reason() -> str | None:
     _ensure_ninja_on_path()
     started = time.perf_counter()
     try:
-        cpp_extension.load(name=name, sources=[str(SOURCE), str(STEP_SOURCE)], is_python_module=False, verbose=False,
+        cpp_extension.load(name=name, sources=[str(SOURCE)], is_python_module=False, verbose=False,
                            extra_cflags=["-O3", "-fopenmp", *_ALIGN_FLAGS, *_VECTOR_FLAGS.get(capability, [])],
                            extra_ldflags=["-fopenmp"])
     except Exception as error:  # no compiler, no ninja, a BLAS without sgemm_: the PyTorch-ops pass runs instead
@@ -101,30 +99,6 @@ def _register_fakes() -> None:
     @lib.register_fake("diffexp_cpu::dint_backward")
     def _(grad_out, q1, q2, k1, k2, v, lam, gamma, lse, col_sums, scale, block_rows):
         return [torch.empty_like(t) for t in (q1, q2, k1, k2, v, lam, lam)]
-
-    @lib.register_fake("diffexp_cpu::step_probabilities")
-    def _(q, k, lengths, scale):
-        return q.new_empty(*q.shape[:3], k.shape[2])
-
-    @lib.register_fake("diffexp_cpu::step_attention")
-    def _(q, k, v, lengths, scale):
-        return q.new_empty(*q.shape[:3], v.shape[3])
-
-    @lib.register_fake("diffexp_cpu::step_pair_attention")
-    def _(q, k, v, lam, lengths, scale):
-        return q.new_empty(q.shape[0], q.shape[1], q.shape[2] // 2, v.shape[3])
-
-    @lib.register_fake("diffexp_cpu::step_two_map_attention")
-    def _(q1, k1, q2, k2, v, lam, lengths, scale):
-        return q1.new_empty(*q1.shape[:3], v.shape[3])
-
-    @lib.register_fake("diffexp_cpu::step_dint_attention")
-    def _(q1, k1, q2, k2, v, lam, gamma, col_sums, positions, lengths, scale, softmax_integral):
-        return q1.new_empty(*q1.shape[:3], v.shape[3])
-
-    @lib.register_fake("diffexp_cpu::step_values")
-    def _(weights, v, lengths):
-        return weights.new_empty(*weights.shape[:3], v.shape[3])
 
 
 _warned: list[bool] = []
@@ -202,55 +176,3 @@ def two_map(q1, q2, k1, k2, v, lam, block_rows: int = TWO_MAP_BLOCK) -> torch.Te
 def dint_head(q1, q2, k1, k2, v, lam, gamma: torch.Tensor, block_rows: int = DINT_BLOCK) -> torch.Tensor:
     """(A1 - lambda A2 + gamma A3) V, DINT's softmax integral; shapes as `two_map`, lam and gamma 0-d."""
     return NativeDint.apply(q1, q2, k1, k2, v, _lambda_rows(lam, q1), gamma, block_rows)
-
-
-def runs_step(*tensors: torch.Tensor) -> bool:
-    """Whether a decoding step's products can run in the kernel: fp32 CPU tensors with no gradient to track."""
-    return (all(t.device.type == "cpu" and t.dtype == torch.float32 and t.stride(-1) == 1 for t in tensors)
-            and not (torch.is_grad_enabled() and any(t.requires_grad for t in tensors)) and available())
-
-
-def step_probabilities(q: torch.Tensor, k: torch.Tensor, lengths: torch.Tensor | None) -> torch.Tensor:
-    """softmax(q k^T / sqrt(d)) over each batch row's first `lengths[b]` keys (zeros past them; all keys when
-    None). q: (B, g, rows, d), the query rows of each GQA group; k: (B, g, S, d). Returns (B, g, rows, S) fp32."""
-    return torch.ops.diffexp_cpu.step_probabilities(q, k, lengths, q.shape[-1] ** -0.5)
-
-
-def step_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: torch.Tensor | None) -> torch.Tensor:
-    """softmax(q k^T / sqrt(d)) v over each batch row's first `lengths[b]` keys, in one pass over K and one over V.
-    q: (B, g, rows, d); k: (B, g, S, d); v: (B, g, S, dv). Returns (B, g, rows, dv) fp32."""
-    return torch.ops.diffexp_cpu.step_attention(q, k, v, lengths, q.shape[-1] ** -0.5)
-
-
-def step_pair_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lam: torch.Tensor,
-                        lengths: torch.Tensor | None) -> torch.Tensor:
-    """(softmax(q_2i k^T / sqrt(d)) - lam_i softmax(q_2i+1 k^T / sqrt(d))) v for the pairs of query rows that read
-    one K (DIFF V2's), over each batch row's first `lengths[b]` keys. q: (B, g, 2 pairs, d), pair i in rows 2i and
-    2i + 1; k: (B, g, S, d); v: (B, g, S, dv); lam: (B, g, pairs) or (B, g * pairs), contiguous. Returns
-    (B, g, pairs, dv) fp32."""
-    return torch.ops.diffexp_cpu.step_pair_attention(q, k, v, lam, lengths, q.shape[-1] ** -0.5)
-
-
-def step_two_map_attention(q1: torch.Tensor, k1: torch.Tensor, q2: torch.Tensor, k2: torch.Tensor, v: torch.Tensor,
-                           lam: torch.Tensor, lengths: torch.Tensor | None) -> torch.Tensor:
-    """(softmax(q1 k1^T / sqrt(d)) - lam softmax(q2 k2^T / sqrt(d))) v, row by row, over each batch row's first
-    `lengths[b]` keys. q1, q2: (B, g, rows, d); k1, k2: (B, g, S, d); v: (B, g, S, dv); lam: (B, g, rows) or
-    (B, g * rows), contiguous.
-    Returns (B, g, rows, dv) fp32."""
-    return torch.ops.diffexp_cpu.step_two_map_attention(q1, k1, q2, k2, v, lam, lengths, q1.shape[-1] ** -0.5)
-
-
-def step_dint_attention(q1: torch.Tensor, k1: torch.Tensor, q2: torch.Tensor, k2: torch.Tensor, v: torch.Tensor,
-                        lam: torch.Tensor, gamma: torch.Tensor, col_sums: torch.Tensor, positions: torch.Tensor,
-                        lengths: torch.Tensor | None, softmax_integral: bool) -> torch.Tensor:
-    """DINT's step: (A1 - lam A2 + gamma A3) v with A_m = softmax(q_m k_m^T / sqrt(d)) over each batch row's first
-    `lengths[b]` keys, and A3 the integral of the row at positions[b]: G = (col_sums + A1) / (positions[b] + 1),
-    softmax over the visible keys (softmax_integral) or G itself. col_sums (B, g * rows, >= S) gains A1 in place.
-    q1, q2: (B, g, rows, d); lam: (B, g * rows), contiguous; gamma: one fp32 value. Returns (B, g, rows, dv) fp32."""
-    return torch.ops.diffexp_cpu.step_dint_attention(q1, k1, q2, k2, v, lam, gamma, col_sums, positions, lengths,
-                                                     q1.shape[-1] ** -0.5, softmax_integral)
-
-
-def step_values(weights: torch.Tensor, v: torch.Tensor, lengths: torch.Tensor | None) -> torch.Tensor:
-    """weights @ v over each batch row's first `lengths[b]` keys. weights: (B, g, rows, S); v: (B, g, S, dv)."""
-    return torch.ops.diffexp_cpu.step_values(weights, v, lengths)
