@@ -141,3 +141,30 @@ def test_switch_and_broken_build_give_reasons_not_errors(monkeypatch, tmp_path):
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "build"))  # never the real kernel's build directory
     reason = cpu_native.unavailable_reason.__wrapped__()
     assert reason is not None and reason.startswith("building broken.cpp failed")
+
+
+def test_the_build_is_keyed_by_its_source(monkeypatch, tmp_path):
+    """Two checkouts with different kernel sources on one machine build under different names, never each other's."""
+    capability = torch.backends.cpu.get_cpu_capability()
+    name, flags, directory = cpu_native._build_settings(capability)
+    copy = tmp_path / "two_map_attention.cpp"
+    copy.write_bytes(cpu_native.SOURCE.read_bytes())
+    monkeypatch.setattr(cpu_native, "SOURCE", copy)
+    assert cpu_native._build_settings(capability)[0] == name  # the same source: the same build
+    copy.write_bytes(copy.read_bytes() + b"\n// changed\n")
+    other, _, other_directory = cpu_native._build_settings(capability)
+    assert other != name and other_directory != directory
+
+
+def test_the_build_says_compiled_only_when_it_compiled_and_only_on_stderr(monkeypatch, tmp_path, capfd):
+    source = tmp_path / "tiny.cpp"
+    source.write_text("int diffexp_tiny() { return 1; }\n")
+    monkeypatch.setattr(cpu_native, "SOURCE", source)
+    monkeypatch.setattr(cpu_native, "_register_fakes", lambda: None)  # the tiny library defines no ops
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "build"))
+    assert cpu_native.unavailable_reason.__wrapped__() is None
+    out, err = capfd.readouterr()
+    assert "compiled the CPU attention kernel" in err and "compiled" not in out
+    assert cpu_native.unavailable_reason.__wrapped__() is None  # built before: loaded, not compiled
+    out, err = capfd.readouterr()
+    assert "compiled" not in err and "compiled" not in out

@@ -13,15 +13,16 @@ Only Q, K, V and the maps' row logsumexps are saved; backward recomputes each bl
               dG = gamma A3 (dA - rowsum(A3 dA)); forward carries A1's column sums down the rows, backward
               peels them off going up (one task per head), so memory stays O(block x T).
 
-The kernel is compiled on first use with the C++ compiler torch's extensions use (about 10 s on 2 cores; cached
-under torch's extension directory, keyed by the source and the CPU's vector width). Where it cannot be built (no
-compiler, no BLAS symbol, DIFFEXP_CPU_KERNEL=0) the model falls back, with one warning, to the same math in
-PyTorch ops (blocked_two_map.py, dint_integral.py). fp32 math; other dtypes are cast in and out.
+The kernel is compiled on first use with the C++ compiler torch's extensions use (about 10 s on 2 cores; kept
+under torch's extension directory, keyed by a digest of the source, the build flags and torch's version). Where it
+cannot be built (no compiler, no BLAS symbol, DIFFEXP_CPU_KERNEL=0) the model falls back, with one warning, to the
+same math in PyTorch ops (blocked_two_map.py, dint_integral.py). fp32 math; other dtypes are cast in and out.
 """
 
 from __future__ import annotations
 
 import functools
+import hashlib
 import os
 import shutil
 import sys
@@ -53,6 +54,19 @@ def _ensure_ninja_on_path() -> None:
         os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
 
 
+def _build_settings(capability: str) -> tuple[str, list[str], Path]:
+    """The extension's name, its compiler flags and its build directory. The name carries a digest of the source,
+    the flags and torch's version: two checkouts on one machine, or two versions of the source, build and keep
+    their own library instead of rebuilding each other's."""
+    from torch.utils import cpp_extension
+
+    flags = ["-O3", "-fopenmp", *_ALIGN_FLAGS, *_VECTOR_FLAGS.get(capability, [])]
+    digest = hashlib.sha256(SOURCE.read_bytes())
+    digest.update("\0".join([*flags, capability, torch.__version__]).encode())
+    name = f"diffexp_cpu_attention_{digest.hexdigest()[:16]}"
+    return name, flags, Path(cpp_extension.get_default_build_root()) / "diffexp" / name
+
+
 @functools.cache
 def unavailable_reason() -> str | None:
     """None once the kernel is loaded (built on the first call), else why it cannot run."""
@@ -61,20 +75,22 @@ def unavailable_reason() -> str | None:
     from torch.utils import cpp_extension
 
     capability = torch.backends.cpu.get_cpu_capability()
-    name = f"diffexp_cpu_attention_{capability.lower().replace(' ', '_')}"
     _ensure_ninja_on_path()
     started = time.perf_counter()
     try:
+        name, flags, build_directory = _build_settings(capability)
+        library = build_directory / f"{name}.so"
+        built_before = library.exists()
+        build_directory.mkdir(parents=True, exist_ok=True)
         cpp_extension.load(name=name, sources=[str(SOURCE)], is_python_module=False, verbose=False,
-                           extra_cflags=["-O3", "-fopenmp", *_ALIGN_FLAGS, *_VECTOR_FLAGS.get(capability, [])],
-                           extra_ldflags=["-fopenmp"])
+                           extra_cflags=flags, extra_ldflags=["-fopenmp"], build_directory=str(build_directory))
     except Exception as error:  # no compiler, no ninja, a BLAS without sgemm_: the PyTorch-ops pass runs instead
         first_line = (str(error).strip().splitlines() or [type(error).__name__])[0]
         return f"building {SOURCE.name} failed: {first_line[:300]}"
     _register_fakes()
-    took = time.perf_counter() - started
-    if took > 2:
-        print(f"diffexp: compiled the CPU attention kernel in {took:.0f} s (cached for later runs)", file=sys.stderr)
+    if not built_before:  # stderr: never into text a command writes on stdout
+        print(f"diffexp: compiled the CPU attention kernel in {time.perf_counter() - started:.0f} s "
+              f"({build_directory}, kept for later runs)", file=sys.stderr)
     return None
 
 
