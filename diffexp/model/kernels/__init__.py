@@ -146,7 +146,7 @@ def _triton_head(q1, q2, k1, k2, v, lam, integral):
 
     if integral is None:
         return differential_attention(q1, q2, k1, k2, v, lam)[0]
-    from diffexp.model.kernels.triton_dint_integral import dint_integral
+    from diffexp.kernels.triton_dint import dint_integral
 
     mean = integral.kind == "mean"
     out, out1, lse1 = differential_attention(q1, q2, k1, k2, v, lam, want_out1=mean)
