@@ -14,6 +14,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "diffexp"
 FLOORS = [
     ("foundation", ["diffexp.errors", "diffexp.secrets", "diffexp.checkpoint_io", "diffexp.gpu_peaks"]),
     ("data", ["diffexp.data"]),
+    ("kernels", ["diffexp.kernels"]),
     ("model", ["diffexp.model", "diffexp.hf"]),
     ("parallel", ["diffexp.parallel"]),
     ("training", ["diffexp.training"]),

@@ -76,7 +76,7 @@ def test_compiled_two_map_blocks_keep_the_cpu_kernel_in_one_graph(attention, ext
     from tests.helpers import require_cpu_kernel
 
     require_cpu_kernel()
-    torch._dynamo.reset()  # the other tests compiled the same block code: fullgraph fails past the recompile limit
+    torch.compiler.reset()  # the other tests compiled the same block code: fullgraph fails past the recompile limit
     torch.manual_seed(0)
     cfg = ModelConfig(attention=attention, d_model=32, n_layers=1, n_heads=2, vocab_size=61, max_seq_len=32, **extra)
     block = Decoder(cfg).blocks[0]

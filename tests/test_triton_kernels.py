@@ -18,10 +18,10 @@ REASON = unavailable_reason(DEVICE)
 if REASON is not None:
     pytest.skip(f"the Triton kernels cannot run here: {REASON}", allow_module_level=True)
 
+from diffexp.kernels.triton_dint import dint_integral  # noqa: E402
 from diffexp.model.kernels.per_map import integral_map  # noqa: E402
 from diffexp.model.kernels.single_map import attend, causal_logits, causal_softmax, expand_kv  # noqa: E402
 from diffexp.model.kernels.triton_diff_attention import differential_attention  # noqa: E402
-from diffexp.model.kernels.triton_dint_integral import dint_integral  # noqa: E402
 
 F64, F32 = torch.float64, torch.float32
 TOLERANCE = {F64: dict(rtol=1e-10, atol=1e-10), F32: dict(rtol=2e-5, atol=2e-5)}

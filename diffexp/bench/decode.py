@@ -116,13 +116,12 @@ def choose_modes(args: argparse.Namespace) -> list[str]:
     import torch
 
     from diffexp.model.compile import compile_unavailable
-    from diffexp.model.decoder import step_compile_options
 
     wanted = list(dict.fromkeys(args.modes or MODES))
     if "compiled" not in wanted:
         return wanted
     device = torch.device(args.device)
-    reason = compile_unavailable(device, options=step_compile_options(device))
+    reason = compile_unavailable(device)
     if reason is None:
         return wanted
     if args.modes:
@@ -243,7 +242,7 @@ def run(args: argparse.Namespace, save_finished: Callable[[dict], None] = lambda
             prompt = workload.random_tokens(args, batch, context, context, device)
             progress.log(f"{label}: prefilling {len(variants)} models ({', '.join(modes)}), then {args.new_tokens} "
                          "tokens per run" + (" (compiling each step first)" if "compiled" in modes else ""))
-            torch._dynamo.reset()  # one compiled step per model; the previous shape's models are gone
+            torch.compiler.reset()  # one compiled step per model; the previous shape's models are gone
             runners = {f"{v} {mode}": DecodeRunner(args, v, prompt, device, mode) for mode in modes for v in variants}
             samples, peaks, profiles = timing.measure(runners, args, progress, label,
                                                       headline="decode_token_times_s")

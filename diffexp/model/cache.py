@@ -119,8 +119,6 @@ class DecoderCache:
         self.stepping = False
         self.read_length = 0  # positions a step reads
         self._positions_current = False  # whether `positions` holds `lengths` (kept so by `advance` after a step)
-        #: the compiled step (and grad modes) a step on this cache passed every guard of (Decoder.decode_step)
-        self.checked_step: tuple | None = None
 
     @property
     def lengths(self) -> list[int]:

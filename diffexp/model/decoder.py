@@ -6,8 +6,6 @@
 
 from __future__ import annotations
 
-import contextlib
-import functools
 import hashlib
 import inspect
 import math
@@ -22,40 +20,11 @@ from diffexp.model.blocks import DecoderBlock, RMSNorm
 from diffexp.model.cache import DecoderCache
 from diffexp.model.compile import compile_unavailable
 from diffexp.model.config import ModelConfig
-from diffexp.model.step_products import step_pass
 
 
 def named_seed(seed: int, name: str) -> int:
     """A seed for the weights of module `name` in a run seeded `seed` (stable across processes and machines)."""
     return int.from_bytes(hashlib.sha256(f"{seed}/{name}".encode()).digest()[:8], "little") >> 1
-
-
-@functools.cache
-def _cpu_step_options() -> dict:
-    """Inductor's options for a CPU decoding step. A batch-1 step's products with the weights are GEMVs, bound by
-    reading the weights: inductor's decompose_mm_pass writes them as vector sums fused with their neighbours
-    instead of one MKL call each, which is faster for one row (skipped where this torch lacks the pass).
-    cpp_wrapper: the step's wrapper (its buffers, views and calls) in C++, not Python. That cost comes on every
-    token and grows with a step's inputs and buffers, which the variants have more of than the baseline.
-    size_asserts off: the wrapper would check the size and stride of every input and extern output on each token;
-    the inputs are guarded by dynamo already, and the compiled step is tested equal to eager.
-    freezing: the weights enter the graph as constants, not as ~60 inputs handed over on every token, and what
-    depends on weights alone (DIFF V1's lambda) is computed once; such a step may read copies made when it was
-    compiled, so `decode_step` compiles it again after a weight changes. weight_prepack off: with freezing, the
-    linears would otherwise go to oneDNN's packed GEMM, slower for one row. `compile_decoding` adds the pre-pass
-    that splits those vector sums in two, so each loop runs two at once, and above batch 1 joins narrow products
-    to the others of their input (diffexp/model/step_products.py)."""
-    options: dict = {"size_asserts": False, "cpp_wrapper": True, "freezing": True, "cpp.weight_prepack": False}
-    try:
-        import torch._inductor.fx_passes.decompose_mem_bound_mm  # noqa: F401 - the pass registers on import
-    except ImportError:
-        return options
-    return {**options, "post_grad_fusion_options": {"decompose_mm_pass": {}}}
-
-
-def step_compile_options(device: torch.device, mode: str = "default") -> dict | None:
-    """Inductor's options for the compiled decoding step on `device` in `mode` (None: the mode's own)."""
-    return _cpu_step_options() if device.type == "cpu" and mode == "default" else None
 
 
 class Decoder(nn.Module):
@@ -145,68 +114,17 @@ class Decoder(nn.Module):
         cache.begin(token.shape[0], 1, token.device, step=True)
         token = token.contiguous()  # one layout for the compiled step, whatever tensor the ids were sliced from
         compiled = self._compiled_step is not None and cache.static  # a growing cache would recompile each step
-        logits = self._run_compiled_step(token, cache) if compiled else self._step_logits(token, cache)
+        logits = self._compiled_step(token, cache) if compiled else self._step_logits(token, cache)
         if compiled and self._compiled_mode == "reduce-overhead":
             logits = logits.clone()  # a CUDA graph writes its next replay's output into this same memory
         cache.advance(1)
         return logits
-
-    def _run_compiled_step(self, token: torch.Tensor, cache: DecoderCache) -> torch.Tensor:
-        """The compiled step. Before each call dynamo checks its guards: over a thousand, on the modules, their flags
-        and the cache's layout, a tenth of a CPU step. Once a step on this cache passed them all, later steps on it
-        without grad check only the guards on the cache's, RoPE's and the token's tensors, as
-        torch.compiler.set_stance(skip_guard_eval_unsafe) does: nothing else a step reads changes between two steps
-        on one cache. A model moved to another dtype or device fails RoPE's tables' guards; then every guard is
-        checked again."""
-        if cache.checked_step is None and self._weights_changed():  # a frozen step holds the weights it was built on
-            mode, self._compiled_step, self._compiled_mode = self._compiled_mode, None, None
-            if self.compile_decoding(mode) is not None:  # torch.compile stopped working here
-                return self._step_logits(token, cache)
-        checked = (self._compiled_step, torch.is_grad_enabled(), torch.is_inference_mode_enabled())
-        if cache.checked_step == checked and not torch.is_grad_enabled():
-            try:
-                with torch.compiler.set_stance(skip_guard_eval_unsafe=True):
-                    return self._compiled_step(token, cache)
-            except RuntimeError as err:  # a tensor's guard failed (dynamo would recompile): check every guard
-                if "skip_guard_eval_unsafe" not in str(err):
-                    raise
-        with self._tracing_settings():  # this call may trace and compile the step
-            logits = self._compiled_step(token, cache)
-        cache.checked_step = checked
-        return logits
-
-    def _tracing_settings(self):
-        """Inductor's freezing must be on while dynamo traces, not only in inductor's options: dynamo decides then
-        whether the weights are inputs or constants."""
-        if not self._frozen_step():
-            return contextlib.nullcontext()
-        import torch._inductor.config
-
-        return torch._inductor.config.patch(freezing=True)
 
     def _step_logits(self, token: torch.Tensor, cache: DecoderCache) -> torch.Tensor:
         return self._logits(token, cache)[:, -1]
 
     _compiled_step = None
     _compiled_mode: str | None = None
-    _compile_options: dict | None = None
-    _compiled_weights: tuple = ()
-
-    def _weight_versions(self) -> tuple:
-        """Each weight and buffer, its storage and its in-place write count: any change (an optimizer step,
-        load_state_dict, a `.data` swap) changes the tuple."""
-        def version(t):
-            try:
-                return t._version
-            except RuntimeError:  # an inference tensor keeps no count; its storage still identifies it
-                return None
-        return tuple((id(t), t.data_ptr(), version(t)) for t in (*self.parameters(), *self.buffers()))
-
-    def _frozen_step(self) -> bool:
-        return self._compiled_step is not None and bool((self._compile_options or {}).get("freezing"))
-
-    def _weights_changed(self) -> bool:
-        return self._frozen_step() and self._compiled_weights != self._weight_versions()
 
     def compile_decoding(self, mode: str | None = None) -> str | None:
         """Compile `decode_step` with torch.compile (inductor; CUDA graphs on a GPU with mode "reduce-overhead",
@@ -216,30 +134,12 @@ class Decoder(nn.Module):
             mode = "reduce-overhead" if device.type == "cuda" else "default"
         if self._compiled_mode == mode:
             return None
-        options = step_compile_options(device, mode)
-        if options is not None and options.get("freezing"):
-            options = self._keyed_to_weights(options)
-        reason = compile_unavailable(device, options=options)
+        reason = compile_unavailable(device)
         if reason is not None:
             return reason
-        settings = {"mode": mode} if options is None else {"options": options}  # torch.compile takes one, not both
-        self._compiled_step = torch.compile(self._own_step(), dynamic=False, fullgraph=True, **settings)
-        self._compiled_mode, self._compile_options = mode, options
-        self._compiled_weights = self._weight_versions() if self._frozen_step() else ()
+        self._compiled_step = torch.compile(self._own_step(), dynamic=False, fullgraph=True, mode=mode)
+        self._compiled_mode = mode
         return None
-
-    def _keyed_to_weights(self, options: dict) -> dict:
-        """A frozen step holds constants made from the weights when it was compiled (their transposed copies above
-        batch 1, DIFF V1's lambda), and inductor's graph cache keys it by the weights' shapes, not their values: a
-        model of the same shapes would get this one's constants. The pre-pass's cache key carries a digest of the
-        weights; where this torch takes no custom pass, the step skips inductor's graph cache."""
-        digest = hashlib.sha256()
-        for t in (*self.parameters(), *self.buffers()):
-            digest.update(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy())
-        products = step_pass(digest.hexdigest())
-        if products is None:
-            return {**options, "fx_graph_cache": False}
-        return {**options, "post_grad_custom_pre_pass": products}
 
     def _own_step(self):
         """`_step_logits` bound to this model through a code object of its own: dynamo keeps its compiled graphs per

@@ -35,9 +35,8 @@ def check_device(device: str) -> str:
 def check_compile(device: str) -> None:
     """--compile: torch.compile must run on the device (a C++ compiler on CPU, Triton on CUDA)."""
     from diffexp.model.compile import compile_unavailable
-    from diffexp.model.decoder import step_compile_options
 
-    reason = compile_unavailable(torch.device(device), options=step_compile_options(torch.device(device)))
+    reason = compile_unavailable(torch.device(device))
     if reason is not None:
         raise UserError(f"--compile is invalid here: torch.compile cannot run on {device} ({reason}); "
                         "leave out --compile to decode eagerly")

@@ -87,13 +87,13 @@ class AttentionBase(nn.Module):
         return attention(q, k, v, self.backend, need_weights, self.cfg.backend_fallback, cache)
 
     def two_map_head(self, q1, q2, k1, k2, v, lam, need_weights: bool = False, cache=None,
-                     integral: Integral | None = None, pairs=None):
+                     integral: Integral | None = None):
         """(A1 - lambda A2 [+ gamma A3]) V and the effective map (when computed), on this layer's backend."""
         self.record_logit_max(q1, k1)
         self.record_logit_max(q2, k2)
         return two_map_head(q1, q2, k1, k2, v, lam, backend=self.backend, integral=integral,
                             cache=cache, need_weights=need_weights,
-                            backend_fallback=self.cfg.backend_fallback, pairs=pairs)
+                            backend_fallback=self.cfg.backend_fallback)
 
     def extra_repr(self) -> str:
         return (f"layer={self.layer_idx}, heads={self.n_heads}, kv_heads={self.n_kv_heads}, "

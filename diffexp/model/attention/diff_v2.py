@@ -96,7 +96,7 @@ class DiffV2Attention(AttentionBase):
         self.record_lambda(lam)
         if self.cfg.pairing == "same":  # a pair shares K and V: one two-map head
             out, effective = self.two_map_head(q[:, self.first], q[:, self.second], k, k, v, lam, need_weights,
-                                               cache, pairs=q)
+                                               cache)
         else:  # out_p = attn[first_p] - lambda_p attn[second_p]: one call over the 2h query heads
             attn, weights = self.attend(q, k, v, need_weights, cache)
             out = attn[:, self.first] - lam * attn[:, self.second]

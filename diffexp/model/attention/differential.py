@@ -96,9 +96,8 @@ class TwoMapDifferentialAttention(AttentionBase):
         self.q_proj = self.linear(self.d_model, 2 * self.n_heads * self.head_dim)
         self.k_proj = self.linear(self.d_model, 2 * self.n_kv_heads * self.head_dim)
 
-    def project_qk(self, x: torch.Tensor, cache=None):
-        """Returns q1, q2: (B, h, T, d) and k1, k2: (B, h_kv, T, d); heads 2p / 2p+1 are maps 1 / 2. cache: the
-        layer's cache when decoding (a variant may project differently then)."""
+    def project_qk(self, x: torch.Tensor):
+        """Returns q1, q2: (B, h, T, d) and k1, k2: (B, h_kv, T, d); heads 2p / 2p+1 are maps 1 / 2."""
         q = split_heads(self.q_proj(x), 2 * self.n_heads)
         k = split_heads(self.k_proj(x), 2 * self.n_kv_heads)
         return q[:, 0::2], q[:, 1::2], k[:, 0::2], k[:, 1::2]
@@ -107,7 +106,7 @@ class TwoMapDifferentialAttention(AttentionBase):
         """Q1, Q2, K1, K2 rotated at their positions, and V: (B, h_kv, T, 2d), one V for both maps; K and V
         hold the cached positions too."""
         start = self.start_of(cache)
-        q1, q2, k1, k2 = (self.rope.rotate(t, start) for t in self.project_qk(x, cache))
+        q1, q2, k1, k2 = (self.rope.rotate(t, start) for t in self.project_qk(x))
         k1, k2, v = self.cached(cache, k1=k1, k2=k2, v=split_heads(self.v_proj(x), self.n_kv_heads))
         return q1, q2, k1, k2, v
 

@@ -23,7 +23,6 @@ from __future__ import annotations
 from typing import Literal
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from diffexp.model.attention.differential import (
@@ -89,11 +88,6 @@ class LowRankSharedProjection(nn.Module):
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return self.maps(self.base(x), self.down(x))
 
-    @property
-    def input_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """W and A: the weights X is multiplied by."""
-        return self.base.weight, self.down.weight
-
     def maps(self, base_out: torch.Tensor, down_out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Both maps' (B, n_heads, T, d) from X W (B, T, width) and X A (B, T, 2 groups r)."""
         b, t, _ = base_out.shape
@@ -124,18 +118,10 @@ class SharedDiffAttention(TwoMapDifferentialAttention):
         self.k_proj = LowRankSharedProjection(self.d_model, self.n_kv_heads, self.head_dim, cfg.rank,
                                               across_heads, cfg.lowrank_init_std, per_head)
 
-    def project_qk(self, x: torch.Tensor, cache=None):
-        if cache is not None and x.device.type != "cpu":
-            return self.joined_qk(x)
+    def project_qk(self, x: torch.Tensor):
         q1, q2 = self.q_proj(x)
         k1, k2 = self.k_proj(x)
         return q1, q2, k1, k2
-
-    def joined_qk(self, x: torch.Tensor):
-        """project_qk's four maps from one GEMM over [W_Q; A_Q; W_K; A_K] (decoding on a GPU)."""
-        weights = (*self.q_proj.input_weights, *self.k_proj.input_weights)
-        products = F.linear(x, torch.cat(weights)).split([w.shape[0] for w in weights], dim=-1)
-        return *self.q_proj.maps(*products[:2]), *self.k_proj.maps(*products[2:])
 
     def extra_repr(self) -> str:
         cfg = self.cfg

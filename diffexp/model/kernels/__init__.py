@@ -110,23 +110,20 @@ def attention(q, k, v, backend: str = "sdpa", need_weights: bool = False, backen
 
 
 def two_map_head(q1, q2, k1, k2, v, lam, *, backend: str = "sdpa", integral: Integral | None = None,
-                 cache=None, need_weights: bool = False, backend_fallback: bool = True, pairs=None):
+                 cache=None, need_weights: bool = False, backend_fallback: bool = True):
     """(A1 - lambda A2 [+ gamma A3]) V with A_m = causal softmax(Q_m K_m^T / sqrt(d)).
 
     q1, q2: (B, h, T_q, d); k1, k2: (B, h_kv, T_k, d); v: (B, h_kv, T_k, dv); head p reads kv head p // (h / h_kv).
     lam: a number, a 0-d tensor, or (B, h, T_q, 1), one per token and head. cache: the layer's LayerCache when
-    decoding (the keys hold the cached positions; in a chunk the queries are the last T_q of T_k). pairs: q1 and q2
-    interleaved in one tensor (B, 2h, T_q, d), q1 = pairs[:, 0::2], where the caller has it: a decoding step reads it
-    without a copy. Returns (B, h, T_q, dv) and the effective map (B, h, T_q, T_k) when the kernel is eager, else
-    None.
+    decoding (the keys hold the cached positions; in a chunk the queries are the last T_q of T_k). Returns
+    (B, h, T_q, dv) and the effective map (B, h, T_q, T_k) when the kernel is eager, else None.
     """
     layer_lambda = torch.is_tensor(lam) and lam.dim() == 0
     decoding = None if cache is None else "step" if cache.stepping else "chunk"
     kernel = resolve_kernel(backend, q1, need_weights, decoding, layer_lambda, integral.kind if integral else None)
     if kernel == "cached_step":
         col_sums = None if integral is None else cache.sums("col_sums", q1)
-        return two_map_step(q1, q2, k1, k2, v, lam, cache.key_lengths(), integral, col_sums, cache.positions,
-                            pairs), None
+        return two_map_step(q1, q2, k1, k2, v, lam, cache.key_lengths(), integral, col_sums, cache.positions), None
     if kernel in ("eager", "per_map"):
         return per_map_head(q1, q2, k1, k2, v, lam, integral, cache, kernel == "eager", backend,
                             backend_fallback)
@@ -149,7 +146,7 @@ def _triton_head(q1, q2, k1, k2, v, lam, integral):
 
     if integral is None:
         return differential_attention(q1, q2, k1, k2, v, lam)[0]
-    from diffexp.model.kernels.triton_dint_integral import dint_integral
+    from diffexp.kernels.triton_dint import dint_integral
 
     mean = integral.kind == "mean"
     out, out1, lse1 = differential_attention(q1, q2, k1, k2, v, lam, want_out1=mean)

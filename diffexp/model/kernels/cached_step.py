@@ -2,17 +2,13 @@
 keys, and V read once, through the combined map (A1 - lambda A2 [+ gamma A3]) of the step's row. DINT's A3 row
 comes from the column sums of A1's earlier rows, kept in the cache: O(context) state per head.
 
-The query rows of a GQA group share one pass over their K and one over their V: on CPU in fp32 through the
-kernel's step ops (cpu/decode_step.cpp), which reach the memory bound where a batched GEMM of a few rows does not,
-and weigh V by the maps' combination as they read it (DINT's A3 made in between, in one pass over A1's row);
-elsewhere through matmuls.
+The query rows of a GQA group share one product with their K and one with their V (plain matmuls; torch.compile
+fuses the rest of the step around them).
 """
 
 from __future__ import annotations
 
 import torch
-
-from diffexp.model.kernels import cpu_native
 
 
 def key_mask(lengths: torch.Tensor | None, keys: int) -> torch.Tensor | None:
@@ -25,8 +21,6 @@ def key_mask(lengths: torch.Tensor | None, keys: int) -> torch.Tensor | None:
 def probabilities(q: torch.Tensor, k: torch.Tensor, lengths: torch.Tensor | None) -> torch.Tensor:
     """softmax(q k^T / sqrt(d)) over each row's visible keys. q: (B, h_kv, rows, d), the rows of a GQA group;
     k: (B, h_kv, S, d). Returns (B, h_kv, rows, S), in fp32 at least."""
-    if cpu_native.runs_step(q, k):
-        return cpu_native.step_probabilities(q, k, lengths)
     scores = (q * q.shape[-1] ** -0.5) @ k.transpose(-1, -2)
     mask = key_mask(lengths, k.shape[-2])
     if mask is not None:
@@ -36,36 +30,19 @@ def probabilities(q: torch.Tensor, k: torch.Tensor, lengths: torch.Tensor | None
 
 def weighted_values(weights: torch.Tensor, v: torch.Tensor, lengths: torch.Tensor | None) -> torch.Tensor:
     """weights @ v: (B, h_kv, rows, S) @ (B, h_kv, S, dv); weights past each row's visible keys are 0."""
-    if cpu_native.runs_step(weights, v):
-        return cpu_native.step_values(weights, v, lengths)
     return weights.to(v.dtype) @ v
 
 
-def two_map_step(q1, q2, k1, k2, v, lam, lengths=None, integral=None, col_sums=None, positions=None, pairs=None):
+def two_map_step(q1, q2, k1, k2, v, lam, lengths=None, integral=None, col_sums=None, positions=None):
     """q1, q2: (B, h, 1, d); k1, k2: (B, h_kv, S, d); v: (B, h_kv, S, dv); lam: a number, a 0-d tensor or
     (B, h, 1, 1); lengths: (B,), the keys row b may read (the first lengths[b]), or None (all). With an `Integral`:
     col_sums (B, h, >= S), A1's column sums of the earlier rows, updated in place, and positions (B,), each row's
-    position. pairs: q1 and q2 as one tensor (B, 2h, 1, d), head 2p + m the query of map m + 1 of head p, where the
-    caller has it (DIFF V2); the kernel reads it as it is. Returns (B, h, 1, dv)."""
+    position. Returns (B, h, 1, dv)."""
     b, h, _, d = q1.shape
     h_kv, keys = k1.shape[1], k1.shape[-2]
     group = h // h_kv
 
     q1, q2 = q1.reshape(b, h_kv, group, d), q2.reshape(b, h_kv, group, d)
-    gamma = None if integral is None else integral.gamma
-    state = () if integral is None else (col_sums,)
-    if cpu_native.runs_step(q1, q2, k1, k2, v, *state) and not _tracks_grad(lam) and not _tracks_grad(gamma):
-        lam_rows = torch.as_tensor(lam, dtype=torch.float32).expand(b, h, 1, 1).reshape(b, h).contiguous()
-        if integral is not None:  # DINT: A1's row joins col_sums and makes A3 in the same op
-            gamma32 = torch.as_tensor(gamma, dtype=torch.float32).reshape(1)
-            out = cpu_native.step_dint_attention(q1, k1, q2, k2, v, lam_rows, gamma32, col_sums, positions, lengths,
-                                                 integral.kind == "softmax")
-        elif k1 is k2:  # DIFF V2's pairs: both maps' rows in one pass over the shared K, a pair's rows side by side
-            rows = torch.stack((q1, q2), dim=3) if pairs is None else pairs
-            out = cpu_native.step_pair_attention(rows.reshape(b, h_kv, 2 * group, d), k1, v, lam_rows, lengths)
-        else:
-            out = cpu_native.step_two_map_attention(q1, k1, q2, k2, v, lam_rows, lengths)
-        return out.view(b, h, 1, v.shape[-1])  # the maps combined as V is read
     if k1 is k2:  # both maps' queries in one product with the shared K
         a1, a2 = probabilities(torch.cat((q1, q2), 2), k1, lengths).chunk(2, dim=2)
     else:
@@ -84,10 +61,6 @@ def two_map_step(q1, q2, k1, k2, v, lam, lengths=None, integral=None, col_sums=N
     return weighted_values(combined, v, lengths).view(b, h, 1, v.shape[-1])
 
 
-def _tracks_grad(lam) -> bool:
-    return torch.is_tensor(lam) and lam.requires_grad and torch.is_grad_enabled()
-
-
 def _per_head(lam, b: int, h_kv: int, group: int):
     """lambda broadcast over (B, h_kv, group, S)."""
     if torch.is_tensor(lam) and lam.dim() > 0:
@@ -101,6 +74,4 @@ def single_map_step(q, k, v, lengths=None):
     b, hq, _, d = q.shape
     h_kv = k.shape[1]
     q = q.reshape(b, h_kv, hq // h_kv, d)
-    if cpu_native.runs_step(q, k, v):
-        return cpu_native.step_attention(q, k, v, lengths).view(b, hq, 1, v.shape[-1])
     return weighted_values(probabilities(q, k, lengths), v, lengths).view(b, hq, 1, v.shape[-1])

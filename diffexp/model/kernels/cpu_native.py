@@ -13,15 +13,16 @@ Only Q, K, V and the maps' row logsumexps are saved; backward recomputes each bl
               dG = gamma A3 (dA - rowsum(A3 dA)); forward carries A1's column sums down the rows, backward
               peels them off going up (one task per head), so memory stays O(block x T).
 
-The kernel is compiled on first use with the C++ compiler torch's extensions use (about 10 s on 2 cores; cached
-under torch's extension directory, keyed by the source and the CPU's vector width). Where it cannot be built (no
-compiler, no BLAS symbol, DIFFEXP_CPU_KERNEL=0) the model falls back, with one warning, to the same math in
-PyTorch ops (blocked_two_map.py, dint_integral.py). fp32 math; other dtypes are cast in and out.
+The kernel is compiled on first use with the C++ compiler torch's extensions use (about 10 s on 2 cores; kept
+under torch's extension directory, keyed by a digest of the source, the build flags and torch's version). Where it
+cannot be built (no compiler, no BLAS symbol, DIFFEXP_CPU_KERNEL=0) the model falls back, with one warning, to the
+same math in PyTorch ops (blocked_two_map.py, dint_integral.py). fp32 math; other dtypes are cast in and out.
 """
 
 from __future__ import annotations
 
 import functools
+import hashlib
 import os
 import shutil
 import sys
@@ -32,8 +33,6 @@ from pathlib import Path
 import torch
 
 SOURCE = Path(__file__).with_name("cpu") / "two_map_attention.cpp"
-#: a decoding step's products (cached_step.py), built into the same library
-STEP_SOURCE = SOURCE.with_name("decode_step.cpp")
 #: set to 0 to never build the kernel (the PyTorch-ops pass runs instead)
 SWITCH = "DIFFEXP_CPU_KERNEL"
 #: query rows per block: 64 for the two maps, 32 for DINT (measured fastest on 2 cores at T 512 and 2048)
@@ -55,6 +54,19 @@ def _ensure_ninja_on_path() -> None:
         os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
 
 
+def _build_settings(capability: str) -> tuple[str, list[str], Path]:
+    """The extension's name, its compiler flags and its build directory. The name carries a digest of the source,
+    the flags and torch's version: two checkouts on one machine, or two versions of the source, build and keep
+    their own library instead of rebuilding each other's."""
+    from torch.utils import cpp_extension
+
+    flags = ["-O3", "-fopenmp", *_ALIGN_FLAGS, *_VECTOR_FLAGS.get(capability, [])]
+    digest = hashlib.sha256(SOURCE.read_bytes())
+    digest.update("\0".join([*flags, capability, torch.__version__]).encode())
+    name = f"diffexp_cpu_attention_{digest.hexdigest()[:16]}"
+    return name, flags, Path(cpp_extension.get_default_build_root()) / "diffexp" / name
+
+
 @functools.cache
 def unavailable_reason() -> str | None:
     """None once the kernel is loaded (built on the first call), else why it cannot run."""
@@ -63,20 +75,22 @@ def unavailable_reason() -> str | None:
     from torch.utils import cpp_extension
 
     capability = torch.backends.cpu.get_cpu_capability()
-    name = f"diffexp_cpu_attention_{capability.lower().replace(' ', '_')}"
     _ensure_ninja_on_path()
     started = time.perf_counter()
     try:
-        cpp_extension.load(name=name, sources=[str(SOURCE), str(STEP_SOURCE)], is_python_module=False, verbose=False,
-                           extra_cflags=["-O3", "-fopenmp", *_ALIGN_FLAGS, *_VECTOR_FLAGS.get(capability, [])],
-                           extra_ldflags=["-fopenmp"])
+        name, flags, build_directory = _build_settings(capability)
+        library = build_directory / f"{name}.so"
+        built_before = library.exists()
+        build_directory.mkdir(parents=True, exist_ok=True)
+        cpp_extension.load(name=name, sources=[str(SOURCE)], is_python_module=False, verbose=False,
+                           extra_cflags=flags, extra_ldflags=["-fopenmp"], build_directory=str(build_directory))
     except Exception as error:  # no compiler, no ninja, a BLAS without sgemm_: the PyTorch-ops pass runs instead
         first_line = (str(error).strip().splitlines() or [type(error).__name__])[0]
         return f"building {SOURCE.name} failed: {first_line[:300]}"
     _register_fakes()
-    took = time.perf_counter() - started
-    if took > 2:
-        print(f"diffexp: compiled the CPU attention kernel in {took:.0f} s (cached for later runs)", file=sys.stderr)
+    if not built_before:  # stderr: never into text a command writes on stdout
+        print(f"diffexp: compiled the CPU attention kernel in {time.perf_counter() - started:.0f} s "
+              f"({build_directory}, kept for later runs)", file=sys.stderr)
     return None
 
 
@@ -101,30 +115,6 @@ def _register_fakes() -> None:
     @lib.register_fake("diffexp_cpu::dint_backward")
     def _(grad_out, q1, q2, k1, k2, v, lam, gamma, lse, col_sums, scale, block_rows):
         return [torch.empty_like(t) for t in (q1, q2, k1, k2, v, lam, lam)]
-
-    @lib.register_fake("diffexp_cpu::step_probabilities")
-    def _(q, k, lengths, scale):
-        return q.new_empty(*q.shape[:3], k.shape[2])
-
-    @lib.register_fake("diffexp_cpu::step_attention")
-    def _(q, k, v, lengths, scale):
-        return q.new_empty(*q.shape[:3], v.shape[3])
-
-    @lib.register_fake("diffexp_cpu::step_pair_attention")
-    def _(q, k, v, lam, lengths, scale):
-        return q.new_empty(q.shape[0], q.shape[1], q.shape[2] // 2, v.shape[3])
-
-    @lib.register_fake("diffexp_cpu::step_two_map_attention")
-    def _(q1, k1, q2, k2, v, lam, lengths, scale):
-        return q1.new_empty(*q1.shape[:3], v.shape[3])
-
-    @lib.register_fake("diffexp_cpu::step_dint_attention")
-    def _(q1, k1, q2, k2, v, lam, gamma, col_sums, positions, lengths, scale, softmax_integral):
-        return q1.new_empty(*q1.shape[:3], v.shape[3])
-
-    @lib.register_fake("diffexp_cpu::step_values")
-    def _(weights, v, lengths):
-        return weights.new_empty(*weights.shape[:3], v.shape[3])
 
 
 _warned: list[bool] = []
@@ -202,55 +192,3 @@ def two_map(q1, q2, k1, k2, v, lam, block_rows: int = TWO_MAP_BLOCK) -> torch.Te
 def dint_head(q1, q2, k1, k2, v, lam, gamma: torch.Tensor, block_rows: int = DINT_BLOCK) -> torch.Tensor:
     """(A1 - lambda A2 + gamma A3) V, DINT's softmax integral; shapes as `two_map`, lam and gamma 0-d."""
     return NativeDint.apply(q1, q2, k1, k2, v, _lambda_rows(lam, q1), gamma, block_rows)
-
-
-def runs_step(*tensors: torch.Tensor) -> bool:
-    """Whether a decoding step's products can run in the kernel: fp32 CPU tensors with no gradient to track."""
-    return (all(t.device.type == "cpu" and t.dtype == torch.float32 and t.stride(-1) == 1 for t in tensors)
-            and not (torch.is_grad_enabled() and any(t.requires_grad for t in tensors)) and available())
-
-
-def step_probabilities(q: torch.Tensor, k: torch.Tensor, lengths: torch.Tensor | None) -> torch.Tensor:
-    """softmax(q k^T / sqrt(d)) over each batch row's first `lengths[b]` keys (zeros past them; all keys when
-    None). q: (B, g, rows, d), the query rows of each GQA group; k: (B, g, S, d). Returns (B, g, rows, S) fp32."""
-    return torch.ops.diffexp_cpu.step_probabilities(q, k, lengths, q.shape[-1] ** -0.5)
-
-
-def step_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: torch.Tensor | None) -> torch.Tensor:
-    """softmax(q k^T / sqrt(d)) v over each batch row's first `lengths[b]` keys, in one pass over K and one over V.
-    q: (B, g, rows, d); k: (B, g, S, d); v: (B, g, S, dv). Returns (B, g, rows, dv) fp32."""
-    return torch.ops.diffexp_cpu.step_attention(q, k, v, lengths, q.shape[-1] ** -0.5)
-
-
-def step_pair_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lam: torch.Tensor,
-                        lengths: torch.Tensor | None) -> torch.Tensor:
-    """(softmax(q_2i k^T / sqrt(d)) - lam_i softmax(q_2i+1 k^T / sqrt(d))) v for the pairs of query rows that read
-    one K (DIFF V2's), over each batch row's first `lengths[b]` keys. q: (B, g, 2 pairs, d), pair i in rows 2i and
-    2i + 1; k: (B, g, S, d); v: (B, g, S, dv); lam: (B, g, pairs) or (B, g * pairs), contiguous. Returns
-    (B, g, pairs, dv) fp32."""
-    return torch.ops.diffexp_cpu.step_pair_attention(q, k, v, lam, lengths, q.shape[-1] ** -0.5)
-
-
-def step_two_map_attention(q1: torch.Tensor, k1: torch.Tensor, q2: torch.Tensor, k2: torch.Tensor, v: torch.Tensor,
-                           lam: torch.Tensor, lengths: torch.Tensor | None) -> torch.Tensor:
-    """(softmax(q1 k1^T / sqrt(d)) - lam softmax(q2 k2^T / sqrt(d))) v, row by row, over each batch row's first
-    `lengths[b]` keys. q1, q2: (B, g, rows, d); k1, k2: (B, g, S, d); v: (B, g, S, dv); lam: (B, g, rows) or
-    (B, g * rows), contiguous.
-    Returns (B, g, rows, dv) fp32."""
-    return torch.ops.diffexp_cpu.step_two_map_attention(q1, k1, q2, k2, v, lam, lengths, q1.shape[-1] ** -0.5)
-
-
-def step_dint_attention(q1: torch.Tensor, k1: torch.Tensor, q2: torch.Tensor, k2: torch.Tensor, v: torch.Tensor,
-                        lam: torch.Tensor, gamma: torch.Tensor, col_sums: torch.Tensor, positions: torch.Tensor,
-                        lengths: torch.Tensor | None, softmax_integral: bool) -> torch.Tensor:
-    """DINT's step: (A1 - lam A2 + gamma A3) v with A_m = softmax(q_m k_m^T / sqrt(d)) over each batch row's first
-    `lengths[b]` keys, and A3 the integral of the row at positions[b]: G = (col_sums + A1) / (positions[b] + 1),
-    softmax over the visible keys (softmax_integral) or G itself. col_sums (B, g * rows, >= S) gains A1 in place.
-    q1, q2: (B, g, rows, d); lam: (B, g * rows), contiguous; gamma: one fp32 value. Returns (B, g, rows, dv) fp32."""
-    return torch.ops.diffexp_cpu.step_dint_attention(q1, k1, q2, k2, v, lam, gamma, col_sums, positions, lengths,
-                                                     q1.shape[-1] ** -0.5, softmax_integral)
-
-
-def step_values(weights: torch.Tensor, v: torch.Tensor, lengths: torch.Tensor | None) -> torch.Tensor:
-    """weights @ v over each batch row's first `lengths[b]` keys. weights: (B, g, rows, S); v: (B, g, S, dv)."""
-    return torch.ops.diffexp_cpu.step_values(weights, v, lengths)

@@ -6,7 +6,7 @@ Flash-attention style: each query block streams over its key blocks once, loadin
 for both maps and keeping an online softmax (running max and sum) per map. The output is
 combined in the kernel; A1 V and A2 V are written as well when a backward will need them (their
 row dot products with dO give the softmax gradients and lambda's), and A1's row log-sum-exp is
-returned for DINT's integral (triton_dint_integral). The per-head norm stays outside.
+returned for DINT's integral (diffexp/kernels/triton_dint.py). The per-head norm stays outside.
 
 Backward: one kernel per key block for dK1, dK2, dV (looping over the query heads of its GQA
 group, so no atomics), one per query block for dQ1, dQ2. Both maps share dP = dO V^T: map 2's
