@@ -1,8 +1,9 @@
 """`diffexp bench train`: training-step cost of every attention variant relative to the reference, side by side.
 
 A step is forward, cross-entropy, backward and AdamW, as `diffexp fit` takes it (its chunked loss and AdamW
-kernel); its time is the median over diffexp.bench.timing's rounds, its peak memory that of one extra untimed step, state included. On CPU the batch is capped at
-``--tokens-per-batch`` tokens (all variants at the same batch). Details: bench/README.md.
+kernel); its time is the median over diffexp.bench.timing's rounds, its peak memory that of one extra untimed
+step, state included. On CPU the batch is capped at ``--tokens-per-batch`` tokens (all variants at the same batch).
+Details: bench/README.md.
 """
 
 from __future__ import annotations
