@@ -64,7 +64,8 @@ def _build_settings(capability: str) -> tuple[str, list[str], Path]:
     digest = hashlib.sha256(SOURCE.read_bytes())
     digest.update("\0".join([*flags, capability, torch.__version__]).encode())
     name = f"diffexp_cpu_attention_{digest.hexdigest()[:16]}"
-    return name, flags, Path(cpp_extension.get_default_build_root()) / "diffexp" / name
+    root = os.environ.get("TORCH_EXTENSIONS_DIR") or cpp_extension.get_default_build_root()  # torch's own rule
+    return name, flags, Path(root) / "diffexp" / name
 
 
 @functools.cache
