@@ -56,8 +56,7 @@ def export(checkpoint_path: str, out: str, weights_format: str = "safetensors", 
     target = Path(out)
     if target.exists():
         raise UserError(f"OUT={out!r} is invalid: it exists; expected a new directory (export never overwrites)")
-    if not target.parent.exists():
-        raise UserError(f"OUT={out!r} is invalid: its parent directory {str(target.parent)!r} does not exist")
+    _check_creatable(out, target)
     if remote_code and weights_format != "hf":
         raise UserError(f"--remote-code is invalid with --format={weights_format!r}: it writes Hugging Face remote "
                         "code; add --format hf")
@@ -109,9 +108,23 @@ def _export_hf(checkpoint: dict, hparams: dict, target: Path, remote_code: bool)
     return target
 
 
+def _check_creatable(out: str, target: Path) -> None:
+    """OUT's missing parents can be made: its nearest existing ancestor is a directory this process may write."""
+    ancestor = target.parent
+    while not ancestor.exists() and ancestor != ancestor.parent:
+        ancestor = ancestor.parent
+    if not ancestor.is_dir():
+        raise UserError(f"OUT={out!r} is invalid: {str(ancestor)!r} is a file, not a directory; expected a new "
+                        "directory under a directory")
+    if not os.access(ancestor, os.W_OK | os.X_OK):
+        raise UserError(f"OUT={out!r} is invalid: the directory {str(ancestor)!r} is not writable")
+
+
 @contextlib.contextmanager
 def _staged(target: Path):
-    """A directory to fill, renamed to `target` when the block succeeds and removed when it fails."""
+    """A directory to fill, renamed to `target` when the block succeeds and removed when it fails. Missing parents
+    are made here, after every check (an export refused writes nothing)."""
+    target.parent.mkdir(parents=True, exist_ok=True)
     staging = target.with_name(f".{target.name}.{os.getpid()}.tmp")
     shutil.rmtree(staging, ignore_errors=True)
     staging.mkdir()

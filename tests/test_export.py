@@ -108,8 +108,19 @@ def test_export_never_overwrites_and_names_bad_input(ckpt, tmp_path, capsys):
     assert code == 2 and "OUT=" in err and "exists" in err and (existing / "keep.txt").read_text() == "mine"
     code, _, err = run(["export", str(tmp_path / "missing.ckpt"), str(tmp_path / "new")], capsys)
     assert code == 2 and "CKPT=" in err and "no such file" in err and not (tmp_path / "new").exists()
-    code, _, err = run(["export", str(ckpt), str(tmp_path / "no" / "parent")], capsys)
-    assert code == 2 and "parent directory" in err
+    (tmp_path / "a-file").write_text("x")
+    code, _, err = run(["export", str(ckpt), str(tmp_path / "a-file" / "sub" / "out")], capsys)
+    assert code == 2 and "'" + str(tmp_path / "a-file") + "' is a file, not a directory" in err
+    assert "Traceback" not in err and (tmp_path / "a-file").read_text() == "x"
+    code, _, err = run(["export", str(tmp_path / "missing.ckpt"), str(tmp_path / "new" / "deep" / "out")], capsys)
+    assert code == 2 and not (tmp_path / "new").exists()  # refused: no parent made
+
+
+def test_export_makes_missing_parents(ckpt, tmp_path, capsys):
+    """As the README's `diffexp export ... exported/diff_v1-hf` on a fresh clone: `exported/` is made."""
+    code, _, err = run(["export", str(ckpt), str(tmp_path / "exported" / "deep" / "model")], capsys)
+    assert code == 0, err
+    assert (tmp_path / "exported" / "deep" / "model" / "model.safetensors").is_file()
 
 
 def test_a_damaged_export_is_a_clear_error(ckpt, tmp_path, capsys):
