@@ -2,14 +2,15 @@
 # The GPU speed issue's measurements on one H100 or H200, in one command of at most 8 minutes, offline:
 #   bash bench/gpu.sh OUT_DIR
 # run from the repository root. It writes into OUT_DIR: summary.md (every table), gpu.log (all output), the results
-# JSONs (probe.json, train-compiled.json, train-eager.json, train-fitshape.json, fit.json) and failed.txt (steps that
-# failed or ran out of time; the others still run). Scratch (run directories, plots) goes to $DIFFEXP_GPU_WORK
+# JSONs (probe.json, train-compiled-a.json, train-compiled-b.json, train-eager.json, fit.json) and failed.txt (steps
+# that failed or ran out of time; the others still run). Scratch (run directories, plots) goes to $DIFFEXP_GPU_WORK
 # (default /tmp/diffexp-gpu). Packages the GPU image lacks are installed from wheels in .whl/ (docs/gpu.md).
 #  1. probe: which SDPA backends take the 125m recipe's attention calls; each differential formulation's cost;
-#  2. the five variants at the 125m recipe's own shape (32K vocab, seq 2048, micro-batch 8), bf16, compiled;
+#  2. the five variants at the 125m recipe's own shape (32K vocab, seq 2048, micro-batch 8), bf16, compiled, in two
+#     runs (each with the baseline) so that one slow compile cannot lose every row;
 #  3. the same, eager;
-#  4. a short real `diffexp fit` of the 125m DIFF V1 recipe (byte tokenizer on the embedded corpus, no download)
-#     beside the bench step of the same model (vocab 257): what the trainer adds.
+#  4. a short real `diffexp fit` of the 125m DIFF V1 recipe at that shape (MQAR tokens over the 32K vocabulary, made
+#     in memory: no download), compiled as the recipe says: what the trainer adds to the bench step of that model.
 # DIFFEXP_GPU_SH_SMOKE=1 runs the same steps on the CPU at a tiny size from DIFFEXP_GPU_RECIPE_DIR (tests do).
 set -uo pipefail
 out=${1:?usage: bash bench/gpu.sh OUT_DIR}
@@ -23,11 +24,10 @@ exec > >(tee -a "$out/gpu.log") 2>&1
 budget=${DIFFEXP_GPU_BUDGET_S:-470}   # the whole script's seconds; each step gets at most what is left
 size=${DIFFEXP_GPU_SIZE:-125m}
 recipes=${DIFFEXP_GPU_RECIPE_DIR:-recipes/gpu}
-device=cuda dtype=bf16 rounds=2 steps=3 fit_steps=40 seq=() fit_extra=()
+device=cuda dtype=bf16 rounds=2 steps=3 fit_steps=30 seq=() fit_rows=8 fit_seq=2048 fit_pairs=64 fit_extra=()
 if [ "${DIFFEXP_GPU_SH_SMOKE:-0}" = 1 ]; then
-  device=cpu dtype=fp32 rounds=1 steps=1 fit_steps=4 seq=(--seq-lens 32 --batch-size 1)
-  fit_extra=(--model.arch.d_model 32 --model.arch.n_layers 1 --model.arch.n_heads 2 --data.seq_len 32
-             --model.arch.max_seq_len 32 --data.batch_size 1 --trainer.accelerator cpu --trainer.devices 1)
+  device=cpu dtype=fp32 rounds=1 steps=1 fit_steps=4 seq=(--seq-lens 32 --batch-size 1) fit_rows=1 fit_seq=32 fit_pairs=4
+  fit_extra=(--trainer.accelerator cpu --trainer.devices 1 --model.compile false)
 fi
 
 # Packages the image lacks, from wheels carried in .whl/ (installed once, outside the image's environment)
@@ -57,19 +57,19 @@ common=(--recipe "$size" --recipe-dir "$recipes" --device "$device" --dtype "$dt
         --rounds "$rounds" --steps "$steps" --warmup 1 "${seq[@]}")
 step probe 60 "${dx[@]}" bench probe --recipe "$size" --recipe-dir "$recipes" --device "$device" --dtype "$dtype" \
   --steps 5 --json "$work/probe.json" $([ "${DIFFEXP_GPU_SH_SMOKE:-0}" = 1 ] && echo --seq-len 32 --batch-size 1)
-step train-compiled 240 "${dx[@]}" bench train "${common[@]}" --compile --profile 8 \
-  --json "$work/train-compiled.json"
+step train-compiled-a 150 "${dx[@]}" bench train "${common[@]}" --compile --variants diff_v1 diff_v2 --profile 8 \
+  --json "$work/train-compiled-a.json"
+step train-compiled-b 120 "${dx[@]}" bench train "${common[@]}" --compile --variants shared_diff dint --profile 8 \
+  --json "$work/train-compiled-b.json"
 step train-eager 100 "${dx[@]}" bench train "${common[@]}" --profile 8 --json "$work/train-eager.json"
-step train-fitshape 45 "${dx[@]}" bench train "${common[@]}" --variants diff_v1 --vocab-size 257 --no-memory \
-  --json "$work/train-fitshape.json"
 fit_dir="$work/fit-$(date +%Y%m%d-%H%M%S)"
 fit=("${dx[@]}" fit --config "$recipes/base.yaml" --config "$recipes/size/$size.yaml"
-     --config "$recipes/variant/diff_v1.yaml" --data.source stdlib --data.tokenizer byte --data.num_workers 4
-     --data.cache_dir "$work/cache" --global_batch.rows 8 --trainer.max_steps "$fit_steps"
-     --trainer.val_check_interval "$fit_steps" --trainer.limit_val_batches 0 --trainer.log_every_n_steps 4
-     --model.compile false --checkpoint.every_n_train_steps 0 --trainer.logger.init_args.save_dir "$fit_dir"
-     "${fit_extra[@]}")
-step fit 120 "${fit[@]}"
+     --config "$recipes/variant/diff_v1.yaml" --data diffexp.data.mqar.MQARDataModule --data.vocab_size 32768
+     --data.num_kv_pairs "$fit_pairs" --data.seq_len "$fit_seq" --data.batch_size "$fit_rows" --data.num_workers 4
+     --global_batch.rows "$fit_rows" --trainer.max_steps "$fit_steps" --trainer.val_check_interval "$fit_steps"
+     --trainer.limit_val_batches 0 --trainer.log_every_n_steps 3 --checkpoint.every_n_train_steps 0
+     --trainer.logger.init_args.save_dir "$fit_dir" "${fit_extra[@]}")
+step fit 110 "${fit[@]}"
 cp "$work"/probe.json "$work"/train-*.json "$out"/ 2>/dev/null
 if [ -d "$fit_dir" ]; then
   python3 -m diffexp.bench.summary fit "$fit_dir" "$out/fit.json" diff_v1 "${fit[@]:2}" \

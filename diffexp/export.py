@@ -29,7 +29,8 @@ FORMATS = {"safetensors": "model.safetensors", "torch": "model.pt", "hf": "model
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="diffexp export", description=__doc__.split("\n\n")[0].split(": ", 1)[1])
+    parser = argparse.ArgumentParser(
+        allow_abbrev=False, prog="diffexp export", description=__doc__.split("\n\n")[0].split(": ", 1)[1])
     parser.add_argument("checkpoint", metavar=CKPT_KEY, help="a .ckpt file or a sharded checkpoint directory")
     parser.add_argument("out", metavar="OUT", help="the directory to create (must not exist yet)")
     parser.add_argument("--format", choices=tuple(FORMATS), default="safetensors",

@@ -147,7 +147,7 @@ def test_the_gpu_script_runs_end_to_end_on_cpu_in_smoke_mode(tiny_recipes, tmp_p
     subprocess.run(["bash", "bench/gpu.sh", str(out)], cwd=REPO, env=env, check=True, timeout=900)
     assert (out / "failed.txt").read_text() == ""
     names = {p.name for p in out.iterdir()}
-    assert {"probe.json", "train-compiled.json", "train-eager.json", "train-fitshape.json", "fit.json",
+    assert {"probe.json", "train-compiled-a.json", "train-compiled-b.json", "train-eager.json", "fit.json",
             "summary.md", "gpu.log"} <= names
     assert len(names) <= 8  # the device tool brings back at most 8 files
     summary = (out / "summary.md").read_text()

@@ -243,3 +243,35 @@ def test_bad_input_fails_early_and_clearly(workspace, no_work, monkeypatch, caps
         assert fragment.format(root=workspace) in message, f"{fragment!r} not in {message!r}"
     assert "weights_only=False" not in message
     assert snapshot(workspace) == before
+
+
+@pytest.mark.parametrize("argv, unknown, nearest", [
+    (["fit", "--trainer.max_step", "10"], "trainer.max_step", "trainer.max_steps"),
+    (["fit", "--model.arch.d_mdel", "64"], "model.arch.d_mdel", "model.arch.d_model"),
+])
+def test_a_shortened_or_misspelt_key_is_unknown_and_the_nearest_key_is_named(argv, unknown, nearest, tmp_path,
+                                                                              monkeypatch, capsys):
+    """argparse would take --trainer.max_step as max_steps (prefix matching): it is an unknown key, refused before
+    any file is written, with the key it is nearest to."""
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as stop:
+        main(argv)
+    assert stop.value.code == 2
+    err = capsys.readouterr().err
+    assert f"unknown key(s) {unknown}" in err and f"did you mean {nearest}?" in err and "Traceback" not in err
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("argv", [
+    ["bench", "train", "--seq-len", "64"],
+    ["data", "prepare", "stdlib", "out", "--tok", "byte"],
+    ["generate", "x.ckpt", "--max-new", "3"],
+    ["compare", "runs", "--ref", "a"],
+])
+def test_no_command_takes_a_shortened_flag(argv, tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as stop:
+        main(argv)
+    assert stop.value.code == 2
+    err = capsys.readouterr().err
+    assert "unrecognized arguments" in err and list(tmp_path.iterdir()) == []

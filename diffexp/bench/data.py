@@ -42,7 +42,7 @@ KEEP = {"def", "class", "return", "import", "from", "for", "while", "if", "elif"
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="diffexp bench data", description=HELP,
+    parser = argparse.ArgumentParser(allow_abbrev=False, prog="diffexp bench data", description=HELP,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--sizes-mb", type=int, nargs="+", default=[100, 1000], help="corpus sizes (MB)")
     parser.add_argument("--num-proc", type=int, default=None, help="preparation processes (default: every core)")

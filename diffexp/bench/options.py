@@ -35,6 +35,10 @@ class _DefaultsFormatter(argparse.ArgumentDefaultsHelpFormatter):
 class BenchArgumentParser(argparse.ArgumentParser):
     """argparse's errors (unknown flag, bad choice, not a number) as a UserError, without the usage page."""
 
+    def __init__(self, *args, **kwargs) -> None:
+        kwargs.setdefault("allow_abbrev", False)  # a shortened flag is an unknown flag, never another one
+        super().__init__(*args, **kwargs)
+
     def error(self, message: str):
         raise UserError(f"{message.removeprefix('argument ')} (`{self.prog} --help` lists the options)")
 

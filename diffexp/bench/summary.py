@@ -55,10 +55,12 @@ def summarise(folder: Path) -> str:
         except (KeyError, ValueError, TypeError) as err:
             parts.append(f"### {path.stem}: unreadable ({type(err).__name__}: {err})\n")
     fit = folder / "fit.json"
-    if fit.is_file():
-        shape = folder / "train-fitshape.json"
-        parts.append(fit_section(json.loads(fit.read_text()),
-                                 json.loads(shape.read_text()) if shape.is_file() else None))
+    if fit.is_file():  # beside the bench step of the same model: compiled, as the recipe trains
+        fit_data = json.loads(fit.read_text())
+        benches = [json.loads(p.read_text()) for p in sorted(folder.glob("train-compiled*.json"))]
+        bench = next((b for b in benches if any(e["variant"] == fit_data["variant"] for e in b["results"].values())),
+                     None)
+        parts.append(fit_section(fit_data, bench))
     return "\n".join(parts)
 
 

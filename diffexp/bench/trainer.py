@@ -27,7 +27,7 @@ ABOUT = "what diffexp fit (Lightning, callbacks, logging) adds to a plain traini
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="diffexp bench trainer", description=ABOUT,
+    p = argparse.ArgumentParser(allow_abbrev=False, prog="diffexp bench trainer", description=ABOUT,
                                 epilog="Arguments after `--` go to `diffexp fit` (e.g. -- --config recipe.yaml "
                                        "--model.arch.d_model 256).")
     p.add_argument("--steps", type=int, default=50,

@@ -113,7 +113,7 @@ def compare(study_dir: str | Path, out: str | Path | None = None, metrics: Seque
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = argparse.ArgumentParser(allow_abbrev=False,
         prog="diffexp compare",
         description="Compare the cases of a sweep: mean ± std over seeds per case, and each case's paired "
                     "difference to a reference case seed by seed (mean, confidence interval, verdict), as a "

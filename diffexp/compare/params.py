@@ -234,7 +234,7 @@ def header_line(counts: dict[str, int], size: str | None = None) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = argparse.ArgumentParser(allow_abbrev=False,
         prog="diffexp params", description=__doc__.split("\n\n")[0].split(": ", 1)[1],
         epilog="With no RECIPE: every recipe under recipes/ and every GPU size x variant combination.")
     parser.add_argument("recipes", nargs="*", metavar="RECIPE",

@@ -29,6 +29,10 @@ DEFAULTS = {"tokenizer": "byte", "bpe_vocab_size": 4096, "text_field": "text", "
 
 
 class _Parser(argparse.ArgumentParser):
+
+    def __init__(self, *args, **kwargs) -> None:
+        kwargs.setdefault("allow_abbrev", False)  # a shortened flag is an unknown flag, never another one
+        super().__init__(*args, **kwargs)
     def error(self, message: str):
         raise UserError(f"{message} (`{self.prog} --help` lists the options)")
 

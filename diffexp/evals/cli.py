@@ -52,7 +52,7 @@ def usage() -> str:
 
 
 def _task_parser(task: str, description: str) -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog=f"diffexp eval {task}", description=description)
+    parser = argparse.ArgumentParser(allow_abbrev=False, prog=f"diffexp eval {task}", description=description)
     parser.add_argument("checkpoint", metavar=CKPT_KEY,
                         help="a .ckpt file, a sharded checkpoint directory or a `diffexp export` directory")
     return parser

@@ -35,7 +35,8 @@ def _import_lm_eval():
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="diffexp eval harness", description=__doc__.split("\n\n")[0].split(": ")[1])
+    parser = argparse.ArgumentParser(
+        allow_abbrev=False, prog="diffexp eval harness", description=__doc__.split("\n\n")[0].split(": ")[1])
     parser.add_argument("checkpoint", metavar=common.CKPT_KEY,
                         help="a .ckpt file, a sharded checkpoint directory or a `diffexp export` directory")
     parser.add_argument("--tasks", nargs="+", required=True,

@@ -448,7 +448,7 @@ def _parse_nr(pairs: Sequence[str]) -> list[tuple[int, int]]:
 
 def needle_main(argv: list[str]) -> int:
     """Multi-needle retrieval grid (context length x depth x N,R) and the attention-to-answer table."""
-    parser = argparse.ArgumentParser(prog="diffexp eval needle", description=needle_main.__doc__)
+    parser = argparse.ArgumentParser(allow_abbrev=False, prog="diffexp eval needle", description=needle_main.__doc__)
     parser.add_argument("checkpoint", metavar=common.CKPT_KEY,
                         help="a .ckpt file, a sharded checkpoint directory or a `diffexp export` directory")
     parser.add_argument("--context-lens", type=int, nargs="+", default=[512],

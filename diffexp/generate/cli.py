@@ -20,7 +20,8 @@ from diffexp.training.loading import CKPT_KEY, check_compile, check_device, load
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="diffexp generate", description=__doc__.split("\n\n")[0].split(": ", 1)[1])
+    parser = argparse.ArgumentParser(
+        allow_abbrev=False, prog="diffexp generate", description=__doc__.split("\n\n")[0].split(": ", 1)[1])
     parser.add_argument("checkpoint", metavar=CKPT_KEY,
                         help="a .ckpt file, a sharded checkpoint directory or a `diffexp export` directory")
     source = parser.add_mutually_exclusive_group()

@@ -330,7 +330,7 @@ def main(argv: list[str] | None = None) -> int:
     some failed for good. A bad spec or storage raises UserError before anything is created (diffexp.cli prints
     it as one `error: ...` paragraph and exits 2).
     """
-    parser = argparse.ArgumentParser(prog="diffexp sweep", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(allow_abbrev=False, prog="diffexp sweep", description=__doc__.splitlines()[0])
     parser.add_argument("--config", required=True, help="sweep spec, e.g. sweeps/table6.yaml")
     parser.add_argument("--storage", help=f"Optuna storage (sqlite:///..., journal:<path>, RDB URL); default: "
                                           f"${STORAGE_URL_ENV}, else the spec's storage, else runs/<study>/study.db")

@@ -74,6 +74,10 @@ class DiffexpArgumentParser(LightningArgumentParser):
 
     appended_help = ""  # set on the fit/validate/test parsers: the default data module's options
 
+    def __init__(self, *args, **kwargs) -> None:
+        kwargs.setdefault("allow_abbrev", False)  # --trainer.max_step is an unknown key, not max_steps
+        super().__init__(*args, **kwargs)
+
     def format_help(self) -> str:
         return super().format_help() + self.appended_help
 
@@ -81,7 +85,26 @@ class DiffexpArgumentParser(LightningArgumentParser):
         if debug_enabled():
             return super().error(message, ex)
         prog = self.prog.replace(" [options]", "")
-        raise UserError(f"{_clean_parser_message(message)} (`{prog} --help` lists the accepted keys)") from None
+        text = _clean_parser_message(message) + self._nearest_keys(message)
+        raise UserError(f"{text} (`{prog} --help` lists the accepted keys)") from None
+
+    def _nearest_keys(self, message: str) -> str:
+        """For each unknown --key, the accepted keys it is nearest to (a misspelt or shortened key)."""
+        import difflib
+
+        unknown = re.match(r"unrecognized arguments: (.*)", " ".join(message.split()))
+        if not unknown:
+            return ""
+        known = [option.lstrip("-") for action in self._actions for option in action.option_strings
+                 if option.startswith("--")]
+        hints = []
+        for arg in unknown.group(1).split():
+            if arg.startswith("--"):
+                key = arg.split("=", 1)[0].lstrip("-")
+                close = difflib.get_close_matches(key, known, n=1, cutoff=0.75)
+                if close:
+                    hints.append(f"{key}: did you mean {close[0]}?")
+        return ("; " + "; ".join(hints)) if hints else ""
 
 
 class DiffexpCLI(LightningCLI):
