@@ -115,8 +115,9 @@ class TwoMapDifferentialAttention(AttentionBase):
         lam = self.lambda_()  # exp(lq1 . lk1) - exp(lq2 . lk2) + lambda_init
         out, effective = self.two_map_head(q1, q2, k1, k2, v, lam, need_weights, cache)  # (A1 - lambda A2) V
         out = self.head_norm(out)
-        # times (1 - lambda_init) in fp32, rounded once: what multiplying by the Python float did
-        out = (out.float() * (1.0 - self.lambda_.init_value()).float()).to(out.dtype)
+        # times (1 - lambda_init) in at least fp32, rounded once: what multiplying by the Python float did
+        compute = torch.promote_types(out.dtype, torch.float32)
+        out = (out.to(compute) * (1.0 - self.lambda_.init_value()).to(compute)).to(out.dtype)
         return self.o_proj(merge_heads(out)), effective
 
     def extra_repr(self) -> str:
