@@ -42,8 +42,8 @@ def test_best_checkpoint_holds_the_weights_of_the_best_validation(finished_run, 
     best_step, best = min(val_loss, key=lambda point: point[1])
     (best_file,) = (p for p in run.glob("checkpoints/*.ckpt") if p.name != "last.ckpt")
     step, value = re.fullmatch(r"step(\d+)-val([\d.]+)\.ckpt", best_file.name).groups()
-    # named by that validation: after N steps, logged at step N - 1 like every validation inside fit
-    assert int(step) == best_step + 1 and value == f"{best:.3f}"
+    # named by that validation: after N optimizer steps, logged at step N as every validation is
+    assert int(step) == best_step and value == f"{best:.3f}"
     assert torch.load(best_file, weights_only=True)["global_step"] == int(step)
     validated = cli(["validate", "--config", str(finished_run / "run.yaml"), "--ckpt_path", str(best_file)])
     assert validated.trainer.callback_metrics["val/loss"].item() == pytest.approx(best, rel=1e-6)

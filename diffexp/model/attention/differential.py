@@ -46,11 +46,6 @@ class ReparamLambda(nn.Module):
     def __init__(self, head_dim: int, lambda_init: float) -> None:
         super().__init__()
         self.lambda_init = lambda_init
-        # also as a buffer, read in forward: a float attribute is a guard of a compiled block, so each layer
-        # would compile its own graph. Its float64 bits as int64, so no cast of the model (.to(bf16)) rounds
-        # it; not persistent, so checkpoints and exports are unchanged.
-        self.register_buffer("lambda_init_bits", torch.tensor(lambda_init, dtype=torch.float64).view(torch.int64),
-                             persistent=False)
         self.lambda_q1 = nn.Parameter(torch.zeros(head_dim, dtype=torch.float32))
         self.lambda_k1 = nn.Parameter(torch.zeros(head_dim, dtype=torch.float32))
         self.lambda_q2 = nn.Parameter(torch.zeros(head_dim, dtype=torch.float32))
@@ -65,11 +60,7 @@ class ReparamLambda(nn.Module):
         dtype = torch.promote_types(self.lambda_q1.dtype, torch.float32)  # fp32 even under bf16 training
         lam1 = torch.exp((self.lambda_q1.to(dtype) * self.lambda_k1.to(dtype)).sum())
         lam2 = torch.exp((self.lambda_q2.to(dtype) * self.lambda_k2.to(dtype)).sum())
-        return lam1 - lam2 + self.init_value().to(dtype)
-
-    def init_value(self) -> torch.Tensor:
-        """lambda_init as a 0-d float64 tensor."""
-        return self.lambda_init_bits.view(torch.float64)
+        return lam1 - lam2 + self.lambda_init
 
 
 class TwoMapDifferentialAttention(AttentionBase):
@@ -114,10 +105,7 @@ class TwoMapDifferentialAttention(AttentionBase):
         q1, q2, k1, k2, v = self.project(x, cache)
         lam = self.lambda_()  # exp(lq1 . lk1) - exp(lq2 . lk2) + lambda_init
         out, effective = self.two_map_head(q1, q2, k1, k2, v, lam, need_weights, cache)  # (A1 - lambda A2) V
-        out = self.head_norm(out)
-        # times (1 - lambda_init) in at least fp32, rounded once: what multiplying by the Python float did
-        compute = torch.promote_types(out.dtype, torch.float32)
-        out = (out.to(compute) * (1.0 - self.lambda_.init_value()).to(compute)).to(out.dtype)
+        out = self.head_norm(out) * (1.0 - self.lambda_init)
         return self.o_proj(merge_heads(out)), effective
 
     def extra_repr(self) -> str:
