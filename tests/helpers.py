@@ -353,7 +353,7 @@ def require_cpu_kernel() -> None:
 
     import pytest
 
-    from diffexp.model.kernels import cpu_native
+    from diffexp.kernels import cpu_native
 
     if shutil.which("c++") is None and shutil.which("g++") is None:
         pytest.skip("no C++ compiler: the compiled CPU attention kernel cannot be built here")

@@ -2,9 +2,8 @@
 
 * `attend` over a V wider than Q/K: zero-padded Q and K in one SDPA call ("pad") against d-wide slices of V
   ("split"), causal, GQA, decoding (fewer queries than keys) and a single query.
-* The two-map variants' single blocked pass on CPU against one SDPA call per map: values, every gradient
-  (lambda's too), GQA, lengths that are not a multiple of the block, causality, a whole decoder (the compiled
-  kernel too; its own tests: test_cpu_kernel.py).
+* Each registered CPU kernel in a whole decoder against the plain path (one SDPA call per map), every gradient;
+  the kernels' own tests: test_kernels.py, test_cpu_kernel.py.
 """
 
 from __future__ import annotations
@@ -12,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from diffexp.model.kernels.single_map import WIDE_V_MODES, attend, wide_v_mode
+from diffexp.model.heads.single_map import WIDE_V_MODES, attend, wide_v_mode
 
 TOL = dict(rtol=1e-5, atol=1e-5)
 
@@ -45,7 +44,7 @@ def test_wide_v_pad_equals_split(heads, kv_heads, t_q, t_k):
 @pytest.mark.parametrize("t_q, t_k, dv", [(37, 37, 8), (5, 37, 8), (37, 37, 16)])
 def test_gqa_with_repeated_kv_heads_equals_sdpa_gqa(monkeypatch, t_q, t_k, dv):
     """Where SDPA would run GQA in its math kernel (CUDA in fp32, or with a mask), attend repeats the K/V heads."""
-    from diffexp.model.kernels import single_map
+    from diffexp.model.heads import single_map
 
     torch.manual_seed(t_q + dv)
     q, k, v = torch.randn(2, 4, t_q, 8), torch.randn(2, 2, t_k, 8), torch.randn(2, 2, t_k, dv)
@@ -61,70 +60,22 @@ def test_gqa_with_repeated_kv_heads_equals_sdpa_gqa(monkeypatch, t_q, t_k, dv):
         torch.testing.assert_close(got, want, **TOL)
 
 
-
-# -- the two-map variants' single blocked pass on CPU (blocked_two_map.py; DINT: dint_integral.fused_dint_head) --
+# -- every registered kernel that runs on CPU, in a whole decoder, against one SDPA call per map --------------------
 from diffexp import Decoder, ModelConfig  # noqa: E402
-from diffexp.model.kernels import forced_kernel  # noqa: E402
-from diffexp.model.kernels.blocked_two_map import blocked_two_map  # noqa: E402
-from diffexp.model.kernels.dint_integral import fused_dint_head  # noqa: E402
-
-SINGLE_PASSES = ("cpu_native", "blocked")
+from diffexp.kernels import PLAIN, kernels, use  # noqa: E402
 from tests.helpers import require_cpu_kernel  # noqa: E402
 
-
-def two_sdpa_calls(q1, q2, k1, k2, v, lam):
-    """The other path: one SDPA call per map over the whole 2d-wide V."""
-    return attend(q1, k1, v)[0] - lam * attend(q2, k2, v)[0]
-
-
-@pytest.mark.parametrize("heads, kv_heads, t, block", [(4, 4, 37, 16), (4, 2, 130, 64), (2, 1, 64, 64), (2, 2, 1, 8)])
-def test_blocked_two_map_equals_two_sdpa_calls(heads, kv_heads, t, block):
-    """Values and the gradients of q1, q2, k1, k2, v and lambda; T not a multiple of the block, GQA, one token."""
-    torch.manual_seed(t + heads)
-    d = 8
-    inputs = (torch.randn(2, heads, t, d), torch.randn(2, heads, t, d), torch.randn(2, kv_heads, t, d),
-              torch.randn(2, kv_heads, t, d), torch.randn(2, kv_heads, t, 2 * d), torch.tensor(0.37))
-    grad = torch.randn(2, heads, t, 2 * d)
-    got, got_grads = grads_of(lambda *a: blocked_two_map(*a, block_rows=block), inputs, grad)
-    want, want_grads = grads_of(two_sdpa_calls, inputs, grad)
-    torch.testing.assert_close(got, want, **TOL)
-    for name, g, w in zip(("q1", "q2", "k1", "k2", "v", "lambda"), got_grads, want_grads, strict=True):
-        torch.testing.assert_close(g, w, **TOL, msg=lambda m, name=name: f"d{name}: {m}")
-
-
-def test_blocked_two_map_is_causal():
-    """Changing the last token's keys and values changes no earlier output (row blocks straddle the change)."""
-    torch.manual_seed(0)
-    q1, q2, k1, k2 = (torch.randn(1, 2, 40, 8) for _ in range(4))
-    v = torch.randn(1, 2, 40, 16)
-    out = blocked_two_map(q1, q2, k1, k2, v, torch.tensor(0.5), block_rows=16)
-    k1b, k2b, vb = k1.clone(), k2.clone(), v.clone()
-    for tensor in (k1b, k2b, vb):
-        tensor[..., -1, :] += 3.0
-    changed = blocked_two_map(q1, q2, k1b, k2b, vb, torch.tensor(0.5), block_rows=16)
-    torch.testing.assert_close(changed[..., :-1, :], out[..., :-1, :], rtol=0, atol=0)
-    assert not torch.allclose(changed[..., -1, :], out[..., -1, :])
-
-
-def test_blocked_passes_gradcheck_in_float64():
-    torch.manual_seed(1)
-    q1, q2, k1, k2 = (torch.randn(1, 2, 21, 4, dtype=torch.float64, requires_grad=True) for _ in range(4))
-    v = torch.randn(1, 2, 21, 8, dtype=torch.float64, requires_grad=True)
-    lam, gamma = (torch.tensor(x, dtype=torch.float64, requires_grad=True) for x in (0.3, 0.6))
-    assert torch.autograd.gradcheck(lambda *a: blocked_two_map(*a, block_rows=8), (q1, q2, k1, k2, v, lam))
-    assert torch.autograd.gradcheck(lambda *a: fused_dint_head(*a, block_size=8), (q1, q2, k1, k2, v, lam, gamma))
+SINGLE_PASSES = tuple(kernel.name for kernel in kernels() if "cpu" in kernel.devices)
 
 
 @pytest.mark.parametrize("name, overrides", [
     ("diff_v1", {}), ("diff_v1", {"n_kv_heads": 2}), ("shared_diff", {"rank": 4}), ("dint", {}),
-    ("dint", {"n_kv_heads": 2, "gamma": "learned", "gamma_init": 0.9}), ("diff_v2", {"n_kv_heads": 2}),
-    ("diff_v2", {"lambda_mode": "none", "pair_norm": True})])
+    ("dint", {"n_kv_heads": 2, "gamma": "learned", "gamma_init": 0.9})])
 def test_decoder_single_pass_equals_one_call_per_map(name, overrides):
-    """A whole decoder, logits and every parameter's gradient, with each single pass (the compiled kernel, the
-    PyTorch-ops pass) against one SDPA call per map (DINT's blocked pass: map 1 + integral, map 2 by SDPA;
-    DIFF V2 has no PyTorch-ops pass). The yardstick is float64: each fp32 single pass must be as close to the
-    float64 model as fp32 SDPA per map is (lambda's gradient in a deep layer sums terms that cancel, so two fp32
-    paths can differ by 1e-4 of its largest entry while both are right)."""
+    """A whole decoder, logits and every parameter's gradient, with each CPU kernel against the plain path (one
+    SDPA call per map; DINT: map 1 and its integral streamed, map 2 by SDPA). The yardstick is float64: each fp32
+    kernel must be as close to the float64 model as the fp32 plain path is (lambda's gradient in a deep layer sums
+    terms that cancel, so two fp32 paths can differ by 1e-4 of its largest entry while both are right)."""
     import copy
 
     require_cpu_kernel()
@@ -135,17 +86,17 @@ def test_decoder_single_pass_equals_one_call_per_map(name, overrides):
 
     def run(net, mode):
         net.zero_grad()
-        with forced_kernel(mode):
+        with use(mode):
             logits = net(tokens)
         logits.double().pow(2).sum().backward()  # a sum: gradients of order 1, so atol does not hide lambda's
         return [logits.detach().double()] + [p.grad.double() for p in net.parameters()]
 
-    reference = run(copy.deepcopy(model).double(), "per_map")
+    reference = run(copy.deepcopy(model).double(), PLAIN)
     errors = {mode: [(got - want).abs().max().item() for got, want in zip(run(model, mode), reference, strict=True)]
-              for mode in SINGLE_PASSES + ("per_map",)}
+              for mode in SINGLE_PASSES + (PLAIN,)}
     names = ["logits"] + [param for param, _ in model.named_parameters()]
     for mode in SINGLE_PASSES:
-        for what, err, per_map_err, want in zip(names, errors[mode], errors["per_map"], reference, strict=True):
+        for what, err, per_map_err, want in zip(names, errors[mode], errors[PLAIN], reference, strict=True):
             # fp32 sums in another order: within 4x the per-map path's own error, or 1e-5 of the largest entry;
             # lambda's and DINT gamma's gradients sum terms that cancel over every token (see above): 1e-4
             floor = 1e-4 if "lambda" in what or "gamma" in what else 1e-5

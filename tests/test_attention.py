@@ -311,24 +311,6 @@ def test_flops_per_token_counts_maps_causal_half_and_v_width():
         assert shared.flops_per_token(t, training=False) == 2 * linear + maps + layers * 2 * up, scope
 
 
-def test_unavailable_flash_backend_falls_back_or_fails_as_configured():
-    from diffexp.model.kernels.single_map import flash_attn_func
-
-    if flash_attn_func is not None and torch.cuda.is_available():
-        pytest.skip("flash-attn can run here; nothing falls back")
-    x = torch.randn(1, 8, SMALL["d_model"])
-    with pytest.warns(UserWarning, match="flash"):
-        attn = build_attention(ModelConfig(**SMALL, attention="diff_v1", backend="flash_attn"), 0)
-        out, _ = attn(x)
-    reference = build_attention(ModelConfig(**SMALL, attention="diff_v1"), 0)
-    reference.load_state_dict(attn.state_dict())
-    torch.testing.assert_close(out, reference(x)[0])
-    with pytest.raises((ValueError, RuntimeError), match="backend_fallback"):
-        strict = build_attention(ModelConfig(**SMALL, attention="diff_v1", backend="flash_attn",
-                                             backend_fallback=False), 0)
-        strict(x)
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_rope_equals_llamas_rotate_half_bit_for_bit(dtype):
     """RoPE as LLaMA (and transformers' Llama, which the export targets) writes it: x cos + rotate_half(x) sin, with

@@ -1,4 +1,4 @@
-"""The compiled CPU attention kernel (diffexp/model/kernels/cpu_native.py) against naive float64 references built
+"""The compiled CPU attention kernel (diffexp/kernels/cpu_native.py) against naive float64 references built
 from whole T x T maps: values and the gradient of every input (lambda per row or one lambda, DINT's gamma), GQA,
 lengths that are not a multiple of the block, one token, causality, other dtypes, and its fallback."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from diffexp.model.kernels import cpu_native, forced_kernel, resolve_kernel
+from diffexp.kernels import cpu_native, resolve
 from tests.helpers import require_cpu_kernel
 
 
@@ -72,14 +72,6 @@ def test_two_map_equals_naive(heads, kv_heads, t, block, per_row):
             ("q1", "q2", "k1", "k2", "v", "lambda"))
 
 
-def test_two_map_with_shared_keys_as_diff_v2_calls_it():
-    """DIFF V2 passes one K for both maps of a pair: the two dK contributions must add up."""
-    q1, q2, k, _, v, lam = inputs_for(4, 2, 45, dv=8, per_row=True, seed=3)
-    compare(lambda q1, q2, k, v, lam: cpu_native.two_map(q1, q2, k, k, v, lam, block_rows=16),
-            lambda q1, q2, k, v, lam: naive_head(q1, q2, k, k, v, lam), [q1, q2, k, v, lam],
-            ("q1", "q2", "k", "v", "lambda"))
-
-
 @pytest.mark.parametrize("heads, kv_heads, t, block", [(4, 4, 37, 16), (4, 2, 100, 32), (2, 2, 1, 8)])
 def test_dint_equals_naive(heads, kv_heads, t, block):
     """DINT's head with a gamma of its own (learned) and with gamma = lambda (the paper)."""
@@ -115,20 +107,22 @@ def test_other_dtypes_are_cast_in_and_out():
     torch.testing.assert_close(out.double(), want, rtol=2e-2, atol=2e-2)
 
 
-def test_cpu_fp32_takes_the_kernel_and_fp64_the_pytorch_pass():
-    assert resolve_kernel("sdpa", torch.zeros(1)) == "cpu_native"
-    assert resolve_kernel("sdpa", torch.zeros(1, dtype=torch.float64)) == "blocked"
+def head_call(dtype=torch.float32):
+    return torch.zeros(1, 2, 4, 8, dtype=dtype), torch.zeros(1, 2, 4, 8, dtype=dtype), torch.zeros(1, 2, 4, 16,
+                                                                                                 dtype=dtype)
 
 
-def test_unavailable_kernel_falls_back_with_one_warning(monkeypatch):
+def test_cpu_fp32_takes_the_kernel_and_fp64_the_plain_path():
+    assert resolve(*head_call()).name == "cpu_native"
+    assert resolve(*head_call(torch.float64)) is None
+
+
+def test_unavailable_kernel_leaves_the_plain_path_with_one_warning(monkeypatch):
     monkeypatch.setattr(cpu_native, "unavailable_reason", lambda: "no compiler (test)")
     monkeypatch.setattr(cpu_native, "_warned", [])
-    with pytest.warns(UserWarning, match="no compiler \\(test\\).*PyTorch-ops pass"):
-        assert resolve_kernel("sdpa", torch.zeros(1)) == "blocked"
-    assert resolve_kernel("sdpa", torch.zeros(1)) == "blocked"  # warned once
-    with pytest.raises(RuntimeError, match="no compiler"):
-        with forced_kernel("cpu_native"):
-            pass
+    with pytest.warns(UserWarning, match="no compiler \\(test\\).*plain path"):
+        assert resolve(*head_call()) is None
+    assert resolve(*head_call()) is None  # warned once
 
 
 def test_switch_and_broken_build_give_reasons_not_errors(monkeypatch, tmp_path):

@@ -7,9 +7,9 @@ import torch
 
 from diffexp import ModelConfig
 from diffexp.model.attention import build_attention
-from diffexp.model.kernels.dint_integral import fused_first_map_integral, streaming_integral
-from diffexp.model.kernels.per_map import integral_map
-from diffexp.model.kernels.single_map import causal_softmax
+from diffexp.model.heads.dint_integral import fused_first_map_integral, streaming_integral
+from diffexp.model.heads.per_map import integral_map
+from diffexp.model.heads.single_map import causal_softmax
 
 
 @pytest.mark.parametrize("t, block", [(13, 4), (16, 16), (9, 1), (21, 8), (5, 64)])

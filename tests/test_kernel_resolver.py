@@ -1,122 +1,125 @@
-"""The one resolver that picks the kernel of a two-map head: every backend and mode, and what each variant runs."""
+"""The one door to fast attention (diffexp.kernels): which kernel each call gets, `use`, and which calls never reach
+a kernel (maps requested, the eager backend, decoding)."""
 
 from __future__ import annotations
 
-from types import SimpleNamespace
+import dataclasses
 
 import pytest
 import torch
 
 from diffexp import Decoder, ModelConfig
-from diffexp.model import kernels
-from diffexp.model.kernels import KERNELS, forced_kernel, resolve_kernel
+from diffexp.kernels import PLAIN, Integral, kernels, registry, resolve, use
 
-CPU32, CPU64 = torch.zeros(1), torch.zeros(1, dtype=torch.float64)
-GPU = torch.zeros(1, device="meta")  # any tensor off the CPU
+GAMMA = torch.tensor(0.5)
+
+
+def call(device="cpu", dtype=torch.float32, kv_heads=2):
+    """q1, k1, v of a two-map head (meta tensors stand for a device this machine lacks)."""
+    device = "meta" if device == "cuda" and not torch.cuda.is_available() else device
+    return (torch.zeros(1, 4, 8, 8, device=device, dtype=dtype), torch.zeros(1, kv_heads, 8, 8, device=device,
+            dtype=dtype), torch.zeros(1, kv_heads, 8, 16, device=device, dtype=dtype))
 
 
 @pytest.fixture
-def kernel_builds(monkeypatch):
-    monkeypatch.setattr(kernels.cpu_native, "available", lambda: True)
-    monkeypatch.setattr(kernels.cpu_native, "unavailable_reason", lambda: None)
+def cpu_kernel_builds(monkeypatch):
+    from diffexp.kernels import cpu_native
+
+    monkeypatch.setattr(cpu_native, "available", lambda: True)
 
 
-@pytest.mark.parametrize("backend, q, call, want", [
-    # maps requested, or the eager backend: the maps themselves
-    ("sdpa", CPU32, dict(need_weights=True), "eager"),
-    ("triton", GPU, dict(need_weights=True), "eager"),
-    ("eager", CPU32, {}, "eager"),
-    ("eager", GPU, dict(decoding="chunk"), "eager"),
-    # a chunk after a cache: new queries over the cached keys, one call per map
-    ("sdpa", CPU32, dict(decoding="chunk"), "per_map"),
-    ("triton", GPU, dict(decoding="chunk"), "per_map"),
-    ("flash_attn", GPU, dict(decoding="chunk", integral="softmax"), "per_map"),
-    # a decoding step, one token per row: both maps against the cache, V read once, on every backend
-    ("sdpa", CPU32, dict(decoding="step"), "cached_step"),
-    ("eager", CPU32, dict(decoding="step"), "cached_step"),
-    ("triton", GPU, dict(decoding="step", integral="mean"), "cached_step"),
-    ("sdpa", CPU64, dict(decoding="step", layer_lambda=False), "cached_step"),
-    # whole sequences
-    ("sdpa", CPU32, {}, "cpu_native"),
-    ("sdpa", CPU64, {}, "blocked"),  # the compiled kernel computes in fp32
-    ("flash_attn", CPU32, {}, "cpu_native"),
-    ("sdpa", GPU, {}, "per_map"),
-    ("flash_attn", GPU, {}, "per_map"),
-    ("triton", GPU, {}, "triton"),
-    ("triton", GPU, dict(integral="mean"), "triton"),
-    # heads a kernel cannot compute go to per_map: a lambda per token (or a number), DINT's mean integral
-    ("sdpa", CPU32, dict(layer_lambda=False), "cpu_native"),
-    ("sdpa", CPU64, dict(layer_lambda=False), "per_map"),
-    ("triton", GPU, dict(layer_lambda=False), "per_map"),
-    ("sdpa", CPU32, dict(integral="mean"), "per_map"),
-    ("sdpa", CPU64, dict(integral="mean"), "per_map"),
-    ("sdpa", CPU32, dict(integral="softmax"), "cpu_native"),
-    ("sdpa", CPU64, dict(integral="softmax"), "blocked"),
+def test_every_kernel_declares_its_devices_and_a_summary():
+    names = [kernel.name for kernel in kernels()]
+    assert len(set(names)) == len(names) and PLAIN not in names
+    for kernel in kernels():
+        assert kernel.devices and kernel.summary and callable(kernel.head) and callable(kernel.refuses)
+
+
+@pytest.mark.parametrize("dtype, integral, want", [
+    (torch.float32, None, "cpu_native"),
+    (torch.bfloat16, None, "cpu_native"),
+    (torch.float64, None, None),  # the kernel computes in fp32: fp64 runs the plain path, exactly
+    (torch.float32, "softmax", "cpu_native"),
+    (torch.float32, "mean", None),  # cumsum(A1 V) / n on the plain path
 ])
-def test_every_backend_and_mode(kernel_builds, backend, q, call, want):
-    assert resolve_kernel(backend, q, **call) == want
+def test_cpu_calls(cpu_kernel_builds, dtype, integral, want):
+    integral = None if integral is None else Integral(integral, GAMMA)
+    got = resolve(*call("cpu", dtype), integral)
+    assert (got and got.name) == want
 
 
-@pytest.mark.parametrize("backend", ["sdpa", "flash_attn"])
-def test_on_a_gpu_dints_softmax_integral_runs_the_triton_kernels_where_triton_runs(monkeypatch, backend):
-    """SDPA and flash-attn have no integral; without Triton it streams through PyTorch ops (per_map)."""
-    cuda = SimpleNamespace(device=torch.device("cuda"), dtype=torch.float32)  # what the resolver reads of q
-    monkeypatch.setattr(kernels, "unavailable_reason", lambda device: None)
-    assert resolve_kernel(backend, cuda, integral="softmax") == "triton"
-    assert resolve_kernel(backend, cuda, integral="mean") == "per_map"  # cumsum(A1 V) / n after the map's own call
-    assert resolve_kernel(backend, cuda) == "per_map"
-    assert resolve_kernel(backend, GPU, integral="softmax") == "per_map"  # meta (the memory estimate): no kernel runs
-    monkeypatch.setattr(kernels, "unavailable_reason", lambda device: "no triton")
-    assert resolve_kernel(backend, cuda, integral="softmax") == "per_map"
+def test_a_cpu_kernel_that_cannot_build_leaves_the_plain_path(monkeypatch):
+    from diffexp.kernels import cpu_native
+
+    monkeypatch.setattr(cpu_native, "available", lambda: False)
+    assert resolve(*call("cpu")) is None
 
 
-@pytest.mark.parametrize("forced", ["blocked", "per_map", "cpu_native"])
-def test_a_forced_kernel_applies_to_sdpa_where_it_computes_the_head(kernel_builds, forced):
-    with forced_kernel(forced):
-        assert resolve_kernel("sdpa", CPU32) == forced
-        assert resolve_kernel("sdpa", GPU) == forced
-        assert resolve_kernel("sdpa", CPU32, need_weights=True) == "eager"
-        assert resolve_kernel("sdpa", CPU32, decoding="chunk") == "per_map"
-        assert resolve_kernel("sdpa", CPU32, decoding="step") == "cached_step"
-        assert resolve_kernel("triton", GPU) == "triton"
-        assert resolve_kernel("sdpa", CPU32, layer_lambda=False) == ("per_map" if forced == "blocked" else forced)
-    assert resolve_kernel("sdpa", CPU32) == "cpu_native"
-    with pytest.raises(ValueError, match="kernel 'native'"):
-        with forced_kernel("native"):
+def test_kernels_are_picked_unasked_only_on_their_devices(cpu_kernel_builds):
+    """A Triton kernel can compute under Triton's CPU interpreter (the tests), but is never picked there unasked."""
+    integral = Integral("softmax", GAMMA)
+    assert resolve(*call("cpu"), integral).name == "cpu_native"
+    meta = call("meta")
+    assert resolve(*meta) is None and resolve(*meta, integral) is None  # the memory estimate's meta tensors
+
+
+def test_use_chooses_a_kernel_where_it_computes_and_the_plain_path_elsewhere(cpu_kernel_builds):
+    with use("sdpa_joined"):
+        assert resolve(*call("cpu")).name == "sdpa_joined"  # asked for: it computes on CPU too (its tests)
+        assert resolve(*call("cpu"), Integral("softmax", GAMMA)) is None  # it has no integral: the plain path
+    with use(PLAIN):
+        assert resolve(*call("cpu")) is None
+    with pytest.raises(ValueError, match="expected 'plain' or one of"):
+        with use("no_such_kernel"):
             pass
+
+
+def test_sdpa_joined_is_picked_on_cuda_in_half_precision_only(monkeypatch):
+    from diffexp.kernels import sdpa_joined
+
+    cuda = torch.zeros(1, 4, 8, 8, device="meta", dtype=torch.bfloat16)
+    k, v = torch.zeros(1, 2, 8, 8, device="meta"), torch.zeros(1, 2, 8, 16, device="meta")
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda t: t.device.type == "meta"))
+    monkeypatch.setattr(sdpa_joined, "fused_backend_takes", lambda *a: True)
+    assert sdpa_joined.refuses(cuda, k, v, None) is None
+    assert "half precision" in sdpa_joined.refuses(cuda.float(), k, v, None)
+    assert "two maps only" in sdpa_joined.refuses(cuda, k, v, "softmax")
+    monkeypatch.setattr(sdpa_joined, "fused_backend_takes", lambda *a: False)
+    assert "no fused SDPA backend" in sdpa_joined.refuses(cuda, k, v, None)
 
 
 @pytest.mark.parametrize("arch, dtype, want", [
     (dict(attention="diff_v1"), torch.float32, "cpu_native"),
-    (dict(attention="diff_v1"), torch.float64, "blocked"),
+    (dict(attention="diff_v1"), torch.float64, PLAIN),
     (dict(attention="shared_diff", rank=4), torch.float32, "cpu_native"),
     (dict(attention="dint"), torch.float32, "cpu_native"),
-    (dict(attention="dint"), torch.float64, "blocked"),
-    (dict(attention="dint", integral="mean"), torch.float32, "per_map"),
-    (dict(attention="diff_v2", n_kv_heads=2), torch.float32, "cpu_native"),
-    (dict(attention="diff_v2", n_kv_heads=2), torch.float64, "per_map"),
-    (dict(attention="diff_v2", n_kv_heads=2, pairing="cross"), torch.float32, None),  # no two-map head
+    (dict(attention="dint", integral="mean"), torch.float32, PLAIN),
+    (dict(attention="diff_v2", n_kv_heads=2), torch.float32, None),  # one attention call, no two-map head
     (dict(attention="baseline"), torch.float32, None),
 ])
-def test_each_variant_runs_the_resolved_kernel(monkeypatch, arch, dtype, want):
-    """A full forward, then maps requested, then a prefill and a decoding step: the kernels the layers asked for."""
-    if want == "cpu_native" and kernels.cpu_native.unavailable_reason() is not None:
-        want = "blocked" if arch["attention"] != "diff_v2" else "per_map"  # the fallbacks, without a compiler
+def test_each_variant_reaches_the_door_only_over_whole_sequences(cpu_kernel_builds, monkeypatch, arch, dtype, want):
+    """A full forward asks the door once per layer; maps requested, a prefill and a decoding step never do."""
+    from diffexp.kernels import cpu_native
+
+    if want == "cpu_native" and cpu_native.unavailable_reason() is not None:
+        pytest.skip(f"the CPU kernel cannot build here: {cpu_native.unavailable_reason()}")
     seen = []
-    resolve = kernels.resolve_kernel
-    monkeypatch.setattr(kernels, "resolve_kernel", lambda *a, **k: seen.append(resolve(*a, **k)) or seen[-1])
+    monkeypatch.setattr(registry, "_KERNELS", {name: dataclasses.replace(
+        kernel, head=lambda *a, kernel=kernel: seen.append(kernel.name) or kernel.head(*a))
+        for name, kernel in registry._KERNELS.items()})
+    asked = []
+    original = registry.resolve
+    from diffexp.model import heads
+    monkeypatch.setattr(heads, "resolve", lambda *a: asked.append(1) or original(*a))
     model = Decoder(ModelConfig(d_model=32, n_layers=2, n_heads=2, vocab_size=31, **arch)).to(dtype)
     idx = torch.randint(0, 31, (1, 9))
     with torch.no_grad():
         model(idx)
         full, seen[:] = list(seen), []
+        assert len(asked) == (0 if want is None else 2)
         model(idx, need_weights=True)
-        maps, seen[:] = list(seen), []
         cache = model.new_cache()
         model(idx[:, :5], cache=cache)
         model(idx[:, 5:6], cache=cache)
-    layers = [] if want is None else [want] * 2
-    assert full == layers
-    assert maps == ([] if want is None else ["eager"] * 2)
-    assert seen == ([] if want is None else ["per_map"] * 2 + ["cached_step"] * 2)
-    assert set(full + maps + seen) <= set(KERNELS)
+    assert full == ([] if want in (None, PLAIN) else [want] * 2)
+    assert seen == [] and len(asked) == (0 if want is None else 2)

@@ -26,7 +26,8 @@ def arch(attention: str, n_layers: int = 4) -> ModelConfig:
 def saved_bytes_for_real(cfg: ModelConfig, batch: int, seq_len: int, monkeypatch) -> int:
     """The bytes autograd keeps for the backward of a real forward (CPU tensors, the attention calls a GPU makes),
     counted per storage."""
-    from diffexp.model.kernels import forced_kernel, single_map
+    from diffexp.kernels import PLAIN, use
+    from diffexp.model.heads import single_map
 
     monkeypatch.setattr(single_map, "wide_v_mode", lambda q: "split")  # the GPU choice; the CPU pads Q and K
     model = Decoder(replace(cfg, backend="sdpa"))
@@ -38,7 +39,7 @@ def saved_bytes_for_real(cfg: ModelConfig, batch: int, seq_len: int, monkeypatch
         return tensor
 
     tokens = torch.randint(0, cfg.vocab_size, (batch, seq_len + 1))
-    with memory._fused_attention_stand_in(), forced_kernel("per_map"), \
+    with memory._fused_attention_stand_in(), use(PLAIN), \
             torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):  # one call per map, as on the GPU
         logits = model(tokens[:, :-1])
         torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), tokens[:, 1:].flatten())

@@ -13,7 +13,7 @@ import math
 import pytest
 import torch
 
-from diffexp.model.kernels.triton_support import interpreter_requested, unavailable_reason
+from diffexp.kernels.triton_support import interpreter_requested, unavailable_reason
 from tests.reference import causal_softmax_rows, integral_term
 
 DEVICE = "cuda" if torch.cuda.is_available() and not interpreter_requested() else "cpu"

@@ -66,12 +66,8 @@ CASES = [
      [pytest.mark.skipif(_has("transformer_engine"), reason="transformer_engine is installed")]),
     ("profiler-name", ["--trainer.profiler", "foo"], ["trainer.profiler='foo'"], []),
     ("max-time", ["--trainer.max_time", "abc"], ["trainer.max_time='abc'"], []),
-    ("backend-flash-attn-strict", ["--model.arch.backend", "flash_attn", "--model.arch.backend_fallback", "false"],
-     ["model.arch.backend='flash_attn'", "flash-attn is not installed", "backend_fallback"],
-     [pytest.mark.skipif(_has("flash_attn"), reason="flash-attn is installed")]),
-    ("backend-flash-attn-on-cpu", ["--model.arch.backend", "flash_attn", "--model.arch.backend_fallback", "false",
-                                   "--trainer.accelerator", "cpu"], ["model.arch.backend='flash_attn'", "cpu"], []),
-    ("backend-triton-on-cpu", ["--model.arch.backend", "triton"], ["model.arch.backend='triton'", "CUDA"], [gpu]),
+    ("backend-retired", ["--model.arch.backend", "flash_attn"], ["model.arch.backend", "flash_attn", "'sdpa', 'eager'"],
+     []),
 ]
 
 

@@ -10,7 +10,7 @@ import datetime as _dt
 import importlib
 import sys
 
-from diffexp.bench import options, profile, report
+from diffexp.bench import options, report
 from diffexp.errors import UserError, guarded
 
 #: kind -> its module; each has NAME, ABOUT, LAYOUT, build_parser, validate, config, run(args, save_finished) and
@@ -88,8 +88,7 @@ def run_kind(kind, argv: list[str]) -> int:
                       file=sys.stderr, flush=True)
             unwritten.append(err)
 
-    with profile.prepared(args):
-        env, results = report.recorded_run(args.device, args.threads, lambda: kind.run(args, save_finished))
+    env, results = report.recorded_run(args.device, args.threads, lambda: kind.run(args, save_finished))
     data = {**header, "env": env, "results": results}
     try:
         report.write_results(args.json, data)

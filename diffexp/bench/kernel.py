@@ -13,8 +13,8 @@ from collections.abc import Callable
 from diffexp.bench import options, report, timing, workload
 from diffexp.bench.memory import peak_bytes, release, tensor_bytes
 from diffexp.bench.progress import ProgressReporter
+from diffexp.kernels import PLAIN, kernels, use
 from diffexp.model.attention.registry import reference_variant
-from diffexp.model.kernels import forced_kernel
 
 NAME = "kernel"
 ABOUT = "one layer's attention module alone: forward and forward+backward per variant and backend vs the reference"
@@ -29,20 +29,8 @@ HEADERS = ["variant", "seq", "backend", "batch", "attn params", "fwd ms", "fwd v
            "fwd+bwd vs base", "ratio spread (rounds)", "peak mem MiB", "mem vs base", "TFLOP/s", "MFU"]
 
 
-#: benchmark-only backends: sdpa with the two-map variants forced onto one kernel (diffexp.model.kernels.KERNELS)
-FORCED_PATHS = {"sdpa-blocked": "blocked", "sdpa-per-map": "per_map"}
-
-
-def available_backends(device: str) -> list[str]:
-    found = ["sdpa", "eager"]
-    if device == "cuda" and options.flash_attn_installed():
-        found.append("flash_attn")
-    if device == "cuda":
-        from diffexp.model.kernels import unavailable_reason
-
-        if unavailable_reason(device) is None:  # the two-map variants' fused kernels (the others run sdpa)
-            found.append("triton")
-    return found
+#: benchmark-only backends: sdpa with the two-map heads on the plain path, or on one registered kernel (diffexp.kernels)
+FORCED_PATHS = {f"sdpa-{PLAIN}": PLAIN, **{f"sdpa-{kernel.name}": kernel.name for kernel in kernels()}}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -50,10 +38,9 @@ def build_parser() -> argparse.ArgumentParser:
                                    "backward) per variant and backend, relative to the reference variant.",
                              batch_size=8, seq_lens=[256, 1024])
     p.add_argument("--backends", nargs="+", choices=(*options.BACKENDS, *FORCED_PATHS), default=None, metavar="NAME",
-                   help="attention backends (default: sdpa and eager, plus flash_attn when installed on --device "
-                        f"cuda); of: {', '.join((*options.BACKENDS, *FORCED_PATHS))} (sdpa-blocked: sdpa with the "
-                        "two-map variants' PyTorch-ops pass instead of the compiled CPU kernel; sdpa-per-map: one "
-                        "SDPA call per map)")
+                   help="attention backends (default: sdpa and eager); of: "
+                        f"{', '.join((*options.BACKENDS, *FORCED_PATHS))} (sdpa-plain: the two-map heads with one "
+                        "SDPA call per map; sdpa-NAME: on registered kernel NAME where it computes them)")
     options.add_batch_cap(p)
     options.add_peak_tflops(p)
     return p
@@ -61,9 +48,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def validate(args: argparse.Namespace) -> None:
     if args.backends is None:
-        args.backends = available_backends(args.device)
-    for backend in args.backends:
-        options.check_backend("--backends", backend, args.device)
+        args.backends = ["sdpa", "eager"]
     args.backends = list(dict.fromkeys(args.backends))
     workload.check_configs(args, max(args.seq_lens), [_model_backend(b) for b in args.backends])
     args.peak_flops = report.peak_flops(args.device, args.dtype, args.peak_tflops)
@@ -92,7 +77,7 @@ class AttentionRunner:
         self.device = device
         cfg = workload.model_config(args, name, max(args.seq_lens), _model_backend(backend))
         forced = FORCED_PATHS.get(backend)
-        self.mode = (lambda: forced_kernel(forced)) if forced else contextlib.nullcontext
+        self.mode = (lambda: use(forced)) if forced else contextlib.nullcontext
         self.module = build_attention(cfg, 0).to(device).train()
         self.params = sum(p.numel() for p in self.module.parameters())
         batch, t, _ = x.shape

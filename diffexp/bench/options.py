@@ -137,37 +137,10 @@ def validate(args: argparse.Namespace) -> None:
                         f"built with CUDA {torch.version.cuda}); use --device cpu")
     if args.device == "cuda" and args.dtype == "bf16" and not torch.cuda.is_bf16_supported():
         raise UserError("--dtype bf16: this GPU does not support bfloat16")
-    if getattr(args, "backend", None) is not None:
-        check_backend("--backend", args.backend, args.device)
     if getattr(args, "peak_tflops", None) is not None and args.peak_tflops <= 0:
         raise UserError(f"--peak-tflops: expected a positive number, got {args.peak_tflops}")
     if getattr(args, "tokens_per_batch", 0) is None:
         args.tokens_per_batch = DEFAULT_CPU_TOKENS_PER_BATCH if args.device == "cpu" else 0
-
-
-def check_backend(flag: str, backend: str, device: str) -> None:
-    if backend == "triton":
-        from diffexp.model.kernels import unavailable_reason
-
-        reason = unavailable_reason(device)
-        if reason is not None:
-            raise UserError(f"{flag} triton: {reason}")
-        return
-    if backend != "flash_attn":
-        return
-    if device != "cuda":
-        raise UserError(f"{flag} flash_attn needs --device cuda")
-    if not flash_attn_installed():
-        raise UserError(f"{flag} flash_attn: the flash-attn package is not installed "
-                        "(pip install 'diffexp[flash]'); use sdpa")
-
-
-def flash_attn_installed() -> bool:
-    try:
-        import flash_attn  # noqa: F401
-    except ImportError:
-        return False
-    return True
 
 
 def output_path(args: argparse.Namespace, kind: str) -> None:

@@ -2,27 +2,15 @@
 
 One more run of every runner under torch.profiler; its N most expensive operations and kernels by self time (the
 GPU's kernel time on CUDA, the host's on CPU), per token for decoding and per run otherwise; `report.print_profiles`
-prints them. The CPU kernels that inductor writes are named only when they were compiled to record themselves, so
-`prepared` turns that on while the models are built and run (a check of one flag per kernel call while no
-profiler runs).
+prints them. On CPU a compiled graph shows as one compiled region (inductor's CPU kernels do not record themselves
+unless built to).
 """
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Mapping
 
 from diffexp.bench.progress import ProgressReporter
-
-
-def prepared(args) -> contextlib.AbstractContextManager:
-    """Within it, with --profile, the CPU kernels inductor compiles record themselves (the setting is restored
-    after)."""
-    if not args.profile:
-        return contextlib.nullcontext()
-    import torch._inductor.config as inductor_config
-
-    return inductor_config.patch({"cpp.enable_kernel_profile": True})
 
 
 def profile_runs(runners: Mapping, top: int, device, progress: ProgressReporter, label: str) -> dict[str, dict]:

@@ -1,8 +1,9 @@
 """Any variant, any flag, as transformers remote code: configuration_diffexp.py, modeling_diffexp.py and auto_map.
 
-modeling_diffexp.py is the wrapper in `remote/` with diffexp's model package (errors.py and model/, every file)
-filled into its BUNDLE at export time, each `from diffexp.x import y` made relative to the bundle. The exported
-model therefore runs the very code diffexp trains with; there is no second copy to keep in step.
+modeling_diffexp.py is the wrapper in `remote/` with diffexp's model package (errors.py, model/ and the kernel
+door, kernels/registry.py) filled into its BUNDLE at export time, each `from diffexp.x import y` made relative to
+the bundle. The exported model therefore runs the very code diffexp trains with, on its plain path: the bundle
+registers no fast kernel, so it ships the math only.
 """
 
 from __future__ import annotations
@@ -40,8 +41,9 @@ def _relative(source: str, relative_path: str) -> str:
 
 def bundle_sources() -> dict[str, str]:
     """diffexp's model package as BUNDLE holds it: path inside the package -> source with relative imports."""
-    files = [PACKAGE / "errors.py", *sorted((PACKAGE / "model").rglob("*.py"))]
-    sources = {"__init__.py": '"""diffexp\'s model code, bundled by `diffexp export --remote-code`."""\n'}
+    files = [PACKAGE / "errors.py", PACKAGE / "kernels" / "registry.py", *sorted((PACKAGE / "model").rglob("*.py"))]
+    sources = {"__init__.py": '"""diffexp\'s model code, bundled by `diffexp export --remote-code`."""\n',
+               "kernels/__init__.py": '"""The kernel door alone: no fast kernel is registered here."""\n'}
     for path in files:
         relative = path.relative_to(PACKAGE).as_posix()
         sources[relative] = _relative(path.read_text(encoding="utf-8"), relative)
@@ -60,7 +62,7 @@ def modeling_source() -> str:
 def remote_config(arch: dict, eos_id: int | None) -> dict:
     """config.json: diffexp's arch (attention on the PyTorch backend: the bundle has no other) and the fields
     transformers reads."""
-    arch = {**arch, "backend": "sdpa", "backend_fallback": True}
+    arch = {**arch, "backend": "sdpa"}
     return {"model_type": "diffexp", "architectures": ["DiffexpForCausalLM"], "auto_map": AUTO_MAP, "arch": arch,
             "vocab_size": arch["vocab_size"], "hidden_size": arch["d_model"], "num_hidden_layers": arch["n_layers"],
             "num_attention_heads": arch["n_heads"], "max_position_embeddings": arch["max_seq_len"],

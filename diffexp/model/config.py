@@ -43,11 +43,9 @@ SHARED_FLAGS = (
     Flag("rope_theta", float, 10000.0, "RoPE base", "a positive number", _positive),
     Flag("tie_embeddings", bool, False, "share the input embedding and the LM head"),
     Flag("norm_eps", float, 1e-5, "epsilon of every RMSNorm", "a positive number", _positive),
-    Flag("backend", Literal["sdpa", "flash_attn", "eager", "triton"], "sdpa",
-         "attention backend: sdpa, flash_attn (CUDA + flash-attn), eager, or triton (the two-map variants' fused "
-         "Triton kernels on CUDA; the other variants use sdpa)", "one of sdpa, flash_attn, eager, triton"),
-    Flag("backend_fallback", bool, True, "when flash_attn cannot run, fall back to sdpa with a warning (true) or "
-         "stop with an error (false)"),
+    Flag("backend", Literal["sdpa", "eager"], "sdpa",
+         "attention backend: sdpa (PyTorch's fused attention, or a registered fast kernel where one computes the "
+         "head: diffexp.kernels) or eager (the maps themselves, for inspection)", "one of sdpa, eager"),
     Flag("init_std", float, 0.02, "std of the normal init of linear and embedding weights",
          "a positive standard deviation", _positive),
 )

@@ -42,9 +42,6 @@ def check_build_config(trainer: dict[str, Any], arch) -> None:
     if every is not None and every < 1:  # Lightning takes it, then divides by it at the first epoch's end
         raise invalid("trainer.check_val_every_n_epoch", every, "expected a positive number of epochs, or null "
                       "(validate by trainer.val_check_interval steps only)")
-    if arch.backend == "flash_attn" and not arch.backend_fallback and trainer.get("accelerator") == "cpu":
-        raise invalid("model.arch.backend", arch.backend, "FlashAttention runs on CUDA tensors only, and "
-                      "trainer.accelerator is cpu; use sdpa, or set model.arch.backend_fallback=true for sdpa on CPU")
 
 
 def check_buildable(trainer: dict[str, Any], model: dict[str, Any]) -> None:
@@ -60,7 +57,6 @@ def check_buildable(trainer: dict[str, Any], model: dict[str, Any]) -> None:
         if converted is not None:
             raise converted from err  # DIFFEXP_DEBUG=1 shows Lightning's traceback
         # anything else is left to the real build, which raises it again
-    check_attention_backend(model.get("arch") or {})
 
 
 def check_accelerator(name: Any) -> None:
@@ -128,15 +124,6 @@ def build_trainer_alone(trainer: dict[str, Any]) -> None:
             Trainer(**args, logger=False, callbacks=[], enable_checkpointing=False)
     finally:
         logging.disable(previous)
-
-
-def check_attention_backend(arch: dict[str, Any]) -> None:
-    """model.arch.backend can run here (triton needs CUDA, flash_attn without fallback its package)."""
-    from diffexp.model.kernels import check_backend
-
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # the fallback's warning comes when the model is built
-        check_backend(arch.get("backend", "sdpa"), arch.get("backend_fallback", True))
 
 
 def _raised_by_diffexp(err: BaseException) -> bool:

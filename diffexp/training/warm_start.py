@@ -20,7 +20,7 @@ from diffexp.errors import UserError
 
 KEY = "model.init_from"
 #: fields that may change between the checkpoint and the run it starts: no weight depends on them
-FREE_ON_INIT = ("max_seq_len", "rope_theta", "backend", "backend_fallback", "init_std", "lowrank_init_std",
+FREE_ON_INIT = ("max_seq_len", "rope_theta", "backend", "init_std", "lowrank_init_std",
                 "lambda_proj_init")
 
 

@@ -61,9 +61,6 @@ def bundle_module(module: str):
         package = importlib.util.module_from_spec(spec)
         sys.modules[name] = package
         spec.loader.exec_module(package)
-        cpu_native = importlib.import_module(f"{name}.model.kernels.cpu_native")
-        cpu_native.unavailable_reason = lambda: "an exported model runs attention in PyTorch ops"
-        cpu_native._warned.append(True)  # the PyTorch-ops pass is the intended path here, not a fallback
     return importlib.import_module(f"{name}.{module}")
 
 

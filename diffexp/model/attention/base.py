@@ -1,7 +1,7 @@
 """What every attention variant shares: sizes, projections' init, RoPE, the cache, and the attention calls.
 
-The calls themselves live in diffexp.model.kernels: `attend` here is one softmax attention per query head,
-`two_map_head` the differential head of the two-map variants, each on the kernel the layer's backend resolves to.
+The calls themselves live in diffexp.model.heads: `attend` here is one softmax attention per query head,
+`two_map_head` the differential head of the two-map variants (on a registered fast kernel where one applies).
 """
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from diffexp.model.kernels import Integral, attention, check_backend, two_map_head
-from diffexp.model.kernels.single_map import causal_logits
+from diffexp.model.heads import Integral, attention, two_map_head
+from diffexp.model.heads.single_map import causal_logits
 from diffexp.model.rope import RotaryEmbedding
 
 
@@ -45,7 +45,7 @@ class AttentionBase(nn.Module):
         self.n_heads = cfg.n_heads
         self.n_kv_heads = cfg.kv_heads
         self.head_dim = cfg.resolved_head_dim
-        self.backend = check_backend(cfg.backend, cfg.backend_fallback)
+        self.backend = cfg.backend
         self.rope = RotaryEmbedding(self.head_dim, cfg.max_seq_len, cfg.rope_theta)
         self.stats: dict[str, float] = {}
 
@@ -84,16 +84,15 @@ class AttentionBase(nn.Module):
     def attend(self, q, k, v, need_weights: bool = False, cache=None):
         """Causal softmax attention per query head on this layer's backend (RoPE already applied)."""
         self.record_logit_max(q, k)
-        return attention(q, k, v, self.backend, need_weights, self.cfg.backend_fallback, cache)
+        return attention(q, k, v, self.backend, need_weights, cache)
 
     def two_map_head(self, q1, q2, k1, k2, v, lam, need_weights: bool = False, cache=None,
                      integral: Integral | None = None):
         """(A1 - lambda A2 [+ gamma A3]) V and the effective map (when computed), on this layer's backend."""
         self.record_logit_max(q1, k1)
         self.record_logit_max(q2, k2)
-        return two_map_head(q1, q2, k1, k2, v, lam, backend=self.backend, integral=integral,
-                            cache=cache, need_weights=need_weights,
-                            backend_fallback=self.cfg.backend_fallback)
+        return two_map_head(q1, q2, k1, k2, v, lam, backend=self.backend, integral=integral, cache=cache,
+                            need_weights=need_weights)
 
     def extra_repr(self) -> str:
         return (f"layer={self.layer_idx}, heads={self.n_heads}, kv_heads={self.n_kv_heads}, "

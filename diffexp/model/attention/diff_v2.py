@@ -6,8 +6,7 @@ then pairs of heads are subtracted with a token-wise, head-wise lambda:
     out_p = attn[2p] - sigmoid(x W_lam)_p * attn[2p + 1]        pairing="same" (pairs share K/V)
     out_p = attn[p]  - sigmoid(x W_lam)_p * attn[p + h]         pairing="cross" (blog's ablation)
 
-With pairing "same" a pair shares K and V: a two-map head (diffexp.model.kernels), whose CPU kernel makes one pass
-with one product with V, also in a decoding step. No per-head norm, no lambda_init. lambda_mode "none" drops W_lam
+No per-head norm, no lambda_init. lambda_mode "none" drops W_lam
 (attn1 - attn2); "raw" drops the sigmoid. pair_norm puts DIFF V1's per-head RMSNorm back on out_p (the blog
 removed it as destabilising). W_lam keeps PyTorch's nn.Linear init (lambda_proj_init "default", the spec) or
 takes the decoder's N(0, init_std^2) ("normal").
@@ -94,13 +93,9 @@ class DiffV2Attention(AttentionBase):
         k, v = self.cached(cache, k=k, v=split_heads(self.v_proj(x), self.n_kv_heads))  # h_kv heads, as GQA
         lam = self.token_lambda(x)  # from the new tokens only: lambda is token-wise
         self.record_lambda(lam)
-        if self.cfg.pairing == "same":  # a pair shares K and V: one two-map head
-            out, effective = self.two_map_head(q[:, self.first], q[:, self.second], k, k, v, lam, need_weights,
-                                               cache)
-        else:  # out_p = attn[first_p] - lambda_p attn[second_p]: one call over the 2h query heads
-            attn, weights = self.attend(q, k, v, need_weights, cache)
-            out = attn[:, self.first] - lam * attn[:, self.second]
-            effective = None if weights is None else weights[:, self.first] - _in_fp32(lam) * weights[:, self.second]
+        attn, weights = self.attend(q, k, v, need_weights, cache)  # one call over the 2h query heads
+        out = attn[:, self.first] - lam * attn[:, self.second]
+        effective = None if weights is None else weights[:, self.first] - _in_fp32(lam) * weights[:, self.second]
         return self.o_proj(merge_heads(self.pair_norm(out))), effective
 
     def record_lambda(self, lam) -> None:

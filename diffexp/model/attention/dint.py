@@ -8,7 +8,7 @@
                                                  sum to 1 - lambda + gamma
     head    = GroupNorm(Final V)                 no (1 - lambda_init) factor
 
-The kernels never build a T x T map (diffexp.model.kernels): "mean" is cumsum(A1 V) / n, "softmax" streams
+The heads never build a T x T map (diffexp.model.heads): "mean" is cumsum(A1 V) / n, "softmax" streams
 over query blocks with running column sums of A1, which decoding keeps in the cache.
 """
 
@@ -29,7 +29,7 @@ from diffexp.model.attention.differential import (
 )
 from diffexp.model.attention.registry import Variant, register
 from diffexp.model.flags import Flag
-from diffexp.model.kernels import Integral
+from diffexp.model.heads import Integral
 
 FLAGS = (
     Flag("integral", Literal["softmax", "mean"], "softmax",

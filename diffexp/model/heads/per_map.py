@@ -1,5 +1,5 @@
-"""The two-map head with one attention call per map: the eager maps, the GPU's SDPA or flash-attn calls, and
-the cached decode step. DINT's integral is added from A1's full map (eager), from A1 V (mean), from the streaming
+"""The plain two-map head, one attention call per map: the eager maps, SDPA over whole sequences, and a chunk
+of tokens after a cache. DINT's integral is added from A1's full map (eager), from A1 V (mean), from the streaming
 pass fused with map 1 (softmax), or, decoding, from the column sums of A1's earlier rows kept in the cache.
 """
 
@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import torch
 
-from diffexp.model.kernels.dint_integral import fused_first_map_integral, integral_rows
-from diffexp.model.kernels.single_map import attend, expand_kv
+from diffexp.model.heads.dint_integral import fused_first_map_integral, integral_rows
+from diffexp.model.heads.single_map import attend, expand_kv
 
 
 def row_positions(t: int, like: torch.Tensor, start: int = 0) -> torch.Tensor:
@@ -26,10 +26,10 @@ def integral_map(a1: torch.Tensor, integral: str) -> torch.Tensor:
     return g.masked_fill(future, float("-inf")).softmax(dim=-1)
 
 
-def per_map_head(q1, q2, k1, k2, v, lam, integral, cache, eager: bool, backend: str, backend_fallback: bool):
+def per_map_head(q1, q2, k1, k2, v, lam, integral, cache, eager: bool):
     """(A1 - lambda A2 [+ gamma A3]) V and, when eager, the effective map; arguments as `two_map_head`."""
     h = q1.shape[1]
-    call = dict(backend=backend, need_weights=eager, backend_fallback=backend_fallback)
+    call = dict(backend="eager" if eager else "sdpa", need_weights=eager)
     fuse_integral = integral is not None and integral.kind == "softmax" and not eager and cache is None
     if fuse_integral:  # (A1 + gamma A3) V in one streaming pass
         out1, weights1 = fused_first_map_integral(q1, expand_kv(k1, h), expand_kv(v, h), integral.gamma,

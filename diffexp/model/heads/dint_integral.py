@@ -67,43 +67,26 @@ def _block_a3(a1, prefix_end, start: int, integral: str):
     return numer, inv_n
 
 
-def forward_block(q_blk, k_end, v_end, prefix_end, start: int, integral: str, gamma, map2=None):
-    """One query block: (A3 V, or (A1 + gamma A3) V when gamma is a 0-d tensor, minus lambda A2 V with map2 =
-    (q2 rows, k2 over 0..end, -lambda); the block's A1 column sums)."""
+def forward_block(q_blk, k_end, v_end, prefix_end, start: int, integral: str, gamma):
+    """One query block: (A3 V, or (A1 + gamma A3) V when gamma is a 0-d tensor; the block's A1 column sums)."""
     a1 = _block_a1(q_blk, k_end, start)
     a1_sums = a1.sum(dim=-2)
     a3, _ = _block_a3(a1, prefix_end, start, integral)
     weights = a3 if gamma is None else a1.addcmul_(a3, gamma)
-    if map2 is not None:
-        q2_blk, k2_end, neg_lam = map2
-        weights.addcmul_(_block_a1(q2_blk, k2_end, start), neg_lam)
     return torch.matmul(weights, v_end), a1_sums
 
 
-def _map2_backward(q2_blk, k2_end, neg_lam, d_map, start: int, scale: float, weights):
-    """Map 2's part of a block (out -= lambda A2 V): adds -lambda A2 to weights; returns (dQ2 rows, dK2 over 0..end,
-    rowsum(A2 * dA) summed: lambda's gradient is minus it)."""
-    a2 = _block_a1(q2_blk, k2_end, start)
-    weights.addcmul_(a2, neg_lam)
-    row_dot = (a2 * d_map).sum(dim=-1, keepdim=True)
-    ds2 = (d_map - row_dot).mul_(a2)
-    return (torch.matmul(ds2, k2_end).mul_(neg_lam * scale), torch.matmul(ds2.transpose(-1, -2), q2_blk).mul_(neg_lam),
-            row_dot.sum())
-
-
-def backward_block(q_blk, k_end, v_end, through_end, carried_end, grad, start: int, scale: float, gamma, map2=None):
-    """Gradients of one block of out = w1 A1 V + w3 A3 V (- lambda A2 V with map2 = (q2 rows, k2 over 0..end,
-    -lambda)) (softmax integral; w1, w3 = 0, 1 without gamma, else 1, gamma): (dQ rows, dK and dV over 0..end,
-    rowsum(A3 * dO V^T) per row (gamma's gradient), the block's A1 column sums, its contribution to `carried`,
-    and map 2's (dQ2, dK2, rowsum(A2 * dA) summed) or None). through_end: the column sums of A1's rows up to the
+def backward_block(q_blk, k_end, v_end, through_end, carried_end, grad, start: int, scale: float, gamma):
+    """Gradients of one block of out = w1 A1 V + w3 A3 V (softmax integral; w1, w3 = 0, 1 without gamma, else 1,
+    gamma): (dQ rows, dK and dV over 0..end, rowsum(A3 * dO V^T) per row (gamma's gradient), the block's A1 column
+    sums, its contribution to `carried`). through_end: the column sums of A1's rows up to the
     block's last one; the block's own rows are peeled off here."""
     a1 = _block_a1(q_blk, k_end, start)
     a1_sums = a1.sum(dim=-2)
     a3, inv_n = _block_a3(a1, through_end - a1_sums, start, "softmax")
     w3 = 1.0 if gamma is None else gamma
-    weights = a3 if gamma is None else a1 + gamma * a3  # map 2 comes only with gamma (DINT's whole head)
-    d_map = torch.matmul(grad, v_end.transpose(-1, -2))  # dO V^T: dA1 = w1 of it, dA3 = w3 of it, dA2 = -lambda
-    grads2 = None if map2 is None else _map2_backward(*map2, d_map, start, scale, weights)
+    weights = a3 if gamma is None else a1 + gamma * a3
+    d_map = torch.matmul(grad, v_end.transpose(-1, -2))  # dO V^T: dA1 = w1 of it, dA3 = w3 of it
     dv = torch.matmul(weights.transpose(-1, -2), grad)
     a3_dot = (a3 * d_map).sum(dim=-1, keepdim=True)
     # dG = w3 A3 * (dA - rowsum(A3 * dA)); dA1[m] = sum_{n >= m in block} dG[n] / n + carried, the reverse
@@ -118,13 +101,12 @@ def backward_block(q_blk, k_end, v_end, through_end, carried_end, grad, start: i
     ds = da1.sub_((a1 * da1).sum(dim=-1, keepdim=True)).mul_(a1)
     dq = torch.matmul(ds, k_end).mul_(scale)
     dk = torch.matmul(ds.transpose(-1, -2), q_blk)
-    return dq, dk, dv, a3_dot.squeeze(-1), a1_sums, block_sum.squeeze(-2), grads2
+    return dq, dk, dv, a3_dot.squeeze(-1), a1_sums, block_sum.squeeze(-2)
 
 
-def integral_rows(q, k, v, block_size: int = 32, col_sums=None, integral: str = "softmax", gamma=None, map2=None):
+def integral_rows(q, k, v, block_size: int = 32, col_sums=None, integral: str = "softmax", gamma=None):
     """A3 V for the last T_q of T_k positions (T_q = T_k: a whole sequence; fewer: new tokens after a cache),
-    or (A1 + gamma A3) V when gamma is a 0-d tensor, minus lambda A2 V with map2 = (q2, k2, -lambda) (shaped and
-    typed as q and k; whole sequences only).
+    or (A1 + gamma A3) V when gamma is a 0-d tensor.
 
     q: (B, h, T_q, d); k: (B, h, T_k, d), v: (B, h, T_k, dv), kv heads already expanded; col_sums: the column
     sums of the A1 rows before the queries, (B, h, T_k - T_q), or None for none. integral "mean" takes G
@@ -134,8 +116,6 @@ def integral_rows(q, k, v, block_size: int = 32, col_sums=None, integral: str = 
     b, h, t_q, d = q.shape
     scale = 1.0 / math.sqrt(d)
     qf, kf, vf = q.to(dtype) * scale, k.to(dtype), v.to(dtype)
-    if map2 is not None:
-        map2 = (map2[0] * scale, *map2[1:])
     t_k = k.shape[-2]
     first = t_k - t_q  # the position of the first query
     sums = qf.new_zeros(b, h, t_k)
@@ -145,68 +125,51 @@ def integral_rows(q, k, v, block_size: int = 32, col_sums=None, integral: str = 
     for row in range(0, t_q, block_size):
         stop = min(row + block_size, t_q)
         start, end = first + row, first + stop  # positions of the block's queries
-        block_map2 = None if map2 is None else (map2[0][..., row:stop, :], map2[1][..., :end, :], map2[2])
         out[..., row:stop, :], block_sums = forward_block(qf[..., row:stop, :], kf[..., :end, :], vf[..., :end, :],
-                                                          sums[..., :end], start, integral, gamma, block_map2)
+                                                          sums[..., :end], start, integral, gamma)
         sums[..., :end] += block_sums
     return out, sums
 
 
 class StreamingIntegral(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, gamma, block_size: int, q2=None, k2=None, lam=None):
+    def forward(ctx, q, k, v, gamma, block_size: int):
         """q, k: (B, h, T, d), v: (B, h, T, dv) with kv heads already expanded; gamma: None (returns A3 V) or a
-        0-d tensor (returns (A1 + gamma A3) V); q2, k2, lam (with gamma): map 2, returns
-        (A1 - lambda A2 + gamma A3) V."""
+        0-d tensor (returns (A1 + gamma A3) V)."""
         dtype = torch.promote_types(q.dtype, torch.float32)
         # 0-d tensors, never Python numbers: reading one would wait for the GPU in every layer's forward
         weight = None if gamma is None else gamma.detach().to(dtype)
-        map2 = None if q2 is None else (q2.to(dtype), k2.to(dtype), -lam.detach().to(dtype))
-        out, col_sums = integral_rows(q, k, v, block_size, gamma=weight, map2=map2)
-        ctx.save_for_backward(q.to(dtype), k.to(dtype), v.to(dtype), col_sums, *(map2 or ()))
+        out, col_sums = integral_rows(q, k, v, block_size, gamma=weight)
+        ctx.save_for_backward(q.to(dtype), k.to(dtype), v.to(dtype), col_sums)
         ctx.block_size, ctx.scale, ctx.gamma = block_size, 1.0 / math.sqrt(q.shape[-1]), weight
-        ctx.in_dtypes = (q.dtype, k.dtype, v.dtype, None if gamma is None else gamma.dtype,
-                         *(() if q2 is None else (q2.dtype, k2.dtype, lam.dtype)))
+        ctx.in_dtypes = (q.dtype, k.dtype, v.dtype, None if gamma is None else gamma.dtype)
         return out.to(v.dtype)
 
     @staticmethod
     def backward(ctx, grad_out):
-        q, k, v, col_sums, *map2 = ctx.saved_tensors
+        q, k, v, col_sums = ctx.saved_tensors
         block, scale, gamma = ctx.block_size, ctx.scale, ctx.gamma
         q_scaled = q * scale
         t = q.shape[-2]
         grad_out = grad_out.to(q.dtype)
         dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
         d_gamma = q.new_zeros(())
-        if map2:
-            q2, k2, neg_lam = map2
-            q2_scaled = q2 * scale
-            dq2, dk2, map2_dot = torch.zeros_like(q2), torch.zeros_like(k2), q.new_zeros(())
         through = col_sums.clone()                    # column sums of A1 rows up to the current block's last
         carried = q.new_zeros(col_sums.shape)         # sum over rows n after the block of dG[n, :] / n
         for start in reversed(range(0, t, block)):
             end = min(start + block, t)
-            block_map2 = (q2_scaled[..., start:end, :], k2[..., :end, :], neg_lam) if map2 else None
-            dq_blk, dk_blk, dv_blk, a3_dot, a1_sums, carried_blk, grads2 = backward_block(
+            dq_blk, dk_blk, dv_blk, a3_dot, a1_sums, carried_blk = backward_block(
                 q_scaled[..., start:end, :], k[..., :end, :], v[..., :end, :], through[..., :end], carried[..., :end],
-                grad_out[..., start:end, :], start, scale, gamma, block_map2)
-            if grads2 is not None:
-                dq2[..., start:end, :] = grads2[0]
-                dk2[..., :end, :] += grads2[1]
-                map2_dot += grads2[2]
+                grad_out[..., start:end, :], start, scale, gamma)
             through[..., :end] -= a1_sums
             carried[..., :end] += carried_blk
             dq[..., start:end, :] = dq_blk
             dk[..., :end, :] += dk_blk
             dv[..., :end, :] += dv_blk
             d_gamma += a3_dot.sum()
-        q_dtype, k_dtype, v_dtype, gamma_dtype, *map2_dtypes = ctx.in_dtypes
+        q_dtype, k_dtype, v_dtype, gamma_dtype = ctx.in_dtypes
         d_gamma = None if gamma is None else d_gamma.to(gamma_dtype)
-        grads = (dq.to(q_dtype), dk.to(k_dtype), dv.to(v_dtype), d_gamma, None)
-        if not map2:
-            return (*grads, None, None, None)
-        q2_dtype, k2_dtype, lam_dtype = map2_dtypes
-        return (*grads, dq2.to(q2_dtype), dk2.to(k2_dtype), (-map2_dot).to(lam_dtype))
+        return dq.to(q_dtype), dk.to(k_dtype), dv.to(v_dtype), d_gamma, None
 
 
 def streaming_integral(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_size: int = 32) -> torch.Tensor:
@@ -218,9 +181,3 @@ def fused_first_map_integral(q, k, v, gamma: torch.Tensor, block_size: int = 32)
     """(A1 + gamma A3) V in one blocked pass, forward and backward (gamma a 0-d tensor, its gradient too): DINT's
     map 1 and its integral, with one product with V instead of two."""
     return StreamingIntegral.apply(q, k, v, gamma, block_size)
-
-
-def fused_dint_head(q1, q2, k1, k2, v, lam: torch.Tensor, gamma: torch.Tensor, block_size: int = 32) -> torch.Tensor:
-    """(A1 - lambda A2 + gamma A3) V in one blocked pass over whole sequences (kv heads already expanded): DINT's
-    head with one product with V for its three maps."""
-    return StreamingIntegral.apply(q1, k1, v, gamma, block_size, q2, k2, lam)

@@ -4,7 +4,7 @@
 // with A_m = softmax(scale Q_m K_m^T) (causal). Both maps' rows are combined before the one product with V;
 // nothing T x T is kept: backward recomputes each block's maps from the saved row logsumexps. Inputs are
 // contiguous fp32 (B, heads, T, dim); query head h reads kv head h / (heads / kv_heads). The math and the
-// Python side: diffexp/model/kernels/cpu_native.py.
+// Python side: diffexp/kernels/cpu_native.py.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>

@@ -15,8 +15,8 @@ Only Q, K, V and the maps' row logsumexps are saved; backward recomputes each bl
 
 The kernel is compiled on first use with the C++ compiler torch's extensions use (about 10 s on 2 cores; kept
 under torch's extension directory, keyed by a digest of the source, the build flags and torch's version). Where it
-cannot be built (no compiler, no BLAS symbol, DIFFEXP_CPU_KERNEL=0) the model falls back, with one warning, to the
-same math in PyTorch ops (blocked_two_map.py, dint_integral.py). fp32 math; other dtypes are cast in and out.
+cannot be built (no compiler, no BLAS symbol, DIFFEXP_CPU_KERNEL=0) the model runs its plain path, with one
+warning. fp32 math; bf16 is cast in and out; fp64 runs the plain path. Registered as kernel "cpu_native".
 """
 
 from __future__ import annotations
@@ -32,8 +32,10 @@ from pathlib import Path
 
 import torch
 
+from diffexp.kernels.registry import Kernel, register
+
 SOURCE = Path(__file__).with_name("cpu") / "two_map_attention.cpp"
-#: set to 0 to never build the kernel (the PyTorch-ops pass runs instead)
+#: set to 0 to never build the kernel (the plain path runs instead)
 SWITCH = "DIFFEXP_CPU_KERNEL"
 #: query rows per block: 64 for the two maps, 32 for DINT (measured fastest on 2 cores at T 512 and 2048)
 TWO_MAP_BLOCK, DINT_BLOCK = 64, 32
@@ -85,7 +87,7 @@ def unavailable_reason() -> str | None:
         build_directory.mkdir(parents=True, exist_ok=True)
         cpp_extension.load(name=name, sources=[str(SOURCE)], is_python_module=False, verbose=False,
                            extra_cflags=flags, extra_ldflags=["-fopenmp"], build_directory=str(build_directory))
-    except Exception as error:  # no compiler, no ninja, a BLAS without sgemm_: the PyTorch-ops pass runs instead
+    except Exception as error:  # no compiler, no ninja, a BLAS without sgemm_: the plain path runs instead
         first_line = (str(error).strip().splitlines() or [type(error).__name__])[0]
         return f"building {SOURCE.name} failed: {first_line[:300]}"
     _register_fakes()
@@ -127,8 +129,8 @@ def available() -> bool:
     reason = unavailable_reason()
     if reason is not None and not _warned:
         _warned.append(True)
-        warnings.warn(f"diffexp's CPU attention kernel is unavailable ({reason}); the two-map variants use the "
-                      "slower PyTorch-ops pass", stacklevel=2)
+        warnings.warn(f"diffexp's CPU attention kernel is unavailable ({reason}); the two-map variants run "
+                      "the slower plain path (one attention call per map)", stacklevel=2)
     return reason is None
 
 
@@ -185,11 +187,30 @@ def two_map(q1, q2, k1, k2, v, lam, block_rows: int = TWO_MAP_BLOCK) -> torch.Te
     """(A1 - lambda A2) V over whole causal sequences. q1, q2: (B, h, T, d); k1, k2: (B, h_kv, T, d);
     v: (B, h_kv, T, dv), query head p reading kv head p // (h / h_kv); lam: 0-d or (B, h, T).
     Returns (B, h, T, dv)."""
-    if k2 is k1:  # DIFF V2's pair reads one K; torch.compile refuses one tensor twice (a view sums the grads back)
-        k2 = k1.view(k1.shape)
     return NativeTwoMap.apply(q1, q2, k1, k2, v, _lambda_rows(lam, q1), block_rows)
 
 
 def dint_head(q1, q2, k1, k2, v, lam, gamma: torch.Tensor, block_rows: int = DINT_BLOCK) -> torch.Tensor:
     """(A1 - lambda A2 + gamma A3) V, DINT's softmax integral; shapes as `two_map`, lam and gamma 0-d."""
     return NativeDint.apply(q1, q2, k1, k2, v, _lambda_rows(lam, q1), gamma, block_rows)
+
+
+def head(q1, q2, k1, k2, v, lam, integral=None) -> torch.Tensor:
+    """The door's call (diffexp.kernels.registry)."""
+    if integral is None:
+        return two_map(q1, q2, k1, k2, v, lam)
+    return dint_head(q1, q2, k1, k2, v, lam, integral.gamma)
+
+
+def refuses(q1: torch.Tensor, k1: torch.Tensor, v: torch.Tensor, integral: str | None) -> str | None:
+    if q1.device.type != "cpu":
+        return "CPU tensors only"
+    if q1.dtype == torch.float64:
+        return "computes in fp32 (fp64 runs the plain path, exactly)"
+    if integral == "mean":
+        return "DINT's mean integral is cumsum(A1 V) / n on the plain path"
+    return None if available() else f"unavailable: {unavailable_reason()}"
+
+
+register(Kernel("cpu_native", head, ("cpu",), refuses, "the compiled CPU kernel: both maps, lambda and DINT's softmax "
+                "integral per block of query rows, one product with V"))

@@ -1,4 +1,4 @@
-"""One causal softmax attention per query head (GQA-capable): SDPA, FlashAttention-2 or the eager map.
+"""One causal softmax attention per query head (GQA-capable): SDPA or the eager map.
 
 Query head i reads kv head i // (Hq / Hk). With fewer queries than keys (decoding with a cache) the queries
 are the last positions: query i sees keys 0 .. T_k - T_q + i. The scale is 1/sqrt(d), also when V is wider.
@@ -7,15 +7,9 @@ are the last positions: query i sees keys 0 .. T_k - T_q + i. The scale is 1/sqr
 from __future__ import annotations
 
 import math
-import warnings
 
 import torch
 import torch.nn.functional as F
-
-try:  # optional GPU extra
-    from flash_attn import flash_attn_func
-except ImportError:  # pragma: no cover - depends on the environment
-    flash_attn_func = None
 
 
 def expand_kv(kv: torch.Tensor, n_query_heads: int) -> torch.Tensor:
@@ -41,10 +35,6 @@ def causal_softmax(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
     return causal_logits(q, k).softmax(dim=-1)
 
 
-def flash_available(*tensors: torch.Tensor) -> bool:
-    return flash_attn_func is not None and all(t.is_cuda for t in tensors)
-
-
 #: how SDPA runs over a V wider than Q and K: "pad" Q and K to V's width, or "split" V into d-wide slices
 WIDE_V_MODES = ("pad", "split")
 
@@ -56,7 +46,7 @@ def wide_v_mode(q: torch.Tensor) -> str:
 
 def attend(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, backend: str = "sdpa", need_weights: bool = False,
-    backend_fallback: bool = True, wide_v: str | None = None,
+    wide_v: str | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Causal attention. q: (B, Hq, T_q, d); k: (B, Hk, T_k, d); v: (B, Hk, T_k, dv), dv a multiple of d.
 
@@ -67,14 +57,6 @@ def attend(
         weights = causal_softmax(q, k)
         out = weights.to(v.dtype) @ expand_kv(v, q.shape[1])
         return out, weights
-    if backend == "flash_attn":
-        if flash_available(q, k, v):
-            return _flash(q, k, v), None
-        if backend_fallback:
-            warnings.warn("model.arch.backend='flash_attn' needs CUDA tensors; using sdpa for these", stacklevel=2)
-        else:
-            raise RuntimeError("model.arch.backend='flash_attn' needs the flash-attn package and CUDA tensors; "
-                               "use backend 'sdpa' or set model.arch.backend_fallback=true")
     gqa = q.shape[1] != k.shape[1]
     t_q, t_k = q.shape[-2], k.shape[-2]
     # SDPA's is_causal aligns the mask top-left; decoding (fewer queries than keys) needs it bottom-right
@@ -99,11 +81,3 @@ def sdpa_fuses_gqa(q: torch.Tensor, masked: bool) -> bool:
     for a 16K fp32 prompt), so the K/V heads are repeated instead. On CPU its flash kernel takes GQA in any dtype."""
     return not q.is_cuda or (q.dtype in (torch.float16, torch.bfloat16) and not masked)
 
-
-def _flash(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    # FlashAttention-2 wants (B, T, H, d) and equal q/v head dims: d-wide slices of a wider V, each the same
-    # softmax, so the concatenation is exact; its causal mask is bottom-right aligned, as decoding needs
-    q, k, v = (t.transpose(1, 2) for t in (q, k, v))
-    d = q.shape[-1]
-    parts = [flash_attn_func(q, k, v_part, causal=True) for v_part in v.split(d, dim=-1)]
-    return torch.cat(parts, dim=-1).transpose(1, 2)

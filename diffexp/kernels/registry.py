@@ -1,0 +1,83 @@
+"""The one door to fast attention: implementations of the two-map head register here; one resolver picks.
+
+A registered kernel computes, over whole causal sequences, exactly what the model's plain path computes
+(diffexp.model.heads.per_map_head):
+
+    head(q1, q2, k1, k2, v, lam, integral) = (A1 - lambda A2 [+ gamma A3]) V,   A_m = softmax(Q_m K_m^T / sqrt(d))
+
+q1, q2: (B, h, T, d); k1, k2: (B, h_kv, T, d); v: (B, h_kv, T, dv), query head p reading kv head p // (h / h_kv);
+lam: a 0-d tensor; integral: None or an `Integral`. It returns (B, h, T, dv) in v's dtype, with gradients for
+every tensor input. Kernels see plain tensors only: no cache, no module, no config. Every registered kernel passes
+the reference tests (tests/test_kernels.py); where none applies, the plain path runs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class Integral:
+    """DINT's third map, + gamma A3: kind "softmax" (the paper) or "mean"; gamma a 0-d tensor."""
+
+    kind: str
+    gamma: torch.Tensor
+    block_size: int = 32  # query rows per step of the streaming passes
+
+
+@dataclass(frozen=True)
+class Kernel:
+    """name: how benchmarks and tests choose it; head: the two-map head; devices: the device types it is picked for
+    unasked (`use` runs it on any device it can compute on, e.g. a Triton kernel under Triton's CPU interpreter in
+    tests); refuses(q1, k1, v, integral kind or None): why it cannot compute such a call, or None when it can;
+    summary: one line for docs and benchmark tables."""
+
+    name: str
+    head: Callable[..., torch.Tensor]
+    devices: tuple[str, ...]
+    refuses: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, str | None], str | None]
+    summary: str
+
+
+#: the plain path's name, where a benchmark or test asks for no kernel
+PLAIN = "plain"
+_KERNELS: dict[str, Kernel] = {}
+_CHOSEN: list[str] = []
+
+
+def register(kernel: Kernel) -> Kernel:
+    """Add a kernel; earlier registrations are preferred where several can compute a call."""
+    _KERNELS[kernel.name] = kernel
+    return kernel
+
+
+def kernels() -> tuple[Kernel, ...]:
+    return tuple(_KERNELS.values())
+
+
+def resolve(q1: torch.Tensor, k1: torch.Tensor, v: torch.Tensor, integral: Integral | None = None) -> Kernel | None:
+    """The kernel for this call (the one `use` chose, else the first registered that can compute it), or None for
+    the plain path."""
+    kind = None if integral is None else integral.kind
+    if _CHOSEN:
+        kernel = _KERNELS.get(_CHOSEN[-1])
+        return kernel if kernel is not None and kernel.refuses(q1, k1, v, kind) is None else None
+    return next((kernel for kernel in _KERNELS.values()
+                 if q1.device.type in kernel.devices and kernel.refuses(q1, k1, v, kind) is None), None)
+
+
+@contextlib.contextmanager
+def use(name: str):
+    """Within the block, two-map heads run on kernel `name` where it computes them, else on the plain path
+    (name PLAIN: always the plain path). For benchmarks and tests."""
+    if name != PLAIN and name not in _KERNELS:
+        raise ValueError(f"kernel {name!r}: expected {PLAIN!r} or one of {', '.join(_KERNELS)}")
+    _CHOSEN.append(name)
+    try:
+        yield
+    finally:
+        _CHOSEN.pop()

@@ -1,0 +1,49 @@
+"""The attention calls every variant makes, on the plain PyTorch path or a registered fast kernel.
+
+`attention(q, k, v, ...)`: causal softmax attention per query head (SDPA, or the eager map).
+`two_map_head(q1, q2, k1, k2, v, lam, ...)`: (A1 - lambda A2 [+ gamma A3]) V, the head of DIFF V1, Shared DIFF
+and DINT. Over whole sequences it runs the kernel diffexp.kernels resolves, if any computes the call; otherwise,
+and for maps requested, eager attention and decoding, the plain path:
+
+    per_map.py       one SDPA call per map; DINT's integral from A1 V (mean) or streamed with map 1 (softmax)
+    single_map.py    one causal attention per query head (SDPA or the eager map), GQA
+    cached_step.py   one decoding step: both maps against the cache, V read once
+    dint_integral.py DINT's softmax integral without a T x T tensor, and decoding's rows from column sums
+"""
+
+from __future__ import annotations
+
+from diffexp.kernels.registry import Integral, resolve
+from diffexp.model.heads.cached_step import single_map_step, two_map_step
+from diffexp.model.heads.per_map import per_map_head
+from diffexp.model.heads.single_map import attend
+
+
+def attention(q, k, v, backend: str = "sdpa", need_weights: bool = False, cache=None):
+    """Causal softmax attention per query head: (out, the map when need_weights or eager, else None). cache: the
+    layer's LayerCache when decoding; a one-token step reads K and V once per GQA group (cached_step.py)."""
+    if cache is not None and cache.stepping:
+        return single_map_step(q, k, v, cache.key_lengths()), None
+    return attend(q, k, v, backend, need_weights)
+
+
+def two_map_head(q1, q2, k1, k2, v, lam, *, backend: str = "sdpa", integral: Integral | None = None,
+                 cache=None, need_weights: bool = False):
+    """(A1 - lambda A2 [+ gamma A3]) V with A_m = causal softmax(Q_m K_m^T / sqrt(d)).
+
+    q1, q2: (B, h, T_q, d); k1, k2: (B, h_kv, T_k, d); v: (B, h_kv, T_k, dv); head p reads kv head p // (h / h_kv).
+    lam: a 0-d tensor. cache: the layer's LayerCache when decoding (the keys hold the cached positions; in a chunk
+    the queries are the last T_q of T_k). Returns (B, h, T_q, dv) and the effective map (B, h, T_q, T_k) when
+    eager, else None.
+    """
+    if cache is not None and cache.stepping:
+        col_sums = None if integral is None else cache.sums("col_sums", q1)
+        return two_map_step(q1, q2, k1, k2, v, lam, cache.key_lengths(), integral, col_sums, cache.positions), None
+    eager = need_weights or backend == "eager"
+    kernel = None if eager or cache is not None else resolve(q1, k1, v, integral)
+    if kernel is not None:
+        return kernel.head(q1, q2, k1, k2, v, lam, integral), None
+    return per_map_head(q1, q2, k1, k2, v, lam, integral, cache, eager)
+
+
+__all__ = ["Integral", "attention", "two_map_head"]

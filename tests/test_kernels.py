@@ -1,0 +1,73 @@
+"""The kernel door's contract: every registered kernel, and the plain path, computes each two-map case of
+tests/reference.py as the naive float64 reference does: the attention module's output and the gradient of its
+input and of every parameter (lambda's, gamma's, the low-rank factors').
+
+A kernel is run through `use(name)` on the CPU, where it can compute (Triton kernels under Triton's interpreter,
+set by tests/conftest.py); in float64 where it takes float64, else in float32 at float32's tolerance. A kernel
+that cannot compute a case here is skipped with its own reason.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+
+import pytest
+import torch
+
+from diffexp.kernels import PLAIN, kernels, registry, use
+from diffexp.model.attention import build_attention, variant
+from tests.helpers import make_config, small_blocks, variant_cases
+from tests.reference import reference_attention
+
+TWO_MAP_CASES = [case for case in variant_cases() if variant(make_config(case).attention).maps_per_head == 2]
+IMPLEMENTATIONS = [PLAIN, *(kernel.name for kernel in kernels())]
+TOLERANCE = {torch.float64: dict(rtol=1e-9, atol=1e-9), torch.float32: dict(rtol=2e-4, atol=2e-5)}
+
+
+def refusal(name: str, attn, x: torch.Tensor) -> str | None:
+    """Why kernel `name` cannot compute this module's head on x's dtype (None: it can)."""
+    if name == PLAIN:
+        return None
+    d, h, h_kv = attn.head_dim, attn.n_heads, attn.n_kv_heads
+    q1 = x.new_zeros(1, h, x.shape[1], d)
+    k1, v = x.new_zeros(1, h_kv, x.shape[1], d), x.new_zeros(1, h_kv, x.shape[1], 2 * d)
+    integral = attn.cfg.integral if attn.cfg.attention == "dint" else None
+    return registry._KERNELS[name].refuses(q1, k1, v, integral)
+
+
+@pytest.mark.parametrize("case", TWO_MAP_CASES)
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+def test_every_implementation_matches_the_naive_reference(implementation, case, monkeypatch):
+    torch.manual_seed(0)
+    cfg = make_config(case)
+    reference_module = build_attention(cfg, layer_idx=2).double()  # layer 2: lambda_init 0.471 under "depth"
+    small_blocks(reference_module)
+    x = torch.randn(2, 13, cfg.d_model, dtype=torch.float64)
+    dtype = torch.float64
+    if refusal(implementation, reference_module, x) is not None:
+        dtype = torch.float32
+        reason = refusal(implementation, reference_module, x.float())
+        if reason is not None:
+            pytest.skip(f"{implementation} cannot compute {case} here: {reason}")
+    ran = []
+    if implementation != PLAIN:  # count the kernel's calls: a refused call would pass silently on the plain path
+        kernel = registry._KERNELS[implementation]
+        monkeypatch.setitem(registry._KERNELS, implementation, dataclasses.replace(
+            kernel, head=lambda *a: ran.append(1) or kernel.head(*a)))
+    module = copy.deepcopy(reference_module).to(dtype)
+    x_in, x_ref = x.to(dtype).clone().requires_grad_(), x.clone().requires_grad_()
+    grad = torch.randn(2, 13, cfg.d_model, dtype=torch.float64)
+    with use(implementation):
+        out, _ = module(x_in)
+    out.backward(grad.to(dtype))
+    want, _ = reference_attention(reference_module, x_ref)
+    want.backward(grad)
+    assert ran == ([] if implementation == PLAIN else [1])
+    tolerance = TOLERANCE[dtype]
+    torch.testing.assert_close(out.double(), want, **tolerance)
+    torch.testing.assert_close(x_in.grad.double(), x_ref.grad, **tolerance)
+    for (name, got), (_, wanted) in zip(module.named_parameters(), reference_module.named_parameters(), strict=True):
+        scale = max(wanted.grad.abs().max().item(), 1.0)
+        torch.testing.assert_close(got.grad.double(), wanted.grad, rtol=tolerance["rtol"],
+                                   atol=tolerance["atol"] * scale, msg=lambda m, name=name: f"d{name}: {m}")
