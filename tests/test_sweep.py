@@ -401,3 +401,21 @@ def test_the_order_seed_is_data_order_seed_else_the_run_seed_else_data_seed(monk
     assert training_order_seed(3, 1234) == 3  # a recipe that fixes data.order_seed keeps one order for all seeds
     monkeypatch.delenv("PL_GLOBAL_SEED")
     assert training_order_seed(None, 1234) == 1234
+
+
+def test_synthetic_tasks_order_by_the_run_seed_and_keep_their_examples(monkeypatch):
+    """MQAR's and the needle task's examples come from data.seed; their training order follows the run's seed,
+    as the text data's does: a sweep's seeds vary the order, not the task."""
+    import torch
+
+    from diffexp.data.mqar import MQARDataModule
+
+    def first_batch(run_seed):
+        monkeypatch.setenv("PL_GLOBAL_SEED", str(run_seed))
+        data = MQARDataModule(vocab_size=64, seq_len=32, num_kv_pairs=4, train_size=64, val_size=8, batch_size=8)
+        return next(iter(data.train_dataloader()))["tokens"], data.dataset("train")[0]["tokens"]
+
+    batch_0, example_0 = first_batch(0)
+    batch_1, example_1 = first_batch(1)
+    assert torch.equal(example_0, example_1) and not torch.equal(batch_0, batch_1)
+    assert torch.equal(first_batch(0)[0], batch_0)

@@ -14,7 +14,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from diffexp.data.loader import resumable_train_loader
+from diffexp.data.loader import resumable_train_loader, training_order_seed
 from diffexp.errors import UserError
 
 SPLITS = {"train": 0, "val": 1, "test": 2}
@@ -96,7 +96,9 @@ class MQARDataModule(L.LightningDataModule):
         power_a: Zoology's power-law parameter of the query gaps (0.01: queries mostly near the
             key-value context; 1.0: uniform gaps).
         num_workers: DataLoader worker processes (0 generates in the main process).
-        seed: Seeds the examples (with the split and the index) and the per-epoch training order.
+        seed: Seeds the examples (with the split and the index).
+        order_seed: Seeds the training order; None: the run's seed (seed_everything), else ``seed``, so a sweep's
+            seeds vary the order while the cases of one seed read the same batches.
     """
 
     def __init__(
@@ -110,6 +112,7 @@ class MQARDataModule(L.LightningDataModule):
         power_a: float = 0.01,
         num_workers: int = 0,
         seed: int = 1234,
+        order_seed: int | None = None,
     ) -> None:
         super().__init__()
         for name, value in (("vocab_size", vocab_size), ("seq_len", seq_len), ("num_kv_pairs", num_kv_pairs),
@@ -139,6 +142,7 @@ class MQARDataModule(L.LightningDataModule):
         self.seq_len, self.num_kv_pairs = seq_len, num_kv_pairs
         self.train_size, self.val_size, self.batch_size = train_size, val_size, batch_size
         self.power_a, self.num_workers, self.seed = float(power_a), num_workers, seed
+        self.order_seed = training_order_seed(order_seed, seed)
 
     @property
     def vocab_size(self) -> int:
@@ -158,8 +162,8 @@ class MQARDataModule(L.LightningDataModule):
         trainer = self.trainer  # None unless attached to a Trainer
         if trainer is not None and trainer.overfit_batches > 0:
             return self._ordered_loader("train", drop_last=True)
-        return resumable_train_loader(self.dataset("train"), trainer, self.batch_size, self.seed, self.num_workers,
-                                      collate_fn=collate_examples)
+        return resumable_train_loader(self.dataset("train"), trainer, self.batch_size, self.order_seed,
+                                      self.num_workers, collate_fn=collate_examples)
 
     def val_dataloader(self) -> DataLoader:
         return self._ordered_loader("val", drop_last=False)

@@ -21,7 +21,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset, default_collate
 
-from diffexp.data.loader import resumable_train_loader
+from diffexp.data.loader import resumable_train_loader, training_order_seed
 from diffexp.data.tokenizer import ByteTokenizer, TextTokenizer, load_tokenizer_file
 from diffexp.errors import UserError
 
@@ -536,7 +536,8 @@ class NeedleDataModule(L.LightningDataModule):
         train_size: Training samples per epoch (generated from seed and index; nothing is stored).
         val_size: Validation samples (held-out cities and numbers), and as many test samples (other draws).
         num_workers: DataLoader worker processes (0 generates in the main process).
-        seed: Seeds the samples and the per-epoch shuffle order.
+        seed: Seeds the samples.
+        order_seed: Seeds the training order; None: the run's seed (seed_everything), else ``seed``.
         loss_on: the training targets: "answers" (the answer digits and their ".", retrieval only) or
             "all" (next-token loss on every token, as a language model sees the sequence: the repeated
             haystack teaches copying early, which the retrieval then builds on). Validation always scores
@@ -558,6 +559,7 @@ class NeedleDataModule(L.LightningDataModule):
         val_size: int = 256,
         num_workers: int = 0,
         seed: int = 1234,
+        order_seed: int | None = None,
         loss_on: Literal["answers", "all"] = "answers",
         tokenizer: str = "byte",
     ) -> None:
@@ -591,6 +593,7 @@ class NeedleDataModule(L.LightningDataModule):
         self.context_len, self.nr, self.depth, self.haystack = context_len, pairs, depth, haystack
         self.batch_size, self.train_size, self.val_size = batch_size, train_size, val_size
         self.num_workers, self.seed, self.loss_on = num_workers, seed, loss_on
+        self.order_seed = training_order_seed(order_seed, seed)
         if tokenizer == "byte":
             self.tokenizer: TextTokenizer = ByteTokenizer()
         elif Path(tokenizer).is_file():
@@ -641,7 +644,7 @@ class NeedleDataModule(L.LightningDataModule):
         dataset = self.dataset("train")
         if trainer is not None and trainer.overfit_batches > 0:
             return self._ordered_loader(dataset, drop_last=True)
-        return resumable_train_loader(dataset, trainer, self.batch_size, self.seed, self.num_workers,
+        return resumable_train_loader(dataset, trainer, self.batch_size, self.order_seed, self.num_workers,
                                       collate_fn=default_collate)
 
     def val_dataloader(self) -> DataLoader:

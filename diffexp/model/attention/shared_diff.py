@@ -10,10 +10,7 @@ base_sharing="maps": each head has its own d-wide W_Q, shared by its two maps; s
 base_sharing="heads": one d-wide W_Q for all heads and both maps (section 2.4); under "layer" the
     full-width base is that W_Q repeated for every head, plus the full-width update.
 
-Computed as X W_Q once plus (X A) B^T, never forming d_model x (h d) matrices. Decoding on a GPU, X's four
-products (W_Q, A_Q, W_K, A_K) are one GEMM over their weights side by side: a step there is bound by its kernel
-launches, and cuBLAS runs K's narrow base alone slowly in fp32 (bench/README.md). On CPU a step's products are
-inductor's fused vector sums, to which joining the weights only adds a copy. The rest (lambda,
+Computed as X W_Q once plus (X A) B^T, never forming d_model x (h d) matrices. The rest (lambda,
 GroupNorm, (1 - lambda_init), 2d-wide V) is DIFF V1's. B starts at N(0, lowrank_init_std^2), not
 zero: with B = 0 both maps would start identical and A1 - lambda A2 would be (1 - lambda) A1.
 """
