@@ -14,7 +14,7 @@ import pytest
 from diffexp.bench import options, probe, profile, recipe_shape, train_step
 from diffexp.bench.cli import main
 from diffexp.errors import UserError
-from tests.helpers import REPO
+from tests.helpers import REPO, require_cpu_kernel
 
 
 @pytest.fixture
@@ -85,13 +85,13 @@ def test_each_fused_sdpa_operator_is_named_by_its_backend(op, expected):
     assert profile.sdpa_backend(op) == expected
 
 
-def test_a_recipe_bench_reports_each_variants_heads_and_the_sdpa_backend_it_took(tiny_recipes, tmp_path):
-    """The baseline's attention is one SDPA call per layer, forward and backward; the table shows each variant's own
-    heads (DIFF V2's 4 output heads over 1 KV head)."""
+def test_a_recipe_bench_reports_each_variants_heads_and_the_attention_it_ran(tiny_recipes, tmp_path):
+    """The baseline's attention is one SDPA call per layer, forward and backward; DIFF V1's heads run on the door's
+    CPU kernel; the table shows each variant's own heads (DIFF V2's 4 output heads over 1 KV head)."""
     out = tmp_path / "train.json"
     assert main(["train", "--recipe", "tiny", "--recipe-dir", str(tiny_recipes), "--seq-lens", "32",
                  "--batch-size", "1", "--steps", "1", "--warmup", "0", "--rounds", "1", "--no-memory",
-                 "--variants", "baseline", "diff_v2", "--json", str(out)]) == 0
+                 "--variants", "baseline", "diff_v2", "diff_v1", "--json", str(out)]) == 0
     data = json.loads(out.read_text())
     assert data["config"]["recipe"] == "tiny" and data["config"]["vocab_size"] == 32768
     base = data["results"]["baseline@32"]
@@ -99,6 +99,11 @@ def test_a_recipe_bench_reports_each_variants_heads_and_the_sdpa_backend_it_took
     assert data["results"]["diff_v2@32"]["overrides"]["n_kv_heads"] == 1
     _, headers, rows, _ = train_step.table(data)
     assert rows[1][headers.index("heads (kv)")] == "4 (1)"
+    # DIFF V1's two-map heads ran on the door's CPU kernel, once per layer, and the table says so
+    require_cpu_kernel()
+    layers = data["config"]["n_layers"]
+    assert data["results"]["diff_v1@32"]["attention_ops"]["cpu_native"] == {"fwd": float(layers), "bwd": None}
+    assert f"cpu_native {layers}" in rows[2][headers.index("attention calls")]
 
 
 def test_the_probe_computes_each_formulation_of_a_head_alike(tiny_recipes, tmp_path):

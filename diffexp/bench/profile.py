@@ -67,9 +67,12 @@ def sdpa_backend(op: str) -> tuple[str, str] | None:
 
 
 def attention_ops(runner, device) -> dict[str, dict[str, float]]:
-    """Which SDPA backend the runner's attention calls took in one run: {backend: {"fwd": calls, "bwd": calls}},
-    read from the host-side operators torch.profiler records (eager or compiled alike: inductor calls the same aten
-    operators). An empty dict: no fused SDPA call (the variant's attention ran in other kernels)."""
+    """Which SDPA backend the runner's attention calls took in one run, and which of diffexp's registered kernels
+    ran: {name: {"fwd": calls, "bwd": calls}} (a kernel's backward runs inside it: "bwd" is None), read from the
+    host-side events torch.profiler records (eager or compiled alike: inductor calls the same aten operators). An
+    empty dict: neither (the attention ran in other operators)."""
+    from diffexp.kernels.registry import PROFILER_PREFIX
+
     import torch
     from torch.profiler import ProfilerActivity, profile
 
@@ -80,6 +83,9 @@ def attention_ops(runner, device) -> dict[str, dict[str, float]]:
     per_run = getattr(runner, "profile_unit", ("run", 1))[1]
     found: dict[str, dict[str, float]] = {}
     for event in prof.key_averages():
+        if event.key.startswith(PROFILER_PREFIX):
+            found[event.key.removeprefix(PROFILER_PREFIX)] = {"fwd": event.count / per_run, "bwd": None}
+            continue
         kind = sdpa_backend(event.key)
         if kind is not None:
             backend, direction = kind
@@ -89,9 +95,11 @@ def attention_ops(runner, device) -> dict[str, dict[str, float]]:
 
 
 def attention_text(ops: dict[str, dict[str, float]] | None) -> str:
-    """`flash 12/12` (forward/backward calls per run), several joined by commas; `none` without SDPA calls."""
+    """`flash 12/12` (an SDPA backend's forward/backward calls per run), `cpu_native 4` (a registered kernel's calls),
+    several joined by commas; `none` without either."""
     if ops is None:
         return "n/a"
     if not ops:
         return "none"
-    return ", ".join(f"{name} {calls['fwd']:g}/{calls['bwd']:g}" for name, calls in sorted(ops.items()))
+    return ", ".join(f"{name} {calls['fwd']:g}" + ("" if calls["bwd"] is None else f"/{calls['bwd']:g}")
+                     for name, calls in sorted(ops.items()))

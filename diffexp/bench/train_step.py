@@ -30,7 +30,7 @@ LAYOUT = report.Layout(
 )
 HEADERS = ["variant", "seq", "batch", "heads (kv)", "params (non-emb)", "step ms (median)", "tokens/s vs base",
            "ratio spread (rounds)", "FLOPs vs base", "FLOP/s vs base", "FLOP/s spread (rounds)", "peak mem MiB",
-           "mem vs base", "TFLOP/s", "MFU", "SDPA calls fwd/bwd"]
+           "mem vs base", "TFLOP/s", "MFU", "attention calls"]
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -264,8 +264,8 @@ def table(data: dict) -> tuple[str, list[str], list[list[str]], str]:
                "spread = min-max of the same ratio per round; FLOP/s vs base = the variant's model FLOPs per "
                f"second over {ref}'s (tokens/s ratio x FLOPs ratio; 1 = its extra math costs exactly its extra "
                "FLOPs); peak mem = live tensor bytes "
-               "(state + step); SDPA calls = the fused SDPA backend each attention call took (forward/backward calls "
-               "per step; none = no SDPA call); TFLOP/s = model FLOPs (Decoder.flops_per_token, training) / step "
+               "(state + step); attention calls = the fused SDPA backend each attention call took (forward/backward "
+               "calls per step) and the diffexp.kernels kernel each two-map head ran on (calls per step); TFLOP/s = model FLOPs (Decoder.flops_per_token, training) / step "
                "time; MFU = "
                f"that / the peak ({report.tflops_text(peak)} TFLOP/s).")
     return title, HEADERS, rows, caption

@@ -14,6 +14,7 @@ the reference tests (tests/test_kernels.py); where none applies, the plain path 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -45,12 +46,21 @@ class Kernel:
 
 #: the plain path's name, where a benchmark or test asks for no kernel
 PLAIN = "plain"
+PROFILER_PREFIX = "diffexp.kernels."
 _KERNELS: dict[str, Kernel] = {}
 _CHOSEN: list[str] = []
 
 
 def register(kernel: Kernel) -> Kernel:
-    """Add a kernel; earlier registrations are preferred where several can compute a call."""
+    """Add a kernel; earlier registrations are preferred where several can compute a call. Its calls show in
+    torch.profiler as `diffexp.kernels.NAME` (what `diffexp bench train` reports per variant)."""
+    head = kernel.head
+
+    def labelled(*args, **kwargs):
+        with torch.profiler.record_function(PROFILER_PREFIX + kernel.name):
+            return head(*args, **kwargs)
+
+    kernel = dataclasses.replace(kernel, head=labelled)
     _KERNELS[kernel.name] = kernel
     return kernel
 
