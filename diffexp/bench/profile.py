@@ -71,10 +71,10 @@ def attention_ops(runner, device) -> dict[str, dict[str, float]]:
     ran: {name: {"fwd": calls, "bwd": calls}} (a kernel's backward runs inside it: "bwd" is None), read from the
     host-side events torch.profiler records (eager or compiled alike: inductor calls the same aten operators). An
     empty dict: neither (the attention ran in other operators)."""
-    from diffexp.kernels.registry import PROFILER_PREFIX
-
     import torch
     from torch.profiler import ProfilerActivity, profile
+
+    from diffexp.kernels.registry import PROFILER_PREFIX
 
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         runner.run()
