@@ -263,11 +263,10 @@ def table(data: dict) -> tuple[str, list[str], list[list[str]], str]:
                f"step time / the variant's (>1 = faster than {ref}); "
                "spread = min-max of the same ratio per round; FLOP/s vs base = the variant's model FLOPs per "
                f"second over {ref}'s (tokens/s ratio x FLOPs ratio; 1 = its extra math costs exactly its extra "
-               "FLOPs); peak mem = live tensor bytes "
-               "(state + step); attention calls = the fused SDPA backend each attention call took (forward/backward "
-               "calls per step) and the diffexp.kernels kernel each two-map head ran on (calls per step); TFLOP/s = model FLOPs (Decoder.flops_per_token, training) / step "
-               "time; MFU = "
-               f"that / the peak ({report.tflops_text(peak)} TFLOP/s).")
+               "FLOPs); peak mem = live tensor bytes (state + step); attention calls = the fused SDPA backend each "
+               "attention call took (forward/backward calls per step) and the diffexp.kernels kernel each two-map "
+               "head ran on (calls per step); TFLOP/s = model FLOPs (Decoder.flops_per_token, training) / step time; "
+               f"MFU = that / the peak ({report.tflops_text(peak)} TFLOP/s).")
     return title, HEADERS, rows, caption
 
 
