@@ -6,6 +6,7 @@
 # that failed or ran out of time; the others still run). Scratch (run directories, plots) goes to $DIFFEXP_GPU_WORK
 # (default /tmp/diffexp-gpu). Packages the GPU image lacks are installed from wheels in .whl/ (docs/gpu.md).
 #  1. probe: which SDPA backends take the 125m recipe's attention calls; each differential formulation's cost;
+#     then the kernels the door picks on CUDA (diffexp/kernels) against the eager maps, every variant, bf16;
 #  2. the five variants at the 125m recipe's own shape (32K vocab, seq 2048, micro-batch 8), bf16, compiled, in two
 #     runs (each with the baseline) so that one slow compile cannot lose every row;
 #  3. the same, eager;
@@ -57,11 +58,14 @@ common=(--recipe "$size" --recipe-dir "$recipes" --device "$device" --dtype "$dt
         --rounds "$rounds" --steps "$steps" --warmup 1 "${seq[@]}")
 step probe 60 "${dx[@]}" bench probe --recipe "$size" --recipe-dir "$recipes" --device "$device" --dtype "$dtype" \
   --steps 5 --json "$work/probe.json" $([ "${DIFFEXP_GPU_SH_SMOKE:-0}" = 1 ] && echo --seq-len 32 --batch-size 1)
+if [ "$device" = cuda ]; then
+  step kernels-check 40 python3 -m pytest -q -x -p no:cacheprovider tests/test_gpu.py -k kernels_picked
+fi
 step train-compiled-a 150 "${dx[@]}" bench train "${common[@]}" --compile --variants diff_v1 diff_v2 --profile 8 \
   --json "$work/train-compiled-a.json"
 step train-compiled-b 120 "${dx[@]}" bench train "${common[@]}" --compile --variants shared_diff dint --profile 8 \
   --json "$work/train-compiled-b.json"
-step train-eager 100 "${dx[@]}" bench train "${common[@]}" --profile 8 --json "$work/train-eager.json"
+step train-eager 80 "${dx[@]}" bench train "${common[@]}" --profile 8 --json "$work/train-eager.json"
 fit_dir="$work/fit-$(date +%Y%m%d-%H%M%S)"
 fit=("${dx[@]}" fit --config "$recipes/base.yaml" --config "$recipes/size/$size.yaml"
      --config "$recipes/variant/diff_v1.yaml" --data diffexp.data.mqar.MQARDataModule --data.vocab_size 32768
