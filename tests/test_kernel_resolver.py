@@ -123,3 +123,18 @@ def test_each_variant_reaches_the_door_only_over_whole_sequences(cpu_kernel_buil
         model(idx[:, 5:6], cache=cache)
     assert full == ([] if want in (None, PLAIN) else [want] * 2)
     assert seen == [] and len(asked) == (0 if want is None else 2)
+
+
+def test_a_lambda_per_token_takes_the_plain_path(cpu_kernel_builds, monkeypatch):
+    """The kernels take one lambda per layer (a 0-d tensor); a head with another lambda (a new variant's, one per
+    token) never reaches them and is computed on the plain path."""
+    from diffexp.model import heads
+    from diffexp.model.heads import per_map, two_map_head
+
+    monkeypatch.setattr(heads, "resolve", lambda *a: pytest.fail("the door was asked"))
+    torch.manual_seed(0)
+    q1, q2, k1, k2 = (torch.randn(1, 4, 9, 8) for _ in range(4))
+    v, lam = torch.randn(1, 4, 9, 16), torch.rand(1, 4, 9, 1)
+    out, _ = two_map_head(q1, q2, k1, k2, v, lam)
+    want, _ = per_map.per_map_head(q1, q2, k1, k2, v, lam, None, None, False)
+    torch.testing.assert_close(out, want)

@@ -13,6 +13,8 @@ and for maps requested, eager attention and decoding, the plain path:
 
 from __future__ import annotations
 
+import torch
+
 from diffexp.kernels.registry import Integral, resolve
 from diffexp.model.heads.cached_step import single_map_step, two_map_step
 from diffexp.model.heads.per_map import per_map_head
@@ -32,7 +34,8 @@ def two_map_head(q1, q2, k1, k2, v, lam, *, backend: str = "sdpa", integral: Int
     """(A1 - lambda A2 [+ gamma A3]) V with A_m = causal softmax(Q_m K_m^T / sqrt(d)).
 
     q1, q2: (B, h, T_q, d); k1, k2: (B, h_kv, T_k, d); v: (B, h_kv, T_k, dv); head p reads kv head p // (h / h_kv).
-    lam: a 0-d tensor. cache: the layer's LayerCache when decoding (the keys hold the cached positions; in a chunk
+    lam: a 0-d tensor (the fast kernels' contract), or a number or one per token (B, h, T_q, 1) on the plain path.
+    cache: the layer's LayerCache when decoding (the keys hold the cached positions; in a chunk
     the queries are the last T_q of T_k). Returns (B, h, T_q, dv) and the effective map (B, h, T_q, T_k) when
     eager, else None.
     """
@@ -40,7 +43,8 @@ def two_map_head(q1, q2, k1, k2, v, lam, *, backend: str = "sdpa", integral: Int
         col_sums = None if integral is None else cache.sums("col_sums", q1)
         return two_map_step(q1, q2, k1, k2, v, lam, cache.key_lengths(), integral, col_sums, cache.positions), None
     eager = need_weights or backend == "eager"
-    kernel = None if eager or cache is not None else resolve(q1, k1, v, integral)
+    layer_lambda = torch.is_tensor(lam) and lam.dim() == 0  # the door's contract; a new variant may pass others
+    kernel = None if eager or cache is not None or not layer_lambda else resolve(q1, k1, v, integral)
     if kernel is not None:
         return kernel.head(q1, q2, k1, k2, v, lam, integral), None
     return per_map_head(q1, q2, k1, k2, v, lam, integral, cache, eager)
