@@ -171,9 +171,10 @@ def prepare(plan: Plan, out: Path, num_proc: int | None = None, part: int = 0, o
     for leftover in [*out.glob("shards/.*.tmp"), *out.glob("units/.*.tmp"), *out.glob(".*.tmp")]:
         leftover.unlink(missing_ok=True)  # a killed run's half-written files
     plan.plan()
+    _write_or_compare_settings(out, plan.settings({}, command), before_tokenizer=True)  # no BPE trained for nothing
     tokenizer_info, tokenizer_json = resolve_tokenizer(plan, out)
     settings = plan.settings(tokenizer_info, command)
-    _write_or_compare_settings(out, {**settings, "command": saved_command(out, command)}, command)
+    _write_or_compare_settings(out, {**settings, "command": saved_command(out, command)})
     saved_tokenizer = out / "tokenizer.json"
     if tokenizer_json is not None and not saved_tokenizer.is_file():
         write_atomic(saved_tokenizer, tokenizer_json.encode())
@@ -208,27 +209,73 @@ def _check_out(out: Path) -> None:
                         "directory (a preparation never writes over other files)")
 
 
-def _write_or_compare_settings(out: Path, settings: dict, command: str) -> None:
+# the settings in prepare.json a user chooses, as the data module's keys (`diffexp data` names its flags)
+SETTING_KEYS = {"source.spec": "data.source", "source.text_field": "data.text_field",
+                "source.max_chars": "data.max_chars", "tokenizer.spec": "data.tokenizer",
+                "tokenizer.bpe.vocab_size": "data.bpe_vocab_size", "tokenizer.bpe.sample_chars": "bpe_sample_chars",
+                "split.seed": "data.seed", "split.val_fraction": "data.val_fraction",
+                "split.test_fraction": "data.test_fraction", "shard_tokens": "shard_tokens"}
+# what follows from those settings and the corpus, named when no chosen setting explains a difference
+DERIVED_NAMES = {"format": "the shard format", "source.fingerprint": "the source's content (its files' names, sizes "
+                 "and first and last MiB)", "tokenizer": "the tokenizer", "split": "the held-out split",
+                 "units": "the source's cutting into units (--unit-mb, or the corpus's size)"}
+
+
+def _leaves(value, prefix: str = "") -> dict:
+    """A nested settings dict as {dotted path: leaf value}; None for an absent section keeps its path."""
+    if isinstance(value, dict):
+        return {path: leaf for key, item in value.items() for path, leaf in _leaves(item, f"{prefix}{key}.").items()}
+    return {prefix[:-1]: value}
+
+
+def settings_differences(saved: dict, wanted: dict) -> list[str]:
+    """How two preparations' settings differ, each as `key=there there, now now`: the settings a user chooses
+    first; the derived ones (the tokenizer's identity, the corpus, the unit plan) only when no chosen setting
+    differs. The recorded command is no setting (how it was spelled decides no byte)."""
+    keys = [key for key in wanted if key != "command"]
+    there = _leaves({key: saved.get(key) for key in keys})
+    now = _leaves({key: wanted[key] for key in keys})
+    other_tokenizer = there.get("tokenizer.spec") != now.get("tokenizer.spec")  # its BPE settings follow from it
+    chosen = [f"{name}={there.get(path)!r} there, {now.get(path)!r} now" for path, name in SETTING_KEYS.items()
+              if there.get(path) != now.get(path) and not (other_tokenizer and path.startswith("tokenizer.bpe."))]
+    if chosen:
+        return chosen
+    derived = []
+    for key in keys:
+        if saved.get(key) == wanted[key]:
+            continue
+        if key == "units":
+            derived.append(f"{DERIVED_NAMES[key]}: {len(saved.get(key) or [])} units there, {len(wanted[key])} now")
+            continue
+        paths = sorted({p for p in {*there, *now} if p.split(".")[0] == key and there.get(p) != now.get(p)})
+        shown = "; ".join(f"{p} {_short(there.get(p))} there, {_short(now.get(p))} now" for p in paths[:3])
+        derived.append(f"{DERIVED_NAMES.get(key, key)} ({shown})")
+    return derived
+
+
+def _short(value) -> str:
+    text = json.dumps(value, sort_keys=True)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def _write_or_compare_settings(out: Path, settings: dict, before_tokenizer: bool = False) -> None:
+    """Compare ``settings`` with those of the preparation in ``out``, or write them where none is there yet.
+    ``before_tokenizer``: the tokenizer is not resolved yet (a BPE not trained for nothing): only its chosen
+    settings are compared, and nothing is written."""
     path = out / SETTINGS
     if path.is_file():
         saved = json.loads(path.read_text())
-        differing = [key for key in settings if saved.get(key) != settings[key]]
+        if before_tokenizer:
+            settings = {**settings, "tokenizer": {**(saved.get("tokenizer") or {}), **settings["tokenizer"]}}
+        differing = settings_differences(saved, settings)
         if differing:
-            difference = _first_difference(saved, settings, differing)
-            raise UserError(f"OUT={str(out)!r}: holds a preparation with other settings ({', '.join(differing)} "
-                            f"differ{'s' if len(differing) == 1 else ''}: {difference}); "
-                            "a preparation continues only with the command that started it: use a new directory")
+            raise UserError(f"OUT={str(out)!r}: holds a preparation made with other settings: {'; '.join(differing)}"
+                            ". A preparation continues only with the settings that started it: rerun with the values "
+                            "there, or prepare into a new directory")
         return
-    out.mkdir(parents=True, exist_ok=True)
-    write_json(path, settings)
-
-
-def _first_difference(saved: dict, wanted: dict, keys: list[str]) -> str:
-    key = keys[0]
-    if key == "units":
-        return f"the source's layout: {len(saved.get(key) or [])} units there, {len(wanted[key])} now"
-    there, now = (json.dumps(value, sort_keys=True)[:160] for value in (saved.get(key), wanted[key]))
-    return f"{key} there {there}, now {now}"
+    if not before_tokenizer:
+        out.mkdir(parents=True, exist_ok=True)
+        write_json(path, settings)
 
 
 def _run_units(job: Job, units: list[Unit], num_proc: int | None, show: bool) -> int:

@@ -1,0 +1,62 @@
+"""Bad inputs to the data, training, sweep and evaluation commands are refused before any file is written: one
+paragraph naming the key as the user writes it, the bad value and what is allowed, exit code 2, no traceback,
+and every directory as it was."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from diffexp.cli import main
+
+SMALL = ["--max-chars", "60000", "--no-progress", "--num-proc", "1"]  # the embedded corpus's first 60K characters
+
+
+def tree(directory: Path) -> dict[str, tuple[int, int]]:
+    """Every file and directory under ``directory`` with its size and modification time (what a write changes)."""
+    return {p.relative_to(directory).as_posix(): (p.stat().st_size, p.stat().st_mtime_ns)
+            for p in sorted(directory.rglob("*"))}
+
+
+def refused(args: list[str], capsys, *words: str) -> str:
+    """`diffexp ARGS` exits 2 with one paragraph holding every one of ``words``, and no traceback; the message."""
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as done:
+        main(args)
+    err = capsys.readouterr().err
+    assert done.value.code == 2, err
+    assert "Traceback" not in err, err
+    message = err.split("error: ", 1)[1].split("(DIFFEXP_DEBUG=1", 1)[0].strip()
+    assert "\n" not in message, message
+    for word in words:
+        assert word in message, message
+    return message
+
+
+def prepare(source: str, out: Path, *extra: str) -> None:
+    with pytest.raises(SystemExit) as done:
+        main(["data", "prepare", source, str(out), *SMALL, *extra])
+    assert done.value.code == 0
+
+
+@pytest.fixture(scope="module")
+def prepared(tmp_path_factory) -> Path:
+    """The embedded corpus's first 60K characters as byte-token shards."""
+    out = tmp_path_factory.mktemp("prepared") / "stdlib"
+    prepare("stdlib", out)
+    return out
+
+
+# -- diffexp data prepare ------------------------------------------------------------------------------------
+@pytest.mark.parametrize("extra, named", [
+    (["--tokenizer", "bpe", "--bpe-vocab-size", "300"], "--tokenizer='byte' there, 'bpe' now"),
+    (["--seed", "5"], "--seed=1234 there, 5 now"),
+    (["--max-chars", "70000"], "--max-chars=60000 there, 70000 now"),
+    (["--val-fraction", "0.1"], "--val-fraction=0.05 there, 0.1 now"),
+])
+def test_a_rerun_of_prepare_with_other_settings_names_the_setting_and_both_values(prepared, capsys, extra, named):
+    before = tree(prepared)
+    refused(["data", "prepare", "stdlib", str(prepared), *SMALL, *extra], capsys, f"OUT={str(prepared)!r}", named,
+            "rerun with the values there, or prepare into a new directory")
+    assert tree(prepared) == before
