@@ -60,3 +60,20 @@ def test_a_rerun_of_prepare_with_other_settings_names_the_setting_and_both_value
     refused(["data", "prepare", "stdlib", str(prepared), *SMALL, *extra], capsys, f"OUT={str(prepared)!r}", named,
             "rerun with the values there, or prepare into a new directory")
     assert tree(prepared) == before
+
+
+# -- diffexp data join ---------------------------------------------------------------------------------------
+def test_join_of_parts_prepared_with_another_tokenizer_names_it_and_writes_no_manifest(tmp_path, capsys):
+    """Two machines, each its part, one with the byte tokenizer and one with a BPE; copied together (the last
+    copy's prepare.json and tokenizer.json win) and joined."""
+    parts = [tmp_path / "part0", tmp_path / "part1"]
+    prepare("stdlib", parts[0], "--unit-mb", "0.01", "--part", "0", "--of", "2")
+    prepare("stdlib", parts[1], "--unit-mb", "0.01", "--part", "1", "--of", "2", "--tokenizer", "bpe",
+            "--bpe-vocab-size", "300")
+    import shutil
+
+    shutil.copytree(parts[1], parts[0], dirs_exist_ok=True)
+    before = tree(parts[0])
+    refused(["data", "join", str(parts[0])], capsys, f"OUT={str(parts[0])!r}", "units were prepared with other "
+            "settings", "--tokenizer='bpe' in prepare.json, 'byte' in units 0, 1", "--tokenizer bpe")
+    assert tree(parts[0]) == before and not (parts[0] / "manifest.json").exists()

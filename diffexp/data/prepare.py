@@ -188,7 +188,7 @@ def prepare(plan: Plan, out: Path, num_proc: int | None = None, part: int = 0, o
     job = Job(str(out), plan.source, plan.text_field, plan.hf_cache_dir,
               tokenizer_json, tokenizer_info["eos_id"],
               token_dtype(tokenizer_info["vocab_size"]).str, plan.seed, plan.val_fraction, plan.test_fraction,
-              plan.overrides, plan.shard_tokens)
+              plan.overrides, plan.shard_tokens, unit_settings(settings))
     tokens, units_started = 0, time.perf_counter()
     try:
         tokens = _run_units(job, pending, num_proc, progress)
@@ -228,15 +228,22 @@ def _leaves(value, prefix: str = "") -> dict:
     return {prefix[:-1]: value}
 
 
-def settings_differences(saved: dict, wanted: dict) -> list[str]:
-    """How two preparations' settings differ, each as `key=there there, now now`: the settings a user chooses
+def unit_settings(settings: dict) -> dict:
+    """What each unit's record keeps of the settings: everything but the unit plan (the record holds its own
+    unit) and the command (how it was spelled decides no byte)."""
+    return {key: value for key, value in settings.items() if key not in ("units", "command")}
+
+
+def settings_differences(saved: dict, wanted: dict, there_label: str = "there", now_label: str = "now") -> list[str]:
+    """How two preparations' settings differ, each as `key=value there, value now`: the settings a user chooses
     first; the derived ones (the tokenizer's identity, the corpus, the unit plan) only when no chosen setting
     differs. The recorded command is no setting (how it was spelled decides no byte)."""
     keys = [key for key in wanted if key != "command"]
     there = _leaves({key: saved.get(key) for key in keys})
     now = _leaves({key: wanted[key] for key in keys})
     other_tokenizer = there.get("tokenizer.spec") != now.get("tokenizer.spec")  # its BPE settings follow from it
-    chosen = [f"{name}={there.get(path)!r} there, {now.get(path)!r} now" for path, name in SETTING_KEYS.items()
+    chosen = [f"{name}={there.get(path)!r} {there_label}, {now.get(path)!r} {now_label}"
+              for path, name in SETTING_KEYS.items()
               if there.get(path) != now.get(path) and not (other_tokenizer and path.startswith("tokenizer.bpe."))]
     if chosen:
         return chosen
@@ -245,10 +252,12 @@ def settings_differences(saved: dict, wanted: dict) -> list[str]:
         if saved.get(key) == wanted[key]:
             continue
         if key == "units":
-            derived.append(f"{DERIVED_NAMES[key]}: {len(saved.get(key) or [])} units there, {len(wanted[key])} now")
+            derived.append(f"{DERIVED_NAMES[key]}: {len(saved.get(key) or [])} units {there_label}, "
+                           f"{len(wanted[key])} {now_label}")
             continue
         paths = sorted({p for p in {*there, *now} if p.split(".")[0] == key and there.get(p) != now.get(p)})
-        shown = "; ".join(f"{p} {_short(there.get(p))} there, {_short(now.get(p))} now" for p in paths[:3])
+        shown = "; ".join(f"{p} {_short(there.get(p))} {there_label}, {_short(now.get(p))} {now_label}"
+                          for p in paths[:3])
         derived.append(f"{DERIVED_NAMES.get(key, key)} ({shown})")
     return derived
 
@@ -276,6 +285,26 @@ def _write_or_compare_settings(out: Path, settings: dict, before_tokenizer: bool
     if not before_tokenizer:
         out.mkdir(parents=True, exist_ok=True)
         write_json(path, settings)
+
+
+def _check_same_settings(out: Path, settings: dict, records: list[dict]) -> None:
+    """Every unit prepared with the settings of ``prepare.json`` here: parts prepared with other settings
+    (another tokenizer, split or source) and copied together would make shards no one manifest describes."""
+    wanted = unit_settings(settings)
+    others = [record for record in records if record.get("settings", wanted) != wanted]  # older records: no check
+    if not others:
+        return
+    first = others[0]
+    alike = [r["unit"]["index"] for r in others if r["settings"] == first["settings"]]
+    shown = ", ".join(map(str, alike[:8])) + (" ..." if len(alike) > 8 else "")
+    label = f"in unit{'s' if len(alike) > 1 else ''} {shown}"
+    differing = settings_differences(wanted, first["settings"], f"in {SETTINGS}", label)
+    command = settings["command"].replace("{directory}", "DIR")
+    raise UserError(f"OUT={str(out)!r}: {len(others)} of {len(records)} units were prepared with other settings than "
+                    f"this directory's {SETTINGS}: {'; '.join(differing)}. Every part is prepared with the same "
+                    "command (only --part differs): prepare the other parts again with the settings of "
+                    f"{SETTINGS} (`{command}`), each into its own directory, copy them here and join "
+                    "again; nothing was written")
 
 
 def _run_units(job: Job, units: list[Unit], num_proc: int | None, show: bool) -> int:
@@ -380,9 +409,10 @@ def join(out: Path) -> dict:
         raise UserError(f"{out}: {len(missing)} of {len(units)} units are not finished (units {shown}); run every "
                         "part's `diffexp data prepare ... --part i --of n` to its end (or copy its directory's "
                         "shards/ and units/ here), then join again")
+    records = [json.loads((out / "units" / f"{unit.index:06d}.json").read_text()) for unit in units]
+    _check_same_settings(out, settings, records)
     splits = {split: {"documents": 0, "tokens": 0, "pieces": []} for split in SPLITS}
-    for unit in units:
-        record = json.loads((out / "units" / f"{unit.index:06d}.json").read_text())
+    for record in records:
         for split in SPLITS:
             for piece in record["splits"][split]:
                 splits[split]["pieces"].append(piece)
