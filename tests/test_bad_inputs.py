@@ -77,3 +77,15 @@ def test_join_of_parts_prepared_with_another_tokenizer_names_it_and_writes_no_ma
     refused(["data", "join", str(parts[0])], capsys, f"OUT={str(parts[0])!r}", "units were prepared with other "
             "settings", "--tokenizer='bpe' in prepare.json, 'byte' in units 0, 1", "--tokenizer bpe")
     assert tree(parts[0]) == before and not (parts[0] / "manifest.json").exists()
+
+
+# -- a BPE's vocabulary: one rule for data prepare, fit and bench data -----------------------------------------
+@pytest.mark.parametrize("command", ["data prepare", "bench data"])
+def test_a_bpe_vocabulary_prepare_refuses_is_refused_by_bench_data_alike(tmp_path, capsys, command):
+    out = tmp_path / "out"
+    args = {"data prepare": ["data", "prepare", "stdlib", str(out), "--tokenizer", "bpe", *SMALL],
+            "bench data": ["bench", "data", "--sizes-mb", "1", "--work-dir", str(out), "--json",
+                           str(tmp_path / "results.json")]}[command]
+    refused([*args, "--bpe-vocab-size", "100"], capsys, "--bpe-vocab-size=100 is invalid: expected an integer of "
+            "at least 257 (256 byte symbols + <|endoftext|>)")
+    assert list(tmp_path.iterdir()) == []

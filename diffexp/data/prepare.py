@@ -30,7 +30,7 @@ from diffexp.data.shards import (
     write_json,
 )
 from diffexp.data.splits import held_out_overrides, unit_splits
-from diffexp.data.tokenizer import load_named_tokenizer
+from diffexp.data.tokenizer import check_bpe_vocab_size, load_named_tokenizer
 from diffexp.data.units import Unit, content_fingerprint, plan_units
 from diffexp.data.worker import WORKER, Job, finished, init_worker, prepare_unit
 from diffexp.errors import UserError, invalid
@@ -44,9 +44,8 @@ def check_settings(tokenizer: str, bpe_vocab_size: int, val_fraction: float, tes
                    max_chars: int | None) -> None:
     """A preparation's settings, named as the data module's keys (`diffexp data prepare` renames them to its
     flags), refused before any work."""
-    if tokenizer == "bpe" and bpe_vocab_size < 257:
-        raise invalid("data.bpe_vocab_size", bpe_vocab_size, "expected at least 257 (256 byte symbols + "
-                      "<|endoftext|>)")
+    if tokenizer == "bpe":
+        check_bpe_vocab_size(bpe_vocab_size)
     if not 0.0 < val_fraction < 1.0:
         raise invalid("data.val_fraction", val_fraction, "expected a number strictly between 0 and 1")
     if not 0.0 <= test_fraction < 1.0 or val_fraction + test_fraction >= 1.0:
