@@ -13,9 +13,10 @@ from diffexp.cli import main
 SMALL = ["--max-chars", "60000", "--no-progress", "--num-proc", "1"]  # the embedded corpus's first 60K characters
 
 
-def tree(directory: Path) -> dict[str, tuple[int, int]]:
-    """Every file and directory under ``directory`` with its size and modification time (what a write changes)."""
-    return {p.relative_to(directory).as_posix(): (p.stat().st_size, p.stat().st_mtime_ns)
+def tree(directory: Path) -> dict[str, tuple[int, int] | None]:
+    """Every file under ``directory`` with its size and modification time (what a write changes), and every
+    directory (a writability probe's file, made and removed, changes a directory's time and nothing else)."""
+    return {p.relative_to(directory).as_posix(): None if p.is_dir() else (p.stat().st_size, p.stat().st_mtime_ns)
             for p in sorted(directory.rglob("*"))}
 
 
@@ -89,3 +90,63 @@ def test_a_bpe_vocabulary_prepare_refuses_is_refused_by_bench_data_alike(tmp_pat
     refused([*args, "--bpe-vocab-size", "100"], capsys, "--bpe-vocab-size=100 is invalid: expected an integer of "
             "at least 257 (256 byte symbols + <|endoftext|>)")
     assert list(tmp_path.iterdir()) == []
+
+
+# -- a checkpoint whose prepared data was prepared again in place ---------------------------------------------
+@pytest.fixture(scope="module")
+def trained_on_prepared(tmp_path_factory) -> Path:
+    """A directory holding `prep/` (prepared shards) and `runs/run/version_0/` (4 steps of `diffexp fit` on them)."""
+    from tests.helpers import run_cli, write_recipe
+
+    directory = tmp_path_factory.mktemp("trained")
+    prepare("stdlib", directory / "prep")
+    recipe = write_recipe(directory, name="run", max_steps=4)
+    recipe.write_text(recipe.read_text().replace("source: stdlib", "source: prep"))
+    run_cli(["fit", "--config", str(recipe)], cwd=directory)
+    assert (directory / "runs/run/version_0/checkpoints/last.ckpt").is_file()
+    return directory
+
+
+@pytest.fixture
+def prepared_again(trained_on_prepared, tmp_path, monkeypatch) -> Path:
+    """A copy of ``trained_on_prepared`` (as the working directory) whose prep/ was deleted and prepared again
+    with another split seed: the same name, other tokens in each split."""
+    import shutil
+
+    shutil.copytree(trained_on_prepared, tmp_path / "work")
+    monkeypatch.chdir(tmp_path / "work")
+    shutil.rmtree("prep")
+    prepare("stdlib", Path("prep"), "--seed", "5")
+    return tmp_path / "work"
+
+
+RUN = "runs/run/version_0"
+
+
+@pytest.mark.parametrize("subcommand", ["fit", "validate", "test"])
+def test_a_resume_or_evaluation_on_data_prepared_again_is_refused_before_the_run_is_touched(prepared_again, capsys,
+                                                                                          subcommand):
+    before = tree(prepared_again)
+    refused([subcommand, "--config", f"{RUN}/config.yaml", "--ckpt_path", f"{RUN}/checkpoints/last.ckpt"], capsys,
+            "data.source='prep' was prepared again since the checkpoint's run read it", "data identity",
+            "--model.init_from" if subcommand == "fit" else "restore that preparation")
+    assert tree(prepared_again) == before  # no events file, no config.resumed-*.yaml, no eval/
+
+
+def test_eval_nll_on_the_validation_split_of_data_prepared_again_is_refused(prepared_again, capsys):
+    before = tree(prepared_again)
+    refused(["eval", "nll", f"{RUN}/checkpoints/last.ckpt", "--documents", "1"], capsys,
+            "the checkpoint's data.source='prep' was prepared again", "its validation split is not the documents "
+            "that run held out", "--text-file")
+    assert tree(prepared_again) == before
+
+
+def test_eval_nll_on_the_data_the_run_read_still_works(trained_on_prepared, tmp_path, monkeypatch, capsys):
+    import shutil
+
+    shutil.copytree(trained_on_prepared, tmp_path / "work")
+    monkeypatch.chdir(tmp_path / "work")
+    with pytest.raises(SystemExit) as done:
+        main(["eval", "nll", f"{RUN}/checkpoints/last.ckpt", "--documents", "1", "--out", "nll"])
+    assert done.value.code == 0, capsys.readouterr().err
+    assert (tmp_path / "work/nll/nll-ctx32.json").is_file()

@@ -26,9 +26,7 @@ class Prepared:
     def __init__(self, directory: Path, manifest: dict, tokenizer: TextTokenizer) -> None:
         self.directory, self.manifest, self.tokenizer = directory, manifest, tokenizer
         self.dtype = np.dtype(manifest["dtype"])
-        # what a resumed run checks: the same tokens in the same order, wherever the directory lives now
-        self.identity = hashlib.sha256(repr([(s, manifest["splits"][s]["pieces"]) for s in SPLITS]).encode()
-                                       ).hexdigest()[:16]
+        self.identity = manifest_identity(manifest)
 
     def stream(self, split: str) -> TokenStream:
         return TokenStream(self.directory, self.manifest["splits"][split]["pieces"], self.dtype)
@@ -49,6 +47,12 @@ class Prepared:
                 yield self.tokenizer.decode(tokens[begin:end].tolist())
                 begin = end + 1
             pending = tokens[begin:]
+
+
+def manifest_identity(manifest: dict) -> str:
+    """What a resumed run or an evaluation checks: the same tokens in the same splits and order, wherever the
+    directory lives now (a hash of every shard's checksum, by split)."""
+    return hashlib.sha256(repr([(s, manifest["splits"][s]["pieces"]) for s in SPLITS]).encode()).hexdigest()[:16]
 
 
 def open_prepared(directory: Path, key: str, checksums: bool = True, rebuild: str | None = None) -> Prepared:

@@ -30,6 +30,7 @@ from diffexp.training.module import DiffexpLM
 from diffexp.training.preflight import (
     check_cpu_memory,
     check_resume,
+    check_same_data,
     data_init_args,
     model_sections,
     validate_fit_config,
@@ -213,7 +214,9 @@ class DiffexpCLI(LightningCLI):
             path, version = resolve_resume(ckpt_path, init_args.save_dir, init_args.name)
         else:
             path, version = Path(ckpt_path), None
-        check_resume(config, read_checkpoint(path, weights=False), path, subcommand)
+        checkpoint = read_checkpoint(path, weights=False)
+        check_resume(config, checkpoint, path, subcommand)
+        check_same_data(config, checkpoint, path, subcommand)  # a data.source prepared again since
         config.ckpt_path = str(path)
         if subcommand != "fit":
             return

@@ -1,0 +1,60 @@
+"""Is a prepared directory still the one a checkpoint's run read? A directory prepared again in place (other
+settings, another corpus) holds other tokens under the same name: a resume would continue on other data, and its
+validation split would no longer be the documents that run held out. Found from the manifest alone, before any
+file is written (``diffexp fit --ckpt_path``, ``validate``, ``test``, ``diffexp eval nll``).
+"""
+
+from __future__ import annotations
+
+import inspect
+from pathlib import Path
+from typing import Any
+
+from diffexp.data.prepare import SETTINGS
+from diffexp.data.prepared import manifest_identity
+from diffexp.data.shards import MANIFEST, read_manifest
+from diffexp.errors import UserError
+
+
+def prepared_again(directory: Path, saved_identity: str | None) -> str | None:
+    """The identity of the preparation in ``directory`` where it is not the one a checkpoint recorded
+    (``saved_identity``: ``<identity>-<seq_len>``, as the training loader records it), else None: the same, or
+    nothing to compare (no identity recorded, nothing prepared there yet, a damaged manifest that opening the
+    directory reports)."""
+    if not saved_identity:
+        return None
+    try:
+        identity = manifest_identity(read_manifest(Path(directory).expanduser(), ""))
+    except (UserError, KeyError, TypeError):
+        return None
+    return identity if identity != str(saved_identity).rsplit("-", 1)[0] else None
+
+
+def prepared_dir_for(data_args: dict[str, Any]) -> Path | None:
+    """The prepared directory a TextDataModule with these init args reads: its source, or its raw source's cache
+    entry (nothing is prepared); None where the args make no data module (building it reports why)."""
+    from diffexp.data.datamodule import TextDataModule
+
+    accepted = inspect.signature(TextDataModule.__init__).parameters
+    source = Path(str(data_args.get("source") or accepted["source"].default)).expanduser()
+    if source.is_dir() and ((source / MANIFEST).is_file() or (source / SETTINGS).is_file()):
+        return source
+    try:
+        return TextDataModule(**{k: v for k, v in data_args.items() if k in accepted}).prepared_dir
+    except (UserError, TypeError):
+        return None
+
+
+def check_same_preparation(data_args: dict[str, Any], saved_identity: str | None, key: str, consequence: str,
+                           remedy: str) -> None:
+    """Refuse data prepared again since a checkpoint's run read it: ``key`` names where the source comes from
+    (``data.source``, or the checkpoint's), ``consequence`` what reading it would do, ``remedy`` what works."""
+    directory = prepared_dir_for(data_args)
+    now = prepared_again(directory, saved_identity) if directory is not None else None
+    if now is None:
+        return
+    source = str(data_args.get("source") or "stdlib")
+    entry = "" if directory == Path(source).expanduser() else f" (its prepared cache entry {directory})"
+    raise UserError(f"{key}={source!r}{entry} was prepared again since the checkpoint's run read it: its shards hold "
+                    f"other tokens (data identity {now} now, {str(saved_identity).rsplit('-', 1)[0]} when that run "
+                    f"trained), so {consequence}; {remedy}")
