@@ -150,3 +150,113 @@ def test_eval_nll_on_the_data_the_run_read_still_works(trained_on_prepared, tmp_
         main(["eval", "nll", f"{RUN}/checkpoints/last.ckpt", "--documents", "1", "--out", "nll"])
     assert done.value.code == 0, capsys.readouterr().err
     assert (tmp_path / "work/nll/nll-ctx32.json").is_file()
+
+
+# -- model.init_from: refused before the run directory exists ------------------------------------------------
+def tiny_llama(directory: Path, safe: bool) -> Path:
+    """A Hugging Face Llama directory of diffexp's tiny baseline shape; ``safe``: safetensors, else only
+    pytorch_model.bin (PyTorch pickle weights)."""
+    transformers = pytest.importorskip("transformers")
+    import torch
+
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(vocab_size=257, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                      num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=64,
+                                      rms_norm_eps=1e-5, tie_word_embeddings=False)
+    transformers.LlamaForCausalLM(config).save_pretrained(directory)
+    if not safe:  # as older transformers wrote it (today's writes safetensors only)
+        from safetensors.torch import load_file
+
+        torch.save(load_file(directory / "model.safetensors"), directory / "pytorch_model.bin")
+        (directory / "model.safetensors").unlink()
+    return directory
+
+
+TINY_BASELINE = ["--model.arch.attention", "baseline", "--model.arch.d_model", "32", "--model.arch.n_layers", "2",
+                 "--model.arch.n_heads", "2", "--model.arch.ffn_hidden", "64", "--model.arch.max_seq_len", "64",
+                 "--data.seq_len", "32", "--data.max_chars", "60000", "--trainer.max_steps", "2"]
+
+
+def test_init_from_an_hf_directory_of_pickle_weights_is_refused_before_the_run_with_a_conversion_that_works(
+        tmp_path, monkeypatch, capsys):
+    from diffexp.training.warm_start import check_init_from
+
+    monkeypatch.chdir(tmp_path)
+    hf = tiny_llama(tmp_path / "llama", safe=False)
+    assert (hf / "pytorch_model.bin").is_file() and not (hf / "model.safetensors").exists()
+    message = refused(["fit", *TINY_BASELINE, "--model.init_from", str(hf)], capsys,
+                      f"model.init_from={str(hf)!r}", "pytorch_model.bin (PyTorch pickle weights)",
+                      "diffexp reads safetensors only", "save_pretrained")
+    assert not (tmp_path / "runs").exists() and not (tmp_path / ".cache").exists()
+    convert = message.split("give the new directory: ", 1)[1]
+    assert convert.startswith("python -c ")
+    import subprocess
+    import sys
+
+    from tests.helpers import subprocess_env
+
+    subprocess.run([sys.executable, "-c", convert[len("python -c "):].strip('"')], check=True, env=subprocess_env())
+    from diffexp.model.config import ModelConfig
+
+    arch = ModelConfig(attention="baseline", vocab_size=257, d_model=32, n_layers=2, n_heads=2, ffn_hidden=64,
+                       max_seq_len=64)
+    from dataclasses import asdict
+
+    assert check_init_from(f"{hf}-safetensors", asdict(arch), {}) == Path(f"{hf}-safetensors")
+
+
+@pytest.mark.parametrize("damage", ["no weights", "index names a missing shard"])
+def test_init_from_an_hf_directory_without_its_weights_is_refused_before_the_run(tmp_path, monkeypatch, capsys,
+                                                                                 damage):
+    monkeypatch.chdir(tmp_path)
+    hf = tiny_llama(tmp_path / "llama", safe=True)
+    if damage == "no weights":
+        (hf / "model.safetensors").unlink()
+        words = "no model.safetensors (or model.safetensors.index.json)"
+    else:
+        (hf / "model.safetensors").rename(hf / "model-00001-of-00002.safetensors")
+        (hf / "model.safetensors.index.json").write_text('{"weight_map": {"a": "model-00001-of-00002.safetensors", '
+                                                         '"b": "model-00002-of-00002.safetensors"}}')
+        words = "names model-00002-of-00002.safetensors, which is not there"
+    refused(["fit", *TINY_BASELINE, "--model.init_from", str(hf)], capsys, f"model.init_from={str(hf)!r}", words)
+    assert not (tmp_path / "runs").exists()
+
+
+TINY_DIFF_V2 = ["--model.arch.attention", "diff_v2", "--model.arch.d_model", "32", "--model.arch.n_layers", "2",
+                "--model.arch.n_heads", "2", "--model.arch.max_seq_len", "256", "--data.seq_len", "32",
+                "--trainer.max_steps", "2"]
+
+
+@pytest.mark.parametrize("data", ["prepared", "raw"])
+def test_init_from_a_checkpoint_of_another_tokenizer_is_refused_before_the_run_with_advice_that_works(
+        bpe_checkpoint, prepared, tmp_path, monkeypatch, capsys, data):
+    """A BPE checkpoint, this run on byte tokens: a prepared directory (whose tokenizer data.tokenizer cannot
+    change) or the raw embedded corpus. Following the advice gives a run the check lets through."""
+    import shlex
+    from dataclasses import asdict
+
+    from diffexp.model.config import ModelConfig
+    from diffexp.training.warm_start import check_init_from
+
+    monkeypatch.chdir(tmp_path)
+    source = ["--data.source", str(prepared)] if data == "prepared" else ["--data.max_chars", "60000"]
+    advice = {"prepared": "--data.source NEWDIR", "raw": "train with --data.tokenizer DIR/tokenizer.json"}[data]
+    message = refused(["fit", *TINY_DIFF_V2, *source, "--model.init_from", str(bpe_checkpoint)], capsys,
+                      f"model.init_from={str(bpe_checkpoint)!r}", "another tokenizer", "bpe300-", "against byte",
+                      f"`diffexp export {bpe_checkpoint} DIR` writes the checkpoint's tokenizer", advice)
+    assert not (tmp_path / "runs").exists() and not (tmp_path / ".cache").exists()
+    with pytest.raises(SystemExit):
+        main(["export", str(bpe_checkpoint), "DIR"])
+    arch = asdict(ModelConfig(attention="diff_v2", vocab_size=300, d_model=32, n_layers=2, n_heads=2,
+                              max_seq_len=256))
+    if data == "prepared":
+        command = shlex.split(message.split("prepared directory: its manifest fixes the tokenizer, data.tokenizer is "
+                                            "not read): `", 1)[1].split("`", 1)[0])
+        assert command[:3] == ["diffexp", "data", "prepare"] and "NEWDIR" in command
+        with pytest.raises(SystemExit) as done:
+            main([*command[1:], "--no-progress"])
+        assert done.value.code == 0
+        data_args = {"source": "NEWDIR"}
+    else:
+        data_args = {"source": "stdlib", "max_chars": 60000, "tokenizer": "DIR/tokenizer.json"}
+    assert check_init_from(str(bpe_checkpoint), arch, data_args) == bpe_checkpoint

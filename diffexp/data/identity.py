@@ -1,7 +1,10 @@
-"""Is a prepared directory still the one a checkpoint's run read? A directory prepared again in place (other
-settings, another corpus) holds other tokens under the same name: a resume would continue on other data, and its
-validation split would no longer be the documents that run held out. Found from the manifest alone, before any
-file is written (``diffexp fit --ckpt_path``, ``validate``, ``test``, ``diffexp eval nll``).
+"""What a text data config will read, known before any work: its prepared directory, whether that is still the
+one a checkpoint's run read, and its tokenizer.
+
+A directory prepared again in place (other settings, another corpus) holds other tokens under the same name: a
+resume would continue on other data, and its validation split would no longer be the documents that run held out.
+A checkpoint's weights (`model.init_from`) mean something only with the tokenizer they were trained with. Both are
+found from the manifest and the config alone, before any file is written.
 """
 
 from __future__ import annotations
@@ -11,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from diffexp.data.prepare import SETTINGS
-from diffexp.data.prepared import manifest_identity
+from diffexp.data.prepared import load_tokenizer, manifest_identity
 from diffexp.data.shards import MANIFEST, read_manifest
 from diffexp.errors import UserError
 
@@ -36,9 +39,8 @@ def prepared_dir_for(data_args: dict[str, Any]) -> Path | None:
     from diffexp.data.datamodule import TextDataModule
 
     accepted = inspect.signature(TextDataModule.__init__).parameters
-    source = Path(str(data_args.get("source") or accepted["source"].default)).expanduser()
-    if source.is_dir() and ((source / MANIFEST).is_file() or (source / SETTINGS).is_file()):
-        return source
+    if is_prepared_source(data_args):
+        return Path(str(data_args["source"])).expanduser()
     try:
         return TextDataModule(**{k: v for k, v in data_args.items() if k in accepted}).prepared_dir
     except (UserError, TypeError):
@@ -58,3 +60,40 @@ def check_same_preparation(data_args: dict[str, Any], saved_identity: str | None
     raise UserError(f"{key}={source!r}{entry} was prepared again since the checkpoint's run read it: its shards hold "
                     f"other tokens (data identity {now} now, {str(saved_identity).rsplit('-', 1)[0]} when that run "
                     f"trained), so {consequence}; {remedy}")
+
+
+def planned_tokenizer(data_args: dict[str, Any]):
+    """The tokenizer a TextDataModule with these init args will train with, where it is known before any work:
+    its prepared directory's (the source, or the raw source's cache entry once prepared), the byte tokenizer or a
+    tokenizer file; None for a BPE not trained yet, or where reading it fails (building the data module reports
+    why)."""
+    from tokenizers import Tokenizer
+
+    from diffexp.data.checks import tokenizer_path
+    from diffexp.data.tokenizer import ByteTokenizer, HFTokenizer, load_named_tokenizer
+
+    directory = prepared_dir_for(data_args)
+    if directory is None:
+        return None
+    try:
+        if (directory / MANIFEST).is_file():
+            return load_tokenizer(directory, read_manifest(directory, "")["tokenizer"], "")
+        if is_prepared_source(data_args):
+            return None  # an unfinished preparation: opening it reports that
+        spec = str(data_args.get("tokenizer") or "byte")
+        if spec == "byte":
+            return ByteTokenizer()
+        if spec == "bpe":
+            return None
+        named = tokenizer_path(spec)
+        text = load_named_tokenizer(str(named) if named is not None else spec, "data.tokenizer")[1]
+        wrapped = HFTokenizer(Tokenizer.from_str(text), "")  # as the preparation saves it (diffexp.data.prepare)
+        return HFTokenizer(Tokenizer.from_str(wrapped.tokenizer.to_str()), "")
+    except (UserError, KeyError, OSError):
+        return None
+
+
+def is_prepared_source(data_args: dict[str, Any]) -> bool:
+    """data.source names a prepared directory (its tokenizer and splits are fixed there)."""
+    source = Path(str(data_args.get("source") or "stdlib")).expanduser()
+    return source.is_dir() and ((source / MANIFEST).is_file() or (source / SETTINGS).is_file())

@@ -70,7 +70,7 @@ def open_prepared(directory: Path, key: str, checksums: bool = True, rebuild: st
     manifest = read_manifest(directory, rebuild or _rebuild_hint(directory))
     hint = rebuild or _rebuild_hint(directory, manifest)
     verify_shards(directory, manifest, hint, checksums=checksums)
-    return Prepared(directory, manifest, _load_tokenizer(directory, manifest["tokenizer"], hint))
+    return Prepared(directory, manifest, load_tokenizer(directory, manifest["tokenizer"], hint))
 
 
 def _rebuild_hint(directory: Path, manifest: dict | None = None) -> str:
@@ -80,7 +80,7 @@ def _rebuild_hint(directory: Path, manifest: dict | None = None) -> str:
     return f"rebuild it: delete {directory} and run {how}"
 
 
-def _load_tokenizer(directory: Path, info: dict, hint: str) -> TextTokenizer:
+def load_tokenizer(directory: Path, info: dict, hint: str) -> TextTokenizer:
     if info["identity"] == "byte":
         return ByteTokenizer()
     from tokenizers import Tokenizer

@@ -205,7 +205,8 @@ class DiffexpCLI(LightningCLI):
         ckpt_path = config.get("ckpt_path")
         init_from = (to_builtin(config.get("model") or {})).get("init_from")
         if subcommand == "fit" and init_from and not ckpt_path:  # a resume takes its weights from ckpt_path
-            check_init_from(init_from, asdict(arch), data_init_args(config)[1])
+            data_class, data_args = data_init_args(config)
+            check_init_from(init_from, asdict(arch), data_args, data_class)
         if not ckpt_path:
             return
         logger = config.trainer.get("logger")
