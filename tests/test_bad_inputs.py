@@ -20,8 +20,9 @@ def tree(directory: Path) -> dict[str, tuple[int, int] | None]:
             for p in sorted(directory.rglob("*"))}
 
 
-def refused(args: list[str], capsys, *words: str) -> str:
-    """`diffexp ARGS` exits 2 with one paragraph holding every one of ``words``, and no traceback; the message."""
+def refused(args: list[str], capsys, *words: str, lines: bool = False) -> str:
+    """`diffexp ARGS` exits 2 with one paragraph (``lines``: a list of them, a sweep's rows) holding every one of
+    ``words``, and no traceback; the message."""
     capsys.readouterr()
     with pytest.raises(SystemExit) as done:
         main(args)
@@ -29,7 +30,7 @@ def refused(args: list[str], capsys, *words: str) -> str:
     assert done.value.code == 2, err
     assert "Traceback" not in err, err
     message = err.split("error: ", 1)[1].split("(DIFFEXP_DEBUG=1", 1)[0].strip()
-    assert "\n" not in message, message
+    assert lines or "\n" not in message, message
     for word in words:
         assert word in message, message
     return message
@@ -260,3 +261,23 @@ def test_init_from_a_checkpoint_of_another_tokenizer_is_refused_before_the_run_w
     else:
         data_args = {"source": "stdlib", "max_chars": 60000, "tokenizer": "DIR/tokenizer.json"}
     assert check_init_from(str(bpe_checkpoint), arch, data_args) == bpe_checkpoint
+
+
+# -- a sweep's data: checked before any trial starts -------------------------------------------------------------
+@pytest.mark.parametrize("source", ["unfinished part", "missing file"])
+def test_a_sweep_on_data_fit_would_refuse_starts_no_trial(tmp_path, capsys, source):
+    from tests.helpers import write_spec
+
+    if source == "unfinished part":
+        data = tmp_path / "part0"
+        prepare("stdlib", data, "--unit-mb", "0.01", "--part", "0", "--of", "2")
+        words = [f"data.source={str(data)!r} is invalid: the preparation there is unfinished", "diffexp data join"]
+    else:
+        data = tmp_path / "corpus.jsonl"
+        words = [f"data.source={str(data)!r}: no such file or directory"]
+    spec = write_spec(tmp_path, "bad-data", overrides={"data.source": str(data), "data.seq_len": 32,
+                                                        "trainer.max_steps": 2})
+    before = tree(tmp_path)
+    refused(["sweep", "--config", str(spec)], capsys, "2 of 2 trial configurations would be refused by `diffexp "
+            "fit`; nothing was started or written", "- every row: ", *words, lines=True)
+    assert tree(tmp_path) == before and not (tmp_path / "runs").exists()

@@ -1,5 +1,5 @@
-"""What a text data config will read, known before any work: its prepared directory, whether that is still the
-one a checkpoint's run read, and its tokenizer.
+"""What a text data config will read, known before any work: whether it can be read at all, its prepared directory,
+whether that is still the one a checkpoint's run read, and its tokenizer.
 
 A directory prepared again in place (other settings, another corpus) holds other tokens under the same name: a
 resume would continue on other data, and its validation split would no longer be the documents that run held out.
@@ -14,9 +14,26 @@ from pathlib import Path
 from typing import Any
 
 from diffexp.data.prepare import SETTINGS
-from diffexp.data.prepared import load_tokenizer, manifest_identity
+from diffexp.data.prepared import check_finished, load_tokenizer, manifest_identity
 from diffexp.data.shards import MANIFEST, read_manifest
 from diffexp.errors import UserError
+
+
+def check_text_data(data_args: dict[str, Any]) -> None:
+    """What building a TextDataModule and opening its data would refuse, found without any work: a prepared
+    data.source that is unfinished (a part of several) or damaged; a raw source that is missing, empty, binary or
+    lacks data.text_field, and bad tokenizer or split settings. `diffexp fit` and a sweep, before any trial, run
+    this one check."""
+    from diffexp.data.datamodule import TextDataModule
+
+    if is_prepared_source(data_args):
+        check_finished(Path(str(data_args["source"])), "data.source")
+        return
+    accepted = inspect.signature(TextDataModule.__init__).parameters
+    try:
+        TextDataModule(**{k: v for k, v in data_args.items() if k in accepted})
+    except TypeError:  # a value of the wrong type: the config's parser names it
+        pass
 
 
 def prepared_again(directory: Path, saved_identity: str | None) -> str | None:

@@ -55,8 +55,9 @@ def manifest_identity(manifest: dict) -> str:
     return hashlib.sha256(repr([(s, manifest["splits"][s]["pieces"]) for s in SPLITS]).encode()).hexdigest()[:16]
 
 
-def open_prepared(directory: Path, key: str, checksums: bool = True, rebuild: str | None = None) -> Prepared:
-    """Open and check a prepared directory (``key`` names the setting that points at it, for the messages)."""
+def check_finished(directory: Path, key: str, rebuild: str | None = None) -> dict:
+    """A finished preparation's manifest, or a UserError naming ``key``: no directory, an unfinished preparation
+    (a part of several, or a killed run), a missing or damaged manifest. Reads no shard."""
     from diffexp.data.prepare import SETTINGS
 
     directory = Path(directory).expanduser()
@@ -67,7 +68,13 @@ def open_prepared(directory: Path, key: str, checksums: bool = True, rebuild: st
         raise UserError(f"{key}={str(directory)!r} is invalid: the preparation there is unfinished (no {MANIFEST}); "
                         "run the `diffexp data prepare` command that started it again to finish it, or, if its parts "
                         f"ran on several machines, `diffexp data join {directory}` once all are done")
-    manifest = read_manifest(directory, rebuild or _rebuild_hint(directory))
+    return read_manifest(directory, rebuild or _rebuild_hint(directory))
+
+
+def open_prepared(directory: Path, key: str, checksums: bool = True, rebuild: str | None = None) -> Prepared:
+    """Open and check a prepared directory (``key`` names the setting that points at it, for the messages)."""
+    directory = Path(directory).expanduser()
+    manifest = check_finished(directory, key, rebuild)
     hint = rebuild or _rebuild_hint(directory, manifest)
     verify_shards(directory, manifest, hint, checksums=checksums)
     return Prepared(directory, manifest, load_tokenizer(directory, manifest["tokenizer"], hint))

@@ -142,8 +142,19 @@ def validate_fit_config(config, subcommand: str = "fit") -> ModelConfig:
     checkpoint = to_builtin(config.get("checkpoint") or {})
     check_writable("checkpoint.dirpath", checkpoint.get("dirpath"))
     check_checkpoint_settings(checkpoint, trainer, subcommand)
+    check_data(config)
     warn_unused_settings(arch)
     return arch
+
+
+def check_data(config) -> None:
+    """The text data a config reads, checked without any work (diffexp.data.identity.check_text_data): what
+    `diffexp fit` and every trial of a sweep would refuse once building its data module."""
+    from diffexp.data.identity import check_text_data
+
+    data_class, data_args = data_init_args(config)
+    if data_class is None or data_class.endswith("TextDataModule"):
+        check_text_data(data_args)
 
 
 def check_cpu_memory(arch: ModelConfig, trainer: dict[str, Any], data_args: dict[str, Any]) -> None:
