@@ -140,7 +140,7 @@ def _tokenizer_advice(path: Path, saved: dict, data_args: dict[str, Any]) -> str
         how = f"`diffexp export {shlex.quote(str(path))} DIR` writes the checkpoint's tokenizer as {tokenizer}; then "
     source = str(data_args.get("source"))
     if not is_prepared_source(data_args):
-        return f"{how[0].upper() + how[1:] if how else ''}train with --data.tokenizer {shlex.quote(tokenizer)}"
+        return _sentence(f"{how}train with --data.tokenizer {shlex.quote(tokenizer)}")
     try:
         words = shlex.split(read_manifest(Path(source).expanduser(), "")["command"])
     except (UserError, KeyError, ValueError):
@@ -157,7 +157,11 @@ def _tokenizer_advice(path: Path, saved: dict, data_args: dict[str, Any]) -> str
     prepare = (f"prepare its corpus again with it (data.source={source!r} is a prepared directory: its manifest "
                f"fixes the tokenizer, data.tokenizer is not read): `{shlex.join(command)}`, then train with "
                "--data.source NEWDIR")
-    return (how + prepare) if how else prepare[0].upper() + prepare[1:]
+    return _sentence(how + prepare)
+
+
+def _sentence(text: str) -> str:
+    return text[0].upper() + text[1:]
 
 
 def load_initial_weights(module, init_from: str, tokenizer_state: dict | None,
