@@ -249,7 +249,7 @@ def test_a_rerun_with_other_settings_is_refused_and_other_files_are_never_writte
     with pytest.raises(SystemExit) as error:
         main(prepare_args(corpus, copy, "--tokenizer", "byte"))
     assert error.value.code == 2
-    assert "holds a preparation with other settings (tokenizer differs" in capsys.readouterr().err
+    assert "holds a preparation made with other settings: --tokenizer=" in capsys.readouterr().err
     other = tmp_path / "other"
     other.mkdir()
     (other / "notes.txt").write_text("mine")

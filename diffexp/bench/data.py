@@ -14,6 +14,7 @@ import sys
 import time
 from pathlib import Path
 
+from diffexp.data.tokenizer import check_bpe_vocab_size
 from diffexp.errors import UserError
 
 NAME = "data"
@@ -180,6 +181,7 @@ def main(argv: list[str]) -> int:
                          ("--fit-mb", [args.fit_mb or 1])):
         if any(v < 1 for v in values):
             raise UserError(f"{flag}={values} is invalid: expected positive integers")
+    check_bpe_vocab_size(args.bpe_vocab_size, "--bpe-vocab-size")  # the rule `diffexp data prepare` applies
     work = Path(args.work_dir)
     num_proc = args.num_proc or os.cpu_count() or 1
     diffexp_cli = [sys.executable, "-m", "diffexp"]

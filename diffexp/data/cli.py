@@ -13,7 +13,8 @@ from diffexp.errors import UserError
 # the data module's keys as this command spells them, so shared checks name what the user typed
 FLAG_NAMES = {"data.source": "SOURCE", "data.text_field": "--text-field", "data.tokenizer": "--tokenizer",
               "data.max_chars": "--max-chars", "data.bpe_vocab_size": "--bpe-vocab-size",
-              "data.val_fraction": "--val-fraction", "data.test_fraction": "--test-fraction"}
+              "data.val_fraction": "--val-fraction", "data.test_fraction": "--test-fraction", "data.seed": "--seed",
+              "bpe_sample_chars": "--bpe-sample-chars", "shard_tokens": "--shard-tokens"}
 #: the description `diffexp data --help` shows
 HELP = """``diffexp data prepare | join | inspect``: prepare a corpus as token shards once, then look at it.
 

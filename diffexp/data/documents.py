@@ -18,16 +18,21 @@ from diffexp.errors import UserError
 ELSEWHERE = "give documents with --text-file FILE ... or --dataset PATH"
 
 
-def validation_texts(data: dict) -> tuple[Iterable[str], str]:
+def validation_texts(data: dict, saved_identity: str | None = None) -> tuple[Iterable[str], str]:
     """The validation documents of the text data a checkpoint was trained on (its ``data`` hyperparameters),
-    and a description of them: decoded from its prepared shards where they exist, else read from its source."""
+    and a description of them: decoded from its prepared shards where they exist, else read from its source.
+    ``saved_identity``: the data identity the checkpoint recorded; shards prepared again since are refused."""
     from diffexp.data.datamodule import TextDataModule
+    from diffexp.data.identity import check_same_preparation
     from diffexp.data.shards import MANIFEST
 
     if "source" not in data:
         raise UserError(f"the checkpoint was not trained on text documents (its data module has no data.source), "
                         f"so it has no validation documents; {ELSEWHERE}")
     source = str(data["source"])
+    check_same_preparation(data, saved_identity, "the checkpoint's data.source", "its validation split is not the "
+                           "documents that run held out (some may be ones it trained on)", "restore the preparation "
+                           f"that run read, or {ELSEWHERE}")
     accepted = inspect.signature(TextDataModule.__init__).parameters
     try:
         module = TextDataModule(**{k: v for k, v in data.items() if k in accepted})

@@ -177,6 +177,14 @@ class ResumableDataLoader(DataLoader):
             "world_size": self.sampler.num_replicas,
         }
 
+    @staticmethod
+    def saved_identity(checkpoint: dict[str, Any]) -> str | None:
+        """The data identity a Lightning checkpoint's training loader recorded (``state_dict``), if any."""
+        loader = (((checkpoint.get("loops") or {}).get("fit_loop") or {}).get("state_dict") or {}).get(
+            "combined_loader")
+        state = loader[0] if isinstance(loader, (list, tuple)) and loader else None
+        return state.get("data_identity") if isinstance(state, dict) else None
+
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         if "rows_served" in state_dict:
             served = int(state_dict["rows_served"])

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from diffexp.data import sources
+from diffexp.data.settings import settings_differences, unit_settings
 from diffexp.data.shards import (
     FORMAT,
     MANIFEST,
@@ -30,7 +31,7 @@ from diffexp.data.shards import (
     write_json,
 )
 from diffexp.data.splits import held_out_overrides, unit_splits
-from diffexp.data.tokenizer import load_named_tokenizer
+from diffexp.data.tokenizer import check_bpe_vocab_size, load_named_tokenizer
 from diffexp.data.units import Unit, content_fingerprint, plan_units
 from diffexp.data.worker import WORKER, Job, finished, init_worker, prepare_unit
 from diffexp.errors import UserError, invalid
@@ -44,9 +45,8 @@ def check_settings(tokenizer: str, bpe_vocab_size: int, val_fraction: float, tes
                    max_chars: int | None) -> None:
     """A preparation's settings, named as the data module's keys (`diffexp data prepare` renames them to its
     flags), refused before any work."""
-    if tokenizer == "bpe" and bpe_vocab_size < 257:
-        raise invalid("data.bpe_vocab_size", bpe_vocab_size, "expected at least 257 (256 byte symbols + "
-                      "<|endoftext|>)")
+    if tokenizer == "bpe":
+        check_bpe_vocab_size(bpe_vocab_size)
     if not 0.0 < val_fraction < 1.0:
         raise invalid("data.val_fraction", val_fraction, "expected a number strictly between 0 and 1")
     if not 0.0 <= test_fraction < 1.0 or val_fraction + test_fraction >= 1.0:
@@ -171,9 +171,10 @@ def prepare(plan: Plan, out: Path, num_proc: int | None = None, part: int = 0, o
     for leftover in [*out.glob("shards/.*.tmp"), *out.glob("units/.*.tmp"), *out.glob(".*.tmp")]:
         leftover.unlink(missing_ok=True)  # a killed run's half-written files
     plan.plan()
+    _write_or_compare_settings(out, plan.settings({}, command), before_tokenizer=True)  # no BPE trained for nothing
     tokenizer_info, tokenizer_json = resolve_tokenizer(plan, out)
     settings = plan.settings(tokenizer_info, command)
-    _write_or_compare_settings(out, {**settings, "command": saved_command(out, command)}, command)
+    _write_or_compare_settings(out, {**settings, "command": saved_command(out, command)})
     saved_tokenizer = out / "tokenizer.json"
     if tokenizer_json is not None and not saved_tokenizer.is_file():
         write_atomic(saved_tokenizer, tokenizer_json.encode())
@@ -187,7 +188,7 @@ def prepare(plan: Plan, out: Path, num_proc: int | None = None, part: int = 0, o
     job = Job(str(out), plan.source, plan.text_field, plan.hf_cache_dir,
               tokenizer_json, tokenizer_info["eos_id"],
               token_dtype(tokenizer_info["vocab_size"]).str, plan.seed, plan.val_fraction, plan.test_fraction,
-              plan.overrides, plan.shard_tokens)
+              plan.overrides, plan.shard_tokens, unit_settings(settings))
     tokens, units_started = 0, time.perf_counter()
     try:
         tokens = _run_units(job, pending, num_proc, progress)
@@ -208,27 +209,44 @@ def _check_out(out: Path) -> None:
                         "directory (a preparation never writes over other files)")
 
 
-def _write_or_compare_settings(out: Path, settings: dict, command: str) -> None:
+def _write_or_compare_settings(out: Path, settings: dict, before_tokenizer: bool = False) -> None:
+    """Compare ``settings`` with those of the preparation in ``out``, or write them where none is there yet.
+    ``before_tokenizer``: the tokenizer is not resolved yet (a BPE not trained for nothing): only its chosen
+    settings are compared, and nothing is written."""
     path = out / SETTINGS
     if path.is_file():
         saved = json.loads(path.read_text())
-        differing = [key for key in settings if saved.get(key) != settings[key]]
+        if before_tokenizer:
+            settings = {**settings, "tokenizer": {**(saved.get("tokenizer") or {}), **settings["tokenizer"]}}
+        differing = settings_differences(saved, settings)
         if differing:
-            difference = _first_difference(saved, settings, differing)
-            raise UserError(f"OUT={str(out)!r}: holds a preparation with other settings ({', '.join(differing)} "
-                            f"differ{'s' if len(differing) == 1 else ''}: {difference}); "
-                            "a preparation continues only with the command that started it: use a new directory")
+            raise UserError(f"OUT={str(out)!r}: holds a preparation made with other settings: {'; '.join(differing)}"
+                            ". A preparation continues only with the settings that started it: rerun with the values "
+                            "there, or prepare into a new directory")
         return
-    out.mkdir(parents=True, exist_ok=True)
-    write_json(path, settings)
+    if not before_tokenizer:
+        out.mkdir(parents=True, exist_ok=True)
+        write_json(path, settings)
 
 
-def _first_difference(saved: dict, wanted: dict, keys: list[str]) -> str:
-    key = keys[0]
-    if key == "units":
-        return f"the source's layout: {len(saved.get(key) or [])} units there, {len(wanted[key])} now"
-    there, now = (json.dumps(value, sort_keys=True)[:160] for value in (saved.get(key), wanted[key]))
-    return f"{key} there {there}, now {now}"
+def _check_same_settings(out: Path, settings: dict, records: list[dict]) -> None:
+    """Every unit prepared with the settings of ``prepare.json`` here: parts prepared with other settings
+    (another tokenizer, split or source) and copied together would make shards no one manifest describes."""
+    wanted = unit_settings(settings)
+    others = [record for record in records if record.get("settings", wanted) != wanted]  # older records: no check
+    if not others:
+        return
+    first = others[0]
+    alike = [r["unit"]["index"] for r in others if r["settings"] == first["settings"]]
+    shown = ", ".join(map(str, alike[:8])) + (" ..." if len(alike) > 8 else "")
+    label = f"in unit{'s' if len(alike) > 1 else ''} {shown}"
+    differing = settings_differences(wanted, first["settings"], f"in {SETTINGS}", label)
+    command = settings["command"].replace("{directory}", "DIR")
+    raise UserError(f"OUT={str(out)!r}: {len(others)} of {len(records)} units were prepared with other settings than "
+                    f"this directory's {SETTINGS}: {'; '.join(differing)}. Every part is prepared with the same "
+                    "command (only --part differs): prepare the other parts again with the settings of "
+                    f"{SETTINGS} (`{command}`), each into its own directory, copy them here and join "
+                    "again; nothing was written")
 
 
 def _run_units(job: Job, units: list[Unit], num_proc: int | None, show: bool) -> int:
@@ -333,9 +351,10 @@ def join(out: Path) -> dict:
         raise UserError(f"{out}: {len(missing)} of {len(units)} units are not finished (units {shown}); run every "
                         "part's `diffexp data prepare ... --part i --of n` to its end (or copy its directory's "
                         "shards/ and units/ here), then join again")
+    records = [json.loads((out / "units" / f"{unit.index:06d}.json").read_text()) for unit in units]
+    _check_same_settings(out, settings, records)
     splits = {split: {"documents": 0, "tokens": 0, "pieces": []} for split in SPLITS}
-    for unit in units:
-        record = json.loads((out / "units" / f"{unit.index:06d}.json").read_text())
+    for record in records:
         for split in SPLITS:
             for piece in record["splits"][split]:
                 splits[split]["pieces"].append(piece)

@@ -26,9 +26,7 @@ class Prepared:
     def __init__(self, directory: Path, manifest: dict, tokenizer: TextTokenizer) -> None:
         self.directory, self.manifest, self.tokenizer = directory, manifest, tokenizer
         self.dtype = np.dtype(manifest["dtype"])
-        # what a resumed run checks: the same tokens in the same order, wherever the directory lives now
-        self.identity = hashlib.sha256(repr([(s, manifest["splits"][s]["pieces"]) for s in SPLITS]).encode()
-                                       ).hexdigest()[:16]
+        self.identity = manifest_identity(manifest)
 
     def stream(self, split: str) -> TokenStream:
         return TokenStream(self.directory, self.manifest["splits"][split]["pieces"], self.dtype)
@@ -51,8 +49,15 @@ class Prepared:
             pending = tokens[begin:]
 
 
-def open_prepared(directory: Path, key: str, checksums: bool = True, rebuild: str | None = None) -> Prepared:
-    """Open and check a prepared directory (``key`` names the setting that points at it, for the messages)."""
+def manifest_identity(manifest: dict) -> str:
+    """What a resumed run or an evaluation checks: the same tokens in the same splits and order, wherever the
+    directory lives now (a hash of every shard's checksum, by split)."""
+    return hashlib.sha256(repr([(s, manifest["splits"][s]["pieces"]) for s in SPLITS]).encode()).hexdigest()[:16]
+
+
+def check_finished(directory: Path, key: str, rebuild: str | None = None) -> dict:
+    """A finished preparation's manifest, or a UserError naming ``key``: no directory, an unfinished preparation
+    (a part of several, or a killed run), a missing or damaged manifest. Reads no shard."""
     from diffexp.data.prepare import SETTINGS
 
     directory = Path(directory).expanduser()
@@ -63,10 +68,16 @@ def open_prepared(directory: Path, key: str, checksums: bool = True, rebuild: st
         raise UserError(f"{key}={str(directory)!r} is invalid: the preparation there is unfinished (no {MANIFEST}); "
                         "run the `diffexp data prepare` command that started it again to finish it, or, if its parts "
                         f"ran on several machines, `diffexp data join {directory}` once all are done")
-    manifest = read_manifest(directory, rebuild or _rebuild_hint(directory))
+    return read_manifest(directory, rebuild or _rebuild_hint(directory))
+
+
+def open_prepared(directory: Path, key: str, checksums: bool = True, rebuild: str | None = None) -> Prepared:
+    """Open and check a prepared directory (``key`` names the setting that points at it, for the messages)."""
+    directory = Path(directory).expanduser()
+    manifest = check_finished(directory, key, rebuild)
     hint = rebuild or _rebuild_hint(directory, manifest)
     verify_shards(directory, manifest, hint, checksums=checksums)
-    return Prepared(directory, manifest, _load_tokenizer(directory, manifest["tokenizer"], hint))
+    return Prepared(directory, manifest, load_tokenizer(directory, manifest["tokenizer"], hint))
 
 
 def _rebuild_hint(directory: Path, manifest: dict | None = None) -> str:
@@ -76,7 +87,7 @@ def _rebuild_hint(directory: Path, manifest: dict | None = None) -> str:
     return f"rebuild it: delete {directory} and run {how}"
 
 
-def _load_tokenizer(directory: Path, info: dict, hint: str) -> TextTokenizer:
+def load_tokenizer(directory: Path, info: dict, hint: str) -> TextTokenizer:
     if info["identity"] == "byte":
         return ByteTokenizer()
     from tokenizers import Tokenizer

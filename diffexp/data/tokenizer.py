@@ -15,7 +15,7 @@ import numpy as np
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from diffexp.data.checks import TOKENIZER_CHOICES, looks_like_path, tokenizer_error
-from diffexp.errors import UserError
+from diffexp.errors import UserError, invalid
 
 EOS_TOKEN = "<|endoftext|>"
 # End-of-document tokens used by common tokenizer.json files, tried in this order.
@@ -89,6 +89,13 @@ def load_tokenizer_file(path: str | os.PathLike, spec: str | None = None) -> HFT
     except Exception as err:  # tokenizers raises a bare Exception for a bad file; decoding a UnicodeDecodeError
         raise tokenizer_error(str(path) if spec is None else spec, Path(path), err) from None
     return HFTokenizer(tokenizer, identity=f"file-{hashlib.sha256(content).hexdigest()[:16]}")
+
+
+def check_bpe_vocab_size(vocab_size: int, key: str = "data.bpe_vocab_size") -> None:
+    """The one rule of a BPE's vocabulary (``key``: the setting as the command spells it): every byte is a symbol,
+    plus the end-of-document token."""
+    if not isinstance(vocab_size, int) or isinstance(vocab_size, bool) or vocab_size < 257:
+        raise invalid(key, vocab_size, "expected an integer of at least 257 (256 byte symbols + <|endoftext|>)")
 
 
 def train_bpe(texts: Sequence[str], vocab_size: int) -> Tokenizer:

@@ -55,6 +55,7 @@ class Job:
     test_fraction: float
     overrides: dict[float, str]
     shard_tokens: int
+    settings: dict | None = None  # the preparation's settings (unit_settings), kept in each unit's record
 
 
 WORKER: dict = {}
@@ -126,6 +127,8 @@ def prepare_unit(unit: Unit) -> dict:
     if progress is not None and unit.size > reported:  # the bar counts source bytes: end on the unit's size
         progress.put((0, unit.size - reported, 0))
     record = {"unit": unit.to_json(), "splits": {split: writers[split].close() for split in SPLITS}}
+    if job.settings is not None:  # what `join` checks against, whichever directory the record is copied into
+        record["settings"] = job.settings
     write_json(out / "units" / f"{unit.index:06d}.json", record)
     return record
 

@@ -255,7 +255,9 @@ def nll_main(argv: list[str]) -> int:
     elif args.dataset:
         texts, source = documents.table_texts(args.dataset, args.text_column, args.split), repr(args.dataset)
     else:
-        texts, source = documents.validation_texts(hparams["data"])
+        from diffexp.data.loader import ResumableDataLoader
+
+        texts, source = documents.validation_texts(hparams["data"], ResumableDataLoader.saved_identity(checkpoint))
     rows = documents.long_token_rows(texts, tokenizer, context_len + 1, args.documents, source)
     model = load_model(checkpoint, args.checkpoint, args.device)
     results = NLLResults.from_losses(token_nlls(model, rows, args.device, args.batch_size), source)

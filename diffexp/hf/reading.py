@@ -65,19 +65,45 @@ def hf_arch(fields: dict, key: str, path: Path) -> dict:
     return arch
 
 
+def _weight_files(path: Path, key: str) -> list[Path]:
+    """The safetensors files of an HF directory, every one there; refused before any work otherwise (read with
+    the config, weights or not, so that `model.init_from` fails before the run directory exists)."""
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            names = sorted(set(json.loads(index.read_text(encoding="utf-8"))["weight_map"].values()))
+        except (ValueError, KeyError, TypeError, AttributeError) as err:
+            raise _refuse(key, path, f"{index.name} is damaged ({type(err).__name__}: {err}); expected a "
+                                     "weight_map of tensor names to files") from None
+        missing = [name for name in names if not (path / name).is_file()]
+        if missing:
+            raise _refuse(key, path, f"{index.name} names {', '.join(missing[:4])}, which "
+                                     f"{'is' if len(missing) == 1 else 'are'} not there")
+        return [path / name for name in names]
+    if (path / "model.safetensors").is_file():
+        return [path / "model.safetensors"]
+    pickled = sorted(p.name for p in path.glob("pytorch_model*.bin"))
+    if pickled:
+        raise _refuse(key, path, _pickled(path, pickled))
+    raise _refuse(key, path, "no model.safetensors (or model.safetensors.index.json) in it; expected an HF model "
+                             "directory with safetensors weights")
+
+
+def _pickled(path: Path, pickled: list[str]) -> str:
+    """What to do with a directory of PyTorch pickle weights: convert it once with transformers."""
+    convert = ("python -c \"from transformers import AutoModelForCausalLM as M; M.from_pretrained('" + str(path) +
+               "').save_pretrained('" + str(path) + "-safetensors')\"")
+    return (f"it holds {', '.join(pickled[:3])} (PyTorch pickle weights) and no model.safetensors; diffexp reads "
+            f"safetensors only (a pickle can run code when loaded). Convert it once, then give the new directory: "
+            f"{convert}")
+
+
 def _hf_weights(path: Path, key: str) -> dict[str, torch.Tensor]:
     from safetensors.torch import load_file
 
-    index = path / "model.safetensors.index.json"
-    if index.is_file():
-        files = sorted(set(json.loads(index.read_text(encoding="utf-8"))["weight_map"].values()))
-    elif (path / "model.safetensors").is_file():
-        files = ["model.safetensors"]
-    else:
-        raise _refuse(key, path, "no model.safetensors (or its index); expected safetensors weights")
     weights: dict[str, torch.Tensor] = {}
-    for name in files:
-        weights.update(load_file(str(path / name), device="cpu"))
+    for file in _weight_files(path, key):
+        weights.update(load_file(str(file), device="cpu"))
     return weights
 
 
@@ -88,6 +114,7 @@ def read_hf_model(path: os.PathLike | str, key: str, weights: bool = True) -> di
     path = Path(path)
     fields = json.loads((path / "config.json").read_text(encoding="utf-8"))
     arch = hf_arch(fields, key, path)
+    _weight_files(path, key)  # weights or not: a directory without readable weights is refused now
     checkpoint = {"hyper_parameters": {"arch": arch}, "global_step": 0}
     if weights:
         cfg = ModelConfig(**arch)

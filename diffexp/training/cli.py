@@ -30,6 +30,7 @@ from diffexp.training.module import DiffexpLM
 from diffexp.training.preflight import (
     check_cpu_memory,
     check_resume,
+    check_same_data,
     data_init_args,
     model_sections,
     validate_fit_config,
@@ -204,7 +205,8 @@ class DiffexpCLI(LightningCLI):
         ckpt_path = config.get("ckpt_path")
         init_from = (to_builtin(config.get("model") or {})).get("init_from")
         if subcommand == "fit" and init_from and not ckpt_path:  # a resume takes its weights from ckpt_path
-            check_init_from(init_from, asdict(arch), data_init_args(config)[1])
+            data_class, data_args = data_init_args(config)
+            check_init_from(init_from, asdict(arch), data_args, data_class)
         if not ckpt_path:
             return
         logger = config.trainer.get("logger")
@@ -213,7 +215,9 @@ class DiffexpCLI(LightningCLI):
             path, version = resolve_resume(ckpt_path, init_args.save_dir, init_args.name)
         else:
             path, version = Path(ckpt_path), None
-        check_resume(config, read_checkpoint(path, weights=False), path, subcommand)
+        checkpoint = read_checkpoint(path, weights=False)
+        check_resume(config, checkpoint, path, subcommand)
+        check_same_data(config, checkpoint, path, subcommand)  # a data.source prepared again since
         config.ckpt_path = str(path)
         if subcommand != "fit":
             return

@@ -142,8 +142,19 @@ def validate_fit_config(config, subcommand: str = "fit") -> ModelConfig:
     checkpoint = to_builtin(config.get("checkpoint") or {})
     check_writable("checkpoint.dirpath", checkpoint.get("dirpath"))
     check_checkpoint_settings(checkpoint, trainer, subcommand)
+    check_data(config)
     warn_unused_settings(arch)
     return arch
+
+
+def check_data(config) -> None:
+    """The text data a config reads, checked without any work (diffexp.data.identity.check_text_data): what
+    `diffexp fit` and every trial of a sweep would refuse once building its data module."""
+    from diffexp.data.identity import check_text_data
+
+    data_class, data_args = data_init_args(config)
+    if data_class is None or data_class.endswith("TextDataModule"):
+        check_text_data(data_args)
 
 
 def check_cpu_memory(arch: ModelConfig, trainer: dict[str, Any], data_args: dict[str, Any]) -> None:
@@ -384,3 +395,27 @@ def check_resume(config, checkpoint: dict[str, Any], ckpt_path: Path, subcommand
     what = "resume" if subcommand == "fit" else subcommand
     raise UserError(f"--ckpt_path {ckpt_path}: cannot {what}: the config differs from the run that wrote this "
                     f"checkpoint in {len(differing)} key(s):\n" + "\n".join(differing) + f"\n{how}")
+
+
+def check_same_data(config, checkpoint: dict[str, Any], ckpt_path: Path, subcommand: str) -> None:
+    """A resume (fit) on text data prepared again since the checkpoint's run, or an evaluation (validate/test) of
+    the same data.source prepared again, is refused before any run directory is touched."""
+    from diffexp.data.identity import check_same_preparation
+    from diffexp.data.loader import ResumableDataLoader
+
+    data_class, data_args = data_init_args(config)
+    if data_class is not None and not data_class.endswith("TextDataModule"):
+        return
+    saved_source = (checkpoint.get("datamodule_hyper_parameters") or {}).get("source")
+    if subcommand != "fit" and str(data_args.get("source")) != str(saved_source):
+        return  # another corpus, chosen on purpose: nothing to compare
+    if subcommand == "fit":
+        consequence = "a resume would train its remaining steps on other data than its first ones"
+        remedy = (f"resume on the data that run read (restore that preparation), or start a new run from its "
+                  f"weights: --model.init_from {ckpt_path} without --ckpt_path")
+    else:
+        consequence = "its validation and test splits are not the documents that run held out (some may be ones it " \
+                      "trained on)"
+        remedy = f"{subcommand} on the data that run read (restore that preparation), or on another data.source"
+    check_same_preparation(data_args, ResumableDataLoader.saved_identity(checkpoint), "data.source", consequence,
+                           remedy)

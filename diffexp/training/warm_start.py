@@ -81,41 +81,101 @@ def _sizes(arch: dict[str, Any]) -> dict[str, Any]:
     return {"n_kv_heads": cfg.kv_heads, "head_dim": cfg.resolved_head_dim, "ffn_hidden": cfg.resolved_ffn_hidden}
 
 
-def check_init_from(init_from: str, arch: dict[str, Any], data_args: dict[str, Any]) -> Path:
-    """Preflight: the checkpoint exists and describes the same network (and tokenizer settings, where both
-    name one). Returns its path; reads no weights."""
+def check_init_from(init_from: str, arch: dict[str, Any], data_args: dict[str, Any],
+                    data_class: str | None = None) -> Path:
+    """Preflight: the checkpoint exists and describes the same network, and this run's data gives its tokenizer
+    (where that is known before any work: see diffexp.data.identity.planned_tokenizer). Returns its path; reads
+    no weights."""
+    from diffexp.data.identity import is_prepared_source, planned_tokenizer
+    from diffexp.data.tokenizer import tokenizer_state
+
     path = resolve(init_from)
     checkpoint = read(path, weights=False)
     saved_arch = dict(checkpoint["hyper_parameters"]["arch"])
     differences = architecture_differences(saved_arch, arch)
+    text_data = data_class is None or data_class.endswith("TextDataModule")
+    planned = planned_tokenizer(data_args) if text_data else None
     saved_data = checkpoint.get("datamodule_hyper_parameters") or {}
-    for key in ("tokenizer", "bpe_vocab_size"):
-        if key in saved_data and key in data_args and saved_data[key] != data_args[key]:
-            differences.append(f"  data.{key}: checkpoint {saved_data[key]!r}, this config {data_args[key]!r}")
+    if planned is None and not (text_data and is_prepared_source(data_args)):  # a BPE not trained yet: its settings
+        for key in ("tokenizer", "bpe_vocab_size"):
+            if key in saved_data and key in data_args and saved_data[key] != data_args[key]:
+                differences.append(f"  data.{key}: checkpoint {saved_data[key]!r}, this config {data_args[key]!r}")
     if differences:
         free = ", ".join(FREE_ON_INIT[:2])
         raise UserError(f"{KEY}={init_from!r}: cannot start from this checkpoint: its model differs from this "
                         f"config's in {len(differences)} field(s):\n" + "\n".join(differences) +
                         f"\nOnly {free} (and the backend and init settings) may change; set the others as the "
                         f"checkpoint has them")
+    if planned is not None:
+        check_same_tokenizer(init_from, path, checkpoint.get("diffexp_tokenizer"), tokenizer_state(planned),
+                             data_args)
     return path
 
 
-def load_initial_weights(module, init_from: str, tokenizer_state: dict | None) -> str:
+def check_same_tokenizer(init_from: str, path: Path, saved: dict | None, run: dict | None,
+                         data_args: dict[str, Any]) -> None:
+    """The weights' embeddings mean something only with the tokenizer they were trained with."""
+    if saved is None or run is None or _tokenizer_fingerprint(saved) == _tokenizer_fingerprint(run):
+        return
+    raise UserError(f"{KEY}={init_from!r}: the checkpoint was trained with another tokenizer than this run's data "
+                    f"gives ({saved.get('identity', saved['kind'])} against {run.get('identity', run['kind'])}): its "
+                    f"embeddings would read other token ids. {_tokenizer_advice(path, saved, data_args)}")
+
+
+def _tokenizer_advice(path: Path, saved: dict, data_args: dict[str, Any]) -> str:
+    """How to give this run the checkpoint's tokenizer: data.tokenizer for a raw source; for a prepared directory
+    (its manifest fixes the tokenizer, data.tokenizer is not read) the command that prepares its corpus again."""
+    import shlex
+
+    from diffexp.data.identity import is_prepared_source
+    from diffexp.data.shards import read_manifest
+
+    how = ""
+    if saved["kind"] == "byte":
+        tokenizer = "byte"
+    elif path.is_dir() and (path / "tokenizer.json").is_file():  # an export holds it
+        tokenizer = str(path / "tokenizer.json")
+    else:
+        tokenizer = "DIR/tokenizer.json"
+        how = f"`diffexp export {shlex.quote(str(path))} DIR` writes the checkpoint's tokenizer as {tokenizer}; then "
+    source = str(data_args.get("source"))
+    if not is_prepared_source(data_args):
+        return _sentence(f"{how}train with --data.tokenizer {shlex.quote(tokenizer)}")
+    try:
+        words = shlex.split(read_manifest(Path(source).expanduser(), "")["command"])
+    except (UserError, KeyError, ValueError):
+        words = ["diffexp", "data", "prepare", "SOURCE", "{directory}"]
+    command, skip = [], False
+    for word in words:
+        if skip:
+            skip = False
+        elif word in ("--tokenizer", "--bpe-vocab-size", "--bpe-sample-chars"):
+            skip = True
+        else:
+            command.append("NEWDIR" if word == "{directory}" else word)
+    command += ["--tokenizer", tokenizer]
+    prepare = (f"prepare its corpus again with it (data.source={source!r} is a prepared directory: its manifest "
+               f"fixes the tokenizer, data.tokenizer is not read): `{shlex.join(command)}`, then train with "
+               "--data.source NEWDIR")
+    return _sentence(how + prepare)
+
+
+def _sentence(text: str) -> str:
+    return text[0].upper() + text[1:]
+
+
+def load_initial_weights(module, init_from: str, tokenizer_state: dict | None,
+                         data_args: dict[str, Any] | None = None) -> str:
     """Copy the checkpoint's weights into `module` (a DiffexpLM); returns a one-line account of it.
 
     `tokenizer_state` is the new run's tokenizer (diffexp.data.tokenizer.tokenizer_state): the weights'
-    embeddings only mean something with the tokenizer they were trained with.
+    embeddings only mean something with the tokenizer they were trained with (`data_args`: its data settings,
+    for the advice).
     """
     path = resolve(init_from)
     checkpoint = read(path)
-    saved_tokenizer = checkpoint.get("diffexp_tokenizer")
-    if saved_tokenizer is not None and tokenizer_state is not None and \
-            _tokenizer_fingerprint(saved_tokenizer) != _tokenizer_fingerprint(tokenizer_state):
-        raise UserError(f"{KEY}={init_from!r}: the checkpoint was trained with another tokenizer than this run's "
-                        f"data ({saved_tokenizer.get('identity', saved_tokenizer['kind'])} against "
-                        f"{tokenizer_state.get('identity', tokenizer_state['kind'])}); give the data module the "
-                        "checkpoint's tokenizer (`diffexp export` writes it as tokenizer.json: data.tokenizer=PATH)")
+    # known only once a raw source's BPE is trained; any other tokenizer was checked before the run (check_init_from)
+    check_same_tokenizer(init_from, path, checkpoint.get("diffexp_tokenizer"), tokenizer_state, data_args or {})
     try:
         module.load_state_dict(checkpoint["state_dict"])
     except RuntimeError as err:
