@@ -71,8 +71,9 @@ def test_the_measured_fits_rate_is_its_tokens_per_s_times_its_flops_per_token():
 def test_without_a_record_no_time_is_printed(tmp_path, monkeypatch):
     monkeypatch.chdir(REPO)
     monkeypatch.setattr(budget_module, "FITS", tmp_path / "absent.json")
-    printed = params_output(["recipes/gpu/variant/baseline/125m.yaml"])
-    assert "no measured fit" in printed and " h" not in printed.split("compute of")[1].split("\n", 3)[-1]
+    printed = params_output(["recipes/gpu/variant/baseline/125m.yaml", "--headers"])
+    run = next(line for line in printed.splitlines() if "# run[baseline]:" in line)
+    assert run.endswith("FLOPs") and "H100" not in printed and "no measured fit" in " ".join(printed.split())
 
 
 def test_node_seconds_fills_workers_in_order():

@@ -100,3 +100,17 @@ def test_exported_tokenizer_loads_without_a_prompt(tmp_path):
     assert "trust_remote_code" not in child.stderr + child.stdout  # the prompt names it
     results = json.loads(child.stdout.strip().splitlines()[-1])
     assert results == [[ByteTokenizer().encode(PROMPT), PROMPT, ByteTokenizer.eos_id]] * 3
+
+
+def test_a_remote_code_export_reads_back_as_its_checkpoint(tmp_path):
+    """read_hf_model (generate, model.init_from) on a --remote-code export: the arch it carries and the very weights."""
+    from diffexp.hf.reading import read_hf_model
+
+    checkpoint, out = export_case(tmp_path, "dint", remote=True)
+    saved = torch.load(checkpoint, weights_only=True)
+    read = read_hf_model(out, "CKPT")
+    arch = {**saved["hyper_parameters"]["arch"], "backend": "sdpa", "backend_fallback": True}  # the bundle's backend
+    assert read["hyper_parameters"]["arch"] == arch
+    assert read["state_dict"].keys() == saved["state_dict"].keys()
+    for name, tensor in saved["state_dict"].items():
+        assert torch.equal(read["state_dict"][name], tensor), name
