@@ -4,8 +4,8 @@ OUT gets config.json (format, hyperparameters, data settings, step, source), mod
 --format torch; DiffexpLM's state-dict names) and, for a model trained on a BPE, tokenizer.json. Every
 `diffexp eval` task and `diffexp generate` read OUT like a checkpoint. With --format hf, OUT is a Hugging Face
 transformers directory instead (diffexp.hf: LlamaForCausalLM, DiffLlamaForCausalLM, or with --remote-code any
-variant), with the tokenizer files AutoTokenizer reads. It is written beside itself and renamed into place; an
-existing OUT is never overwritten.
+variant), with the tokenizer files AutoTokenizer reads; `diffexp generate` and `model.init_from` read it back.
+It is written beside itself and renamed into place; an existing OUT is never overwritten.
 """
 
 from __future__ import annotations
@@ -151,7 +151,8 @@ def main(argv: list[str]) -> int:
     files = ", ".join(sorted(p.name for p in target.iterdir()))
     if args.format == "hf":
         trust = ", trust_remote_code=True" if args.remote_code else ""
-        print(f"wrote {target}/ ({files}); load it with AutoModelForCausalLM.from_pretrained({str(target)!r}{trust})")
+        print(f"wrote {target}/ ({files}); load it with AutoModelForCausalLM.from_pretrained({str(target)!r}{trust}) "
+              f"and AutoTokenizer.from_pretrained({str(target)!r}{trust}), or read it with diffexp generate {target}")
     else:
         print(f"wrote {target}/ ({files}); use it wherever a checkpoint goes: diffexp generate {target} --prompt ...")
     return 0

@@ -3,7 +3,7 @@
 Header formats (N: a plain integer):
     single-file recipes:      # parameters: total=N non_embedding=N attention=N
     GPU variant files:        # parameters[<size>]: total=N non_embedding=N attention=N   (one per size file)
-    GPU size files:           # run[<variant>]: <tokens>, <FLOPs>; <H100 times>          (one per variant file)
+    GPU size files:           # run[<variant>]: <tokens>, <FLOPs>; <GPU times>           (one per variant file)
 Every recipe found by glob is checked, so new recipes and variants are covered without touching this file.
 """
 
@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import json
 import re
 from pathlib import Path
 
@@ -19,14 +20,14 @@ import torch
 
 from diffexp import Decoder, ModelConfig
 from diffexp.cli import main
-from diffexp.compare.budget import H100_BF16_TFLOPS, MFU_RANGE, run_budget
+from diffexp.compare.budget import measured_fit, run_budget
 from diffexp.compare.params import (
-    RUN_HEADER,
     Recipe,
     all_recipes,
     expand,
     linked_vocab_size,
     model_config,
+    run_header,
     run_header_line,
 )
 from diffexp.data.tokenizer import ByteTokenizer
@@ -104,8 +105,9 @@ def test_gpu_size_file_states_each_variants_whole_run(size):
     """The size file's `# run[<variant>]:` lines (diffexp params --headers) are what diffexp computes now."""
     path = GPU / "size" / f"{size}.yaml"
     lines = [line for line in path.read_text().splitlines() if line.startswith("# run[")]
-    assert RUN_HEADER in path.read_text().splitlines(), f"{path.name}: the line that states the MFU and peak"
-    expected = [run_header_line(variant, built(gpu_configs(size, variant))["run"]) for variant in GPU_VARIANTS]
+    fit = measured_fit()
+    assert run_header(fit) in path.read_text().splitlines(), f"{path.name}: the line that names the measured fit"
+    expected = [run_header_line(variant, built(gpu_configs(size, variant))["run"], fit) for variant in GPU_VARIANTS]
     assert lines == expected, path.name
 
 
@@ -133,9 +135,9 @@ def baseline_flops_per_token(arch, seq_len: int) -> float:
 
 
 @pytest.mark.parametrize("size", ONE_GPU_SIZES)
-def test_one_gpu_sizes_print_their_flops_and_h100_time(size, monkeypatch):
-    """`diffexp params` and the size file give the whole run's tokens, FLOPs and wall time on 1 and 8 H100s;
-    here they are recomputed from the recipe's numbers and the model's shape."""
+def test_one_gpu_sizes_print_their_flops_and_gpu_time(size, monkeypatch):
+    """`diffexp params` and the size file give the whole run's tokens, FLOPs and wall time on 1 and 8 GPUs;
+    here they are recomputed from the recipe's numbers, the model's shape and bench/fits.json's measured fit."""
     monkeypatch.chdir(REPO)
     configs = gpu_configs(size, "baseline")
     config = parse_config([a for p in configs for a in ("--config", str(p))])
@@ -154,15 +156,16 @@ def test_one_gpu_sizes_print_their_flops_and_h100_time(size, monkeypatch):
     line = line.removeprefix(prefix)
     assert line in (GPU / "size" / f"{size}.yaml").read_text().splitlines()  # the size file's own line
     assert f"{tokens / 1e9:.2f}B tokens ({steps} steps x {rows} x {seq_len}), {flops:.3g} FLOPs" in line
-    times = re.findall(r"(\d+) H100 ([\d.]+)-([\d.]+) (min|h|d)", line)
-    assert [int(gpus) for gpus, *_ in times] == [1, 8]
-    for gpus, fast, slow, unit in times:
-        seconds = {"min": 60, "h": 3600, "d": 86400}[unit]
-        for shown, mfu in ((fast, MFU_RANGE[0]), (slow, MFU_RANGE[1])):
-            hours = flops / (int(gpus) * mfu * H100_BF16_TFLOPS * 1e12) / seconds
-            assert abs(float(shown) - hours) <= (0.05 if hours < 10 else 0.5), (gpus, shown, hours, unit)
-        assert row.count(f"{fast}-{slow} {unit}") == 1  # the table's column says the same
-    assert {0.35, 0.42} == set(MFU_RANGE) and H100_BF16_TFLOPS == 989  # llm-foundry's range, H100 bf16 dense
+    record = json.loads((REPO / "bench" / "fits.json").read_text())[-1]
+    with torch.device("meta"):
+        measured = Decoder(ModelConfig(**record["model"])).flops_per_token(record["seq_len"], training=True)
+    rate = record["tokens_per_s"] * measured / record["gpus"]  # the measured fit's FLOP/s per GPU
+    times = re.findall(r"(\d+) H100 ([\d.]+) (min|h|d)", line)
+    assert [int(gpus) for gpus, *_ in times] == [1, 8] and record["gpu"] == "H100"
+    for gpus, shown, unit in times:
+        expected = flops / (int(gpus) * rate) / {"min": 60, "h": 3600, "d": 86400}[unit]
+        assert abs(float(shown) - expected) <= (0.05 if expected < 10 else 0.5), (gpus, shown, expected, unit)
+        assert f"{shown} {unit}" in row  # the table's column says the same
 
 
 def shared_diff_runs() -> list[tuple[str, list[Path]]]:

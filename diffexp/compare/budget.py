@@ -1,22 +1,79 @@
-"""The compute of a recipe's whole run: its tokens, its FLOPs and the wall time they take on H100s.
+"""The compute of a recipe's whole run: its tokens, its FLOPs and its wall time, priced by a measured fit.
 
 FLOPs are the model's logical training FLOPs (Decoder.flops_per_token: 3 x forward, causal attention) times the
-tokens the run trains on (trainer.max_steps x sequences per step x data.seq_len). The wall time assumes a model
-FLOPs utilisation in llm-foundry's published range for GPT-style models on H100s (35-42%) until diffexp has
-measured its own, and scales ideally from 1 GPU to 8 (the global batch, so the FLOPs, stay the same).
+tokens the run trains on (trainer.max_steps x sequences per step x data.seq_len). The wall time divides them by
+the FLOP rate per GPU that a real `diffexp fit` reached: the last record of bench/fits.json (what ran, machine,
+commit, model, tokens/s), its FLOPs per token counted the same way. Another size or variant is so priced at the
+measured fit's FLOP/s (a variant whose kernels run faster or slower than the measured one's is off by that
+ratio), and 8 GPUs at 8 times one GPU's rate (the global batch, so the FLOPs, stay the same).
 """
 
 from __future__ import annotations
 
+import functools
+import heapq
+import json
+from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
-#: H100 SXM bf16 dense peak, TFLOP/s (NVIDIA's datasheet, without sparsity)
-H100_BF16_TFLOPS = 989.0
-#: llm-foundry's measured MFU range for its MPT/GPT models on H100 (bf16): the wall time is given for both ends
-MFU_RANGE = (0.42, 0.35)
+#: the measured fits, newest last (a source checkout's bench/; an installed package has none: no times then)
+FITS = Path(__file__).resolve().parents[2] / "bench" / "fits.json"
 GPU_COUNTS = (1, 8)
-ASSUMPTION = (f"at {MFU_RANGE[0]:.0%}-{MFU_RANGE[1]:.0%} MFU of {H100_BF16_TFLOPS:.0f} TFLOP/s "
-              "(H100 bf16 dense; llm-foundry's range)")
+
+
+@dataclass(frozen=True)
+class MeasuredFit:
+    """One record of bench/fits.json: a `diffexp fit` whose tokens/s prices every estimate."""
+
+    name: str  # short, for the lines that cite it
+    what: str  # in full: recipe, settings, data, steps
+    machine: str
+    software: str
+    gpu: str  # the GPU's short name, for the estimates' column heads: "H100"
+    gpus: int
+    commit: str
+    date: str
+    recorded_in: str
+    model: tuple[tuple[str, object], ...]  # the ModelConfig fields that differ from the defaults
+    seq_len: int
+    tokens_per_s: float
+
+    @property
+    def flops_per_token(self) -> float:
+        return _training_flops_per_token(self.model, self.seq_len)
+
+    @property
+    def flops_per_s_per_gpu(self) -> float:
+        return self.tokens_per_s * self.flops_per_token / self.gpus
+
+    def basis(self) -> str:
+        """What the estimates rest on, in one line."""
+        return (f"at {self.flops_per_s_per_gpu / 1e12:.1f} TFLOP/s per GPU, the rate of the measured {self.name} on "
+                f"{self.machine} at commit {self.commit} ({self.tokens_per_s:,.0f} tokens/s; bench/fits.json)")
+
+
+@functools.cache
+def _training_flops_per_token(model: tuple[tuple[str, object], ...], seq_len: int) -> float:
+    import torch
+
+    from diffexp.model import Decoder
+    from diffexp.model.config import ModelConfig
+
+    with torch.device("meta"):
+        return Decoder(ModelConfig(**dict(model), backend="sdpa")).flops_per_token(seq_len, training=True)
+
+
+def measured_fit(path: Path | None = None) -> MeasuredFit | None:
+    """The newest measured fit (the last record of `path`, default FITS), or None where the file is absent (an
+    installed package)."""
+    path = FITS if path is None else path
+    if not path.is_file():
+        return None
+    record = json.loads(path.read_text(encoding="utf-8"))[-1]
+    fields = {name: record[name] for name in MeasuredFit.__dataclass_fields__}
+    return MeasuredFit(**{**fields, "model": tuple(sorted(record["model"].items())),
+                          "tokens_per_s": float(record["tokens_per_s"])})
 
 
 @dataclass(frozen=True)
@@ -36,29 +93,49 @@ class RunBudget:
     def flops(self) -> float:
         return self.tokens * self.flops_per_token
 
-    def seconds(self, gpus: int, mfu: float) -> float:
-        return self.flops / (gpus * mfu * H100_BF16_TFLOPS * 1e12)
+    def seconds(self, gpus: int, fit: MeasuredFit) -> float:
+        return self.flops / (gpus * fit.flops_per_s_per_gpu)
 
-    def wall_time(self, gpus: int) -> str:
-        """'1.9-2.3 h': the time on `gpus` H100s at the high and the low end of MFU_RANGE."""
-        return duration_range(*(self.seconds(gpus, mfu) for mfu in MFU_RANGE))
+    def wall_time(self, gpus: int, fit: MeasuredFit | None) -> str:
+        """'7.4 h': the time on `gpus` GPUs of the measured fit's kind ('' without a measured fit)."""
+        return "" if fit is None else duration(self.seconds(gpus, fit))
 
-    def describe(self) -> str:
-        times = ", ".join(f"{gpus} H100 {self.wall_time(gpus)}" for gpus in GPU_COUNTS)
+    def describe(self, fit: MeasuredFit | None) -> str:
+        times = "" if fit is None else "; " + ", ".join(
+            f"{gpus} {fit.gpu} {self.wall_time(gpus, fit)}" for gpus in GPU_COUNTS)
         return (f"{self.tokens / 1e9:.2f}B tokens ({self.steps} steps x {self.rows} x {self.seq_len}), "
-                f"{self.flops:.3g} FLOPs; {times}")
+                f"{self.flops:.3g} FLOPs{times}")
 
 
-def duration_range(fast: float, slow: float) -> str:
-    """Two durations in seconds in the unit that suits the slower: minutes, hours or days."""
-    for unit, seconds in (("min", 60), ("h", 3600), ("d", 86400)):
-        if slow / seconds < {"min": 60, "h": 72, "d": float("inf")}[unit]:
-            return f"{_number(fast / seconds)}-{_number(slow / seconds)} {unit}"
+def duration(seconds: float) -> str:
+    """A duration in the unit that suits it: minutes, hours or days."""
+    for unit, size in (("min", 60), ("h", 3600), ("d", 86400)):
+        if seconds / size < {"min": 60, "h": 72, "d": float("inf")}[unit]:
+            return f"{_number(seconds / size)} {unit}"
     raise AssertionError("unreachable")
 
 
 def _number(value: float) -> str:
     return f"{value:.1f}" if value < 10 else f"{value:.0f}"
+
+
+def node_seconds(trial_seconds: Sequence[float], workers: int) -> float:
+    """The wall time of trials run in order by `workers` workers, each taking the next trial when it is free."""
+    free = [0.0] * workers
+    for seconds in trial_seconds:
+        heapq.heappush(free, heapq.heappop(free) + seconds)
+    return max(free)
+
+
+def sweep_estimate(trials: Sequence[RunBudget], fit: MeasuredFit, per_gpu: bool, node_gpus: int = 8) -> str:
+    """A sweep's time on one node, in a spec's header: its trials in order, each on one GPU (`--gpus auto`, one
+    worker per GPU) or each on the whole node (FSDP2 over its GPUs, one worker), and its GPU-hours in all."""
+    gpus, workers = (1, node_gpus) if per_gpu else (node_gpus, 1)
+    wall = node_seconds([run.seconds(gpus, fit) for run in trials], workers)
+    gpu_hours = sum(run.seconds(1, fit) for run in trials) / 3600
+    how = "one trial per GPU" if per_gpu else "one trial at a time on all its GPUs"
+    return (f"# time: about {duration(wall)} on one {node_gpus}-{fit.gpu} node ({how}), {gpu_hours:,.0f} "
+            f"{fit.gpu}-hours in all, at the measured fit's rate (bench/fits.json: {fit.machine}, {fit.commit})")
 
 
 def run_budget(config, arch, model=None) -> RunBudget | None:
@@ -85,5 +162,3 @@ def run_budget(config, arch, model=None) -> RunBudget | None:
             model = Decoder(arch)
     flops_per_token = model.flops_per_token(seq_len, training=True)
     return RunBudget(int(steps), int(rows), seq_len, flops_per_token)
-
-

@@ -3,7 +3,8 @@
 Models are built on the meta device (no memory, any size) with the vocabulary the data module links into the
 model at fit time (`linked_vocab_size`), so the counts are those of the trained model; each recipe states them
 in its header (`header_line`), checked by tests/test_recipe_params.py. A second table gives each run's tokens,
-FLOPs and wall time on H100s (diffexp.compare.budget), which the GPU size files state as `# run[<variant>]:` lines.
+FLOPs and wall time on 1 and 8 GPUs at the FLOP rate of the measured fit in bench/fits.json (diffexp.compare.budget),
+which the GPU size files state as `# run[<variant>]:` lines under `run_header`'s line naming that fit.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from diffexp.compare.budget import ASSUMPTION, GPU_COUNTS, RunBudget, run_budget
+from diffexp.compare.budget import GPU_COUNTS, MeasuredFit, RunBudget, measured_fit, run_budget
 from diffexp.errors import UserError
 
 #: the recipes of a source checkout (diffexp/compare/params.py -> the repository's recipes/)
@@ -207,13 +208,14 @@ def memory(recipe: Recipe, gpus: int):
 
 
 def budget(recipe: Recipe) -> RunBudget | None:
-    """The tokens, FLOPs and H100 time of the recipe's whole run (None for a run not bounded by steps)."""
+    """The tokens and FLOPs of the recipe's whole run (None for a run not bounded by steps)."""
     config = parsed(recipe)
     return run_budget(config, replace(model_config(recipe, config), backend="sdpa"))
 
 
-#: the line above a GPU size file's `# run[<variant>]:` lines
-RUN_HEADER = f"# Whole run of each variant, {ASSUMPTION}:"
+def run_header(fit: MeasuredFit | None) -> str:
+    """The line above a GPU size file's `# run[<variant>]:` lines: what their times rest on."""
+    return "# Whole run of each variant" + ("" if fit is None else f", {fit.basis()}") + ":"
 
 
 def report(recipe: Recipe) -> dict[str, int]:
@@ -260,6 +262,7 @@ def params(targets: Sequence[str], headers: bool = False, console=None,
     parsed.cache_clear()  # recipe paths are relative to the working directory: read them afresh
     rows = [(recipe, report(recipe)) for recipe in recipes]
     budgets = [budget(recipe) for recipe in recipes]
+    fit = measured_fit()
     console = console or Console(width=None if sys.stdout.isatty() else PIPED_WIDTH)
     table = Table(title="parameters of the model each recipe trains (vocabulary as linked from its data)")
     table.add_column("recipe")
@@ -274,38 +277,42 @@ def params(targets: Sequence[str], headers: bool = False, console=None,
             cells.append(memory(recipe, memory_gpus).describe().replace(" per rank", ""))
         table.add_row(recipe.name, str(counts["attention_variant"]), *cells)
     console.print(table)
-    console.print(compute_table(recipes, budgets))
+    console.print(compute_table(recipes, budgets, fit))
     if headers:
         for recipe, counts in rows:
             console.print(f"{recipe.header_file}: {header_line(counts, recipe.size)}", soft_wrap=True,
                           markup=False, highlight=False)
+        if any(recipe.size is not None and run is not None for recipe, run in zip(recipes, budgets)):
+            console.print(f"recipes/gpu/size/*.yaml: {run_header(fit)}", soft_wrap=True, markup=False,
+                          highlight=False)
         for recipe, run in zip(recipes, budgets):
             if recipe.size is not None and run is not None:
-                console.print(f"{recipe.configs[1]}: {run_header_line(recipe.variant, run)}", soft_wrap=True,
+                console.print(f"{recipe.configs[1]}: {run_header_line(recipe.variant, run, fit)}", soft_wrap=True,
                               markup=False, highlight=False)
     return rows
 
 
-def run_header_line(variant: str, run: RunBudget) -> str:
+def run_header_line(variant: str, run: RunBudget, fit: MeasuredFit | None) -> str:
     """`# run[<variant>]: ...`: a GPU size file's statement of one variant's whole run."""
-    return f"# run[{variant}]: {run.describe()}"
+    return f"# run[{variant}]: {run.describe(fit)}"
 
 
-def compute_table(recipes: Sequence[Recipe], budgets: Sequence[RunBudget | None]):
+def compute_table(recipes: Sequence[Recipe], budgets: Sequence[RunBudget | None], fit: MeasuredFit | None):
     from rich.table import Table
 
-    table = Table(title=f"compute of each recipe's whole run, {ASSUMPTION}")
+    basis = fit.basis() if fit is not None else "no time: no measured fit (bench/fits.json of a source checkout)"
+    table = Table(title=f"compute of each recipe's whole run, {basis}")
     table.add_column("recipe")
     for label in ("tokens", "steps x rows x seq_len", "training FLOPs"):
         table.add_column(label, justify="right")
     for gpus in GPU_COUNTS:
-        table.add_column(f"{gpus} H100", justify="right")
+        table.add_column(f"{gpus} {fit.gpu if fit else 'GPU'}", justify="right")
     for recipe, run in zip(recipes, budgets):
         if run is None:
             table.add_row(recipe.name, "not bounded by steps", "", "", *("" for _ in GPU_COUNTS))
             continue
         table.add_row(recipe.name, f"{run.tokens / 1e9:.3g}B", f"{run.steps} x {run.rows} x {run.seq_len}",
-                      f"{run.flops:.3g}", *(run.wall_time(gpus) for gpus in GPU_COUNTS))
+                      f"{run.flops:.3g}", *(run.wall_time(gpus, fit) for gpus in GPU_COUNTS))
     return table
 
 

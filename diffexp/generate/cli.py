@@ -1,7 +1,9 @@
 """`diffexp generate CKPT --prompt TEXT`: continue a prompt with a trained model, streaming the text.
 
-The prompt comes from --prompt, --prompt-file or standard input; the tokenizer is --tokenizer, else the
-checkpoint's own, else what its data settings name. Everything is checked before the model is built.
+CKPT is a checkpoint, a `diffexp export` directory or a `diffexp export --format hf` one (diffexp.hf.reading, its
+tokenizer from its tokenizer.json). The prompt comes from --prompt, --prompt-file or standard input; the tokenizer
+is --tokenizer, else the checkpoint's own, else what its data settings name. Everything is checked before the
+model is built.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from pathlib import Path
 
 import torch
 
+from diffexp.checkpoint_io import model_hparams
 from diffexp.data.tokenizer import ByteTokenizer, TextTokenizer, load_tokenizer_file, tokenizer_from_state
 from diffexp.errors import UserError
 from diffexp.generate.decode import generate
@@ -23,7 +26,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         allow_abbrev=False, prog="diffexp generate", description=__doc__.split("\n\n")[0].split(": ", 1)[1])
     parser.add_argument("checkpoint", metavar=CKPT_KEY,
-                        help="a .ckpt file, a sharded checkpoint directory or a `diffexp export` directory")
+                        help="a .ckpt file, a sharded checkpoint directory or a `diffexp export` directory "
+                             "(--format hf ones included)")
     source = parser.add_mutually_exclusive_group()
     source.add_argument("--prompt", help="the prompt text (default: --prompt-file, else standard input)")
     source.add_argument("--prompt-file", help="a UTF-8 text file holding the prompt")
@@ -60,6 +64,20 @@ def read_prompt(args) -> str:
     if not text:
         raise UserError("the prompt is empty: the model needs at least one token to continue")
     return text
+
+
+def read_model(path: str) -> tuple[dict, dict]:
+    """(the checkpoint, its model_hparams) of CKPT; an HF directory with the tokenizer its tokenizer.json holds."""
+    from diffexp.hf.reading import hf_model_type, read_hf_model
+    from diffexp.hf.tokenizer import read_tokenizer
+
+    if hf_model_type(Path(path).expanduser()) is None:
+        return load_checkpoint(path)
+    checkpoint = read_hf_model(Path(path).expanduser(), CKPT_KEY)
+    tokenizer = read_tokenizer(Path(path).expanduser(), CKPT_KEY)
+    if tokenizer is not None:
+        checkpoint["diffexp_tokenizer"] = tokenizer
+    return checkpoint, model_hparams(checkpoint)
 
 
 def resolve_tokenizer(checkpoint: dict, hparams: dict, flag: str | None) -> TextTokenizer:
@@ -131,7 +149,7 @@ def main(argv: list[str]) -> int:
     if args.max_new_tokens < 1:
         raise UserError(f"--max-new-tokens={args.max_new_tokens} is invalid: expected a positive integer")
     prompt = read_prompt(args)
-    checkpoint, hparams = load_checkpoint(args.checkpoint)
+    checkpoint, hparams = read_model(args.checkpoint)
     tokenizer = resolve_tokenizer(checkpoint, hparams, args.tokenizer)
     prompt_ids = tokenizer.encode(prompt)
     if not prompt_ids:

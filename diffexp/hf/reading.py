@@ -1,5 +1,6 @@
 """An HF Llama or DiffLlama directory (an export, or a published Llama-architecture checkpoint) as a diffexp
-checkpoint, for `model.init_from`: the variant whose registry entry names the class (diffexp.hf.classes).
+checkpoint, for `model.init_from` and `diffexp generate`: the variant whose registry entry names the class
+(diffexp.hf.classes). A `--remote-code` export is read as the arch and weights it carries unchanged.
 
 What diffexp cannot compute is refused, naming the config.json field: biases, another activation, RoPE scaling.
 Weights are read from model.safetensors or the shards its index names.
@@ -13,8 +14,9 @@ from pathlib import Path
 
 import torch
 
+from diffexp.checkpoint_io import fill_added_later
 from diffexp.errors import UserError
-from diffexp.hf import diff_llama
+from diffexp.hf import diff_llama, remote_code
 from diffexp.hf.classes import read_as, written_as
 
 
@@ -113,6 +115,11 @@ def read_hf_model(path: os.PathLike | str, key: str, weights: bool = True) -> di
 
     path = Path(path)
     fields = json.loads((path / "config.json").read_text(encoding="utf-8"))
+    if fields.get("model_type") == remote_code.MODEL_TYPE and isinstance(fields.get("arch"), dict):
+        checkpoint = {"hyper_parameters": {"arch": dict(fields["arch"])}, "global_step": 0}
+        if weights:  # remote code keeps DiffexpLM's names
+            checkpoint["state_dict"] = _hf_weights(path, key)
+        return fill_added_later(checkpoint)
     arch = hf_arch(fields, key, path)
     _weight_files(path, key)  # weights or not: a directory without readable weights is refused now
     checkpoint = {"hyper_parameters": {"arch": arch}, "global_step": 0}

@@ -16,6 +16,7 @@ from pathlib import Path
 PACKAGE = Path(__file__).resolve().parents[1]  # the diffexp package directory
 WRAPPER = Path(__file__).with_name("remote")
 CONFIG_FILE, MODELING_FILE = "configuration_diffexp.py", "modeling_diffexp.py"
+MODEL_TYPE = "diffexp"  # config.json's model_type: DiffexpConfig's
 AUTO_MAP = {"AutoConfig": "configuration_diffexp.DiffexpConfig",
             "AutoModelForCausalLM": "modeling_diffexp.DiffexpForCausalLM"}
 _ABSOLUTE = re.compile(r"^(\s*)from (diffexp(?:\.\w+)*) import ", re.MULTILINE)
@@ -63,7 +64,7 @@ def remote_config(arch: dict, eos_id: int | None) -> dict:
     """config.json: diffexp's arch (attention on the PyTorch backend: the bundle has no other) and the fields
     transformers reads."""
     arch = {**arch, "backend": "sdpa"}
-    return {"model_type": "diffexp", "architectures": ["DiffexpForCausalLM"], "auto_map": AUTO_MAP, "arch": arch,
+    return {"model_type": MODEL_TYPE, "architectures": ["DiffexpForCausalLM"], "auto_map": AUTO_MAP, "arch": arch,
             "vocab_size": arch["vocab_size"], "hidden_size": arch["d_model"], "num_hidden_layers": arch["n_layers"],
             "num_attention_heads": arch["n_heads"], "max_position_embeddings": arch["max_seq_len"],
             "tie_word_embeddings": arch["tie_embeddings"], "eos_token_id": eos_id, "bos_token_id": None,
