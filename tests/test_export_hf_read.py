@@ -109,7 +109,7 @@ def test_a_remote_code_export_reads_back_as_its_checkpoint(tmp_path):
     checkpoint, out = export_case(tmp_path, "dint", remote=True)
     saved = torch.load(checkpoint, weights_only=True)
     read = read_hf_model(out, "CKPT")
-    arch = {**saved["hyper_parameters"]["arch"], "backend": "sdpa", "backend_fallback": True}  # the bundle's backend
+    arch = {**saved["hyper_parameters"]["arch"], "backend": "sdpa"}  # the bundle's backend
     assert read["hyper_parameters"]["arch"] == arch
     assert read["state_dict"].keys() == saved["state_dict"].keys()
     for name, tensor in saved["state_dict"].items():
