@@ -15,11 +15,11 @@ import torch
 from diffexp.cli import main
 from diffexp.data.tokenizer import ByteTokenizer, HFTokenizer, tokenizer_from_state, tokenizer_state, train_bpe
 from diffexp.export import export
-from diffexp.generate.cli import read_model
 from diffexp.generate.decode import generate
 from diffexp.generate.sampling import Sampling
 from diffexp.model.config import ModelConfig
 from diffexp.model.decoder import Decoder
+from diffexp.training.loading import load_checkpoint as read_model
 from diffexp.training.loading import load_model
 from tests.test_export_hf import PROMPT, tiny_decoder, write_checkpoint
 
@@ -114,3 +114,23 @@ def test_a_remote_code_export_reads_back_as_its_checkpoint(tmp_path):
     assert read["state_dict"].keys() == saved["state_dict"].keys()
     for name, tensor in saved["state_dict"].items():
         assert torch.equal(read["state_dict"][name], tensor), name
+
+
+@pytest.mark.parametrize("case, remote", [("diff_v1", False), ("dint", True)])
+def test_eval_reads_an_hf_export_as_its_checkpoint(tmp_path, case, remote):
+    """`diffexp eval nll` on the export writes the checkpoint's per-position losses."""
+    import json
+
+    checkpoint, out = export_case(tmp_path, case, remote)
+    document = tmp_path / "doc.txt"
+    document.write_text("The quick brown fox jumps over the lazy dog. " * 4)
+    results = []
+    for source, where in ((checkpoint, "from-ckpt"), (out, "from-export")):
+        with pytest.raises(SystemExit) as done:
+            main(["eval", "nll", str(source), "--text-file", str(document), "--documents", "1", "--context-len", "32",
+                  "--device", "cpu", "--out", str(tmp_path / where)])
+        assert done.value.code == 0
+        (written,) = (tmp_path / where).rglob("nll-ctx32.json")
+        results.append(json.loads(written.read_text()))
+    got, want = ([(row["nll"], row["cumulative_nll"]) for row in result.pop("positions")] for result in results[::-1])
+    assert results[0] == results[1] and got == [pytest.approx(pair, rel=1e-6) for pair in want]

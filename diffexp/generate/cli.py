@@ -14,7 +14,6 @@ from pathlib import Path
 
 import torch
 
-from diffexp.checkpoint_io import model_hparams
 from diffexp.data.tokenizer import ByteTokenizer, TextTokenizer, load_tokenizer_file, tokenizer_from_state
 from diffexp.errors import UserError
 from diffexp.generate.decode import generate
@@ -64,20 +63,6 @@ def read_prompt(args) -> str:
     if not text:
         raise UserError("the prompt is empty: the model needs at least one token to continue")
     return text
-
-
-def read_model(path: str) -> tuple[dict, dict]:
-    """(the checkpoint, its model_hparams) of CKPT; an HF directory with the tokenizer its tokenizer.json holds."""
-    from diffexp.hf.reading import hf_model_type, read_hf_model
-    from diffexp.hf.tokenizer import read_tokenizer
-
-    if hf_model_type(Path(path).expanduser()) is None:
-        return load_checkpoint(path)
-    checkpoint = read_hf_model(Path(path).expanduser(), CKPT_KEY)
-    tokenizer = read_tokenizer(Path(path).expanduser(), CKPT_KEY)
-    if tokenizer is not None:
-        checkpoint["diffexp_tokenizer"] = tokenizer
-    return checkpoint, model_hparams(checkpoint)
 
 
 def resolve_tokenizer(checkpoint: dict, hparams: dict, flag: str | None) -> TextTokenizer:
@@ -149,7 +134,7 @@ def main(argv: list[str]) -> int:
     if args.max_new_tokens < 1:
         raise UserError(f"--max-new-tokens={args.max_new_tokens} is invalid: expected a positive integer")
     prompt = read_prompt(args)
-    checkpoint, hparams = read_model(args.checkpoint)
+    checkpoint, hparams = load_checkpoint(args.checkpoint)
     tokenizer = resolve_tokenizer(checkpoint, hparams, args.tokenizer)
     prompt_ids = tokenizer.encode(prompt)
     if not prompt_ids:

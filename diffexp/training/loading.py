@@ -1,12 +1,14 @@
 """A trained checkpoint back as a model: what `diffexp eval` and `diffexp generate` share.
 
-A checkpoint is a .ckpt file or a sharded (FSDP) checkpoint directory (diffexp.checkpoint_io reads both).
+A checkpoint is a .ckpt file, a sharded (FSDP) checkpoint directory (diffexp.checkpoint_io reads both), or a
+directory `diffexp export --format hf` wrote (Llama, DiffLlama or remote code; its tokenizer.json comes along).
 Every problem is a UserError naming CKPT, raised before any output exists.
 """
 
 from __future__ import annotations
 
 import inspect
+from pathlib import Path
 
 import torch
 
@@ -17,8 +19,19 @@ CKPT_KEY = "CKPT"  # how the usage lines name the checkpoint argument
 
 
 def load_checkpoint(path: str) -> tuple[dict, dict]:
-    """(the checkpoint, its model_hparams); a UserError names CKPT and the problem."""
-    checkpoint = read_checkpoint(path, CKPT_KEY)
+    """(the checkpoint, its model_hparams); a UserError names CKPT and the problem. An HF export reads as the
+    checkpoint it was exported from, with the tokenizer its tokenizer.json holds."""
+    from diffexp.hf.reading import hf_model_type, read_hf_model
+    from diffexp.hf.tokenizer import read_tokenizer
+
+    directory = Path(path).expanduser()
+    if hf_model_type(directory) is None:
+        checkpoint = read_checkpoint(path, CKPT_KEY)
+        return checkpoint, model_hparams(checkpoint)
+    checkpoint = read_hf_model(directory, CKPT_KEY)
+    tokenizer = read_tokenizer(directory, CKPT_KEY)
+    if tokenizer is not None:
+        checkpoint["diffexp_tokenizer"] = tokenizer
     return checkpoint, model_hparams(checkpoint)
 
 
