@@ -78,7 +78,7 @@ def two_fits(tmp_path_factory) -> Path:
 def test_two_fits_compare_side_by_side_with_the_variant_as_a_column(two_fits):
     metrics, rows = hparams_tab(two_fits)
     assert metrics == list(METRICS)
-    assert {name: row["hparams"]["variant"] for name, row in rows.items()} == {"version_0": "baseline",
+    assert {name: row["hparams"]["model.arch.attention"] for name, row in rows.items()} == {"version_0": "baseline",
                                                                                "version_1": "diff_v1"}
     for name, row in rows.items():
         logged = scalars(two_fits / name)
@@ -107,8 +107,8 @@ def test_each_run_records_its_variant_flags_and_parameter_counts(two_fits):
         start = metadata.parse_session_start_info_plugin_data(content[metadata.SESSION_START_INFO_TAG])
         row = {k: getattr(v, v.WhichOneof("kind")) for k, v in start.hparams.items()}
         arch = torch.load(run_dir / "checkpoints/last.ckpt", weights_only=True)["hyper_parameters"]["arch"]
-        assert row["variant"] == attention == arch["attention"]
-        flags = {k: v for k, v in arch.items() if k != "attention"}
+        assert row["model.arch.attention"] == attention == arch["attention"]
+        flags = dict(arch)
         assert sorted(k for k in row if k.startswith("model.arch.")) == sorted(f"model.arch.{k}" for k in flags)
         for name, value in flags.items():  # a number, or the text a recipe writes
             recorded = row[f"model.arch.{name}"]

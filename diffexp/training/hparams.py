@@ -46,17 +46,17 @@ def hparam_value(value: Any, as_text: bool = False) -> int | float | str:
 
 
 def run_columns(pl_module: L.LightningModule) -> dict[str, int | float | str]:
-    """The row's settings: `variant`, every flag as `model.arch.<flag>` and `params/<kind>` (parameter_report).
+    """The row's settings: every flag as `model.arch.<flag>` and `params/<kind>` (parameter_report). TensorBoard
+    orders the columns by name, so `model.arch.attention`, the variant, leads.
 
     Every flag, not only those the variant reads: every fit then writes the same header, and TensorBoard shows the
     columns of the header of whichever run it reads first. A column holds one type in every run: a flag that may
     be null or a word (n_kv_heads, lambda_init) is text even where it is a number."""
     arch = pl_module.arch
-    columns = {"variant": arch.attention}
+    columns = {}
     for field in fields(arch):
-        if field.name != "attention":
-            numeric = field.metadata["flag"].type in (int, float)
-            columns[f"model.arch.{field.name}"] = hparam_value(getattr(arch, field.name), as_text=not numeric)
+        numeric = field.metadata["flag"].type in (int, float)
+        columns[f"model.arch.{field.name}"] = hparam_value(getattr(arch, field.name), as_text=not numeric)
     return {**columns, **{f"params/{k}": v for k, v in pl_module.model.parameter_report().items()}}
 
 
