@@ -141,7 +141,7 @@ class DiffexpLM(L.LightningModule):
             datamodule = getattr(self.trainer, "datamodule", None)
             micro_batch = int(getattr(datamodule, "batch_size", 1))
             rank_zero_info(strategy.check_memory(self.arch, micro_batch, getattr(datamodule, "seq_len", None)
-                                                 or self.arch.max_seq_len))
+                                                 or self.arch.max_seq_len, token_losses))
             strategy.shard(self.model)
         elif isinstance(strategy, ModelParallelStrategy):
             raise UserError(f"trainer.strategy={type(strategy).__name__}: diffexp shards with its subclass "
