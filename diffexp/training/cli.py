@@ -21,6 +21,7 @@ from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 
 from diffexp.checkpoint_io import read_checkpoint
 from diffexp.errors import UserError, debug_enabled
+from diffexp.training.auto_batch import is_auto, resolve_auto_batch
 from diffexp.training.checkpointing import RunCheckpoint
 from diffexp.training.construction import check_buildable, trainer_build_errors
 from diffexp.training.diagnostics import Diagnostics
@@ -200,8 +201,10 @@ class DiffexpCLI(LightningCLI):
         if subcommand is None:
             return
         config = self.config[subcommand]
-        arch = validate_fit_config(config, subcommand)
         ckpt_path = config.get("ckpt_path")
+        if not ckpt_path:  # data.batch_size auto: a number from the GPU's free memory (a resume: the checkpoint's)
+            resolve_auto_batch(config)
+        arch = validate_fit_config(config, subcommand)
         init_from = (to_builtin(config.get("model") or {})).get("init_from")
         if subcommand == "fit" and init_from and not ckpt_path:  # a resume takes its weights from ckpt_path
             check_init_from(init_from, asdict(arch), data_init_args(config)[1])
@@ -213,7 +216,10 @@ class DiffexpCLI(LightningCLI):
             path, version = resolve_resume(ckpt_path, init_args.save_dir, init_args.name)
         else:
             path, version = Path(ckpt_path), None
-        check_resume(config, read_checkpoint(path, weights=False), path, subcommand)
+        checkpoint = read_checkpoint(path, weights=False)
+        if is_auto(config):
+            resolve_auto_batch(config, checkpoint)
+        check_resume(config, checkpoint, path, subcommand)
         config.ckpt_path = str(path)
         if subcommand != "fit":
             return
