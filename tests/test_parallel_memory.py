@@ -12,9 +12,16 @@ from diffexp.errors import UserError
 from diffexp.model import Decoder
 from diffexp.model.config import ModelConfig
 from diffexp.parallel import memory
-from diffexp.parallel.memory import check_fits, estimate_memory, peak_line, rough_training_bytes
+from diffexp.parallel.memory import check_fits, peak_line, rough_training_bytes
+from diffexp.training import loss as chunked_loss
+from diffexp.training.loss import token_losses
 
 VARIANTS = ["baseline", "diff_v1", "diff_v2", "shared_diff", "dint"]
+
+
+def estimate_memory(*args, **kwargs) -> memory.MemoryEstimate:
+    """The estimate for the trainer's loss (diffexp.training.loss.token_losses)."""
+    return memory.estimate_memory(*args, **kwargs, loss=token_losses)
 
 
 def arch(attention: str, n_layers: int = 4) -> ModelConfig:
@@ -24,13 +31,14 @@ def arch(attention: str, n_layers: int = 4) -> ModelConfig:
 
 
 def saved_bytes_for_real(cfg: ModelConfig, batch: int, seq_len: int, monkeypatch) -> int:
-    """The bytes autograd keeps for the backward of a real forward (CPU tensors, the attention calls a GPU makes),
-    counted per storage."""
+    """The bytes autograd keeps for the backward of a real forward and the trainer's loss (CPU tensors, the
+    attention calls a GPU makes), counted per storage."""
     from diffexp.kernels import PLAIN, use
     from diffexp.model.heads import single_map
+    from diffexp.training.module import DiffexpLM
 
     monkeypatch.setattr(single_map, "wide_v_mode", lambda q: "split")  # the GPU choice; the CPU pads Q and K
-    model = Decoder(replace(cfg, backend="sdpa"))
+    module = DiffexpLM(replace(cfg, backend="sdpa"))
     saved: dict[int, int] = {}
 
     def pack(tensor):
@@ -41,20 +49,52 @@ def saved_bytes_for_real(cfg: ModelConfig, batch: int, seq_len: int, monkeypatch
     tokens = torch.randint(0, cfg.vocab_size, (batch, seq_len + 1))
     with memory._fused_attention_stand_in(), use(PLAIN), \
             torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):  # one call per map, as on the GPU
-        logits = model(tokens[:, :-1])
-        torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), tokens[:, 1:].flatten())
+        module._loss(tokens)  # the training step's loss: the LM head in chunks of rows
     return sum(saved.values())
 
 
+def loss_backward_bytes_for_real(cfg: ModelConfig, batch: int, seq_len: int) -> int:
+    """The peak bytes of the trainer's loss's backward beyond what its forward kept, on CPU tensors."""
+    hidden = torch.randn(batch, seq_len, cfg.d_model, requires_grad=True)
+    weight = torch.randn(cfg.vocab_size, cfg.d_model, requires_grad=True)
+    targets = torch.randint(0, cfg.vocab_size, (batch, seq_len))
+    with memory._LiveBytes() as live:
+        loss = token_losses(hidden, weight, targets).mean()
+        live.peak = kept = live.live
+        loss.backward()
+    return live.peak - kept
+
+
 @pytest.mark.parametrize("attention", VARIANTS)
-def test_states_follow_the_parameter_count_and_activations_the_real_forward(attention, monkeypatch):
+@pytest.mark.parametrize("chunk_rows", [None, 16])  # the loss in one piece, or in 4 chunks of rows
+def test_states_follow_the_parameter_count_and_activations_the_real_forward(attention, chunk_rows, monkeypatch):
     cfg = arch(attention)
+    if chunk_rows:
+        monkeypatch.setattr(chunked_loss, "CHUNK_LOGITS", chunk_rows * cfg.vocab_size)
     n_params = Decoder(cfg).num_parameters()
     estimate = estimate_memory(cfg, micro_batch=2, seq_len=32, shard_size=4, compute_dtype=torch.float32)
     assert estimate.optimizer == 8 * n_params // 4  # AdamW's two fp32 moments of a quarter of the model
     # the 4-layer model's activations from a 1- and a 2-layer copy on the meta device, against a real forward
-    logits_grad = 4 * 2 * 32 * cfg.vocab_size
-    assert estimate.activations - logits_grad == saved_bytes_for_real(cfg, 2, 32, monkeypatch)
+    # and loss, plus the loss's backward on the meta device against the same on CPU tensors
+    loss_backward = loss_backward_bytes_for_real(cfg, 2, 32)
+    assert estimate.activations - loss_backward == saved_bytes_for_real(cfg, 2, 32, monkeypatch)
+
+
+def test_the_chunked_loss_holds_one_chunk_of_logits_not_the_micro_batchs(monkeypatch):
+    """A 32K vocabulary over 4 x 512 tokens: 256 MiB of fp32 logits in one piece; the chunked loss keeps the final
+    hidden states and, in its backward, a few chunks' worth of fp32 logits (CHUNK_LOGITS each)."""
+    cfg = replace(arch("baseline", n_layers=1), d_model=128, vocab_size=2**15, max_seq_len=512)
+    logits = 4 * 512 * cfg.vocab_size
+    one_piece_saved = memory._measure(cfg, 4, 512, torch.float32, lambda h, w, t: token_losses(h, w, t, 2**40))[3]
+    monkeypatch.setattr(chunked_loss, "CHUNK_LOGITS", logits // 8)
+    chunked_saved = memory._measure(cfg, 4, 512, torch.float32, token_losses)[3]
+    hidden = 4 * 512 * cfg.d_model * 4
+    assert one_piece_saved - chunked_saved >= 4 * logits - hidden  # the fp32 log-probabilities are not kept
+    chunk_backward = memory._loss_backward_bytes(cfg, 4, 512, torch.float32, token_losses)
+    grads = 4 * (cfg.vocab_size + 4 * 512) * cfg.d_model  # of the LM head and the hidden states
+    assert chunk_backward <= 5 * 4 * logits // 8 + grads  # the recomputed chunk, its gradients
+    monkeypatch.setattr(chunked_loss, "CHUNK_LOGITS", 2**40)
+    assert memory._loss_backward_bytes(cfg, 4, 512, torch.float32, token_losses) > 1.5 * 4 * logits
 
 
 def test_sharding_checkpointing_and_smaller_batches_shrink_what_they_should():
@@ -71,10 +111,10 @@ def test_sharding_checkpointing_and_smaller_batches_shrink_what_they_should():
 def test_a_run_that_cannot_fit_is_refused_with_what_helps():
     cfg = arch("dint", n_layers=8)
     needed = estimate_memory(cfg, 4, 64, 2, torch.bfloat16).total
-    assert check_fits(cfg, 4, 64, 2, torch.bfloat16, False, available=None).startswith("memory: ")
-    assert "per rank" in check_fits(cfg, 4, 64, 2, torch.bfloat16, False, available=2 * needed)
+    assert check_fits(cfg, 4, 64, 2, torch.bfloat16, False, available=None, loss=token_losses).startswith("memory: ")
+    assert "per rank" in check_fits(cfg, 4, 64, 2, torch.bfloat16, False, available=2 * needed, loss=token_losses)
     with pytest.raises(UserError) as refused:
-        check_fits(cfg, 4, 64, 2, torch.bfloat16, False, available=needed)
+        check_fits(cfg, 4, 64, 2, torch.bfloat16, False, available=needed, loss=token_losses)
     message = str(refused.value)
     for option in ("activation_checkpointing true", "data.batch_size 2", "twice the GPUs (4)"):
         assert option in message

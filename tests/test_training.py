@@ -253,3 +253,46 @@ def test_a_run_ending_off_the_logging_grid_ends_with_its_last_steps_values(tmp_p
         assert key in trainer.callback_metrics, key
     logged = scalars(Path(trainer.log_dir))
     assert [s for s, _ in logged["train/loss"]] == [2]  # Lightning writes only its logging steps
+
+
+def test_the_bar_shows_the_steps_loss_without_reading_the_device(tmp_path, monkeypatch):
+    """The bar's loss is the value DiffexpLM brought to the host with the step's finite check: gathering the bar's
+    metrics reads no tensor (a read of a CUDA tensor would wait for the GPU at every redraw)."""
+    import traceback
+
+    from diffexp.training import progress
+    from diffexp.training.cli import build_fit
+
+    monkeypatch.chdir(tmp_path)
+    module, data, trainer = build_fit([
+        "--model.arch.d_model", "32", "--model.arch.n_layers", "1", "--model.arch.n_heads", "2",
+        "--data.seq_len", "32", "--data.batch_size", "2", "--data.max_chars", "40000",
+        "--data.cache_dir", str(tmp_path / "cache"), "--trainer.max_steps", "6", "--trainer.log_every_n_steps", "2",
+        "--trainer.accumulate_grad_batches", "2", "--trainer.limit_val_batches", "0"])
+    bar = trainer.progress_bar_callback
+    assert type(bar) is progress.StepProgressBar
+    reads, shown = [], []
+
+    def counted(name):
+        original = getattr(torch.Tensor, name)
+
+        def read(self, *args, **kwargs):
+            reads.append((name, "".join(traceback.format_stack(limit=6)[:-1])))
+            return original(self, *args, **kwargs)
+        return read
+
+    class AfterEachBatch(L.Callback):  # gathers the bar's metrics as a redraw does, reads counted
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            with monkeypatch.context() as patched:
+                for name in ("item", "tolist", "__float__", "cpu"):
+                    patched.setattr(torch.Tensor, name, counted(name))
+                metrics = bar.get_metrics(trainer, pl_module)
+            shown.append((metrics.get("train/loss"), pl_module.shown_train_loss))
+
+    trainer.callbacks.append(AfterEachBatch())
+    trainer.fit(module, data)
+    assert reads == [], "".join(f"{name} from\n{stack}" for name, stack in reads[:2])
+    assert len(shown) == 12 and shown[0] == (None, None)  # before the first optimizer step: nothing read yet
+    assert all(text == f"{value:.3f}" for text, value in shown[1:])
+    # the last micro-batch's loss of each optimizer step, as train/loss logs it at the logging steps
+    assert module.shown_train_loss == float(trainer.callback_metrics["train/loss"])

@@ -98,6 +98,7 @@ def check_memory(args: argparse.Namespace) -> None:
     import torch
 
     from diffexp.parallel.memory import estimate_memory, free_memory, rough_training_bytes, size
+    from diffexp.training.loss import token_losses
 
     device = torch.device(args.device)
     available = free_memory(device)
@@ -109,7 +110,7 @@ def check_memory(args: argparse.Namespace) -> None:
         batch = workload.batch_for(seq_len, args)
         if sum(rough_training_bytes(arch, batch, seq_len) for arch in archs) <= available / 4:
             continue
-        estimates = [estimate_memory(arch, batch, seq_len, 1, dtype) for arch in archs]
+        estimates = [estimate_memory(arch, batch, seq_len, 1, dtype, loss=token_losses) for arch in archs]
         held = sum(e.parameters + e.optimizer for e in estimates)
         step = max(e.gradients + e.activations for e in estimates)
         if held + step > available:

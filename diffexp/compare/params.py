@@ -195,6 +195,7 @@ def memory(recipe: Recipe, gpus: int):
     import torch
 
     from diffexp.parallel.memory import estimate_memory
+    from diffexp.training.loss import token_losses
     from diffexp.training.preflight import data_init_args
     from diffexp.training.values import to_builtin
 
@@ -204,7 +205,7 @@ def memory(recipe: Recipe, gpus: int):
     init_args = (strategy.get("init_args") or {}) if isinstance(strategy, dict) else {}
     arch = model_config(recipe, config)
     return estimate_memory(arch, int(data.get("batch_size") or 1), int(data.get("seq_len") or arch.max_seq_len),
-                           gpus, torch.bfloat16, bool(init_args.get("activation_checkpointing")))
+                           gpus, torch.bfloat16, bool(init_args.get("activation_checkpointing")), loss=token_losses)
 
 
 def budget(recipe: Recipe) -> RunBudget | None:

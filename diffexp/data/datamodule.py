@@ -16,6 +16,7 @@ import sys
 from contextlib import contextmanager
 from functools import cached_property
 from pathlib import Path
+from typing import Literal
 
 import lightning as L
 import numpy as np
@@ -69,7 +70,8 @@ class TextDataModule(L.LightningDataModule):
             tokenizer name (needs network).
         bpe_vocab_size: Target vocabulary size when ``tokenizer="bpe"`` (at least 257).
         seq_len: Tokens the model sees per row; rows hold ``seq_len + 1`` tokens.
-        batch_size: Rows per batch.
+        batch_size: Rows per batch; "auto" (``diffexp fit`` on one GPU, with global_batch.rows): the largest
+            micro-batch the memory estimate fits, the accumulation following (docs/gpu.md).
         val_fraction: Fraction of documents held out for validation, in (0, 1), chosen by a hash of each
             document's text keyed by seed.
         test_fraction: Fraction of documents held out for ``diffexp test``, disjoint from the validation
@@ -91,7 +93,7 @@ class TextDataModule(L.LightningDataModule):
         tokenizer: str = "byte",
         bpe_vocab_size: int = 4096,
         seq_len: int = 256,
-        batch_size: int = 16,
+        batch_size: int | Literal["auto"] = 16,
         val_fraction: float = 0.05,
         test_fraction: float = 0.05,
         max_chars: int | None = None,
@@ -105,6 +107,9 @@ class TextDataModule(L.LightningDataModule):
         # Validate everything up front so a bad config fails before any data work or model building starts.
         if seq_len <= 0:
             raise UserError(f"data.seq_len={seq_len}: must be a positive integer")
+        if batch_size == "auto":  # diffexp fit replaces it by a number before building (training.auto_batch)
+            raise UserError("data.batch_size=auto: only `diffexp fit` sizes the micro-batch (on one GPU, from its "
+                            "free memory); a TextDataModule built in Python needs a number")
         if batch_size <= 0:
             raise UserError(f"data.batch_size={batch_size}: must be a positive integer")
         if num_workers < 0:

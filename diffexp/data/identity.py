@@ -30,8 +30,11 @@ def check_text_data(data_args: dict[str, Any]) -> None:
         check_finished(Path(str(data_args["source"])), "data.source")
         return
     accepted = inspect.signature(TextDataModule.__init__).parameters
+    args = {k: v for k, v in data_args.items() if k in accepted}
+    if args.get("batch_size") == "auto":  # sized later (training/auto_batch.py); the data does not depend on it
+        args.pop("batch_size")
     try:
-        TextDataModule(**{k: v for k, v in data_args.items() if k in accepted})
+        TextDataModule(**args)
     except TypeError:  # a value of the wrong type: the config's parser names it
         pass
 

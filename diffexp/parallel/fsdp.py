@@ -117,8 +117,9 @@ class FSDP2Strategy(ModelParallelStrategy):
         checkpointing = ", activation checkpointing" if self.activation_checkpointing else ""
         return f"FSDP2 over {self.world_size} rank(s) ({mesh}; {self.root_device.type}), {precision}{checkpointing}"
 
-    def check_memory(self, arch, micro_batch: int, seq_len: int) -> str:
-        """The memory per rank this run needs (diffexp.parallel.memory); refuses a run that cannot fit."""
+    def check_memory(self, arch, micro_batch: int, seq_len: int, loss) -> str:
+        """The memory per rank this run needs with the trainer's `loss` (diffexp.parallel.memory); refuses a run
+        that cannot fit."""
         from diffexp.parallel.memory import check_fits, estimate_memory
 
         available = None
@@ -126,10 +127,10 @@ class FSDP2Strategy(ModelParallelStrategy):
             available = torch.cuda.get_device_properties(self.root_device).total_memory
         shards = self.device_mesh["shard"].size()
         estimate = estimate_memory(arch, micro_batch, seq_len, shards, self.compute_dtype,
-                                   self.activation_checkpointing)
+                                   self.activation_checkpointing, loss=loss)
         self.estimated_memory = estimate.total  # printed beside the measured peak at the end of fit
         return check_fits(arch, micro_batch, seq_len, shards, self.compute_dtype, self.activation_checkpointing,
-                          available, estimate)
+                          available, estimate, loss=loss)
 
     def shard(self, decoder: nn.Module) -> None:
         """Shard a Decoder in place with this strategy's mesh and precision (DiffexpLM.configure_model)."""

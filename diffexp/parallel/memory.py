@@ -1,18 +1,29 @@
 """Memory per rank of an FSDP2 run, computed from the model before any weight exists.
 
-Activations are measured, not modelled: 1- and 2-layer copies run forward on the meta device, counting what
-autograd saves (attention as a fused kernel saves it: q, k, v, output, log-sum-exp), and their difference is a
-block. The sharded states follow from the parameter count (`estimate_memory`).
+Activations are measured, not modelled: 1- and 2-layer copies run forward and the trainer's loss on the meta
+device, counting what autograd saves (attention as a fused kernel saves it: q, k, v, output, log-sum-exp; the
+chunked loss: the final hidden states its checkpointed LM head recomputes from), and their difference is a block.
+The loss's backward, the peak of a training step's activations, is measured on the meta device too, from the bytes
+alive at each op. The sharded states follow from the parameter count (`estimate_memory`).
+
+The loss is passed in by the training floor above (`diffexp.training.loss.token_losses`): (hidden, lm_head
+weight, targets) -> per-target fp32 losses.
 """
 
 from __future__ import annotations
 
 import contextlib
+import weakref
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
+
+#: the trainer's loss: (final hidden states, LM-head weight, targets) -> per-target fp32 losses
+LossFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 GIB = 2**30
 FIT_FRACTION = 0.9  # of the device's memory: the rest for the CUDA context, NCCL buffers and fragmentation
@@ -68,8 +79,54 @@ def _fused_attention_stand_in():
         F.scaled_dot_product_attention = original
 
 
-def _measure_layers(arch, n_layers: int, micro_batch: int, seq_len: int, dtype: torch.dtype) -> tuple[int, int, int]:
-    """(parameters, bytes saved for the backward, largest logits) of an n_layers copy, on the meta device."""
+class _LiveBytes(TorchDispatchMode):
+    """The bytes of storage alive, and their peak, over the ops run under it (each op's outputs, freed when autograd
+    and Python drop their last tensor); tensors made before it are not counted."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.tensors: dict[int, int] = {}  # storage -> tensors alive on it
+        self.nbytes: dict[int, int] = {}
+        self.live = self.peak = 0
+
+    def _release(self, key: int) -> None:
+        self.tensors[key] -= 1
+        if not self.tensors[key]:
+            del self.tensors[key]
+            self.live -= self.nbytes.pop(key)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for tensor in out if isinstance(out, (tuple, list)) else (out,):
+            if isinstance(tensor, torch.Tensor):
+                key = tensor.untyped_storage()._cdata
+                if key not in self.tensors:
+                    self.tensors[key], self.nbytes[key] = 0, tensor.untyped_storage().nbytes()
+                    self.live += self.nbytes[key]
+                    self.peak = max(self.peak, self.live)
+                self.tensors[key] += 1
+                weakref.finalize(tensor, self._release, key)
+        return out
+
+
+def _loss_backward_bytes(arch, micro_batch: int, seq_len: int, dtype: torch.dtype, loss: LossFn) -> int:
+    """The peak bytes the loss's backward holds beyond what its forward kept, measured on the meta device: each
+    chunk's logits recomputed in fp32, their gradients, and the gradients of the hidden states and the LM head."""
+    with torch.device("meta"):
+        hidden = torch.empty(micro_batch, seq_len, arch.d_model, dtype=dtype, requires_grad=True)
+        weight = torch.empty(arch.vocab_size, arch.d_model, dtype=dtype, requires_grad=True)
+        targets = torch.zeros(micro_batch, seq_len, dtype=torch.long)
+    with _LiveBytes() as live:
+        total = loss(hidden, weight, targets).mean()
+        live.peak = kept = live.live
+        total.backward()
+    return live.peak - kept
+
+
+def _measure_layers(arch, n_layers: int, micro_batch: int, seq_len: int, dtype: torch.dtype,
+                    loss: LossFn) -> tuple[int, int]:
+    """(parameters, bytes saved for the backward by the forward and the loss) of an n_layers copy, on the meta
+    device."""
     from diffexp.model import Decoder
 
     cfg = replace(arch, n_layers=n_layers, backend="sdpa")
@@ -85,21 +142,21 @@ def _measure_layers(arch, n_layers: int, micro_batch: int, seq_len: int, dtype: 
 
     tokens = torch.zeros(micro_batch, seq_len + 1, dtype=torch.long, device="meta")
     with _fused_attention_stand_in(), torch.autograd.graph.saved_tensors_hooks(count_saved, lambda tensor: tensor):
-        logits = model(tokens[:, :-1])
-        F.cross_entropy(logits.float().flatten(0, 1), tokens[:, 1:].flatten())  # as DiffexpLM's loss
+        hidden = model(tokens[:, :-1], head=False)  # as DiffexpLM's loss: the LM head inside the loss
+        loss(hidden, model.lm_head.weight, tokens[:, 1:]).mean()
     parameters = sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
-    return parameters, sum(saved.values()), logits.numel()
+    return parameters, sum(saved.values())
 
 
-def _measure(arch, micro_batch: int, seq_len: int, dtype: torch.dtype) -> tuple[int, int, int, int, int]:
-    """(block params, root params, block saved, root saved, logits) from a 1- and a 2-layer copy. Past
-    MEASURED_TOKENS, the saved bytes and logits are extrapolated from two lengths: they grow linearly with the
-    tokens (the attention kept as a fused kernel keeps it), plus what does not grow (the RoPE table's storage)."""
+def _measure(arch, micro_batch: int, seq_len: int, dtype: torch.dtype, loss: LossFn) -> tuple[int, int, int, int]:
+    """(block params, root params, block saved, root saved) from a 1- and a 2-layer copy. Past MEASURED_TOKENS, the
+    saved bytes are extrapolated from two lengths: they grow linearly with the tokens (the attention kept as a
+    fused kernel keeps it), plus what does not grow (the RoPE table's storage)."""
     def at(length: int) -> tuple[int, ...]:
-        params_1, saved_1, logits = _measure_layers(arch, 1, micro_batch, length, dtype)
-        params_2, saved_2, _ = _measure_layers(arch, 2, micro_batch, length, dtype)
+        params_1, saved_1 = _measure_layers(arch, 1, micro_batch, length, dtype, loss)
+        params_2, saved_2 = _measure_layers(arch, 2, micro_batch, length, dtype, loss)
         block_params, block_saved = params_2 - params_1, saved_2 - saved_1
-        return block_params, params_1 - block_params, block_saved, saved_1 - block_saved, logits
+        return block_params, params_1 - block_params, block_saved, saved_1 - block_saved
 
     if seq_len <= MEASURED_TOKENS:
         return at(seq_len)
@@ -110,10 +167,11 @@ def _measure(arch, micro_batch: int, seq_len: int, dtype: torch.dtype) -> tuple[
 
 def estimate_memory(arch, micro_batch: int, seq_len: int, shard_size: int,
                     compute_dtype: torch.dtype = torch.bfloat16,
-                    activation_checkpointing: bool = False) -> MemoryEstimate:
-    """Bytes per rank for `arch` (a ModelConfig) trained on micro-batches of micro_batch x seq_len tokens,
-    its states sharded over shard_size ranks (the world size, or the GPUs of a node under HSDP)."""
-    block_params, root_params, block_saved, root_saved, logits = _measure(arch, micro_batch, seq_len, compute_dtype)
+                    activation_checkpointing: bool = False, *, loss: LossFn) -> MemoryEstimate:
+    """Bytes per rank for `arch` (a ModelConfig) trained on micro-batches of micro_batch x seq_len tokens with
+    `loss` (the trainer's: diffexp.training.loss.token_losses), its states sharded over shard_size ranks (the world
+    size, or the GPUs of a node under HSDP)."""
+    block_params, root_params, block_saved, root_saved = _measure(arch, micro_batch, seq_len, compute_dtype, loss)
     total_params = root_params + arch.n_layers * block_params
     compute_bytes = torch.finfo(compute_dtype).bits // 8
     if activation_checkpointing:  # each block keeps its input; one block's activations are recomputed at a time
@@ -127,7 +185,8 @@ def estimate_memory(arch, micro_batch: int, seq_len: int, shard_size: int,
         # the fp32 shard, plus one block's unsharded gradients before their reduce-scatter
         gradients=4 * total_params // shard_size + 4 * block_params,
         optimizer=8 * total_params // shard_size,  # AdamW's two fp32 moments of the shard
-        activations=layers + root_saved + 4 * logits,  # + the logits' gradient the backward starts with
+        # + the loss's backward, where the step's backward starts
+        activations=layers + root_saved + _loss_backward_bytes(arch, micro_batch, seq_len, compute_dtype, loss),
     )
 
 
@@ -146,26 +205,30 @@ def rough_training_bytes(arch, micro_batch: int, seq_len: int) -> int:
 
 
 def check_fits(arch, micro_batch: int, seq_len: int, shard_size: int, compute_dtype: torch.dtype,
-               activation_checkpointing: bool, available: int | None, estimate: MemoryEstimate | None = None) -> str:
+               activation_checkpointing: bool, available: int | None, estimate: MemoryEstimate | None = None, *,
+               loss: LossFn) -> str:
     """The estimate (computed here unless given) as one line; a UserError naming what helps when it exceeds
     FIT_FRACTION of `available` bytes (None: no limit known, e.g. on CPU)."""
     from diffexp.errors import UserError
 
     if estimate is None:
-        estimate = estimate_memory(arch, micro_batch, seq_len, shard_size, compute_dtype, activation_checkpointing)
+        estimate = estimate_memory(arch, micro_batch, seq_len, shard_size, compute_dtype, activation_checkpointing,
+                                   loss=loss)
     line = (f"memory: {estimate.describe()}, micro-batch {micro_batch} x {seq_len} tokens, states sharded over "
             f"{shard_size}")
     if available is None or estimate.total <= FIT_FRACTION * available:
         return line
     options = []
     if not activation_checkpointing:
-        with_ckpt = estimate_memory(arch, micro_batch, seq_len, shard_size, compute_dtype, True)
+        with_ckpt = estimate_memory(arch, micro_batch, seq_len, shard_size, compute_dtype, True, loss=loss)
         options.append(f"trainer.strategy.init_args.activation_checkpointing true: {size(with_ckpt.total)}")
     if micro_batch > 1:
-        half = estimate_memory(arch, micro_batch // 2, seq_len, shard_size, compute_dtype, activation_checkpointing)
+        half = estimate_memory(arch, micro_batch // 2, seq_len, shard_size, compute_dtype, activation_checkpointing,
+                               loss=loss)
         options.append(f"data.batch_size {micro_batch // 2} (and trainer.accumulate_grad_batches doubled, for the "
                        f"same tokens per step): {size(half.total)}")
-    more = estimate_memory(arch, micro_batch, seq_len, 2 * shard_size, compute_dtype, activation_checkpointing)
+    more = estimate_memory(arch, micro_batch, seq_len, 2 * shard_size, compute_dtype, activation_checkpointing,
+                           loss=loss)
     options.append(f"twice the GPUs ({2 * shard_size}): {size(more.total)}")
     raise UserError(f"{line}: more than {FIT_FRACTION:.0%} of the {available / GIB:.1f} GiB of one device, so the "
                     "run would stop out of memory. What helps, each alone:\n  " + "\n  ".join(options))

@@ -21,6 +21,7 @@ from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 
 from diffexp.checkpoint_io import read_checkpoint
 from diffexp.errors import UserError, debug_enabled
+from diffexp.training.auto_batch import is_auto, resolve_auto_batch
 from diffexp.training.checkpointing import RunCheckpoint
 from diffexp.training.construction import check_buildable, trainer_build_errors
 from diffexp.training.diagnostics import Diagnostics
@@ -201,8 +202,10 @@ class DiffexpCLI(LightningCLI):
         if subcommand is None:
             return
         config = self.config[subcommand]
-        arch = validate_fit_config(config, subcommand)
         ckpt_path = config.get("ckpt_path")
+        if not ckpt_path:  # data.batch_size auto: a number from the GPU's free memory (a resume: the checkpoint's)
+            resolve_auto_batch(config)
+        arch = validate_fit_config(config, subcommand)
         init_from = (to_builtin(config.get("model") or {})).get("init_from")
         if subcommand == "fit" and init_from and not ckpt_path:  # a resume takes its weights from ckpt_path
             data_class, data_args = data_init_args(config)
@@ -216,6 +219,8 @@ class DiffexpCLI(LightningCLI):
         else:
             path, version = Path(ckpt_path), None
         checkpoint = read_checkpoint(path, weights=False)
+        if is_auto(config):
+            resolve_auto_batch(config, checkpoint)
         check_resume(config, checkpoint, path, subcommand)
         check_same_data(config, checkpoint, path, subcommand)  # a data.source prepared again since
         config.ckpt_path = str(path)

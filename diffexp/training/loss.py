@@ -21,11 +21,16 @@ def _chunk_losses(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Ten
     return F.cross_entropy(F.linear(hidden, weight).float(), targets, reduction="none")
 
 
+def chunk_rows(vocab_size: int, chunk_logits: int | None = None) -> int:
+    """Rows of logits per chunk (CHUNK_LOGITS unless given); the memory estimate counts one chunk's."""
+    return max(1, (CHUNK_LOGITS if chunk_logits is None else chunk_logits) // vocab_size)
+
+
 def token_losses(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
-                 chunk_logits: int = CHUNK_LOGITS) -> torch.Tensor:
+                 chunk_logits: int | None = None) -> torch.Tensor:
     """Per-target losses (fp32, targets' shape) of logits = hidden @ weight.T, as
     F.cross_entropy(logits.float(), targets, reduction="none") gives them, computed in chunks of rows."""
-    rows = max(1, chunk_logits // weight.shape[0])
+    rows = chunk_rows(weight.shape[0], chunk_logits)
     flat_hidden, flat_targets = hidden.flatten(0, -2), targets.flatten()
     if flat_hidden.shape[0] <= rows:
         return _chunk_losses(flat_hidden, weight, flat_targets).view_as(targets)

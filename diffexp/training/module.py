@@ -109,6 +109,8 @@ class DiffexpLM(L.LightningModule):
         self.compile_blocks = compile
         self.last_grad_norm: float | None = None
         self.last_train_loss: torch.Tensor | None = None  # read by the Diagnostics (loss spikes, divergence)
+        #: last_train_loss on the host, read with the step's finite check: what the progress bar shows
+        self.shown_train_loss: float | None = None
         self.validated_step: int | None = None  # the global step of the last validation, kept in checkpoints
         self._last_step_time: float | None = None
         self._tokens_since_log = 0
@@ -141,7 +143,7 @@ class DiffexpLM(L.LightningModule):
             datamodule = getattr(self.trainer, "datamodule", None)
             micro_batch = int(getattr(datamodule, "batch_size", 1))
             rank_zero_info(strategy.check_memory(self.arch, micro_batch, getattr(datamodule, "seq_len", None)
-                                                 or self.arch.max_seq_len))
+                                                 or self.arch.max_seq_len, token_losses))
             strategy.shard(self.model)
         elif isinstance(strategy, ModelParallelStrategy):
             raise UserError(f"trainer.strategy={type(strategy).__name__}: diffexp shards with its subclass "
@@ -168,8 +170,8 @@ class DiffexpLM(L.LightningModule):
         self._step_losses.append(loss.detach())
         # the mean over every rank's rows, as one process with the whole batch would log it
         self.last_train_loss = self.trainer.strategy.reduce(loss.detach(), reduce_op="mean")
-        if logs_this_step(self.trainer):  # the progress bar shows last_train_loss at the other steps
-            self.log("train/loss", self.last_train_loss, prog_bar=True)
+        if logs_this_step(self.trainer):  # not prog_bar: Lightning would read it from the device at every redraw
+            self.log("train/loss", self.last_train_loss)  # the bar shows shown_train_loss (training.progress)
             self.log("lr", self.trainer.optimizers[0].param_groups[0]["lr"])
         self._log_step_extras(batch)
         return loss
@@ -315,16 +317,18 @@ class DiffexpLM(L.LightningModule):
 
     def _stop_if_loss_non_finite(self) -> None:
         """One check of the step's micro-batch losses (one host sync, one all-reduce), before the optimizer step
-        and the gradient norm: a non-finite loss stops the run before it reaches the weights."""
+        and the gradient norm: a non-finite loss stops the run before it reaches the weights. The same copy to the
+        host brings the loss the progress bar shows."""
         losses, self._step_losses = self._step_losses, []
         if not losses:
             return
-        losses = torch.stack(losses)
-        finite = torch.isfinite(losses)
-        if any_rank(self.trainer, not bool(finite.all())):
+        *losses, shown = torch.stack([*losses, self.last_train_loss.to(losses[0].dtype)]).tolist()
+        self.shown_train_loss = shown
+        non_finite = [value for value in losses if not math.isfinite(value)]
+        if any_rank(self.trainer, bool(non_finite)):
             # this rank's first non-finite loss (another rank's when all of this rank's are finite)
-            value = losses[~finite][0] if not bool(finite.all()) else losses[-1]
-            stop_with_last_finite(self.trainer, self, "train/loss", value.item(), self.optim.lr)
+            value = non_finite[0] if non_finite else losses[-1]
+            stop_with_last_finite(self.trainer, self, "train/loss", value, self.optim.lr)
 
     def configure_gradient_clipping(self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None) -> None:
         """Clip by the norm on_before_optimizer_step just computed, instead of computing it again (the same

@@ -180,7 +180,9 @@ def check_cpu_memory(arch: ModelConfig, trainer: dict[str, Any], data_args: dict
     if processes * rough_training_bytes(arch, micro_batch, seq_len) <= available / 4:
         return
     compute = torch.bfloat16 if "bf16" in str(trainer.get("precision") or "") else torch.float32
-    estimate = estimate_memory(arch, micro_batch, seq_len, 1, compute)
+    from diffexp.training.loss import token_losses
+
+    estimate = estimate_memory(arch, micro_batch, seq_len, 1, compute, loss=token_losses)
     if processes * estimate.total <= available:
         return
     each = f" in each of {processes} processes" if processes > 1 else ""

@@ -39,10 +39,12 @@ class StepProgressBar(RichProgressBar):
     def get_metrics(self, trainer, pl_module):
         metrics = super().get_metrics(trainer, pl_module)
         metrics.pop("v_num", None)  # the logger's version number is not a metric
-        # this step's loss: train/loss is logged only every trainer.log_every_n_steps (a self.log is costly)
-        loss = getattr(pl_module, "last_train_loss", None)
-        if loss is not None and trainer.training:
-            metrics["train/loss"] = f"{float(loss):.3f}"
+        # the last optimizer step's loss, already on the host (DiffexpLM reads it with the step's finite check):
+        # train/loss is logged only every trainer.log_every_n_steps and not to the bar, where Lightning would read
+        # the device tensor at every redraw (waiting for the GPU)
+        loss = getattr(pl_module, "shown_train_loss", None)
+        if loss is not None:
+            metrics["train/loss"] = f"{loss:.3f}"
         return metrics
 
     def _get_train_description(self, current_epoch: int) -> str:
