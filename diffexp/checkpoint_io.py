@@ -46,11 +46,27 @@ ADDED_LATER: dict[str, dict[str, Callable[[dict], Any]]] = {
 }
 #: where read_checkpoint records what it filled in: {"model.arch.lowrank_scope": "head", ...}
 FILLED = "diffexp_filled_hparams"
+#: arch keys that no longer exist, each with the value that replaces it (None: dropped): the attention computed
+#: is the same (backend_fallback only chose a fallback; the flash_attn and triton backends computed what sdpa does)
+RETIRED_ARCH: dict[str, Callable[[Any], Any]] = {
+    "backend_fallback": lambda value: None,
+    "backend": lambda value: "sdpa" if value in ("flash_attn", "triton") else value,
+}
 
 
 def fill_added_later(checkpoint: dict) -> dict:
-    """Give a checkpoint's hyperparameters the keys added since it was written (ADDED_LATER), in place."""
+    """Give a checkpoint's hyperparameters the keys added since it was written (ADDED_LATER), and drop or replace
+    the retired ones (RETIRED_ARCH), in place."""
     hparams = checkpoint["hyper_parameters"]
+    arch = dict(hparams["arch"])
+    for key, replace in RETIRED_ARCH.items():
+        if key in arch:
+            new = replace(arch[key])
+            if new is None:
+                del arch[key]
+            else:
+                arch[key] = new
+    hparams["arch"] = arch
     filled = {}
     for section, keys in ADDED_LATER.items():
         values = hparams.get(section)

@@ -109,3 +109,21 @@ def test_a_sharded_checkpoint_directory_reads_as_one_checkpoint(tmp_path, real_c
     (sharded / "meta.pt").unlink()
     with pytest.raises(UserError, match="meta.pt"):
         read_checkpoint(sharded)
+
+
+@pytest.mark.parametrize("backend", ["flash_attn", "triton", "sdpa", "eager"])
+def test_a_checkpoint_with_retired_backend_settings_still_loads(tmp_path, real_ckpt, backend):
+    """backend_fallback and the flash_attn/triton backends are gone; they computed what sdpa does, so an older
+    checkpoint reads as that model, ready to build."""
+    from diffexp.training.loading import load_checkpoint, load_model
+
+    saved = torch.load(real_ckpt, weights_only=True)
+    saved["hyper_parameters"]["arch"] = {**saved["hyper_parameters"]["arch"], "backend": backend,
+                                         "backend_fallback": True}
+    path = tmp_path / "old.ckpt"
+    torch.save(saved, path)
+    checkpoint, hparams = load_checkpoint(str(path))
+    assert "backend_fallback" not in hparams["arch"]
+    assert hparams["arch"]["backend"] == ("eager" if backend == "eager" else "sdpa")
+    model = load_model(checkpoint, str(path), "cpu").model
+    assert model.cfg.backend == hparams["arch"]["backend"]
