@@ -312,11 +312,21 @@ def test_trial_killed_after_its_last_checkpoint_still_records_its_result(tmp_pat
 
 
 @pytest.mark.parametrize("path", sorted((REPO / "sweeps").glob("*.yaml")), ids=lambda p: p.stem)
-def test_every_sweep_spec_parses_and_every_row_is_a_valid_config(path):
-    """Sweeps are data: each row of each shipped spec must be a config `diffexp fit` accepts and can build."""
+def test_every_sweep_spec_parses_and_every_row_is_a_valid_config(path, monkeypatch):
+    """Sweeps are data: each row of each shipped spec must be a config `diffexp fit` accepts and can build. The GPU
+    specs read a directory `diffexp data prepare` makes once (not here): their data check is stood in for."""
+    from diffexp.data import identity
     from diffexp.sweep.check import check_trials
     from diffexp.sweep.tune import tuning_spec
 
+    real_check = identity.check_text_data
+
+    def check(data_args):
+        source = str(data_args.get("source", ""))
+        if not (source.startswith("data/") and not Path(source).exists()):
+            real_check(data_args)
+
+    monkeypatch.setattr(identity, "check_text_data", check)
     spec = load_spec(path)
     check_trials(spec)  # every row and search bound, as the runner checks it before starting
     if spec.tune_lr:
