@@ -70,7 +70,8 @@ SINGLE_PASSES = tuple(kernel.name for kernel in kernels() if "cpu" in kernel.dev
 
 @pytest.mark.parametrize("name, overrides", [
     ("diff_v1", {}), ("diff_v1", {"n_kv_heads": 2}), ("shared_diff", {"rank": 4}), ("dint", {}),
-    ("dint", {"n_kv_heads": 2, "gamma": "learned", "gamma_init": 0.9})])
+    ("dint", {"n_kv_heads": 2, "gamma": "learned", "gamma_init": 0.9}), ("diff_v2", {"n_kv_heads": 2}),
+    ("diff_v2", {"lambda_mode": "none", "pair_norm": True})])
 def test_decoder_single_pass_equals_one_call_per_map(name, overrides):
     """A whole decoder, logits and every parameter's gradient, with each CPU kernel against the plain path (one
     SDPA call per map; DINT: map 1 and its integral streamed, map 2 by SDPA). The yardstick is float64: each fp32

@@ -68,7 +68,7 @@ def test_without_a_working_compile_the_model_trains_eagerly_and_says_why(monkeyp
 
 
 @pytest.mark.parametrize("attention, extra", [("diff_v1", {}), ("shared_diff", {"rank": 4}),
-                                              ("dint", {}),
+                                              ("diff_v2", {"n_kv_heads": 2}), ("dint", {}),
                                               ("dint", {"gamma": "learned"})])
 def test_compiled_two_map_blocks_keep_the_cpu_kernel_in_one_graph(attention, extra):
     """On CPU a compiled block calls the compiled attention kernel as one opaque op (its fake versions give the

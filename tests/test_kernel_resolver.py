@@ -94,7 +94,9 @@ def test_sdpa_joined_is_picked_on_cuda_in_half_precision_only(monkeypatch):
     (dict(attention="shared_diff", rank=4), torch.float32, "cpu_native"),
     (dict(attention="dint"), torch.float32, "cpu_native"),
     (dict(attention="dint", integral="mean"), torch.float32, PLAIN),
-    (dict(attention="diff_v2", n_kv_heads=2), torch.float32, None),  # one attention call, no two-map head
+    (dict(attention="diff_v2", n_kv_heads=2), torch.float32, "cpu_native"),  # a pair shares K/V: a two-map head
+    (dict(attention="diff_v2", n_kv_heads=2), torch.float64, PLAIN),
+    (dict(attention="diff_v2", n_kv_heads=2, pairing="cross"), torch.float32, None),  # one call, no pair kernel
     (dict(attention="baseline"), torch.float32, None),
 ])
 def test_each_variant_reaches_the_door_only_over_whole_sequences(cpu_kernel_builds, monkeypatch, arch, dtype, want):
@@ -110,7 +112,7 @@ def test_each_variant_reaches_the_door_only_over_whole_sequences(cpu_kernel_buil
     asked = []
     original = registry.resolve
     from diffexp.model import heads
-    monkeypatch.setattr(heads, "resolve", lambda *a: asked.append(1) or original(*a))
+    monkeypatch.setattr(heads, "resolve", lambda *a, **k: asked.append(1) or original(*a, **k))
     model = Decoder(ModelConfig(d_model=32, n_layers=2, n_heads=2, vocab_size=31, **arch)).to(dtype)
     idx = torch.randint(0, 31, (1, 9))
     with torch.no_grad():
@@ -131,7 +133,7 @@ def test_a_lambda_per_token_takes_the_plain_path(cpu_kernel_builds, monkeypatch)
     from diffexp.model import heads
     from diffexp.model.heads import per_map, two_map_head
 
-    monkeypatch.setattr(heads, "resolve", lambda *a: pytest.fail("the door was asked"))
+    monkeypatch.setattr(heads, "resolve", lambda *a, **k: pytest.fail("the door was asked"))
     torch.manual_seed(0)
     q1, q2, k1, k2 = (torch.randn(1, 4, 9, 8) for _ in range(4))
     v, lam = torch.randn(1, 4, 9, 16), torch.rand(1, 4, 9, 1)

@@ -1,5 +1,6 @@
 """The kernel door's contract: every registered kernel, and the plain path, computes each two-map case of
-tests/reference.py as the naive float64 reference does: the attention module's output and the gradient of its
+tests/reference.py (and DIFF V2's, whose pairs a kernel with a lambda per token computes) as the naive float64
+reference does: the attention module's output and the gradient of its
 input and of every parameter (lambda's, gamma's, the low-rank factors').
 
 A kernel is run through `use(name)` on the CPU, where it can compute (Triton kernels under Triton's interpreter,
@@ -20,7 +21,8 @@ from diffexp.model.attention import build_attention, variant
 from tests.helpers import make_config, small_blocks, variant_cases
 from tests.reference import reference_attention
 
-TWO_MAP_CASES = [case for case in variant_cases() if variant(make_config(case).attention).maps_per_head == 2]
+TWO_MAP_CASES = [case for case in variant_cases() if variant(make_config(case).attention).maps_per_head == 2
+                 or make_config(case).attention == "diff_v2"]
 IMPLEMENTATIONS = [PLAIN, *(kernel.name for kernel in kernels())]
 TOLERANCE = {torch.float64: dict(rtol=1e-9, atol=1e-9), torch.float32: dict(rtol=2e-4, atol=2e-5)}
 
@@ -29,11 +31,17 @@ def refusal(name: str, attn, x: torch.Tensor) -> str | None:
     """Why kernel `name` cannot compute this module's head on x's dtype (None: it can)."""
     if name == PLAIN:
         return None
+    kernel = registry._KERNELS[name]
     d, h, h_kv = attn.head_dim, attn.n_heads, attn.n_kv_heads
-    q1 = x.new_zeros(1, h, x.shape[1], d)
-    k1, v = x.new_zeros(1, h_kv, x.shape[1], d), x.new_zeros(1, h_kv, x.shape[1], 2 * d)
+    q1, k1 = x.new_zeros(1, h, x.shape[1], d), x.new_zeros(1, h_kv, x.shape[1], d)
+    if attn.cfg.attention == "diff_v2":
+        if attn.cfg.pairing != "same":
+            return "pairs across K/V groups run the plain path"
+        if attn.cfg.lambda_mode != "none" and not kernel.token_lambda:
+            return "takes one lambda per layer, not DIFF V2's per token"
+        return kernel.refuses(q1, k1, x.new_zeros(1, h_kv, x.shape[1], d), None)
     integral = attn.cfg.integral if attn.cfg.attention == "dint" else None
-    return registry._KERNELS[name].refuses(q1, k1, v, integral)
+    return kernel.refuses(q1, k1, x.new_zeros(1, h_kv, x.shape[1], 2 * d), integral)
 
 
 @pytest.mark.parametrize("case", TWO_MAP_CASES)

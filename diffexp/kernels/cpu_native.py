@@ -187,6 +187,8 @@ def two_map(q1, q2, k1, k2, v, lam, block_rows: int = TWO_MAP_BLOCK) -> torch.Te
     """(A1 - lambda A2) V over whole causal sequences. q1, q2: (B, h, T, d); k1, k2: (B, h_kv, T, d);
     v: (B, h_kv, T, dv), query head p reading kv head p // (h / h_kv); lam: 0-d or (B, h, T).
     Returns (B, h, T, dv)."""
+    if k2 is k1:  # DIFF V2's pair reads one K; torch.compile refuses one tensor twice (a view sums the grads back)
+        k2 = k1.view(k1.shape)
     return NativeTwoMap.apply(q1, q2, k1, k2, v, _lambda_rows(lam, q1), block_rows)
 
 
@@ -196,9 +198,9 @@ def dint_head(q1, q2, k1, k2, v, lam, gamma: torch.Tensor, block_rows: int = DIN
 
 
 def head(q1, q2, k1, k2, v, lam, integral=None) -> torch.Tensor:
-    """The door's call (diffexp.kernels.registry)."""
+    """The door's call (diffexp.kernels.registry); lam 0-d or (B, h, T, 1)."""
     if integral is None:
-        return two_map(q1, q2, k1, k2, v, lam)
+        return two_map(q1, q2, k1, k2, v, lam.squeeze(-1) if lam.dim() else lam)
     return dint_head(q1, q2, k1, k2, v, lam, integral.gamma)
 
 
@@ -213,4 +215,4 @@ def refuses(q1: torch.Tensor, k1: torch.Tensor, v: torch.Tensor, integral: str |
 
 
 register(Kernel("cpu_native", head, ("cpu",), refuses, "the compiled CPU kernel: both maps, lambda and DINT's softmax "
-                "integral per block of query rows, one product with V"))
+                "integral per block of query rows, one product with V", token_lambda=True))

@@ -6,7 +6,8 @@ A registered kernel computes, over whole causal sequences, exactly what the mode
     head(q1, q2, k1, k2, v, lam, integral) = (A1 - lambda A2 [+ gamma A3]) V,   A_m = softmax(Q_m K_m^T / sqrt(d))
 
 q1, q2: (B, h, T, d); k1, k2: (B, h_kv, T, d); v: (B, h_kv, T, dv), query head p reading kv head p // (h / h_kv);
-lam: a 0-d tensor; integral: None or an `Integral`. It returns (B, h, T, dv) in v's dtype, with gradients for
+lam: a 0-d tensor, or (B, h, T, 1), one per token and head, for a kernel with `token_lambda`; integral: None or an
+`Integral`. It returns (B, h, T, dv) in v's dtype, with gradients for
 every tensor input. Kernels see plain tensors only: no cache, no module, no config. Every registered kernel passes
 the reference tests (tests/test_kernels.py); where none applies, the plain path runs.
 """
@@ -35,13 +36,15 @@ class Kernel:
     """name: how benchmarks and tests choose it; head: the two-map head; devices: the device types it is picked for
     unasked (`use` runs it on any device it can compute on, e.g. a Triton kernel under Triton's CPU interpreter in
     tests); refuses(q1, k1, v, integral kind or None): why it cannot compute such a call, or None when it can;
-    summary: one line for docs and benchmark tables."""
+    summary: one line for docs and benchmark tables; token_lambda: it takes a lambda per token and head (DIFF V2's
+    pairs)."""
 
     name: str
     head: Callable[..., torch.Tensor]
     devices: tuple[str, ...]
     refuses: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, str | None], str | None]
     summary: str
+    token_lambda: bool = False
 
 
 #: the plain path's name, where a benchmark or test asks for no kernel
@@ -69,15 +72,21 @@ def kernels() -> tuple[Kernel, ...]:
     return tuple(_KERNELS.values())
 
 
-def resolve(q1: torch.Tensor, k1: torch.Tensor, v: torch.Tensor, integral: Integral | None = None) -> Kernel | None:
+def resolve(q1: torch.Tensor, k1: torch.Tensor, v: torch.Tensor, integral: Integral | None = None,
+            token_lambda: bool = False) -> Kernel | None:
     """The kernel for this call (the one `use` chose, else the first registered that can compute it), or None for
-    the plain path."""
+    the plain path. token_lambda: lambda is one per token and head."""
     kind = None if integral is None else integral.kind
+
+    def computes(kernel: Kernel | None) -> bool:
+        return (kernel is not None and (kernel.token_lambda or not token_lambda)
+                and kernel.refuses(q1, k1, v, kind) is None)
+
     if _CHOSEN:
         kernel = _KERNELS.get(_CHOSEN[-1])
-        return kernel if kernel is not None and kernel.refuses(q1, k1, v, kind) is None else None
-    return next((kernel for kernel in _KERNELS.values()
-                 if q1.device.type in kernel.devices and kernel.refuses(q1, k1, v, kind) is None), None)
+        return kernel if computes(kernel) else None
+    return next((kernel for kernel in _KERNELS.values() if q1.device.type in kernel.devices and computes(kernel)),
+                None)
 
 
 @contextlib.contextmanager

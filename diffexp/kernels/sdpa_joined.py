@@ -46,6 +46,8 @@ def _fused_backend_takes(device, dtype, heads, kv_heads, d, dv) -> bool:
 def refuses(q1: torch.Tensor, k1: torch.Tensor, v: torch.Tensor, integral: str | None) -> str | None:
     if integral is not None:
         return "two maps only (DINT's integral needs map 1's rows)"
+    if v.shape[-1] == q1.shape[-1]:
+        return "V as wide as Q: one plain SDPA call over the heads already computes both maps at that cost"
     if not q1.is_cuda:  # picked for CUDA only: SDPA's fused CPU kernel wants V as wide as Q and K
         return None
     if q1.dtype not in (torch.float16, torch.bfloat16):

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from diffexp.model.heads import Integral, attention, two_map_head
+from diffexp.model.heads import Integral, attention, paired_heads, two_map_head
 from diffexp.model.heads.single_map import causal_logits
 from diffexp.model.rope import RotaryEmbedding
 
@@ -85,6 +85,13 @@ class AttentionBase(nn.Module):
         """Causal softmax attention per query head on this layer's backend (RoPE already applied)."""
         self.record_logit_max(q, k)
         return attention(q, k, v, self.backend, need_weights, cache)
+
+    def paired_heads(self, q, k, v, lam, first: slice, second: slice, shared_kv: bool, need_weights: bool = False,
+                     cache=None):
+        """attn[first] - lambda attn[second], attn one causal attention call over every query head of q."""
+        self.record_logit_max(q, k)
+        return paired_heads(q, k, v, lam, first, second, shared_kv=shared_kv, backend=self.backend, cache=cache,
+                            need_weights=need_weights)
 
     def two_map_head(self, q1, q2, k1, k2, v, lam, need_weights: bool = False, cache=None,
                      integral: Integral | None = None):

@@ -93,9 +93,9 @@ class DiffV2Attention(AttentionBase):
         k, v = self.cached(cache, k=k, v=split_heads(self.v_proj(x), self.n_kv_heads))  # h_kv heads, as GQA
         lam = self.token_lambda(x)  # from the new tokens only: lambda is token-wise
         self.record_lambda(lam)
-        attn, weights = self.attend(q, k, v, need_weights, cache)  # one call over the 2h query heads
-        out = attn[:, self.first] - lam * attn[:, self.second]
-        effective = None if weights is None else weights[:, self.first] - _in_fp32(lam) * weights[:, self.second]
+        # attn[first] - lambda attn[second], attn from one attention call over the 2h query heads
+        out, effective = self.paired_heads(q, k, v, lam, self.first, self.second, self.cfg.pairing == "same",
+                                           need_weights, cache)
         return self.o_proj(merge_heads(self.pair_norm(out))), effective
 
     def record_lambda(self, lam) -> None:
@@ -108,7 +108,3 @@ class DiffV2Attention(AttentionBase):
         return (super().extra_repr() + f", pairing={self.cfg.pairing}, lambda_mode={self.lambda_mode}, "
                 f"pair_norm={self.cfg.pair_norm}, lambda_proj_init={self.cfg.lambda_proj_init}")
 
-
-def _in_fp32(lam):
-    """lambda at least in fp32, as the maps are."""
-    return lam.to(torch.promote_types(lam.dtype, torch.float32)) if torch.is_tensor(lam) else lam

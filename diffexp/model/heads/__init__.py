@@ -1,6 +1,8 @@
 """The attention calls every variant makes, on the plain PyTorch path or a registered fast kernel.
 
 `attention(q, k, v, ...)`: causal softmax attention per query head (SDPA, or the eager map).
+`paired_heads(q, k, v, lam, first, second, ...)`: DIFF V2's attn[first] - lambda attn[second], attn one attention call
+over all query heads; where a pair shares K and V, a kernel may compute each pair as a two-map head.
 `two_map_head(q1, q2, k1, k2, v, lam, ...)`: (A1 - lambda A2 [+ gamma A3]) V, the head of DIFF V1, Shared DIFF
 and DINT. Over whole sequences it runs the kernel diffexp.kernels resolves, if any computes the call; otherwise,
 and for maps requested, eager attention and decoding, the plain path:
@@ -50,4 +52,24 @@ def two_map_head(q1, q2, k1, k2, v, lam, *, backend: str = "sdpa", integral: Int
     return per_map_head(q1, q2, k1, k2, v, lam, integral, cache, eager)
 
 
-__all__ = ["Integral", "attention", "two_map_head"]
+def paired_heads(q, k, v, lam, first: slice, second: slice, *, shared_kv: bool, backend: str = "sdpa", cache=None,
+                 need_weights: bool = False):
+    """attn[:, first] - lam * attn[:, second] with attn = causal attention over every query head of q (one call),
+    and the effective map when computed. lam: a number or (B, h, T_q, 1). shared_kv: each pair's two query heads
+    read one K/V head, so over whole sequences a kernel that takes a lambda per token (diffexp.kernels) may compute
+    the pair as a two-map head, both maps with one product with V."""
+    if shared_kv and not (need_weights or backend == "eager" or cache is not None):
+        q1, q2 = q[:, first], q[:, second]
+        lam_k = lam if torch.is_tensor(lam) else q.new_tensor(lam, dtype=torch.float32)  # a 0-d lambda
+        kernel = resolve(q1, k, v, None, token_lambda=lam_k.dim() > 0)
+        if kernel is not None:
+            return kernel.head(q1, q2, k, k, v, lam_k), None
+    attn, weights = attention(q, k, v, backend, need_weights, cache)
+    out = attn[:, first] - lam * attn[:, second]
+    if weights is None:
+        return out, None
+    lam_maps = lam.to(torch.promote_types(lam.dtype, torch.float32)) if torch.is_tensor(lam) else lam
+    return out, weights[:, first] - lam_maps * weights[:, second]
+
+
+__all__ = ["Integral", "attention", "paired_heads", "two_map_head"]
