@@ -107,18 +107,19 @@ def test_a_recipe_bench_reports_each_variants_heads_and_the_attention_it_ran(tin
 
 
 def test_the_probe_computes_each_formulation_of_a_head_alike(tiny_recipes, tmp_path):
-    """Every formulation of DIFF V1's and DIFF V2's heads gives the first one's output; the math backend takes every
-    call, and the markdown names each."""
+    """Every formulation of DIFF V1's and DIFF V2's heads, and of Shared DIFF's Q projection, gives the first one's
+    output; the math backend takes every call, and the markdown names each."""
     out = tmp_path / "probe.json"
     assert main(["probe", "--recipe", "tiny", "--recipe-dir", str(tiny_recipes), "--device", "cpu", "--dtype", "fp32",
                  "--seq-len", "16", "--batch-size", "1", "--steps", "1", "--json", str(out)]) == 0
     result = json.loads(out.read_text())
-    assert len(result["formulations"]) == 6
+    assert len(result["formulations"]) == 8
     for entry in result["formulations"].values():
         assert entry["max_rel_diff_to_first"] < 1e-5
     assert all(row["math"]["ok"] for row in result["backends"].values())
     text = out.with_suffix(".md").read_text()
     assert "diff_v1: 1 call over 2h heads, V at 2d" in text and "diff_v2: 1 GQA call" in text
+    assert "shared_diff: Q projection, X (W + A B^T), one GEMM" in text
 
 
 def test_the_gpu_script_commands_parse():

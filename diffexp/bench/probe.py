@@ -7,8 +7,10 @@ Two parts, at the recipe's shapes (heads, KV heads, head dim; seq and micro-batc
   its 2h query heads (`enable_gqa`). A backend that refuses a call says why.
 - formulations: the same head computed the ways diffexp could compute it, on PyTorch's own backend choice:
   DIFF V1 as 4 calls at head dim d (V in halves), 2 calls with V at full width, 1 call over 2h heads with V at
-  full width; DIFF V2 as 2 calls (one per map) and as 1 GQA call over its 2h query heads. The variants are taken
-  from the registry by their head's form: the first two-map variant, the first with paired query heads. Every
+  full width; DIFF V2 as 2 calls (one per map) and as 1 GQA call over its 2h query heads; and the low-rank
+  variant's Q projection of both maps factored, X W + (X A) B^T, or merged, X (W + A B^T) in one GEMM (more FLOPs,
+  fewer kernels: which pays is this measurement's question). The variants are taken from the registry by their
+  head's form: the first two-map variant, the first with paired query heads, the first with a `rank` flag. Every
   formulation's output is checked against the first of its group before it is timed.
 Times are medians of CUDA-event (or wall-clock on CPU) timings of forward + backward.
 """
@@ -53,7 +55,8 @@ def probed_variants() -> dict[str, str]:
     registered = list(variants())
     return {"reference": reference_variant().name,
             "two_map": next(v.name for v in registered if v.maps_per_head == 2),
-            "paired": next(v.name for v in registered if v.differential and v.maps_per_head == 1)}
+            "paired": next(v.name for v in registered if v.differential and v.maps_per_head == 1),
+            "low_rank": next(v.name for v in registered if "rank" in v.fields)}
 
 
 def shapes(args: argparse.Namespace) -> dict[str, dict]:
@@ -68,7 +71,8 @@ def shapes(args: argparse.Namespace) -> dict[str, dict]:
     out: dict[str, dict] = {}
     for role, name in roles.items():
         cfg = ns.recipe_archs[name]
-        out[role] = {"variant": name, "heads": cfg.n_heads, "kv_heads": cfg.kv_heads, "d": cfg.resolved_head_dim}
+        out[role] = {"variant": name, "heads": cfg.n_heads, "kv_heads": cfg.kv_heads, "d": cfg.resolved_head_dim,
+                     "d_model": cfg.d_model, "rank": getattr(cfg, "rank", None)}
     out["run"] = {"seq_len": ns.seq_lens[0], "batch": ns.batch_size}
     return out
 
@@ -147,7 +151,21 @@ def formulations(sh: dict, device, dtype) -> dict[str, dict]:
     def reference():
         return sdpa(bq, bk, bv, enable_gqa=base["heads"] != base["kv_heads"])
 
-    one, two, ref = v1["variant"], v2["variant"], base["variant"]
+    low = sh["low_rank"]
+    width, rank, d_model = low["heads"] * low["d"], low["rank"], low["d_model"]
+    gen = torch.Generator(device="cpu").manual_seed(11)
+    x, w, a, b_t = (torch.randn(*shape, generator=gen).mul(0.05).to(device, dtype).requires_grad_()
+                    for shape in ((B * T, d_model), (width, d_model), (2 * rank, d_model), (2, rank, width)))
+
+    def factored():  # X W once, plus (X A) B^T per map
+        update = torch.einsum("nmr,mrw->nmw", (x @ a.T).view(-1, 2, rank), b_t)
+        return (x @ w.T).unsqueeze(1) + update
+
+    def merged():  # X (W + A_m B_m^T): one GEMM over both maps' merged weights
+        weights = w.unsqueeze(0) + torch.einsum("mrw,mrd->mwd", b_t, a.view(2, rank, d_model))
+        return (x @ weights.reshape(2 * width, d_model).T).view(-1, 2, width)
+
+    one, two, ref, lr = v1["variant"], v2["variant"], base["variant"], low["variant"]
     return {
         f"{ref}: 1 call": {"group": ref, "fn": reference},
         f"{one}: 4 calls, head dim d": {"group": one, "fn": v1_four},
@@ -155,6 +173,8 @@ def formulations(sh: dict, device, dtype) -> dict[str, dict]:
         f"{one}: 1 call over 2h heads, V at 2d": {"group": one, "fn": v1_one},
         f"{two}: 2 calls": {"group": two, "fn": v2_two},
         f"{two}: 1 GQA call over 2h query heads": {"group": two, "fn": v2_one},
+        f"{lr}: Q projection, X W + (X A) B^T": {"group": f"{lr} projection", "fn": factored},
+        f"{lr}: Q projection, X (W + A B^T), one GEMM": {"group": f"{lr} projection", "fn": merged},
     }
 
 
