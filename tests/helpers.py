@@ -47,6 +47,17 @@ def run_cli(args: list[str], cwd: Path, check=True) -> subprocess.CompletedProce
     return proc
 
 
+def stdout_of(args: list[str]) -> str:
+    """What `diffexp ARGS`, run in this process, prints on stdout; it must exit 0."""
+    import contextlib
+    import io
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert exit_code(args) == 0
+    return out.getvalue()
+
+
 def exit_code(args: list[str]) -> int:
     """The exit code of `diffexp ARGS` run in this process (diffexp.cli.main always exits)."""
     import pytest

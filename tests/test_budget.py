@@ -3,8 +3,6 @@ tokens/s changes every time in proportion, and the size files, sweep specs and d
 
 from __future__ import annotations
 
-import contextlib
-import io
 import json
 import re
 from pathlib import Path
@@ -13,21 +11,16 @@ import pytest
 import yaml
 
 import diffexp.compare.budget as budget_module
-from diffexp.cli import main
 from diffexp.compare.budget import FITS, RunBudget, duration, measured_fit, node_seconds, sweep_estimate
 from diffexp.compare.params import Recipe, budget, run_header
-from tests.helpers import REPO
+from tests.helpers import REPO, stdout_of
 
 GPU_SWEEPS = sorted((REPO / "sweeps").glob("gpu_*.yaml"))
 UNIT = {"min": 60, "h": 3600, "d": 86400}
 
 
-def params_output(args: list[str]) -> str:
-    out = io.StringIO()
-    with contextlib.redirect_stdout(out), pytest.raises(SystemExit) as done:
-        main(["params", *args])
-    assert done.value.code == 0
-    return out.getvalue()
+def params_stdout(args: list[str]) -> str:
+    return stdout_of(["params", *args])
 
 
 def one_gpu_seconds(line: str, gpu: str = "H100") -> float:
@@ -41,12 +34,12 @@ def test_the_estimate_follows_the_recorded_tokens_per_s(tmp_path, monkeypatch):
     monkeypatch.chdir(REPO)
     args = ["recipes/gpu/variant/diff_v1.yaml", "--headers"]
     record = json.loads(FITS.read_text())[-1]
-    before = params_output(args)
+    before = params_stdout(args)
     faster = tmp_path / "fits.json"
     faster.write_text(json.dumps([record, {**record, "tokens_per_s": 3 * record["tokens_per_s"], "commit": "abc1234",
                                            "machine": "one test GPU"}]))
     monkeypatch.setattr(budget_module, "FITS", faster)
-    after = params_output(args)
+    after = params_stdout(args)
     assert run_header(measured_fit()) in after and "abc1234" in run_header(measured_fit())
     lines = lambda text: [ln for ln in text.splitlines() if "# run[diff_v1]" in ln]  # noqa: E731
     assert len(lines(before)) == len(lines(after)) == 8  # one per size
@@ -71,7 +64,7 @@ def test_the_measured_fits_rate_is_its_tokens_per_s_times_its_flops_per_token():
 def test_without_a_record_no_time_is_printed(tmp_path, monkeypatch):
     monkeypatch.chdir(REPO)
     monkeypatch.setattr(budget_module, "FITS", tmp_path / "absent.json")
-    printed = params_output(["recipes/gpu/variant/baseline/125m.yaml", "--headers"])
+    printed = params_stdout(["recipes/gpu/variant/baseline/125m.yaml", "--headers"])
     run = next(line for line in printed.splitlines() if "# run[baseline]:" in line)
     assert run.endswith("FLOPs") and "H100" not in printed and "no measured fit" in " ".join(printed.split())
 

@@ -9,8 +9,6 @@ Every recipe found by glob is checked, so new recipes and variants are covered w
 
 from __future__ import annotations
 
-import contextlib
-import io
 import json
 import re
 from pathlib import Path
@@ -32,7 +30,7 @@ from diffexp.compare.params import (
 )
 from diffexp.data.tokenizer import ByteTokenizer
 from diffexp.training.cli import parse_config
-from tests.helpers import REPO
+from tests.helpers import REPO, stdout_of
 
 RECIPES = REPO / "recipes"
 GPU = RECIPES / "gpu"
@@ -40,6 +38,10 @@ SINGLE = sorted(p for p in RECIPES.rglob("*.yaml") if GPU not in p.parents)
 GPU_SIZES = sorted(p.stem for p in (GPU / "size").glob("*.yaml"))
 GPU_VARIANTS = sorted(p.stem for p in (GPU / "variant").glob("*.yaml"))
 HEADER = re.compile(r"^# parameters(?:\[([^\]]+)\])?: total=(\d+) non_embedding=(\d+) attention=(\d+)$", re.M)
+
+
+def params_stdout(args: list[str]) -> str:
+    return stdout_of(["params", *args])
 
 
 def stated(path: Path) -> dict[str | None, dict[str, int]]:
@@ -147,7 +149,7 @@ def test_one_gpu_sizes_print_their_flops_and_gpu_time(size, monkeypatch):
     assert (steps, rows, seq_len) == ({"125m": 10000, "350m": 27000}[size], 128, 2048)
     assert abs(tokens / {"125m": 2.5e9, "350m": 7e9}[size] - 1) < 0.06  # the budgets
     flops = tokens * baseline_flops_per_token(arch, seq_len)
-    printed = run_params([f"recipes/gpu/variant/baseline/{size}.yaml", "--headers"])
+    printed = params_stdout([f"recipes/gpu/variant/baseline/{size}.yaml", "--headers"])
     row = next(line for line in printed.splitlines() if f"gpu/{size} + baseline" in line and "H100" not in line
                and f"{steps} x {rows} x {seq_len}" in line)
     assert f"{flops:.3g}" in row
@@ -239,17 +241,9 @@ def test_recipe_arguments_expand_as_documented():
     assert model_config(Recipe("x", (RECIPES / "tiny/shared_diff.yaml",))).vocab_size == 257
 
 
-def run_params(args: list[str]) -> str:
-    out = io.StringIO()
-    with contextlib.redirect_stdout(out), pytest.raises(SystemExit) as done:
-        main(["params", *args])
-    assert done.value.code == 0
-    return out.getvalue()
-
-
 def test_diffexp_params_prints_the_table(monkeypatch):
     monkeypatch.chdir(REPO)
-    printed = run_params(["recipes/tiny/shared_diff.yaml", "recipes/gpu/variant/shared_diff.yaml", "--headers"])
+    printed = params_stdout(["recipes/tiny/shared_diff.yaml", "recipes/gpu/variant/shared_diff.yaml", "--headers"])
     tiny = built([RECIPES / "tiny/shared_diff.yaml"])
     for header in ("total", "non-embedding", "attention", "Q/K projections"):
         assert header in printed, header
@@ -271,7 +265,7 @@ def test_diffexp_params_without_arguments_covers_every_recipe(monkeypatch):
     monkeypatch.chdir(REPO)
     monkeypatch.setattr(params, "report", lambda recipe: built(list(recipe.configs)))
     monkeypatch.setattr(params, "budget", lambda recipe: built(list(recipe.configs))["run"])
-    printed = run_params([])
+    printed = params_stdout([])
     for path in SINGLE:
         assert str(path.relative_to(RECIPES)) in printed, path
     for size in GPU_SIZES:

@@ -19,6 +19,12 @@ def records(path: Path) -> dict[int, dict]:
     return {r["step"]: r for r in map(json.loads, path.read_text().splitlines())}
 
 
+def tiny_fit_args(tmp_path) -> list[str]:
+    """`diffexp fit` arguments of a one-layer model on the embedded corpus, its cache under tmp_path."""
+    return ["--model.arch.d_model", "32", "--model.arch.n_layers", "1", "--model.arch.n_heads", "2",
+            "--data.seq_len", "32", "--data.max_chars", "40000", "--data.cache_dir", str(tmp_path / "cache")]
+
+
 @pytest.mark.slow
 def test_fit_logs_to_tensorboard_and_never_overwrites(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
@@ -197,8 +203,7 @@ def test_the_default_bar_redraws_a_few_times_a_second_and_a_configured_one_as_co
     from diffexp.training.progress import DEFAULT_REFRESH_RATE, StepProgressBar
 
     monkeypatch.chdir(tmp_path)
-    tiny = ["--model.arch.d_model", "32", "--model.arch.n_layers", "1", "--model.arch.n_heads", "2",
-            "--data.seq_len", "32", "--data.max_chars", "40000", "--data.cache_dir", str(tmp_path / "cache")]
+    tiny = tiny_fit_args(tmp_path)
     _, _, trainer = build_fit(tiny)
     assert type(trainer.progress_bar_callback) is StepProgressBar
     assert trainer.progress_bar_callback.refresh_rate == DEFAULT_REFRESH_RATE == 2
@@ -235,10 +240,8 @@ def test_a_run_ending_off_the_logging_grid_ends_with_its_last_steps_values(tmp_p
 
     monkeypatch.chdir(tmp_path)
     module, data, trainer = build_fit([
-        "--model.arch.d_model", "32", "--model.arch.n_layers", "1", "--model.arch.n_heads", "2",
-        "--data.seq_len", "32", "--data.batch_size", "2", "--data.max_chars", "40000",
-        "--data.cache_dir", str(tmp_path / "cache"), "--trainer.max_steps", "5", "--trainer.log_every_n_steps", "3",
-        "--trainer.limit_val_batches", "0", "--trainer.enable_progress_bar", "false"])
+        *tiny_fit_args(tmp_path), "--data.batch_size", "2", "--trainer.max_steps", "5", "--trainer.log_every_n_steps",
+        "3", "--trainer.limit_val_batches", "0", "--trainer.enable_progress_bar", "false"])
     losses = []
 
     class LastLoss(L.Callback):
@@ -265,10 +268,8 @@ def test_the_bar_shows_the_steps_loss_without_reading_the_device(tmp_path, monke
 
     monkeypatch.chdir(tmp_path)
     module, data, trainer = build_fit([
-        "--model.arch.d_model", "32", "--model.arch.n_layers", "1", "--model.arch.n_heads", "2",
-        "--data.seq_len", "32", "--data.batch_size", "2", "--data.max_chars", "40000",
-        "--data.cache_dir", str(tmp_path / "cache"), "--trainer.max_steps", "6", "--trainer.log_every_n_steps", "2",
-        "--trainer.accumulate_grad_batches", "2", "--trainer.limit_val_batches", "0"])
+        *tiny_fit_args(tmp_path), "--data.batch_size", "2", "--trainer.max_steps", "6", "--trainer.log_every_n_steps",
+        "2", "--trainer.accumulate_grad_batches", "2", "--trainer.limit_val_batches", "0"])
     bar = trainer.progress_bar_callback
     assert type(bar) is progress.StepProgressBar
     reads, shown = [], []
