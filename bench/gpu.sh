@@ -59,7 +59,8 @@ common=(--recipe "$size" --recipe-dir "$recipes" --device "$device" --dtype "$dt
 step probe 60 "${dx[@]}" bench probe --recipe "$size" --recipe-dir "$recipes" --device "$device" --dtype "$dtype" \
   --steps 5 --json "$work/probe.json" $([ "${DIFFEXP_GPU_SH_SMOKE:-0}" = 1 ] && echo --seq-len 32 --batch-size 1)
 if [ "$device" = cuda ]; then
-  step kernels-check 40 python3 -m pytest -q -x -p no:cacheprovider tests/test_gpu.py -k kernels_picked
+  step kernels-check 70 python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py tests/test_decoding.py \
+    -k "kernels_picked or (cuda_graph and (diff_v1 or dint))"
 fi
 step train-compiled-a 150 "${dx[@]}" bench train "${common[@]}" --compile --variants diff_v1 diff_v2 --profile 8 \
   --json "$work/train-compiled-a.json"

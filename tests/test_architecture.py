@@ -94,3 +94,36 @@ def test_nothing_imports_upward():
               if floor_of(target) > floor_of(module)]
     assert upward == []
 
+
+
+PRIVATE_TORCH = ("torch._dynamo", "torch._inductor")
+
+
+def private_torch_uses(source: str) -> list[str]:
+    """Each `torch._dynamo...` / `torch._inductor...` a source imports or reads (their private APIs change between
+    releases without notice)."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        names = []
+        if isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            names = [node.module]
+        elif isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "torch":
+            names = [f"torch.{node.attr}"]
+        found += [f"line {node.lineno}: {name}" for name in names
+                  if any(name == p or name.startswith(p + ".") for p in PRIVATE_TORCH)]
+    return found
+
+
+def test_no_private_torch_compiler_api_is_used():
+    uses = [f"{path.relative_to(PACKAGE.parent)} {use}" for path in MODULES.values()
+            for use in private_torch_uses(path.read_text())]
+    assert uses == []
+
+
+def test_private_torch_uses_are_found():
+    source = "import torch._dynamo\nfrom torch._inductor import config\ntorch._dynamo.mark_static_address(x)\n"
+    assert [use.split(": ")[1] for use in private_torch_uses(source)] == ["torch._dynamo", "torch._inductor",
+                                                                         "torch._dynamo"]
+    assert private_torch_uses("torch.compiler.reset()\nimport torch.nn\n") == []

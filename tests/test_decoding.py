@@ -214,6 +214,84 @@ def test_a_compiled_step_reads_the_weights_as_they_are_now(fresh_dynamo, monkeyp
                                rtol=0, atol=1e-5)
 
 
+@pytest.fixture
+def emulated_graphs(monkeypatch):
+    """The CUDA graph step replay, its graphs emulated on the CPU: recording runs the step once (a GPU's capture
+    runs nothing; the replay restores the running sums after it either way), and a replay reruns what was recorded
+    on the tensors it was recorded with, so a token not copied into the graph's own buffer, or a new cache replayed
+    on the old one's graph, gives other logits."""
+    from diffexp.kernels import registry
+    from diffexp.kernels.cuda_graph import GraphReplay
+
+    def record(run):
+        output = run()
+        return (lambda: output.copy_(run())), output
+
+    def warm_up(run, times):
+        for _ in range(times):
+            run()
+
+    monkeypatch.setitem(registry._STEP_REPLAYS, "cpu", lambda: GraphReplay(record, warm_up))
+
+
+@pytest.mark.skipif(COMPILE_MISSING is not None, reason=f"torch.compile cannot run here: {COMPILE_MISSING}")
+@pytest.mark.parametrize("name", VARIANTS)
+def test_the_replayed_step_equals_the_eager_step(name, fresh_dynamo, emulated_graphs):
+    """One capture per cache, replayed at every position; rows of different lengths in a stacked cache too."""
+    model = build(name)
+    idx = torch.randint(0, model.cfg.vocab_size, (3, 12))
+    eager = step_through(model, idx, 5, model.new_cache(capacity=16, static=True))
+    assert model.compile_decoding("reduce-overhead") is None
+    replayed = step_through(model, idx, 5, model.new_cache(capacity=16, static=True))
+    torch.testing.assert_close(replayed, eager, rtol=0, atol=1e-5)
+    assert model._replay.captures == 1
+    rows = ragged_rows(model.cfg.vocab_size)
+    alone = [torch.stack(list(generate(model.eval(), row[None], 5)), 1)[0] for row in rows]  # eager: growing caches
+    with torch.no_grad():
+        caches = [model.new_cache(capacity=16, static=True) for _ in rows]
+        firsts = [model(row[None], cache=c)[:, -1].argmax(-1) for row, c in zip(rows, caches)]
+        cache, token, together = DecoderCache.stack(caches), torch.cat(firsts)[:, None], [torch.cat(firsts)]
+        for _ in range(4):
+            token = model.decode_step(token, cache).argmax(-1, keepdim=True)
+            together.append(token[:, 0])
+    assert torch.equal(torch.stack(together, 1), torch.stack(alone))
+    assert model._replay.captures == 2
+
+
+@pytest.mark.skipif(COMPILE_MISSING is not None, reason=f"torch.compile cannot run here: {COMPILE_MISSING}")
+def test_a_replayed_step_is_captured_again_when_a_weight_moves_not_when_it_is_written(fresh_dynamo, emulated_graphs):
+    """A graph reads the memory it recorded: weights written in place are read as they are; a weight that is another
+    tensor now (or another dtype) makes a new capture, so no replay reads a freed tensor."""
+    model = build("dint")
+    idx = torch.randint(0, model.cfg.vocab_size, (2, 9))
+    assert model.compile_decoding("reduce-overhead") is None
+    cache = model.new_cache(capacity=16, static=True)
+    with torch.no_grad():
+        model(idx[:, :5], cache=cache)
+        start = cache.mark()
+        model.decode_step(idx[:, 5:6], cache)
+        torch.manual_seed(1)
+        model.load_state_dict(Decoder(model.cfg).state_dict())  # written in place
+        cache.rewind(start)
+        loaded = model.decode_step(idx[:, 5:6], cache)
+        assert model._replay.captures == 1
+        model.lm_head.weight.data = model.lm_head.weight.data * 2  # another tensor
+        cache.rewind(start)
+        swapped = model.decode_step(idx[:, 5:6], cache)
+        assert model._replay.captures == 2
+        cache.rewind(start)
+        model._compiled_step = None  # the eager step on the same cache, for reference
+        eager = model.decode_step(idx[:, 5:6], cache)
+    torch.testing.assert_close(swapped, eager, rtol=0, atol=1e-5)
+    torch.testing.assert_close(swapped, 2 * loaded, rtol=1e-5, atol=1e-5)
+
+
+def test_cuda_graph_decoding_is_refused_with_a_reason_where_no_replay_is_registered():
+    model = build("baseline")
+    assert "no step replay" in model.compile_decoding("reduce-overhead")
+    assert model._compiled_step is None
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA GPU; none here")
 @pytest.mark.parametrize("name", VARIANTS)
 def test_the_cuda_graph_step_equals_the_eager_step(name, fresh_dynamo):
@@ -223,6 +301,7 @@ def test_the_cuda_graph_step_equals_the_eager_step(name, fresh_dynamo):
     assert model.compile_decoding("reduce-overhead") is None
     compiled = step_through(model, idx, 5, model.new_cache(capacity=16, static=True))
     torch.testing.assert_close(compiled, eager, rtol=0, atol=1e-4)
+    assert model._replay.captures == 1
 
 
 @pytest.mark.skipif(COMPILE_MISSING is not None, reason=f"torch.compile cannot run here: {COMPILE_MISSING}")

@@ -10,6 +10,9 @@ lam: a 0-d tensor, or (B, h, T, 1), one per token and head, for a kernel with `t
 `Integral`. It returns (B, h, T, dv) in v's dtype, with gradients for
 every tensor input. Kernels see plain tensors only: no cache, no module, no config. Every registered kernel passes
 the reference tests (tests/test_kernels.py); where none applies, the plain path runs.
+
+The decoding step has a door of its own: a device type's step replay (a CUDA graph on "cuda") replays the compiled
+step, given its inputs and the tensors it reads in place (`register_step_replay`, `step_replay`).
 """
 
 from __future__ import annotations
@@ -100,3 +103,17 @@ def use(name: str):
         yield
     finally:
         _CHOSEN.pop()
+
+
+_STEP_REPLAYS: dict[str, Callable[[], Callable[..., torch.Tensor]]] = {}
+
+
+def register_step_replay(device_type: str, factory: Callable[[], Callable[..., torch.Tensor]]) -> None:
+    """factory() gives a replay(step, inputs, fixed, restored) -> step(*inputs) for decoding on `device_type`
+    (the contract: diffexp.kernels.cuda_graph.GraphReplay)."""
+    _STEP_REPLAYS[device_type] = factory
+
+
+def step_replay(device_type: str) -> Callable[[], Callable[..., torch.Tensor]] | None:
+    """The step replay registered for a device type, or None."""
+    return _STEP_REPLAYS.get(device_type)

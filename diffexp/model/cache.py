@@ -9,13 +9,17 @@ A step never changes Python state, which makes it one graph for `torch.compile` 
 `advance` moves the positions after it.
 
 A `static` cache allocates its whole capacity at the first write and a step attends over all of it (fixed
-shapes: one compiled graph, CUDA graphs); otherwise buffers grow by doubling and a step reads only the
-positions written so far.
+shapes and addresses: one compiled graph, one CUDA graph); otherwise buffers grow by doubling and a step reads
+only the positions written so far.
 """
 
 from __future__ import annotations
 
+import itertools
+
 import torch
+
+_SERIALS = itertools.count()
 
 
 class LayerCache:
@@ -74,7 +78,7 @@ class LayerCache:
             grown = like.new_zeros(*like.shape[:2], self.owner.allocated, dtype=dtype)
             if buffer is not None:
                 grown[..., : buffer.shape[-1]] = buffer
-            self.state[name] = buffer = self.owner.pinned(grown)
+            self.state[name] = buffer = grown
         return buffer
 
     def _buffer(self, name: str, like: torch.Tensor) -> torch.Tensor:
@@ -83,7 +87,7 @@ class LayerCache:
             grown = like.new_zeros(*like.shape[:-2], self.owner.allocated, like.shape[-1])
             if buffer is not None:
                 grown[..., : buffer.shape[-2], :] = buffer
-            self._buffers[name] = buffer = self.owner.pinned(grown)
+            self._buffers[name] = buffer = grown
         return buffer
 
     def rows(self) -> dict[str, torch.Tensor]:
@@ -111,6 +115,7 @@ class DecoderCache:
         self.max_seq_len = max_seq_len
         self.capacity = capacity or max_seq_len
         self.static = static
+        self.serial = next(_SERIALS)  # tells caches apart where one reuses a freed one's memory (a replayed step)
         self.allocated = self.capacity if static else 0  # positions each buffer holds
         self.layers = [LayerCache(self) for _ in range(n_layers)]
         self._lengths: list[int] = []  # set by the first call, which fixes the batch
@@ -162,7 +167,7 @@ class DecoderCache:
         if self.stepping and not self._positions_current:
             positions = torch.tensor(self.lengths, dtype=torch.long, device=device)
             if self.positions is None or self.positions.shape != positions.shape:
-                self.positions = self.pinned(positions)
+                self.positions = positions
                 self.row_index = torch.arange(batch, device=device)
             else:
                 self.positions.copy_(positions)
@@ -181,11 +186,14 @@ class DecoderCache:
             self._positions_current = True
         self.stepping = False
 
-    def pinned(self, tensor: torch.Tensor) -> torch.Tensor:
-        """A buffer a compiled step mutates in place: a static address, so CUDA graphs can replay on it."""
-        if self.static and tensor.is_cuda:
-            torch._dynamo.mark_static_address(tensor)
-        return tensor
+    def tensors(self) -> list[torch.Tensor]:
+        """Every tensor a step reads or writes: the layers' buffers and sums, the positions."""
+        own = [self.positions, self.row_index]
+        return [t for layer in self.layers for t in layer.rows().values()] + [t for t in own if t is not None]
+
+    def running_sums(self) -> list[torch.Tensor]:
+        """The tensors a step adds to (DINT's column sums), where its other writes only set the new position."""
+        return [t for layer in self.layers for t in layer.state.values()]
 
     def mark(self) -> tuple[list[int], list[dict[str, torch.Tensor]]]:
         """A point to rewind to: the lengths and a copy of the per-layer state (O(T) numbers per head at most)."""
@@ -213,10 +221,10 @@ class DecoderCache:
         for i, layer in enumerate(joined.layers):
             for name in caches[0].layers[i]._buffers:
                 parts = [_padded(cache.layers[i]._buffers[name], joined.allocated, -2) for cache in caches]
-                layer._buffers[name] = joined.pinned(torch.cat(parts))
+                layer._buffers[name] = torch.cat(parts)
             for name in caches[0].layers[i].state:
-                layer.state[name] = joined.pinned(torch.cat(
-                    [_padded(cache.layers[i].state[name], joined.allocated, -1) for cache in caches]))
+                layer.state[name] = torch.cat(
+                    [_padded(cache.layers[i].state[name], joined.allocated, -1) for cache in caches])
         return joined
 
     def bytes(self) -> int:

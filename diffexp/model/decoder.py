@@ -15,6 +15,7 @@ import torch
 import torch.utils.checkpoint
 from torch import nn
 
+from diffexp.kernels.registry import step_replay
 from diffexp.model.attention import build_attention, variant
 from diffexp.model.blocks import DecoderBlock, RMSNorm
 from diffexp.model.cache import DecoderCache
@@ -113,10 +114,14 @@ class Decoder(nn.Module):
         the compiled step after `compile_decoding` when the cache is static."""
         cache.begin(token.shape[0], 1, token.device, step=True)
         token = token.contiguous()  # one layout for the compiled step, whatever tensor the ids were sliced from
-        compiled = self._compiled_step is not None and cache.static  # a growing cache would recompile each step
-        logits = self._compiled_step(token, cache) if compiled else self._step_logits(token, cache)
-        if compiled and self._compiled_mode == "reduce-overhead":
-            logits = logits.clone()  # a CUDA graph writes its next replay's output into this same memory
+        if self._compiled_step is None or not cache.static:  # a growing cache would recompile each step
+            logits = self._step_logits(token, cache)
+        elif self._replay is None:
+            logits = self._compiled_step(token, cache)
+        else:
+            logits = self._replay(lambda ids: self._compiled_step(ids, cache), (token,),
+                                  fixed=lambda: [*cache.tensors(), *self.parameters(), *self.buffers()],
+                                  restored=cache.running_sums(), epoch=cache.serial)
         cache.advance(1)
         return logits
 
@@ -125,19 +130,27 @@ class Decoder(nn.Module):
 
     _compiled_step = None
     _compiled_mode: str | None = None
+    _replay = None
 
     def compile_decoding(self, mode: str | None = None) -> str | None:
-        """Compile `decode_step` with torch.compile (inductor; CUDA graphs on a GPU with mode "reduce-overhead",
-        the default there); use it with static caches. Returns why it cannot run here, else None."""
+        """Compile `decode_step` with torch.compile (inductor) for static caches; mode "reduce-overhead" (the
+        default on a GPU) also replays it as a CUDA graph (diffexp.kernels' step replay). Returns why it cannot run
+        here, else None."""
         device = next(self.parameters()).device
         if mode is None:
             mode = "reduce-overhead" if device.type == "cuda" else "default"
+        if mode not in ("default", "reduce-overhead"):
+            raise ValueError(f"mode {mode!r}: expected 'default' or 'reduce-overhead'")
         if self._compiled_mode == mode:
             return None
+        replay = step_replay(device.type) if mode == "reduce-overhead" else None
+        if mode == "reduce-overhead" and replay is None:
+            return f"no step replay (CUDA graph) for {device.type} devices"
         reason = compile_unavailable(device)
         if reason is not None:
             return reason
-        self._compiled_step = torch.compile(self._own_step(), dynamic=False, fullgraph=True, mode=mode)
+        self._compiled_step = torch.compile(self._own_step(), dynamic=False, fullgraph=True)
+        self._replay = None if replay is None else replay()
         self._compiled_mode = mode
         return None
 

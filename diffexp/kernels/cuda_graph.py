@@ -1,0 +1,93 @@
+"""The decoding step replayed as a CUDA graph: one token's step launches hundreds of small kernels, and a graph
+launches them all at once (torch.cuda.CUDAGraph, as the PyTorch docs' whole-network capture does).
+
+A graph replays the kernels it recorded on the memory it recorded. So the step's inputs (the token ids) are copied
+into buffers of the graph's own, and every other tensor the step reads or writes (the cache, the weights) must stay
+where it was: their addresses, shapes, strides and dtypes key the capture, and any change means a new capture,
+never a replay on stale memory. Values written in place (weights loaded, the cache filled) are read as they are at
+each replay. A replay runs no Python, so the caller names an `epoch` that forces a new capture when it changes
+(the decoder: each cache), at which the compiled step's guards are checked again.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+
+from diffexp.kernels.registry import register_step_replay
+
+Run = Callable[[], torch.Tensor]
+
+
+def cuda_warm_up(run: Run, times: int) -> None:
+    """Run the step on a side stream first, as capture requires (it compiles, and allocates its workspaces)."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(times):
+            run()
+    torch.cuda.current_stream().wait_stream(stream)
+
+
+def cuda_record(run: Run) -> tuple[Callable[[], None], torch.Tensor]:
+    """Capture run() into a CUDA graph (nothing executes): the replay, and the output each replay rewrites."""
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        output = run()
+    return graph.replay, output
+
+
+class GraphReplay:
+    """replay(step, inputs, fixed, restored, epoch) computes step(*inputs) by replaying a graph captured at the first
+    call and again whenever a tensor in `fixed()` moved or `epoch` changed.
+
+    inputs: copied into the graph's own buffers at each call; fixed: every other tensor the step reads or writes,
+    asked after the warm-up (which may allocate some); restored: the tensors the step updates by accumulating (DINT's
+    running sums), put back after the warm-up so the replay adds once. Writes the replay repeats with the same
+    values (the new token's keys at its position) need no restoring. record and warm_up: CUDA's by default.
+    """
+
+    def __init__(self, record: Callable[[Run], tuple[Callable[[], None], torch.Tensor]] = cuda_record,
+                 warm_up: Callable[[Run, int], None] = cuda_warm_up, warm_ups: int = 2) -> None:
+        self.record, self.warm_up, self.warm_ups = record, warm_up, warm_ups
+        self.captures = 0  # how many graphs were captured (a benchmark reports it; tests check it)
+        self._key: tuple | None = None
+        self._inputs: list[torch.Tensor] = []
+        self._replay: Callable[[], None] | None = None
+        self._output: torch.Tensor | None = None
+
+    def __call__(self, step: Callable[..., torch.Tensor], inputs: Sequence[torch.Tensor],
+                 fixed: Callable[[], Sequence[torch.Tensor]], restored: Sequence[torch.Tensor],
+                 epoch: object = None) -> torch.Tensor:
+        if self._key is None or (epoch, *_signature(inputs, fixed())) != self._key:
+            self._capture(step, inputs, restored)
+            self._key = (epoch, *_signature(inputs, fixed()))
+        for mine, given in zip(self._inputs, inputs, strict=True):
+            mine.copy_(given)
+        self._replay()
+        return self._output.clone()  # the next replay rewrites the graph's output memory
+
+    def _capture(self, step, inputs, restored) -> None:
+        self._replay = self._output = None  # the old graph and its memory pool go first
+        self._inputs = [tensor.clone() for tensor in inputs]
+
+        def run() -> torch.Tensor:
+            return step(*self._inputs)
+
+        saved = [tensor.clone() for tensor in restored]
+        self.warm_up(run, self.warm_ups)
+        self._replay, self._output = self.record(run)
+        for tensor, before in zip(restored, saved, strict=True):
+            with torch.inference_mode(tensor.is_inference()):  # a cache filled under inference_mode
+                tensor.copy_(before)
+        self.captures += 1
+
+
+def _signature(inputs: Sequence[torch.Tensor], fixed: Sequence[torch.Tensor]) -> tuple:
+    """What a replay depends on: the inputs' layouts, and where every fixed tensor lives and how it is laid out."""
+    return (tuple((t.shape, t.dtype, t.device) for t in inputs),
+            tuple((t.data_ptr(), t.shape, t.stride(), t.dtype) for t in fixed))
+
+
+register_step_replay("cuda", GraphReplay)
