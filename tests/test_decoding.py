@@ -123,6 +123,21 @@ def test_prompt_rows_are_checked():
         prompt_rows(torch.zeros(3, dtype=torch.long))
 
 
+def stacked_and_alone(model) -> tuple[torch.Tensor, torch.Tensor]:
+    """Greedy tokens (3, 5) of rows of different lengths: stepped together through decode_step on one stacked
+    static cache, and each generated alone (eager, growing caches)."""
+    rows = ragged_rows(model.cfg.vocab_size)
+    alone = [torch.stack(list(generate(model, row[None], 5)), 1)[0] for row in rows]
+    with torch.no_grad():
+        caches = [model.new_cache(capacity=16, static=True) for _ in rows]
+        firsts = [model(row[None], cache=c)[:, -1].argmax(-1) for row, c in zip(rows, caches)]
+        cache, token, together = DecoderCache.stack(caches), torch.cat(firsts)[:, None], [torch.cat(firsts)]
+        for _ in range(4):
+            token = model.decode_step(token, cache).argmax(-1, keepdim=True)
+            together.append(token[:, 0])
+    return torch.stack(together, 1), torch.stack(alone)
+
+
 @pytest.fixture
 def fresh_dynamo():
     """Compiled steps of earlier tests count against torch.compile's per-function limit: start from none."""
@@ -141,16 +156,9 @@ def test_the_compiled_step_equals_the_eager_step(name, fresh_dynamo):
     assert model.compile_decoding() is None
     compiled = step_through(model, idx, 5, model.new_cache(capacity=16, static=True))
     torch.testing.assert_close(compiled, eager, rtol=0, atol=1e-5)
-    rows = ragged_rows(model.cfg.vocab_size)
-    with torch.no_grad(), torch.compiler.set_stance("fail_on_recompile"):  # no recompiles for other positions or rows
-        alone = [torch.stack(list(generate(model, row[None], 5)), 1)[0] for row in rows]  # eager: growing caches
-        caches = [model.new_cache(capacity=16, static=True) for _ in rows]
-        firsts = [model(row[None], cache=c)[:, -1].argmax(-1) for row, c in zip(rows, caches)]
-        cache, token, together = DecoderCache.stack(caches), torch.cat(firsts)[:, None], [torch.cat(firsts)]
-        for _ in range(4):
-            token = model.decode_step(token, cache).argmax(-1, keepdim=True)
-            together.append(token[:, 0])
-    assert torch.equal(torch.stack(together, 1), torch.stack(alone))
+    with torch.compiler.set_stance("fail_on_recompile"):  # no recompiles for other positions or rows
+        together, alone = stacked_and_alone(model)
+    assert torch.equal(together, alone)
 
 
 @pytest.mark.skipif(COMPILE_MISSING is not None, reason=f"torch.compile cannot run here: {COMPILE_MISSING}")
@@ -245,16 +253,8 @@ def test_the_replayed_step_equals_the_eager_step(name, fresh_dynamo, emulated_gr
     replayed = step_through(model, idx, 5, model.new_cache(capacity=16, static=True))
     torch.testing.assert_close(replayed, eager, rtol=0, atol=1e-5)
     assert model._replay.captures == 1
-    rows = ragged_rows(model.cfg.vocab_size)
-    alone = [torch.stack(list(generate(model.eval(), row[None], 5)), 1)[0] for row in rows]  # eager: growing caches
-    with torch.no_grad():
-        caches = [model.new_cache(capacity=16, static=True) for _ in rows]
-        firsts = [model(row[None], cache=c)[:, -1].argmax(-1) for row, c in zip(rows, caches)]
-        cache, token, together = DecoderCache.stack(caches), torch.cat(firsts)[:, None], [torch.cat(firsts)]
-        for _ in range(4):
-            token = model.decode_step(token, cache).argmax(-1, keepdim=True)
-            together.append(token[:, 0])
-    assert torch.equal(torch.stack(together, 1), torch.stack(alone))
+    together, alone = stacked_and_alone(model)
+    assert torch.equal(together, alone)
     assert model._replay.captures == 2
 
 
