@@ -286,6 +286,26 @@ def test_a_replayed_step_is_captured_again_when_a_weight_moves_not_when_it_is_wr
     torch.testing.assert_close(swapped, 2 * loaded, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.skipif(COMPILE_MISSING is not None, reason=f"torch.compile cannot run here: {COMPILE_MISSING}")
+def test_a_step_that_cannot_be_captured_decodes_without_a_graph_and_says_why(fresh_dynamo, monkeypatch):
+    from diffexp.kernels import registry
+    from diffexp.kernels.cuda_graph import GraphReplay
+
+    def record(run):
+        run()  # a capture that gets part of the way, then fails
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    monkeypatch.setitem(registry._STEP_REPLAYS, "cpu", lambda: GraphReplay(record, lambda run, times: run()))
+    model = build("dint")
+    idx = torch.randint(0, model.cfg.vocab_size, (2, 9))
+    eager = step_through(model, idx, 5, model.new_cache(capacity=16, static=True))
+    assert model.compile_decoding("reduce-overhead") is None
+    with pytest.warns(UserWarning, match="could not be captured as a CUDA graph \\(operation not permitted"):
+        stepped = step_through(model, idx, 5, model.new_cache(capacity=16, static=True))
+    torch.testing.assert_close(stepped, eager, rtol=0, atol=1e-5)
+    assert model._replay.captures == 0
+
+
 def test_cuda_graph_decoding_is_refused_with_a_reason_where_no_replay_is_registered():
     model = build("baseline")
     assert "no step replay" in model.compile_decoding("reduce-overhead")

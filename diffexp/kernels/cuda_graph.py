@@ -11,6 +11,7 @@ each replay. A replay runs no Python, so the caller names an `epoch` that forces
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Sequence
 
 import torch
@@ -46,6 +47,7 @@ class GraphReplay:
     asked after the warm-up (which may allocate some); restored: the tensors the step updates by accumulating (DINT's
     running sums), put back after the warm-up so the replay adds once. Writes the replay repeats with the same
     values (the new token's keys at its position) need no restoring. record and warm_up: CUDA's by default.
+    Where a capture fails, a warning says why and every later call runs the step without a graph.
     """
 
     def __init__(self, record: Callable[[Run], tuple[Callable[[], None], torch.Tensor]] = cuda_record,
@@ -56,13 +58,16 @@ class GraphReplay:
         self._inputs: list[torch.Tensor] = []
         self._replay: Callable[[], None] | None = None
         self._output: torch.Tensor | None = None
+        self.failed: str | None = None  # why a capture failed
 
     def __call__(self, step: Callable[..., torch.Tensor], inputs: Sequence[torch.Tensor],
                  fixed: Callable[[], Sequence[torch.Tensor]], restored: Sequence[torch.Tensor],
                  epoch: object = None) -> torch.Tensor:
-        if self._key is None or (epoch, *_signature(inputs, fixed())) != self._key:
+        if self.failed is None and (self._key is None or (epoch, *_signature(inputs, fixed())) != self._key):
             self._capture(step, inputs, restored)
             self._key = (epoch, *_signature(inputs, fixed()))
+        if self.failed is not None:
+            return step(*inputs)
         for mine, given in zip(self._inputs, inputs, strict=True):
             mine.copy_(given)
         self._replay()
@@ -77,11 +82,17 @@ class GraphReplay:
 
         saved = [tensor.clone() for tensor in restored]
         self.warm_up(run, self.warm_ups)
-        self._replay, self._output = self.record(run)
-        for tensor, before in zip(restored, saved, strict=True):
-            with torch.inference_mode(tensor.is_inference()):  # a cache filled under inference_mode
-                tensor.copy_(before)
-        self.captures += 1
+        try:
+            self._replay, self._output = self.record(run)
+            self.captures += 1
+        except Exception as err:  # noqa: BLE001 - the step still runs, only slower
+            self.failed = (str(err).strip().splitlines() or [type(err).__name__])[0][:300]
+            warnings.warn(f"the decoding step could not be captured as a CUDA graph ({self.failed}); decoding "
+                          "through the compiled step without one", stacklevel=3)
+        finally:
+            for tensor, before in zip(restored, saved, strict=True):
+                with torch.inference_mode(tensor.is_inference()):  # a cache filled under inference_mode
+                    tensor.copy_(before)
 
 
 def _signature(inputs: Sequence[torch.Tensor], fixed: Sequence[torch.Tensor]) -> tuple:
