@@ -80,6 +80,24 @@ def test_states_follow_the_parameter_count_and_activations_the_real_forward(atte
     assert estimate.activations - loss_backward == saved_bytes_for_real(cfg, 2, 32, monkeypatch)
 
 
+@pytest.mark.parametrize("attention", ["diff_v1", "dint"])
+@pytest.mark.parametrize("chunk_rows", [None, 100])  # the loss in one piece; chunks the small micro-batches fill
+def test_a_large_micro_batch_is_extrapolated_to_its_measured_estimate(attention, chunk_rows, monkeypatch):
+    """Past MEASURED_ROWS the estimate comes from three smaller micro-batches whose bytes grow linearly (those the
+    loss takes in one piece and those it chunks do not grow alike: then it tries larger ones), so a micro-batch of
+    millions of rows is refused in a second; it gives what measuring the micro-batch whole gives."""
+    cfg = arch(attention)
+    if chunk_rows:
+        monkeypatch.setattr(chunked_loss, "CHUNK_LOGITS", chunk_rows * cfg.vocab_size)
+    whole = estimate_memory(cfg, micro_batch=50, seq_len=32, shard_size=1, compute_dtype=torch.float32)
+    monkeypatch.setattr(memory, "MEASURED_ROWS", 32)
+    calls = []
+    measure = memory._measure_layers
+    monkeypatch.setattr(memory, "_measure_layers", lambda *args: calls.append(args[2]) or measure(*args))
+    assert estimate_memory(cfg, micro_batch=50, seq_len=32, shard_size=1, compute_dtype=torch.float32) == whole
+    assert max(calls) < 50
+
+
 def test_the_chunked_loss_holds_one_chunk_of_logits_not_the_micro_batchs(monkeypatch):
     """A 32K vocabulary over 4 x 512 tokens: 256 MiB of fp32 logits in one piece; the chunked loss keeps the final
     hidden states and, in its backward, a few chunks' worth of fp32 logits (CHUNK_LOGITS each)."""

@@ -30,6 +30,9 @@ FIT_FRACTION = 0.9  # of the device's memory: the rest for the CUDA context, NCC
 #: the longest sequence run on the meta device; longer ones are extrapolated from it and its half (a meta forward
 #: of DINT's integral walks its blocks in Python: seconds at 16K tokens)
 MEASURED_TOKENS = 2048
+#: tokens of a micro-batch measured as they are; larger micro-batches are extrapolated in their rows (the chunked loss
+#: walks its chunks in Python: minutes for a micro-batch of millions of rows)
+MEASURED_ROWS = 2**17
 
 
 @dataclass(frozen=True)
@@ -123,6 +126,18 @@ def _loss_backward_bytes(arch, micro_batch: int, seq_len: int, dtype: torch.dtyp
     return live.peak - kept
 
 
+def _linear_in(measure: Callable[[int], tuple[int, ...]], n: int, start: int) -> tuple[int, ...]:
+    """measure(n), a tuple of byte counts, extrapolated from measure at start, 2 start and 3 start where those grow
+    linearly (saved activations do per row, once the loss's chunks are all full ones); start doubles until they do,
+    and n within 3 start is measured as it is."""
+    while 3 * start < n:
+        a, b, c = measure(start), measure(2 * start), measure(3 * start)
+        if all(z - y == y - x for x, y, z in zip(a, b, c, strict=True)):
+            return tuple(x + (y - x) * (n - start) // start for x, y in zip(a, b, strict=True))
+        start *= 2
+    return measure(n)
+
+
 def _measure_layers(arch, n_layers: int, micro_batch: int, seq_len: int, dtype: torch.dtype,
                     loss: LossFn) -> tuple[int, int]:
     """(parameters, bytes saved for the backward by the forward and the loss) of an n_layers copy, on the meta
@@ -151,18 +166,23 @@ def _measure_layers(arch, n_layers: int, micro_batch: int, seq_len: int, dtype: 
 def _measure(arch, micro_batch: int, seq_len: int, dtype: torch.dtype, loss: LossFn) -> tuple[int, int, int, int]:
     """(block params, root params, block saved, root saved) from a 1- and a 2-layer copy. Past MEASURED_TOKENS, the
     saved bytes are extrapolated from two lengths: they grow linearly with the tokens (the attention kept as a
-    fused kernel keeps it), plus what does not grow (the RoPE table's storage)."""
-    def at(length: int) -> tuple[int, ...]:
-        params_1, saved_1 = _measure_layers(arch, 1, micro_batch, length, dtype, loss)
-        params_2, saved_2 = _measure_layers(arch, 2, micro_batch, length, dtype, loss)
+    fused kernel keeps it), plus what does not grow (the RoPE table's storage); past MEASURED_ROWS, from smaller
+    micro-batches."""
+    def at(batch: int, length: int) -> tuple[int, ...]:
+        params_1, saved_1 = _measure_layers(arch, 1, batch, length, dtype, loss)
+        params_2, saved_2 = _measure_layers(arch, 2, batch, length, dtype, loss)
         block_params, block_saved = params_2 - params_1, saved_2 - saved_1
         return block_params, params_1 - block_params, block_saved, saved_1 - block_saved
 
-    if seq_len <= MEASURED_TOKENS:
-        return at(seq_len)
-    long, short = at(MEASURED_TOKENS), at(MEASURED_TOKENS // 2)
-    grown = [n + (n - m) * (seq_len - MEASURED_TOKENS) // (MEASURED_TOKENS // 2) for n, m in zip(long[2:], short[2:])]
-    return (*long[:2], *grown)
+    def at_length(batch: int) -> tuple[int, ...]:
+        if seq_len <= MEASURED_TOKENS:
+            return at(batch, seq_len)
+        long, short = at(batch, MEASURED_TOKENS), at(batch, MEASURED_TOKENS // 2)
+        grown = [n + (n - m) * (seq_len - MEASURED_TOKENS) // (MEASURED_TOKENS // 2)
+                 for n, m in zip(long[2:], short[2:])]
+        return (*long[:2], *grown)
+
+    return _linear_in(at_length, micro_batch, start=max(1, MEASURED_ROWS // min(seq_len, MEASURED_TOKENS)))
 
 
 def estimate_memory(arch, micro_batch: int, seq_len: int, shard_size: int,
@@ -172,6 +192,12 @@ def estimate_memory(arch, micro_batch: int, seq_len: int, shard_size: int,
     `loss` (the trainer's: diffexp.training.loss.token_losses), its states sharded over shard_size ranks (the world
     size, or the GPUs of a node under HSDP)."""
     block_params, root_params, block_saved, root_saved = _measure(arch, micro_batch, seq_len, compute_dtype, loss)
+    if seq_len <= MEASURED_ROWS:  # the loss's backward grows with its rows: extrapolated past MEASURED_ROWS
+        (loss_backward,) = _linear_in(lambda batch: (_loss_backward_bytes(arch, batch, seq_len, compute_dtype, loss),),
+                                      micro_batch, start=max(1, MEASURED_ROWS // seq_len))
+    else:
+        (loss_backward,) = _linear_in(lambda rows: (_loss_backward_bytes(arch, 1, rows, compute_dtype, loss),),
+                                      micro_batch * seq_len, start=MEASURED_ROWS)
     total_params = root_params + arch.n_layers * block_params
     compute_bytes = torch.finfo(compute_dtype).bits // 8
     if activation_checkpointing:  # each block keeps its input; one block's activations are recomputed at a time
@@ -186,7 +212,7 @@ def estimate_memory(arch, micro_batch: int, seq_len: int, shard_size: int,
         gradients=4 * total_params // shard_size + 4 * block_params,
         optimizer=8 * total_params // shard_size,  # AdamW's two fp32 moments of the shard
         # + the loss's backward, where the step's backward starts
-        activations=layers + root_saved + _loss_backward_bytes(arch, micro_batch, seq_len, compute_dtype, loss),
+        activations=layers + root_saved + loss_backward,
     )
 
 
