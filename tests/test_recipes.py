@@ -197,7 +197,7 @@ def test_gpu_numbers_live_in_one_file():
     its token budget, trainer.max_steps), a variant delta only the attention variant and its flags (plus each
     one's part of the run directory, runs/gpu/<size>/<variant>)."""
     base = dotted_keys(GPU / "base.yaml")
-    size_keys = {"model.arch.d_model", "model.arch.n_layers", "model.arch.n_heads", "model.arch.rank",
+    size_keys = {"model.arch.d_model", "model.arch.n_layers", "model.arch.n_heads",
                  "trainer.logger.init_args.save_dir"}
     budget = {"trainer.max_steps"}
     for path in (GPU / "size").glob("*.yaml"):
@@ -232,6 +232,14 @@ def test_gpu_recipes_are_bf16_fsdp2():
         assert trainer.precision == "32-true"  # mixed precision is FSDP2's own
         assert trainer.strategy.class_path == "diffexp.parallel.FSDP2Strategy"
         assert trainer.strategy.init_args.mixed_precision == "auto"  # bf16 on GPUs
+
+
+def test_no_gpu_recipe_sets_a_flag_its_variant_does_not_read():
+    """Such a flag changes nothing, and the run warns about it; a size-dependent flag of one variant (Shared DIFF's
+    rank) lives in that variant's size parts."""
+    unused = {(size, variant): gpu_arch(size, variant).unused_settings() for size, variant in GPU_COMBOS}
+    assert {combo: found for combo, found in unused.items() if found} == {}
+    assert {gpu_arch(size, "shared_diff").rank for size in GPU_SIZES} != {ModelConfig.rank}
 
 
 def test_documented_recipe_paths_exist():
