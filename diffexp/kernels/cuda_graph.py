@@ -2,11 +2,13 @@
 launches them all at once (torch.cuda.CUDAGraph, as the PyTorch docs' whole-network capture does).
 
 A graph replays the kernels it recorded on the memory it recorded. So the step's inputs (the token ids) are copied
-into buffers of the graph's own, and every other tensor the step reads or writes (the cache, the weights) must stay
-where it was: their addresses, shapes, strides and dtypes key the capture, and any change means a new capture,
-never a replay on stale memory. Values written in place (weights loaded, the cache filled) are read as they are at
-each replay. A replay runs no Python, so the caller names an `epoch` that forces a new capture when it changes
-(the decoder: each cache), at which the compiled step's guards are checked again.
+into buffers of the graph's own, and every other tensor the step reads or writes must stay where it was:
+- the caller names an `epoch` that changes whenever its own tensors may have moved (the decoder: the cache and its
+  allocations), and a new epoch means a new capture, at which the compiled step's guards are checked again;
+- the `watched` tensors (the weights) are checked at every call, by address, since a weight can be given new
+  storage (`.data = ...`, `.to(...)`) between two steps.
+Values written in place (weights loaded, the cache filled) are read as they are at each replay. A replay runs no
+Python, so each step costs one address per weight, the input's copy and the replay.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import torch
 from diffexp.kernels.registry import register_step_replay
 
 Run = Callable[[], torch.Tensor]
+_data_ptr = torch.Tensor.data_ptr
 
 
 def cuda_warm_up(run: Run, times: int) -> None:
@@ -40,41 +43,50 @@ def cuda_record(run: Run) -> tuple[Callable[[], None], torch.Tensor]:
 
 
 class GraphReplay:
-    """replay(step, inputs, fixed, restored, epoch) computes step(*inputs) by replaying a graph captured at the first
-    call and again whenever a tensor in `fixed()` moved or `epoch` changed.
+    """replay(step, inputs, epoch, watched, restored) computes step(*inputs) by replaying a graph captured at the
+    first call, and again whenever `epoch` changed or a watched tensor moved.
 
-    inputs: copied into the graph's own buffers at each call; fixed: every other tensor the step reads or writes,
-    asked after the warm-up (which may allocate some); restored: the tensors the step updates by accumulating (DINT's
-    running sums), put back after the warm-up so the replay adds once. Writes the replay repeats with the same
-    values (the new token's keys at its position) need no restoring. record and warm_up: CUDA's by default.
-    Where a capture fails, a warning says why and every later call runs the step without a graph.
+    inputs: copied into the graph's own buffers at each call; epoch: any value, equal while every tensor the step
+    reads besides the inputs and the watched ones stays where it is; watched(): the tensors whose addresses are
+    checked at each call; restored(): the tensors the step updates by accumulating (DINT's running sums), put back
+    after the warm-up so the replay adds once. Writes the replay repeats with the same values (the new token's keys
+    at its position) need no restoring. watched and restored are asked at a capture only. record and warm_up:
+    CUDA's by default. Where a capture fails, a warning says why and every later call runs the step without a
+    graph.
     """
 
     def __init__(self, record: Callable[[Run], tuple[Callable[[], None], torch.Tensor]] = cuda_record,
                  warm_up: Callable[[Run, int], None] = cuda_warm_up, warm_ups: int = 2) -> None:
         self.record, self.warm_up, self.warm_ups = record, warm_up, warm_ups
-        self.captures = 0  # how many graphs were captured (a benchmark reports it; tests check it)
+        self.captures = 0  # how many graphs were captured (tests check it)
+        self.failed: str | None = None  # why a capture failed
         self._key: tuple | None = None
+        self._watched: list[torch.Tensor] = []
+        self._addresses: tuple[int, ...] = ()
         self._inputs: list[torch.Tensor] = []
         self._replay: Callable[[], None] | None = None
         self._output: torch.Tensor | None = None
-        self.failed: str | None = None  # why a capture failed
 
-    def __call__(self, step: Callable[..., torch.Tensor], inputs: Sequence[torch.Tensor],
-                 fixed: Callable[[], Sequence[torch.Tensor]], restored: Sequence[torch.Tensor],
-                 epoch: object = None) -> torch.Tensor:
-        if self.failed is None and (self._key is None or (epoch, *_signature(inputs, fixed())) != self._key):
-            self._capture(step, inputs, restored)
-            self._key = (epoch, *_signature(inputs, fixed()))
+    def __call__(self, step: Callable[..., torch.Tensor], inputs: Sequence[torch.Tensor], epoch: object,
+                 watched: Callable[[], Sequence[torch.Tensor]],
+                 restored: Callable[[], Sequence[torch.Tensor]]) -> torch.Tensor:
         if self.failed is not None:
             return step(*inputs)
+        key = (epoch, tuple((t.shape, t.dtype, t.device) for t in inputs))
+        if key != self._key or tuple(map(_data_ptr, self._watched)) != self._addresses:
+            self._capture(step, inputs, restored())
+            if self.failed is not None:
+                return step(*inputs)
+            self._key, self._watched = key, list(watched())
+            self._addresses = tuple(map(_data_ptr, self._watched))
         for mine, given in zip(self._inputs, inputs, strict=True):
             mine.copy_(given)
         self._replay()
         return self._output.clone()  # the next replay rewrites the graph's output memory
 
-    def _capture(self, step, inputs, restored) -> None:
+    def _capture(self, step, inputs, restored: Sequence[torch.Tensor]) -> None:
         self._replay = self._output = None  # the old graph and its memory pool go first
+        self._key, self._watched = None, []
         self._inputs = [tensor.clone() for tensor in inputs]
 
         def run() -> torch.Tensor:
@@ -93,12 +105,6 @@ class GraphReplay:
             for tensor, before in zip(restored, saved, strict=True):
                 with torch.inference_mode(tensor.is_inference()):  # a cache filled under inference_mode
                     tensor.copy_(before)
-
-
-def _signature(inputs: Sequence[torch.Tensor], fixed: Sequence[torch.Tensor]) -> tuple:
-    """What a replay depends on: the inputs' layouts, and where every fixed tensor lives and how it is laid out."""
-    return (tuple((t.shape, t.dtype, t.device) for t in inputs),
-            tuple((t.data_ptr(), t.shape, t.stride(), t.dtype) for t in fixed))
 
 
 register_step_replay("cuda", GraphReplay)

@@ -79,6 +79,7 @@ class LayerCache:
             if buffer is not None:
                 grown[..., : buffer.shape[-1]] = buffer
             self.state[name] = buffer = grown
+            self.owner.allocations += 1
         return buffer
 
     def _buffer(self, name: str, like: torch.Tensor) -> torch.Tensor:
@@ -88,6 +89,7 @@ class LayerCache:
             if buffer is not None:
                 grown[..., : buffer.shape[-2], :] = buffer
             self._buffers[name] = buffer = grown
+            self.owner.allocations += 1
         return buffer
 
     def rows(self) -> dict[str, torch.Tensor]:
@@ -116,6 +118,7 @@ class DecoderCache:
         self.capacity = capacity or max_seq_len
         self.static = static
         self.serial = next(_SERIALS)  # tells caches apart where one reuses a freed one's memory (a replayed step)
+        self.allocations = 0  # tensors allocated so far: a replayed step is captured again when it changes
         self.allocated = self.capacity if static else 0  # positions each buffer holds
         self.layers = [LayerCache(self) for _ in range(n_layers)]
         self._lengths: list[int] = []  # set by the first call, which fixes the batch
@@ -168,6 +171,7 @@ class DecoderCache:
             positions = torch.tensor(self.lengths, dtype=torch.long, device=device)
             if self.positions is None or self.positions.shape != positions.shape:
                 self.positions = positions
+                self.allocations += 1
                 self.row_index = torch.arange(batch, device=device)
             else:
                 self.positions.copy_(positions)
@@ -185,11 +189,6 @@ class DecoderCache:
             self.positions.add_(new_positions)
             self._positions_current = True
         self.stepping = False
-
-    def tensors(self) -> list[torch.Tensor]:
-        """Every tensor a step reads or writes: the layers' buffers and sums, the positions."""
-        own = [self.positions, self.row_index]
-        return [t for layer in self.layers for t in layer.rows().values()] + [t for t in own if t is not None]
 
     def running_sums(self) -> list[torch.Tensor]:
         """The tensors a step adds to (DINT's column sums), where its other writes only set the new position."""

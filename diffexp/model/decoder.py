@@ -120,8 +120,9 @@ class Decoder(nn.Module):
             logits = self._compiled_step(token, cache)
         else:
             logits = self._replay(lambda ids: self._compiled_step(ids, cache), (token,),
-                                  fixed=lambda: [*cache.tensors(), *self.parameters(), *self.buffers()],
-                                  restored=cache.running_sums(), epoch=cache.serial)
+                                  epoch=(cache.serial, cache.allocations),
+                                  watched=lambda: [*self.parameters(), *self.buffers()],
+                                  restored=cache.running_sums)
         cache.advance(1)
         return logits
 
