@@ -126,6 +126,18 @@ def test_clipped_two_processes_train_like_one(root):
                         torch.load(root / "sharded_clip.pt", weights_only=True))
 
 
+def test_dint_with_a_learned_gamma_shards_and_trains_like_one_process(root):
+    """FSDP2 shards no 0-d parameter; DINT's learned gamma has shape (1,), so a sharded DINT run trains, like one
+    process with the same global batch, gamma included."""
+    dint = ("--model.arch.attention", "dint", "--model.arch.gamma", "learned", "--trainer.max_steps", "2")
+    fit(root, "--config", str(write(root, "sharded_dint", devices=2, batch=2, strategy=FSDP2 % "false")), *dint)
+    fit(root, "--config", str(write(root, "single_dint", devices=1, batch=4, strategy="auto")), *dint)
+    sharded = torch.load(root / "sharded_dint.pt", weights_only=True)
+    gammas = [key for key in sharded if key.endswith("attn.gamma")]
+    assert len(gammas) == 2 and all(sharded[key].shape == (1,) for key in gammas)
+    assert_same_weights(torch.load(root / "single_dint.pt", weights_only=True), sharded)
+
+
 @pytest.mark.heavy  # torchrun killed and relaunched (about 50 s); test_elastic_resume.py stops and resumes ranks
 def test_kill_of_the_launcher_then_resume_ends_on_the_uninterrupted_weights(root):
     recipe = write(root, "killed", devices=2, batch=2, strategy=FSDP2 % "false")

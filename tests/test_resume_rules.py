@@ -141,3 +141,37 @@ def test_old_checkpoint_of_a_variant_without_lowrank_scope_resumes_under_todays_
     run = tmp_path / "runs/run/version_0"
     ckpt_path = _as_if_written_before(run)
     main(["fit", "--config", str(run / "config.yaml"), "--ckpt_path", str(ckpt_path)])
+
+
+def test_checkpoint_with_dints_scalar_gamma_resumes_and_ends_on_the_uninterrupted_weights(tmp_path, monkeypatch):
+    """DINT's learned gamma was a 0-d parameter (which FSDP2 cannot shard) before it became shape (1,). A
+    checkpoint from then, with its 0-d gamma and 0-d AdamW moments, still resumes, and ends where an
+    uninterrupted run of today ends."""
+    monkeypatch.chdir(tmp_path)
+    recipe = write_recipe(tmp_path, attention="dint", max_steps=8)
+    learned = ["--model.arch.gamma", "learned", "--model.optim.schedule_steps", "8"]
+    main(["fit", "--config", str(recipe), *learned])
+    uninterrupted = torch.load(tmp_path / "runs/run/version_0/checkpoints/last.ckpt", weights_only=True)
+    main(["fit", "--config", str(recipe), *learned, "--trainer.max_steps", "4"])
+    run = tmp_path / "runs/run/version_1"
+    path = run / "checkpoints/last.ckpt"
+    checkpoint = torch.load(path, weights_only=True)
+    gammas = [key for key in checkpoint["state_dict"] if key.endswith(".gamma")]
+    assert len(gammas) == 2
+    for key in gammas:  # as written before the change
+        checkpoint["state_dict"][key] = checkpoint["state_dict"][key].reshape(())
+    scalars_made = 0
+    for state in checkpoint["optimizer_states"][0]["state"].values():
+        for name in ("exp_avg", "exp_avg_sq"):
+            if state[name].shape == (1,):
+                state[name] = state[name].reshape(())
+                scalars_made += 1
+    assert scalars_made == 2 * len(gammas)
+    torch.save(checkpoint, path)
+
+    main(["fit", "--config", str(run / "config.yaml"), "--trainer.max_steps", "8", "--ckpt_path", str(path)])
+    resumed = torch.load(path, weights_only=True)
+    assert resumed["global_step"] == 8
+    for key, value in uninterrupted["state_dict"].items():
+        torch.testing.assert_close(resumed["state_dict"][key], value, msg=key)
+    assert all(resumed["state_dict"][key].shape == (1,) for key in gammas)

@@ -287,6 +287,7 @@ class DiffexpLM(L.LightningModule):
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         self.validated_step = checkpoint.get("diffexp_validated_step")
+        scalar_moments_as_vectors(checkpoint)
         trainer = self._trainer
         if trainer is not None and trainer.state.fn == "fit":
             # the preflight check of the global batch, for launches whose size only the machine knew (devices auto
@@ -419,3 +420,14 @@ class DiffexpLM(L.LightningModule):
         schedule = torch.optim.lr_scheduler.LambdaLR(
             opt, lambda step: warmup_cosine(step, warmup, total, min_ratio))
         return {"optimizer": opt, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
+
+
+def scalar_moments_as_vectors(checkpoint: dict[str, Any]) -> None:
+    """AdamW's moments of a 0-d parameter as shape (1,), in place: DINT's learned gamma was 0-d before FSDP2 (which
+    shards no scalar) made it (1,); its weight is reshaped by the attention module's state-dict load."""
+    for optimizer in checkpoint.get("optimizer_states") or ():
+        for state in optimizer.get("state", {}).values():
+            for name in ("exp_avg", "exp_avg_sq", "max_exp_avg_sq"):
+                if torch.is_tensor(state.get(name)) and state[name].dim() == 0:
+                    state[name] = state[name].reshape(1)
+

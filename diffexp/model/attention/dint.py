@@ -71,14 +71,22 @@ class DintAttention(TwoMapDifferentialAttention):
 
     def __init__(self, cfg, layer_idx: int) -> None:
         super().__init__(cfg, layer_idx)
-        if cfg.gamma == "learned":  # one scalar per layer, fp32 like lambda; 0-d, so no weight decay
+        if cfg.gamma == "learned":  # one scalar per layer, fp32 like lambda; 1-d, so no weight decay
             init = self.lambda_init if cfg.gamma_init == "lambda_init" else float(cfg.gamma_init)
-            self.gamma = nn.Parameter(torch.tensor(init, dtype=torch.float32))
+            # shape (1,), not 0-d: FSDP2's fully_shard refuses scalar parameters
+            self.gamma = nn.Parameter(torch.tensor([init], dtype=torch.float32))
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        """A checkpoint from before gamma had shape (1,) holds it 0-d: read it as (1,)."""
+        key = prefix + "gamma"
+        if self.cfg.gamma == "learned" and key in state_dict and state_dict[key].dim() == 0:
+            state_dict[key] = state_dict[key].reshape(1)
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
     def integral_weight(self, lam: torch.Tensor) -> torch.Tensor:
-        """gamma: lambda itself, or the layer's own learned scalar."""
+        """gamma: lambda itself, or the layer's own learned scalar (0-d, as the heads take it)."""
         if self.cfg.gamma == "learned":
-            return self.gamma.to(torch.promote_types(self.gamma.dtype, torch.float32))
+            return self.gamma.to(torch.promote_types(self.gamma.dtype, torch.float32)).reshape(())
         return lam
 
     def forward(self, x: torch.Tensor, need_weights: bool = False, cache=None):
