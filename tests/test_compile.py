@@ -97,3 +97,36 @@ def test_compiled_two_map_blocks_keep_the_cpu_kernel_in_one_graph(attention, ext
     assert any("diffexp_cpu" in op for op in ops), sorted(ops)
     torch.testing.assert_close(out, eager_out, rtol=0, atol=1e-6)
     torch.testing.assert_close(x.grad, eager_grad, rtol=0, atol=1e-6)
+
+
+def test_compiled_blocks_record_the_kernel_the_door_picked_once_per_trace():
+    """torch.compile traces through the kernels' profiler labels, so a compiled model says which kernel it runs
+    through diffexp.kernels.recording: one pick per trace, outside the graph (fullgraph: no break), and no
+    recompile on later steps, recording or not."""
+    from diffexp.kernels import recording
+    from tests.helpers import require_cpu_kernel
+
+    require_cpu_kernel()
+    torch.compiler.reset()
+    cfg = ModelConfig(attention="diff_v1", d_model=32, n_layers=1, n_heads=2, vocab_size=61, max_seq_len=32)
+    block = Decoder(cfg).blocks[0]
+    graphs = []
+
+    def count(gm, example_inputs):
+        graphs.append(gm)
+        return gm
+
+    compiled = torch.compile(block, backend=count, fullgraph=True)
+    x = torch.randn(2, 17, 32)
+    with recording() as picks:
+        compiled(x)
+        compiled(x)
+    assert dict(picks) == {"cpu_native": 1} and len(graphs) == 1
+    compiled(x)
+    with recording() as later:
+        compiled(x)
+    assert not later and len(graphs) == 1  # the graph runs the kernel without asking the door again
+    with recording() as eager:
+        block(x)
+        block(x)
+    assert dict(eager) == {"cpu_native": 2}

@@ -66,40 +66,50 @@ def sdpa_backend(op: str) -> tuple[str, str] | None:
     return SDPA_BACKENDS[base], "bwd" if backward else "fwd"
 
 
-def attention_ops(runner, device) -> dict[str, dict[str, float]]:
+def attention_ops(runner, device) -> dict[str, dict]:
     """Which SDPA backend the runner's attention calls took in one run, and which of diffexp's registered kernels
-    ran: {name: {"fwd": calls, "bwd": calls}} (a kernel's backward runs inside it: "bwd" is None), read from the
-    host-side events torch.profiler records (eager or compiled alike: inductor calls the same aten operators). An
-    empty dict: neither (the attention ran in other operators)."""
+    (or the plain path, "plain") the kernel door picked for its two-map heads.
+
+    SDPA backends: {name: {"fwd": calls, "bwd": calls}} per run, from the host-side events torch.profiler records
+    (eager or compiled alike: inductor calls the same aten operators). The door's picks come from the runner's
+    `kernel_picks`, recorded over its first run (diffexp.kernels.recording): {name: {"fwd": calls, "bwd": None}}
+    per run for an eager model (a kernel's backward runs inside it), {name: {"fwd": None, "bwd": None, "traced":
+    traces}} for a compiled one, whose graph calls the kernel without asking the door again. An empty dict: none
+    of these (the attention ran in other operators)."""
     import torch
     from torch.profiler import ProfilerActivity, profile
-
-    from diffexp.kernels.registry import PROFILER_PREFIX
 
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         runner.run()
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     per_run = getattr(runner, "profile_unit", ("run", 1))[1]
-    found: dict[str, dict[str, float]] = {}
+    found: dict[str, dict] = {}
     for event in prof.key_averages():
-        if event.key.startswith(PROFILER_PREFIX):
-            found[event.key.removeprefix(PROFILER_PREFIX)] = {"fwd": event.count / per_run, "bwd": None}
-            continue
         kind = sdpa_backend(event.key)
         if kind is not None:
             backend, direction = kind
             calls = found.setdefault(backend, {"fwd": 0.0, "bwd": 0.0})
             calls[direction] += event.count / per_run
+    compiled = getattr(runner, "compiled", False)
+    for name, count in (getattr(runner, "kernel_picks", None) or {}).items():
+        found[name] = ({"fwd": None, "bwd": None, "traced": count} if compiled
+                       else {"fwd": count / per_run, "bwd": None})
     return found
 
 
-def attention_text(ops: dict[str, dict[str, float]] | None) -> str:
-    """`flash 12/12` (an SDPA backend's forward/backward calls per run), `cpu_native 4` (a registered kernel's calls),
-    several joined by commas; `none` without either."""
+def attention_text(ops: dict[str, dict] | None) -> str:
+    """`flash 12/12` (an SDPA backend's forward/backward calls per run), `cpu_native 4` (the door's picks per run),
+    `sdpa_joined (compiled in)` (a pick traced into a compiled graph), several joined by commas; `none` without
+    any."""
     if ops is None:
         return "n/a"
     if not ops:
         return "none"
-    return ", ".join(f"{name} {calls['fwd']:g}" + ("" if calls["bwd"] is None else f"/{calls['bwd']:g}")
-                     for name, calls in sorted(ops.items()))
+
+    def cell(name: str, calls: dict) -> str:
+        if calls.get("traced"):
+            return f"{name} (compiled in)"
+        return f"{name} {calls['fwd']:g}" + ("" if calls["bwd"] is None else f"/{calls['bwd']:g}")
+
+    return ", ".join(cell(name, calls) for name, calls in sorted(ops.items()))

@@ -14,6 +14,7 @@ from diffexp.kernels.registry import (
                                      Integral,
                                      Kernel,
                                      kernels,
+                                     recording,
                                      register,
                                      register_step_replay,
                                      resolve,
@@ -21,5 +22,5 @@ from diffexp.kernels.registry import (
                                      use,
 )
 
-__all__ = ["PLAIN", "Integral", "Kernel", "kernels", "register", "register_step_replay", "resolve", "step_replay",
+__all__ = ["PLAIN", "Integral", "Kernel", "kernels", "recording", "register", "register_step_replay", "resolve", "step_replay",
            "use"]

@@ -17,6 +17,7 @@ step, given its inputs and the tensors it reads in place (`register_step_replay`
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 from collections.abc import Callable
@@ -58,11 +59,14 @@ _CHOSEN: list[str] = []
 
 
 def register(kernel: Kernel) -> Kernel:
-    """Add a kernel; earlier registrations are preferred where several can compute a call. Its calls show in
-    torch.profiler as `diffexp.kernels.NAME` (what `diffexp bench train` reports per variant)."""
+    """Add a kernel; earlier registrations are preferred where several can compute a call. Its eager calls show in
+    torch.profiler as `diffexp.kernels.NAME` (torch.compile traces through the label, so compiled code records
+    which kernel it runs through `recording`)."""
     head = kernel.head
 
     def labelled(*args, **kwargs):
+        if torch.compiler.is_compiling():
+            return head(*args, **kwargs)
         with torch.profiler.record_function(PROFILER_PREFIX + kernel.name):
             return head(*args, **kwargs)
 
@@ -87,9 +91,35 @@ def resolve(q1: torch.Tensor, k1: torch.Tensor, v: torch.Tensor, integral: Integ
 
     if _CHOSEN:
         kernel = _KERNELS.get(_CHOSEN[-1])
-        return kernel if computes(kernel) else None
-    return next((kernel for kernel in _KERNELS.values() if q1.device.type in kernel.devices and computes(kernel)),
-                None)
+        kernel = kernel if computes(kernel) else None
+    else:
+        kernel = next((kernel for kernel in _KERNELS.values()
+                       if q1.device.type in kernel.devices and computes(kernel)), None)
+    _picked(PLAIN if kernel is None else kernel.name)
+    return kernel
+
+
+_RECORDS: list[collections.Counter] = []
+
+
+@contextlib.contextmanager
+def recording():
+    """Within the block, what the door picks, by name (PLAIN for the plain path): a Counter of one per call in eager
+    code, and one per trace in code torch.compile traces (its graph calls the kernel without asking the door
+    again). Benchmarks record a model's first step, where a compiled model is traced."""
+    picks: collections.Counter = collections.Counter()
+    _RECORDS.append(picks)
+    try:
+        yield picks
+    finally:
+        _RECORDS.remove(picks)
+
+
+@torch.compiler.assume_constant_result  # run while tracing, outside the graph: no guard, no graph break
+def _picked(name: str) -> bool:
+    for picks in _RECORDS:
+        picks[name] += 1
+    return True
 
 
 @contextlib.contextmanager
