@@ -143,18 +143,88 @@ def test_the_gpu_wheels_are_what_the_gpu_script_installs():
                                                                      "typeshed_client"}
 
 
+def gpu_script(out: Path, tiny_recipes: Path, work: Path, timeout: int, **settings) -> None:
+    env = {**os.environ, "DIFFEXP_GPU_SH_SMOKE": "1", "DIFFEXP_GPU_SIZE": "tiny",
+           "DIFFEXP_GPU_RECIPE_DIR": str(tiny_recipes), "DIFFEXP_GPU_WORK": str(work), **settings}
+    subprocess.run(["bash", "bench/gpu.sh", str(out)], cwd=REPO, env=env, check=True, timeout=timeout,
+                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
+def results_of(out: Path) -> dict[str, dict]:
+    """The JSONs in OUT/results.tar, by name."""
+    import tarfile
+
+    with tarfile.open(out / "results.tar") as tar:
+        return {member.name: json.load(tar.extractfile(member)) for member in tar.getmembers()
+                if member.name.endswith(".json")}
+
+
+def test_a_bench_run_stopped_part_way_keeps_the_rounds_it_finished(tmp_path):
+    """bench train saves after each round, ratios computed: a run interrupted as a step's time cap does (SIGINT)
+    leaves a JSON whose rows the summary draws, marked as stopped part-way."""
+    import signal
+    import sys
+    import time
+
+    from diffexp.bench import summary
+
+    path = tmp_path / "results" / "train-compiled-diff_v1.json"
+    path.parent.mkdir()
+    proc = subprocess.Popen([sys.executable, "-m", "diffexp", "bench", "train", "--device", "cpu", "--d-model", "32",
+                             "--n-layers", "1", "--n-heads", "2", "--seq-lens", "32", "--batch-size", "1", "--rounds",
+                             "100000", "--steps", "1", "--warmup", "0", "--no-memory", "--variants", "baseline",
+                             "diff_v1", "--json", str(path)], cwd=REPO, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 120
+        while not path.exists() and time.monotonic() < deadline and proc.poll() is None:
+            time.sleep(0.2)
+        time.sleep(1)  # a few more rounds
+    finally:
+        proc.send_signal(signal.SIGINT)
+        proc.wait(timeout=60)
+    data = json.loads(path.read_text())
+    assert data["complete"] is False and data["env"]["device"] == "cpu"
+    rounds = len(data["results"]["diff_v1@32"]["round_speed_ratios"])
+    assert rounds >= 1 and data["results"]["diff_v1@32"]["flop_rate_ratio"] > 0
+    assert data["results"]["diff_v1@32"]["attention_ops"]  # the kernel door's pick, from the first step
+    page = summary.summarise(path.parent)
+    assert "(stopped part-way: the rounds it finished)" in page
+    assert page.count("| diff_v1 | 32 |") == 1 and page.count("| baseline | 32 |") == 1
+
+
+def test_the_gpu_script_keeps_a_step_stopped_at_its_cap_in_its_out_folder(tiny_recipes, tmp_path):
+    """A step stopped at its cap leaves the rows it finished in OUT_DIR (results.tar, summary.md) and says so in
+    failed.txt; the script itself goes on (the steps after it run or are skipped for the budget)."""
+    out = tmp_path / "out"
+    gpu_script(out, tiny_recipes, tmp_path / "work", timeout=300, DIFFEXP_GPU_STEPS="train-compiled",
+               DIFFEXP_GPU_COMPILE="0", DIFFEXP_GPU_VARIANTS="diff_v1", DIFFEXP_GPU_ROUNDS="100000",
+               DIFFEXP_GPU_CAP_PERCENT="40", DIFFEXP_GPU_BUDGET_S="120")
+    assert sorted(p.name for p in out.iterdir()) == ["failed.txt", "gpu.log", "results.tar", "summary.md"]
+    assert (out / "failed.txt").read_text() == "train-compiled-diff_v1: exit 124, stopped at its 28 s limit\n"
+    data = results_of(out)["train-compiled-diff_v1.json"]
+    assert data["complete"] is False and {"baseline@32", "diff_v1@32"} <= set(data["results"])
+    assert "| diff_v1 | 32 |" in (out / "summary.md").read_text()
+
+
 @pytest.mark.heavy
 def test_the_gpu_script_runs_end_to_end_on_cpu_in_smoke_mode(tiny_recipes, tmp_path):
-    """DIFFEXP_GPU_SH_SMOKE=1: every step of bench/gpu.sh on the CPU at a tiny size; each writes its JSON and the
-    summary has every table (2-3 minutes on 2 cores)."""
+    """DIFFEXP_GPU_SH_SMOKE=1: every step of bench/gpu.sh on the CPU at a tiny size; each writes its JSON, the
+    summary has every table, and the compiled and eager tables name the kernel each two-map variant ran (about 10
+    minutes on 2 cores: inductor compiles five models)."""
     out = tmp_path / "out"
-    env = {**os.environ, "DIFFEXP_GPU_SH_SMOKE": "1", "DIFFEXP_GPU_SIZE": "tiny",
-           "DIFFEXP_GPU_RECIPE_DIR": str(tiny_recipes), "DIFFEXP_GPU_WORK": str(tmp_path / "work")}
-    subprocess.run(["bash", "bench/gpu.sh", str(out)], cwd=REPO, env=env, check=True, timeout=900)
+    gpu_script(out, tiny_recipes, tmp_path / "work", timeout=3000)
     assert (out / "failed.txt").read_text() == ""
-    names = {p.name for p in out.iterdir()}
-    assert {"probe.json", "train-compiled-a.json", "train-compiled-b.json", "train-eager.json", "fit.json",
-            "summary.md", "gpu.log"} <= names
-    assert len(names) <= 8  # the device tool brings back at most 8 files
+    # four files, each replaced whole, so that a copy taken mid-run is never half a file
+    assert sorted(p.name for p in out.iterdir()) == ["failed.txt", "gpu.log", "results.tar", "summary.md"]
+    results = results_of(out)
+    compiled = [f"train-compiled-{v}.json" for v in ("diff_v1", "dint", "diff_v2", "shared_diff")]
+    assert set(compiled) | {"probe.json", "train-eager.json", "fit.json"} <= set(results)
+    for name in compiled:
+        variant = name.removeprefix("train-compiled-").removesuffix(".json")
+        if variant != "diff_v2":  # two-map heads: the door's pick, traced into the compiled graph
+            assert results[name]["results"][f"{variant}@32"]["attention_ops"]["cpu_native"]["traced"] >= 1
+    assert results["train-eager.json"]["results"]["dint@32"]["attention_ops"]["cpu_native"]["fwd"] == 1.0
     summary = (out / "summary.md").read_text()
-    assert "SDPA probe" in summary and "train-compiled" in summary and "fit / bench step" in summary
+    assert "SDPA probe" in summary and "compiled, every variant" in summary and "fit / bench step" in summary
+    assert "cpu_native (compiled in)" in summary

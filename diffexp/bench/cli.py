@@ -76,19 +76,21 @@ def run_kind(kind, argv: list[str]) -> int:
               "command": " ".join(["diffexp", "bench", kind.NAME, *argv]), "config": kind.config(args)}
 
     unwritten: list[OSError] = []
+    start_env: dict = {}
 
     def save_finished(results: dict) -> None:
-        """After each shape, the raw runs of the shapes finished so far: a run stopped later keeps them. A file that
+        """The results so far (a kind saves them as they are measured): a run stopped later keeps them. A file that
         cannot be written (a full disk) is said once; the measuring goes on."""
         try:
-            report.write_results(args.json, {**header, "complete": False, "results": results})
+            report.write_results(args.json, {**header, "complete": False, "env": start_env, "results": results})
         except OSError as err:
             if not unwritten:
                 print(f"warning: --json {args.json}: cannot write the results so far ({err}); measuring on",
                       file=sys.stderr, flush=True)
             unwritten.append(err)
 
-    env, results = report.recorded_run(args.device, args.threads, lambda: kind.run(args, save_finished))
+    env, results = report.recorded_run(args.device, args.threads, lambda: kind.run(args, save_finished),
+                                       on_start=start_env.update)
     data = {**header, "env": env, "results": results}
     try:
         report.write_results(args.json, data)

@@ -91,11 +91,16 @@ def attention_ops(runner, device) -> dict[str, dict]:
             backend, direction = kind
             calls = found.setdefault(backend, {"fwd": 0.0, "bwd": 0.0})
             calls[direction] += event.count / per_run
+    return {**found, **door_picks(runner)}
+
+
+def door_picks(runner) -> dict[str, dict]:
+    """What the kernel door picked in the runner's first run (its `kernel_picks`, from diffexp.kernels.recording),
+    as attention_ops reports it."""
     compiled = getattr(runner, "compiled", False)
-    for name, count in (getattr(runner, "kernel_picks", None) or {}).items():
-        found[name] = ({"fwd": None, "bwd": None, "traced": count} if compiled
-                       else {"fwd": count / per_run, "bwd": None})
-    return found
+    per_run = getattr(runner, "profile_unit", ("run", 1))[1]
+    return {name: {"fwd": None, "bwd": None, "traced": count} if compiled else {"fwd": count / per_run, "bwd": None}
+            for name, count in (getattr(runner, "kernel_picks", None) or {}).items()}
 
 
 def attention_text(ops: dict[str, dict] | None) -> str:

@@ -114,14 +114,16 @@ def cpu_name(cpuinfo: str = "/proc/cpuinfo") -> str:
     return platform.processor() or platform.machine()
 
 
-def recorded_run(device: str, threads: int | None, run: Callable[[], dict]) -> tuple[dict, dict]:
+def recorded_run(device: str, threads: int | None, run: Callable[[], dict],
+                 on_start: Callable[[dict], None] = lambda env: None) -> tuple[dict, dict]:
     """(environment, results) of `run()` under `threads` torch threads (None: torch's default), the environment
-    completed with the load average, thread count and wall time at its end."""
+    completed with the load average, thread count and wall time at its end; on_start gets it as it is at the start."""
     import torch
 
     if threads is not None:
         torch.set_num_threads(threads)
     env = environment(device)
+    on_start(dict(env))
     started = time.perf_counter()
     results = run()
     env["loadavg_end"] = loadavg()

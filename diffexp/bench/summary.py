@@ -1,4 +1,5 @@
-"""`python -m diffexp.bench.summary DIR`: one markdown page of every bench result in DIR (bench/gpu.sh's output).
+"""`python -m diffexp.bench.summary DIR [OUT.md]`: one markdown page of every bench result in DIR (bench/gpu.sh's
+results).
 
 Each `diffexp bench train` JSON becomes its table (the same rows the run printed), the probe its two tables, a
 fit's JSON its tokens/s beside the bench step of the same model, and a step that failed its line from
@@ -22,7 +23,7 @@ def train_section(data: dict, name: str) -> str:
     from diffexp.bench.train_step import table
 
     title, headers, rows, caption = table(data)
-    complete = "" if data.get("complete", True) else " (stopped part-way: the shapes it finished)"
+    complete = "" if data.get("complete", True) else " (stopped part-way: the rounds it finished)"
     return f"### {name}: {title}{complete}\n\n`{data['command']}`\n\n{markdown_table(headers, rows)}\n\n{caption}\n"
 
 
@@ -38,9 +39,42 @@ def fit_section(fit: dict, bench: dict | None) -> str:
     return "\n".join(lines) + "\n"
 
 
-def summarise(folder: Path) -> str:
+def joined_section(paths: list[Path]) -> str:
+    """One table of the runs that each measured one variant against the reference (bench/gpu.sh's
+    train-compiled-<variant>.json): the reference's row from the first, each variant's row from its own run, its
+    ratios to the reference measured in that run."""
+    from diffexp.bench.train_step import table
+
+    runs = []
+    for path in paths:
+        try:
+            runs.append(json.loads(path.read_text()))
+        except (OSError, ValueError):
+            continue
+    if not runs:
+        return ""
+    first = runs[0]
+    reference = first["config"]["variants"][0]
+    variants, results = [reference], {}
+    for run in runs:
+        for key, entry in run["results"].items():
+            if entry["variant"] == reference and run is not first:
+                continue
+            results[key] = entry
+            if entry["variant"] not in variants:
+                variants.append(entry["variant"])
+    data = {**first, "config": {**first["config"], "variants": variants}, "results": results}
+    title, headers, rows, caption = table(data)
+    partial = [p.stem for p, run in zip(paths, runs) if run.get("complete") is False]
+    note = f" Stopped part-way (the rounds they finished): {', '.join(partial)}." if partial else ""
+    return (f"### compiled, every variant: {title}\n\n{markdown_table(headers, rows)}\n\n{caption} Each variant's "
+            f"row is from its own run beside {reference} (the {reference} row: the first run's).{note}\n")
+
+
+def summarise(folder: Path, failed: Path | None = None) -> str:
+    """The page: the steps that did not finish (`failed`, default DIR/failed.txt), then every table."""
     parts = [f"# bench/gpu.sh results: {folder.name}\n"]
-    failed = folder / "failed.txt"
+    failed = failed or folder / "failed.txt"
     if failed.is_file() and failed.read_text().strip():
         parts.append("## Steps that did not finish\n\n" + "\n".join(f"- {line}" for line in
                                                                    failed.read_text().splitlines()) + "\n")
@@ -49,6 +83,9 @@ def summarise(folder: Path) -> str:
         from diffexp.bench.probe import markdown
 
         parts.append(markdown(json.loads(probe.read_text())))
+    compiled = sorted(folder.glob("train-compiled-*.json"))
+    if len(compiled) > 1:
+        parts.append(joined_section(compiled))
     for path in sorted(folder.glob("train-*.json")):
         try:
             parts.append(train_section(json.loads(path.read_text()), path.stem))
@@ -90,9 +127,12 @@ def main(argv: list[str] | None = None) -> int:
         run_dir, out, variant, command = Path(argv[1]), Path(argv[2]), argv[3], " ".join(argv[4:])
         out.write_text(json.dumps(fit_throughput(run_dir, command, variant), indent=1))
         return 0
-    folder = Path(argv[0])
-    text = summarise(folder)
-    (folder / "summary.md").write_text(text)
+    folder = Path(argv[0])  # DIR [OUT.md]: every result in DIR, into OUT.md (default DIR/summary.md)
+    target = Path(argv[1]) if len(argv) > 1 else folder / "summary.md"
+    text = summarise(folder, failed=target.parent / "failed.txt")
+    partial = target.with_name(f".{target.name}.partial")
+    partial.write_text(text)
+    partial.replace(target)  # replaced whole
     print(text)
     return 0
 

@@ -12,7 +12,7 @@ import gc
 import math
 import statistics
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from contextlib import contextmanager
 from typing import Protocol
 
@@ -76,9 +76,10 @@ def rotated(items: list[str], r: int) -> list[str]:
 
 
 def interleaved(runners: Mapping[str, Runner], args, progress: ProgressReporter, label: str,
-                headline: str) -> Samples:
+                headline: str, on_round: Callable[[Samples], None] | None = None) -> Samples:
     """First run, then args.rounds rounds of args.warmup untimed and args.steps timed runs per runner,
-    interleaved run by run and rotated per round. `headline` is the measure logged after each round."""
+    interleaved run by run and rotated per round. `headline` is the measure logged after each round; on_round,
+    called after each round with the samples of the rounds finished, lets a run stopped later keep them."""
     names = list(runners)
     for name in names:
         runners[name].run()
@@ -93,6 +94,9 @@ def interleaved(runners: Mapping[str, Runner], args, progress: ProgressReporter,
                 samples[name].setdefault(measure, [[] for _ in range(args.rounds)])[r].extend(seconds)
         summary = ", ".join(f"{name} {_milliseconds(statistics.median(samples[name][headline][r]))}" for name in order)
         progress.log(f"{label} round {r + 1}/{args.rounds} median ms: {summary}")
+        if on_round is not None and r + 1 < args.rounds:
+            on_round({name: {measure: rounds[:r + 1] for measure, rounds in measures.items()}
+                      for name, measures in samples.items()})
     return samples
 
 
@@ -133,10 +137,11 @@ def _round(runners: Mapping[str, Runner], order: list[str], args, progress: Prog
 
 
 def measure(runners: Mapping[str, Runner], args, progress: ProgressReporter, label: str,
-            headline: str) -> tuple[Samples, dict[str, int | None], dict[str, dict]]:
+            headline: str, on_round: Callable[[Samples], None] | None = None
+            ) -> tuple[Samples, dict[str, int | None], dict[str, dict]]:
     """`interleaved` timing, then each runner's peak memory (None without memory runs) and, with --profile, where
     one run's time goes (diffexp.bench.profile; empty without)."""
-    samples = interleaved(runners, args, progress, label, headline)
+    samples = interleaved(runners, args, progress, label, headline, on_round)
     peaks = measure_peaks(runners, not args.no_memory, progress, label)
     if not args.profile:
         return samples, peaks, {}

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from diffexp.bench import options, report, timing, workload
 from diffexp.bench.memory import peak_bytes, release, tensor_bytes
-from diffexp.bench.profile import attention_ops, attention_text
+from diffexp.bench.profile import attention_ops, attention_text, door_picks
 from diffexp.bench.progress import ProgressReporter
 from diffexp.errors import UserError
 from diffexp.model.attention.registry import reference_variant
@@ -193,31 +193,47 @@ class StepRunner:
 
 
 def run(args: argparse.Namespace, save_finished: Callable[[dict], None] = lambda results: None) -> dict:
+    """Every variant at each length, side by side. save_finished gets the results so far, ratios computed, after
+    each round and each length: a run stopped later keeps them (the kernel door's picks from the first step; the
+    SDPA backends, peak memory and profile once a length is done)."""
     import torch
 
     device = torch.device(args.device)
     variants = args.variants
     per_variant = timing.runs_per_variant(args)
     results: dict[str, dict] = {}
+    finished: list[int] = []
     with ProgressReporter(total=len(args.seq_lens) * len(variants) * per_variant) as progress:
         for seq_len in args.seq_lens:
             batch = workload.batch_for(seq_len, args)
             tokens = workload.random_tokens(args, batch, seq_len + 1, seq_len, device)
             progress.log(f"seq {seq_len}, batch {batch}: building {len(variants)} models")
             runners = {v: StepRunner(args, v, tokens, device) for v in variants}
-            samples, peaks, profiles = timing.measure(runners, args, progress, f"seq {seq_len}", headline="times_s")
-            attention = {v: attention_ops(runner, device) for v, runner in runners.items()}
-            for v in variants:
-                results[f"{v}@{seq_len}"] = {
+
+            def entries(samples, peaks=None, profiles=None, attention=None, seq_len=seq_len, batch=batch,
+                        runners=runners) -> dict[str, dict]:
+                return {f"{v}@{seq_len}": {
                     "variant": v, "seq_len": seq_len, "batch_size": batch, "tokens_per_step": batch * seq_len,
                     "overrides": workload.overrides(args)[v], "params": runners[v].params,
-                    "flops_per_step": runners[v].flops_per_step, **samples[v], "peak_bytes": peaks[v],
-                    "profile": profiles.get(v), "attention_ops": attention[v],
-                }
+                    "flops_per_step": runners[v].flops_per_step, **samples[v],
+                    "peak_bytes": (peaks or {}).get(v), "profile": (profiles or {}).get(v),
+                    "attention_ops": attention[v] if attention else door_picks(runners[v]),
+                } for v in variants}
+
+            def save_rounds(samples, seq_len=seq_len, entries=entries) -> None:
+                partial = {**results, **entries(samples)}
+                summarise(partial, variants, [*finished, seq_len], args.peak_flops)
+                save_finished(partial)
+
+            samples, peaks, profiles = timing.measure(runners, args, progress, f"seq {seq_len}", headline="times_s",
+                                                      on_round=save_rounds)
+            attention = {v: attention_ops(runner, device) for v, runner in runners.items()}
+            results.update(entries(samples, peaks, profiles, attention))
+            finished.append(seq_len)
+            summarise(results, variants, finished, args.peak_flops)
             save_finished(results)
             del runners, tokens
             release(device)
-    summarise(results, variants, args.seq_lens, args.peak_flops)
     return results
 
 
@@ -250,7 +266,9 @@ def table(data: dict) -> tuple[str, list[str], list[list[str]], str]:
     rows = []
     for seq_len in cfg["seq_lens"]:
         for v in cfg["variants"]:
-            e = data["results"][f"{v}@{seq_len}"]
+            e = data["results"].get(f"{v}@{seq_len}")
+            if e is None:  # a run stopped before this length
+                continue
             rows.append([
                 v, str(seq_len), str(e["batch_size"]), heads_cell(e.get("overrides") or {}, cfg),
                 f"{e['params']['non_embedding']:,}",

@@ -58,13 +58,14 @@ def _ensure_ninja_on_path() -> None:
 
 def _build_settings(capability: str) -> tuple[str, list[str], Path]:
     """The extension's name, its compiler flags and its build directory. The name carries a digest of the source,
-    the flags and torch's version: two checkouts on one machine, or two versions of the source, build and keep
-    their own library instead of rebuilding each other's."""
+    the flags, torch's version and the source's path: two checkouts on one machine (ninja rebuilds when the source
+    path in its build file changes), or two versions of the source, build and keep their own library instead of
+    rebuilding each other's."""
     from torch.utils import cpp_extension
 
     flags = ["-O3", "-fopenmp", *_ALIGN_FLAGS, *_VECTOR_FLAGS.get(capability, [])]
     digest = hashlib.sha256(SOURCE.read_bytes())
-    digest.update("\0".join([*flags, capability, torch.__version__]).encode())
+    digest.update("\0".join([*flags, capability, torch.__version__, str(SOURCE.resolve())]).encode())
     name = f"diffexp_cpu_attention_{digest.hexdigest()[:16]}"
     root = os.environ.get("TORCH_EXTENSIONS_DIR") or cpp_extension.get_default_build_root()  # torch's own rule
     return name, flags, Path(root) / "diffexp" / name
