@@ -22,5 +22,5 @@ from diffexp.kernels.registry import (
                                      use,
 )
 
-__all__ = ["PLAIN", "Integral", "Kernel", "kernels", "recording", "register", "register_step_replay", "resolve", "step_replay",
-           "use"]
+__all__ = ["PLAIN", "Integral", "Kernel", "kernels", "recording", "register", "register_step_replay", "resolve",
+           "step_replay", "use"]
