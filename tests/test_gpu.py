@@ -9,6 +9,8 @@ import torch
 import torch.nn.functional as F
 
 from diffexp import Decoder, ModelConfig
+from diffexp.kernels import Integral
+from tests.kernel_check import LAM, head_inputs, relative_error
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (CI has none)")
 VARIANTS = ["baseline", "diff_v1", "diff_v2", "shared_diff", "dint"]
@@ -24,9 +26,53 @@ def _pair(attention: str, backend: str):
     return fast, eager
 
 
+#: (kernel, head case): what the door must pick on CUDA in half precision at the recipes' shapes (V 2d wide)
+PICKED_ON_CUDA = [("sdpa_joined", None), ("gpu_dint", "softmax")]
+
+
+@pytest.mark.parametrize("name, integral", PICKED_ON_CUDA)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_kernels_picked_on_cuda_match_the_fp32_plain_path_output_and_every_gradient(name, integral, dtype):
+    """Each kernel the door picks on CUDA, on the head's plain tensors, against the fp32 plain path on the same
+    (rounded) inputs: the output and the gradient of q1, q2, k1, k2, v, lambda (and gamma), each within half of what
+    a 1% change of lambda moves it (tests/kernel_check.py), and the door picks it."""
+    from diffexp.kernels import registry, resolve
+    from tests.kernel_check import check_head
+
+    inputs = head_inputs("cuda", dtype)
+    head_integral = None if integral is None else Integral(integral, torch.tensor(LAM))
+    picked = resolve(inputs[0], inputs[2], inputs[4], head_integral)
+    assert picked is not None and picked.name == name, f"the door picked {picked} on CUDA in {dtype}"
+    check_head(registry._KERNELS[name].head, inputs, integral)
+
+
+@pytest.mark.parametrize("attention, name", [("diff_v1", "sdpa_joined"), ("shared_diff", "sdpa_joined"),
+                                             ("dint", "gpu_dint")])
+def test_kernels_picked_inside_inductor_compiled_blocks_match_eager(attention, name):
+    """The recipes' default: the kernel inside an inductor-compiled block, bf16 autocast, picked (recorded at the
+    trace) and equal to the same block eager on the fp32 plain path within bf16's rounding; gradients too."""
+    from diffexp.kernels import PLAIN, recording, use
+    from diffexp.model.compile import compile_blocks
+
+    torch.compiler.reset()
+    fast, plain = _pair(attention, "sdpa")
+    assert compile_blocks(fast.blocks, torch.device("cuda")) is None
+    tokens = torch.randint(0, 512, (2, 300), device="cuda")
+    with recording() as picks, torch.autocast("cuda", dtype=torch.bfloat16):
+        out_fast = fast(tokens).float()
+    assert picks[name] >= 1 and not picks[PLAIN], dict(picks)
+    with use(PLAIN):
+        out_plain = plain(tokens).float()
+    (out_fast.square().mean()).backward()
+    (out_plain.square().mean()).backward()
+    assert relative_error(out_fast, out_plain) < 3e-2
+    for (param, p), q in zip(plain.named_parameters(), fast.parameters()):  # bf16 autocast's projections too
+        assert relative_error(q.grad, p.grad) < 1e-1, param
+
+
 @pytest.mark.parametrize("attention", VARIANTS)
 def test_sdpa_with_the_kernels_picked_on_cuda_matches_eager_in_bf16(attention):
-    """The kernels the door picks on CUDA (sdpa_joined, gpu_dint) against the eager maps."""
+    """The whole model on the kernels the door picks on CUDA (sdpa_joined, gpu_dint) against the eager maps."""
     fast, eager = _pair(attention, "sdpa")
     idx = torch.randint(0, 512, (2, 256), device="cuda")
     with torch.autocast("cuda", dtype=torch.bfloat16):

@@ -140,3 +140,18 @@ def test_a_lambda_per_token_takes_the_plain_path(cpu_kernel_builds, monkeypatch)
     out, _ = two_map_head(q1, q2, k1, k2, v, lam)
     want, _ = per_map.per_map_head(q1, q2, k1, k2, v, lam, None, None, False)
     torch.testing.assert_close(out, want)
+
+
+def test_gpu_dint_is_picked_on_cuda_in_half_precision_only(monkeypatch):
+    """In fp32 on CUDA its tiles get no tensor cores and need large fp32 buffers: the plain path's streaming integral
+    runs instead."""
+    from diffexp.kernels import gpu_dint
+
+    cuda = torch.zeros(1, 4, 8, 8, device="meta", dtype=torch.bfloat16)
+    k, v = torch.zeros(1, 2, 8, 8, device="meta"), torch.zeros(1, 2, 8, 16, device="meta")
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda t: t.device.type == "meta"))
+    monkeypatch.setattr(gpu_dint, "unavailable_reason", lambda device: None)
+    assert gpu_dint.refuses(cuda, k, v, "softmax") is None
+    assert gpu_dint.refuses(cuda.half(), k, v, "softmax") is None
+    assert "half precision" in gpu_dint.refuses(cuda.float(), k, v, "softmax")
+    assert "softmax integral only" in gpu_dint.refuses(cuda, k, v, "mean")

@@ -145,3 +145,18 @@ def test_bad_shapes_and_tiles_are_refused():
         dint_integral(q, k[:, :1].expand(1, 3, 8, 16), v[:, :1].expand(1, 3, 8, 16), lse[..., :7])
     with pytest.raises(ValueError, match="powers of two >= 16, got 24"):
         dint_integral(q, k[:, :1], v[:, :1], lse, block_m=24)
+
+
+@pytest.mark.parametrize("t", [1, 77, 128, 300, 512])
+def test_the_written_causal_block_mask_is_create_block_masks(t):
+    """causal_blocks writes the causal mask's blocks down (no T x T evaluation, cheap in a compiled graph): the same
+    mask as create_block_mask finds, entry for entry, and the same attention."""
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    from diffexp.kernels.triton_dint import _causal, causal_blocks
+
+    written, found = causal_blocks(t, "cpu"), create_block_mask(_causal, None, None, t, t, device="cpu")
+    assert torch.equal(written.to_dense(), found.to_dense())
+    q, k, v = (torch.randn(1, 2, t, 16, dtype=torch.float64) for _ in range(3))
+    torch.testing.assert_close(flex_attention(q, k, v, block_mask=written),
+                               flex_attention(q, k, v, block_mask=found), rtol=0, atol=1e-12)

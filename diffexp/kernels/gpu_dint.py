@@ -38,6 +38,8 @@ def head(q1, q2, k1, k2, v, lam, integral) -> torch.Tensor:
 def refuses(q1: torch.Tensor, k1: torch.Tensor, v: torch.Tensor, integral: str | None) -> str | None:
     if integral != "softmax":
         return "DINT's softmax integral only"
+    if q1.is_cuda and q1.dtype not in (torch.float16, torch.bfloat16):  # fp32 tiles: no tensor cores, large tiles
+        return "half precision only on CUDA (the plain path's streaming integral runs fp32)"
     return unavailable_reason(q1.device)
 
 

@@ -6,23 +6,31 @@ Heads are map-major: query head i < h is map 1's head i, query head h + p map 2'
 i // (h / h_kv) sends to kv head h_kv + p // (h / h_kv): map 2's K, and V again. The scores cost 2h d and the
 products with V 2h 2d per query-key pair, the 6d the math needs, where one d-wide call per map and V slice costs
 8d. It needs an SDPA backend that takes a V wider than Q and K without the math fallback (cuDNN or
-memory-efficient attention): it is picked on CUDA in half precision, elsewhere only when asked for (tests).
+memory-efficient attention, checked with gradients, and the only backends the call may take there): it is picked on
+CUDA in half precision, elsewhere only when asked for (tests).
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from diffexp.kernels.registry import Kernel, register
+
+#: the SDPA backends the joined call may take on CUDA: those `fused_backend_takes` checks, never the math
+#: fallback, which would hold the T x T map
+FUSED = (SDPBackend.CUDNN_ATTENTION, SDPBackend.EFFICIENT_ATTENTION)
 
 
 def head(q1, q2, k1, k2, v, lam, integral=None) -> torch.Tensor:
     h = q1.shape[1]
     q, k, vv = torch.cat((q1, q2), 1), torch.cat((k1, k2), 1), torch.cat((v, v), 1)
-    out = F.scaled_dot_product_attention(q, k, vv, is_causal=True, enable_gqa=k.shape[1] != q.shape[1])
+    with sdpa_kernel(list(FUSED)) if q.is_cuda else contextlib.nullcontext():
+        out = F.scaled_dot_product_attention(q, k, vv, is_causal=True, enable_gqa=k.shape[1] != q.shape[1])
     return out[:, :h] - lam.to(out.dtype) * out[:, h:]
 
 
@@ -35,9 +43,10 @@ def fused_backend_takes(device: str, dtype: torch.dtype, heads: int, kv_heads: i
 
 @functools.cache
 def _fused_backend_takes(device, dtype, heads, kv_heads, d, dv) -> bool:
-    q = torch.zeros(1, 2 * heads, 16, d, device=device, dtype=dtype)
-    k = torch.zeros(1, 2 * kv_heads, 16, d, device=device, dtype=dtype)
-    v = torch.zeros(1, 2 * kv_heads, 16, dv, device=device, dtype=dtype)
+    # requiring grad: the backends' rules for the backward (cuDNN's head widths) are checked too
+    q = torch.zeros(1, 2 * heads, 16, d, device=device, dtype=dtype, requires_grad=True)
+    k = torch.zeros(1, 2 * kv_heads, 16, d, device=device, dtype=dtype, requires_grad=True)
+    v = torch.zeros(1, 2 * kv_heads, 16, dv, device=device, dtype=dtype, requires_grad=True)
     params = torch.backends.cuda.SDPAParams(q, k, v, None, 0.0, True, heads != kv_heads)
     return torch.backends.cuda.can_use_cudnn_attention(params) or torch.backends.cuda.can_use_efficient_attention(
         params)

@@ -32,7 +32,7 @@ import os
 import torch
 import triton
 import triton.language as tl
-from torch.nn.attention.flex_attention import AuxRequest, create_block_mask, flex_attention
+from torch.nn.attention.flex_attention import AuxRequest, BlockMask, flex_attention
 
 
 # -- tiles --------------------------------------------------------------------------------------------------------
@@ -315,15 +315,28 @@ def _causal(b, h, q_idx, kv_idx):
     return q_idx >= kv_idx
 
 
-@functools.lru_cache(maxsize=8)
-def _causal_blocks(t: int, device: str):
-    return create_block_mask(_causal, None, None, t, t, device=device)
+FLEX_BLOCK = 128  # flex_attention's default block size
+
+
+def causal_blocks(t: int, device) -> BlockMask:
+    """The causal mask's blocks, written down rather than found by evaluating the mask over T x T (create_block_mask):
+    query block m reads key blocks 0..m-1 whole and block m through the mask. O((T / 128)^2) integers, cheap inside
+    a compiled graph, where dynamo would trace through a cache of create_block_mask and redo it in every layer."""
+    n = -(-t // FLEX_BLOCK)
+    blocks = torch.arange(n, device=device, dtype=torch.int32)
+    return BlockMask.from_kv_blocks(
+        torch.ones(1, 1, n, device=device, dtype=torch.int32),  # one partial block per row of blocks: the diagonal
+        blocks.view(1, 1, n, 1).expand(1, 1, n, n).contiguous(),
+        blocks.view(1, 1, n).clone(),  # m whole blocks below it
+        blocks.view(1, 1, 1, n).expand(1, 1, n, n).contiguous(),
+        BLOCK_SIZE=FLEX_BLOCK, mask_mod=_causal, seq_lengths=(t, t))
 
 
 @functools.lru_cache(maxsize=1)
 def _compiled_flex():
-    """flex_attention compiled once: its documented use, the fused kernel that never holds T x T scores."""
-    return torch.compile(flex_attention, dynamic=False)
+    """flex_attention compiled once: its documented use, the fused kernel that never holds T x T scores. Shapes
+    dynamic after the first change (torch.compile's default), so new lengths and batches do not each recompile."""
+    return torch.compile(flex_attention)
 
 
 def map1_attention(q1: torch.Tensor, k1: torch.Tensor, v: torch.Tensor, scale: float | None = None,
@@ -336,7 +349,7 @@ def map1_attention(q1: torch.Tensor, k1: torch.Tensor, v: torch.Tensor, scale: f
     compiled = q1.is_cuda if compiled is None else compiled
     attend = _compiled_flex() if compiled else flex_attention
     t = q1.shape[-2]
-    out, aux = attend(q1, k1, v, block_mask=_causal_blocks(t, str(q1.device)), scale=scale,
+    out, aux = attend(q1, k1, v, block_mask=causal_blocks(t, q1.device), scale=scale,
                       enable_gqa=k1.shape[1] != q1.shape[1], return_aux=AuxRequest(lse=True))
     return out, aux.lse.to(torch.promote_types(q1.dtype, torch.float32))
 
