@@ -43,7 +43,8 @@ def test_bench_writes_ratios_flops_and_mfu_and_compares(tmp_path, capsys):
     assert main([*TINY, "--json", str(first), "--peak-tflops", "1.0"]) == 0
     data = json.loads(first.read_text())
     caption = " ".join(capsys.readouterr().out.split())  # the table may wrap it
-    assert f"the peak (1 TFLOP/s). Wall time {data['env']['wall_s']:.0f} s" in caption and "{" not in caption
+    assert "the peak (1 TFLOP/s), in two conventions" in caption and "{" not in caption
+    assert f"TFLOP/s). Wall time {data['env']['wall_s']:.0f} s" in caption
     results = data["results"]
     assert set(results) == {f"{v}@32" for v in variant_names()}
     base = results[f"{reference_variant().name}@32"]
@@ -51,6 +52,9 @@ def test_bench_writes_ratios_flops_and_mfu_and_compares(tmp_path, capsys):
     for entry in results.values():
         assert entry["speed_ratio"] > 0 and entry["peak_bytes"] > 0
         assert entry["mfu"] == pytest.approx(entry["tflops_per_s"] / 1.0)
+        # PaLM's convention counts all T keys per query: more FLOPs, the same step time
+        assert entry["palm_mfu"] == pytest.approx(entry["mfu"] * entry["palm_flops_per_step"] / entry["flops_per_step"])
+        assert entry["palm_flops_per_step"] > entry["flops_per_step"]
         # FLOP-rate ratio: the variant's FLOPs/s over the reference's, in the same run (the speed ratio, from
         # paired steps, times the FLOPs ratio), and the speed ratio the median of those pairs
         work = entry["flops_per_step"] / base["flops_per_step"]

@@ -47,3 +47,19 @@ def test_counted_flops_match_executed_flops(name, case, overrides):
     causal = model._forward_flops(keys=T) - cfg.n_layers * (flops(cfg, T) - flops(cfg, T / 2))
     assert model.flops_per_token(T, training=False) == pytest.approx(causal)
     assert model.flops_per_token(T) == pytest.approx(3 * causal)
+    # PaLM's convention counts every query over all T keys: what the eager backend executes
+    assert model.flops_per_token(T, training=False, convention="palm") == pytest.approx(model._forward_flops(keys=T))
+
+
+def test_palm_convention_is_6n_plus_12_l_h_q_t_for_the_baseline():
+    """PaLM's MFU rule (appendix B): 6 N + 12 L H Q T per trained token, N the matmul parameters. At the 125m recipe's
+    shape (d 768, 12 layers, 32K vocabulary, T 2048) that is 887M FLOPs per token, where the causal count is 774M."""
+    cfg = ModelConfig(attention="baseline", d_model=768, n_layers=12, n_heads=12, vocab_size=32768, max_seq_len=2048)
+    with torch.device("meta"):
+        model = Decoder(cfg)
+    matmul = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
+    palm = model.flops_per_token(2048, convention="palm")
+    assert palm == pytest.approx(6 * matmul + 12 * 12 * 768 * 2048)
+    assert round(palm / 1e6) == 887 and round(model.flops_per_token(2048) / 1e6) == 774
+    with pytest.raises(ValueError, match="expected one of causal, palm"):
+        model.flops_per_token(2048, convention="full")

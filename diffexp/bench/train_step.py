@@ -30,7 +30,7 @@ LAYOUT = report.Layout(
 )
 HEADERS = ["variant", "seq", "batch", "heads (kv)", "params (non-emb)", "step ms (median)", "tokens/s vs base",
            "ratio spread (rounds)", "FLOPs vs base", "FLOP/s vs base", "FLOP/s spread (rounds)", "peak mem MiB",
-           "mem vs base", "TFLOP/s", "MFU", "attention calls"]
+           "mem vs base", "TFLOP/s", "MFU (PaLM)", "MFU (causal)", "attention calls"]
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -146,6 +146,9 @@ class StepRunner:
         # model FLOPs of one training step (forward + backward, causal attention counted once)
         self.flops_per_step = tokens.shape[0] * (tokens.shape[1] - 1) * self.model.flops_per_token(
             tokens.shape[1] - 1, training=True)
+        # the same under PaLM's convention (all T keys per query), the one nanoGPT, llm-foundry and llm.c report
+        self.palm_flops_per_step = tokens.shape[0] * (tokens.shape[1] - 1) * self.model.flops_per_token(
+            tokens.shape[1] - 1, training=True, convention="palm")
         from diffexp.training.module import adamw_kernel
 
         # the step `diffexp fit` takes: its AdamW kernel, its chunked LM head and loss (diffexp.training.loss)
@@ -215,7 +218,8 @@ def run(args: argparse.Namespace, save_finished: Callable[[dict], None] = lambda
                 return {f"{v}@{seq_len}": {
                     "variant": v, "seq_len": seq_len, "batch_size": batch, "tokens_per_step": batch * seq_len,
                     "overrides": workload.overrides(args)[v], "params": runners[v].params,
-                    "flops_per_step": runners[v].flops_per_step, **samples[v],
+                    "flops_per_step": runners[v].flops_per_step,
+                    "palm_flops_per_step": runners[v].palm_flops_per_step, **samples[v],
                     "peak_bytes": (peaks or {}).get(v), "profile": (profiles or {}).get(v),
                     "attention_ops": attention[v] if attention else door_picks(runners[v]),
                 } for v in variants}
@@ -250,6 +254,8 @@ def summarise(results: dict, variants: list[str], seq_lens: list[int], peak_flop
             entry["cpu_flop_rate_ratio"] = entry["cpu_speed_ratio"] * entry["flops_per_step"] / base["flops_per_step"]
             entry["tokens_per_s"] = entry["tokens_per_step"] / entry["median_step_s"]
             timing.throughput(entry, "flops_per_step", "median_step_s", peak_flops_per_s)
+            if "palm_flops_per_step" in entry:  # results from before both conventions were recorded have one
+                timing.throughput(entry, "palm_flops_per_step", "median_step_s", peak_flops_per_s, prefix="palm_")
             timing.add_mem_ratio(entry, base)
 
 
@@ -277,6 +283,7 @@ def table(data: dict) -> tuple[str, list[str], list[list[str]], str]:
                 report.ratio_cell(e["flop_rate_ratio"]), report.spread_cell(e, "flop_rate_ratio"),
                 report.mib_cell(e["peak_bytes"]),
                 report.ratio_cell(e["mem_ratio"]), f"{e['tflops_per_s']:.3g}",
+                "n/a" if e.get("palm_mfu") is None else f"{100 * e['palm_mfu']:.1f}%",
                 "n/a" if e.get("mfu") is None else f"{100 * e['mfu']:.1f}%",
                 attention_text(e.get("attention_ops")),
             ])
@@ -295,7 +302,9 @@ def table(data: dict) -> tuple[str, list[str], list[list[str]], str]:
                "attention call took (forward/backward calls per step) and what the kernel door picked for the "
                "two-map heads (a diffexp.kernels kernel, or plain: calls per step; compiled: traced into the "
                "graph); TFLOP/s = model FLOPs (Decoder.flops_per_token, training) / step time; "
-               f"MFU = that / the peak ({report.tflops_text(peak)} TFLOP/s).")
+               f"MFU = model FLOPs per second / the peak ({report.tflops_text(peak)} TFLOP/s), in two conventions: "
+               "PaLM's (6N + 12 L H Q T: each query over all T keys, as nanoGPT, llm-foundry and llm.c report) and "
+               "causal (T/2 keys per query on average, the work causal attention does; diffexp's TFLOP/s).")
     return title, HEADERS, rows, caption
 
 

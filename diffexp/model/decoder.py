@@ -22,6 +22,9 @@ from diffexp.model.cache import DecoderCache
 from diffexp.model.compile import compile_unavailable
 from diffexp.model.config import ModelConfig
 
+#: how attention's FLOPs count keys: "causal" (T/2 per query, diffexp's) or "palm" (T, PaLM's MFU)
+FLOP_CONVENTIONS = ("causal", "palm")
+
 
 def named_seed(seed: int, name: str) -> int:
     """A seed for the weights of module `name` in a run seeded `seed` (stable across processes and machines)."""
@@ -169,14 +172,18 @@ class Decoder(nn.Module):
             params.pop(id(self.lm_head.weight), None)
         return sum(p.numel() for p in params.values())
 
-    def flops_per_token(self, seq_len: int, training: bool = True) -> float:
+    def flops_per_token(self, seq_len: int, training: bool = True, convention: str = "causal") -> float:
         """Model FLOPs per token (2 per multiply-add) at sequence length seq_len, for throughput and MFU.
 
         Matmuls with weights: 2 x (nn.Linear parameters). Per layer, the variant's registry entry adds what is
-        not an nn.Linear (scores, attention times V, ...), causal: T/2 keys per query on average. The logical
-        count: FlashAttention's recomputation and V splitting are not counted. Training = 3 x forward.
+        not an nn.Linear (scores, attention times V, ...) over the keys a query reads: convention "causal" (diffexp's)
+        counts T/2 on average, the work causal attention does; "palm" counts all T, as PaLM's 6N + 12 L H Q T (its
+        appendix B) and the MFU of nanoGPT, llm-foundry and llm.c do. The logical count: FlashAttention's
+        recomputation and V splitting are not counted. Training = 3 x forward.
         """
-        forward = self._forward_flops(keys=seq_len / 2)
+        if convention not in FLOP_CONVENTIONS:
+            raise ValueError(f"convention {convention!r}: expected one of {', '.join(FLOP_CONVENTIONS)}")
+        forward = self._forward_flops(keys=seq_len / 2 if convention == "causal" else seq_len)
         return forward * (3 if training else 1)
 
     def decode_flops_per_token(self, context: int) -> float:
