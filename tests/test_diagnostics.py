@@ -227,3 +227,40 @@ def test_loss_spikes_and_divergence_per_optimizer_step():
     assert trainer.should_stop and logged["diag/diverged_step"] == 4.0
     assert diverged_at(trainer) == {"step": 4, "reason": f"train/loss {threshold + 0.01:.4g} > {threshold:.4g} "
                                                           "(1.5 x ln 257)"}
+
+
+@pytest.mark.slow
+def test_a_compiled_fit_keeps_one_graph_while_the_diagnostics_observe_it(tmp_path, monkeypatch):
+    """model.compile with every diagnostic on, observing every second step (and the sink forward, eval mode without
+    gradients): the block compiles once, to one graph without breaks, and the observed steps log their values.
+    Traced, the diagnostics broke the graph at each host read and recompiled on grad mode, hooks and flags."""
+    from pathlib import Path
+
+    import diffexp.model.compile as model_compile
+    from diffexp.training.cli import build_fit
+    from tests.helpers import scalars
+    from tests.test_training import tiny_fit_args
+
+    torch.compiler.reset()
+    torch._dynamo.utils.counters.clear()
+    frames = []
+
+    def counter(graph, example_inputs):  # a torch.compile backend that counts the frames it is given
+        frames.append(graph)
+        return graph.forward
+
+    compile_blocks = model_compile.compile_blocks
+    monkeypatch.setattr(model_compile, "compile_blocks", lambda blocks, device: compile_blocks(blocks, device, counter))
+    monkeypatch.chdir(tmp_path)
+    module, data, trainer = build_fit([
+        *tiny_fit_args(tmp_path), "--model.compile", "true", "--data.batch_size", "2", "--trainer.max_steps", "6",
+        "--diagnostics.every_n_steps", "2", "--trainer.limit_val_batches", "0", "--trainer.enable_progress_bar",
+        "false"])
+    trainer.fit(module, data)
+    assert len(frames) == 2, [frame.code for frame in frames]  # compile_blocks' probe, then the block's one graph
+    assert not torch._dynamo.utils.counters["graph_break"], dict(torch._dynamo.utils.counters["graph_break"])
+    logged = scalars(Path(trainer.log_dir))
+    for key in ("diag/layer_00/attn_logit_max", "diag/layer_00/attn_sink", "diag/layer_00/context_rms"):
+        assert [step for step, _ in logged[key]] == [0, 2, 4], key
+    torch.compile(lambda x: x + 1, backend=counter)(torch.ones(1))  # the eager observation ended with its step
+    assert len(frames) == 3
