@@ -199,16 +199,21 @@ def test_loss_spikes_and_divergence_per_optimizer_step():
 
     diag = Diagnostics(every_n_steps=0, spike_warmup=1, loss_spike_factor=1.5, loss_spike_window=4)
     logged = {}
-    module = SimpleNamespace(arch=SimpleNamespace(vocab_size=257), last_grad_norm=1.0, last_train_loss=None,
+    module = SimpleNamespace(arch=SimpleNamespace(vocab_size=257), last_grad_norm=1.0, step_losses=[],
                              log=lambda name, value: logged.__setitem__(name, value))
     trainer = SimpleNamespace(global_step=0, should_stop=False, callbacks=[diag],
                               _logger_connector=SimpleNamespace(should_update_logs=True))  # logs every step
     diag.on_train_start(trainer, module)
 
     def micro_batch(loss: float, steps: bool) -> None:
-        module.last_train_loss = torch.tensor(loss)
+        if steps:  # DiffexpLM brings the step's micro-batch losses to the host before the optimizer step
+            module.step_losses, pending[:] = [*pending, loss], []
+        else:
+            pending.append(loss)
         trainer.global_step += steps
         diag.on_train_batch_end(trainer, module, None, None, 0)
+
+    pending = []
 
     for first, second in [(2.0, 2.0), (1.0, 6.0), (2.0, 2.0)]:  # step means 2, 3.5, 2
         micro_batch(first, steps=False)

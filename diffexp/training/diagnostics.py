@@ -81,7 +81,6 @@ class Diagnostics(L.Callback):
         self._norm_mean: float | None = None
         self._norms_seen = 0
         self._step_seen: int | None = None
-        self._losses: list[torch.Tensor] = []  # the micro-batch losses of the step under way
 
     def state_dict(self) -> dict:
         return {"spikes": self.spikes, "norm_mean": self._norm_mean, "norms_seen": self._norms_seen,
@@ -109,9 +108,6 @@ class Diagnostics(L.Callback):
             self._recorder = LayerStats(pl_module, self.sample_rows).start()
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        loss = getattr(pl_module, "last_train_loss", None)
-        if loss is not None:
-            self._losses.append(loss.detach())  # read once per optimizer step (no host sync per micro-batch)
         if self._recorder is not None:
             recorder, self._recorder = self._recorder, None
             stats, self._sinks = {**recorder.stop(), **self._sinks}, {}
@@ -126,8 +122,9 @@ class Diagnostics(L.Callback):
             return
         self._step_seen = trainer.global_step
         self._count_spike(pl_module)
-        if self._losses:
-            losses, self._losses = torch.stack(self._losses).tolist(), []
+        # the step's micro-batch losses (each the mean over ranks), brought to the host with its finite check
+        losses = getattr(pl_module, "step_losses", None)
+        if losses:
             step_loss = sum(losses) / len(losses)
             self.loss_spikes.update(step_loss)
             self._check_divergence(trainer, pl_module, step_loss)
