@@ -216,16 +216,18 @@ class KillAtFitEnd(L.Callback):
 
 class InjectNonFinite(L.Callback):
     """At step `step`, make `quantity` non-finite without touching the weights, after saving them to
-    `weights_path`: "train/loss" becomes inf, or one gradient entry ("train/grad_norm") becomes NaN."""
+    `weights_path`: "train/loss" becomes inf, or one gradient entry ("train/grad_norm") becomes NaN. With `rank`,
+    the loss of that rank only."""
 
-    def __init__(self, step: int, quantity: str, weights_path: str) -> None:
-        self.step, self.quantity, self.weights_path = step, quantity, weights_path
+    def __init__(self, step: int, quantity: str, weights_path: str, rank: int | None = None) -> None:
+        self.step, self.quantity, self.weights_path, self.rank = step, quantity, weights_path, rank
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         if trainer.global_step != self.step:
             return
-        torch.save({k: v.detach().clone() for k, v in pl_module.state_dict().items()}, self.weights_path)
-        if self.quantity == "train/loss":
+        if self.rank is None:  # the full weights (every rank saves the same file; a sharded run: see rank)
+            torch.save({k: v.detach().clone() for k, v in pl_module.state_dict().items()}, self.weights_path)
+        if self.quantity == "train/loss" and self.rank in (None, trainer.global_rank):
             loss = pl_module._loss
             pl_module._loss = lambda batch: loss(batch) + float("inf")
 

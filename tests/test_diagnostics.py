@@ -199,16 +199,21 @@ def test_loss_spikes_and_divergence_per_optimizer_step():
 
     diag = Diagnostics(every_n_steps=0, spike_warmup=1, loss_spike_factor=1.5, loss_spike_window=4)
     logged = {}
-    module = SimpleNamespace(arch=SimpleNamespace(vocab_size=257), last_grad_norm=1.0, last_train_loss=None,
+    module = SimpleNamespace(arch=SimpleNamespace(vocab_size=257), last_grad_norm=1.0, step_losses=[],
                              log=lambda name, value: logged.__setitem__(name, value))
     trainer = SimpleNamespace(global_step=0, should_stop=False, callbacks=[diag],
                               _logger_connector=SimpleNamespace(should_update_logs=True))  # logs every step
     diag.on_train_start(trainer, module)
 
     def micro_batch(loss: float, steps: bool) -> None:
-        module.last_train_loss = torch.tensor(loss)
+        if steps:  # DiffexpLM brings the step's micro-batch losses to the host before the optimizer step
+            module.step_losses, pending[:] = [*pending, loss], []
+        else:
+            pending.append(loss)
         trainer.global_step += steps
         diag.on_train_batch_end(trainer, module, None, None, 0)
+
+    pending = []
 
     for first, second in [(2.0, 2.0), (1.0, 6.0), (2.0, 2.0)]:  # step means 2, 3.5, 2
         micro_batch(first, steps=False)
@@ -227,3 +232,40 @@ def test_loss_spikes_and_divergence_per_optimizer_step():
     assert trainer.should_stop and logged["diag/diverged_step"] == 4.0
     assert diverged_at(trainer) == {"step": 4, "reason": f"train/loss {threshold + 0.01:.4g} > {threshold:.4g} "
                                                           "(1.5 x ln 257)"}
+
+
+@pytest.mark.slow
+def test_a_compiled_fit_keeps_one_graph_while_the_diagnostics_observe_it(tmp_path, monkeypatch):
+    """model.compile with every diagnostic on, observing every second step (and the sink forward, eval mode without
+    gradients): the block compiles once, to one graph without breaks, and the observed steps log their values.
+    Traced, the diagnostics broke the graph at each host read and recompiled on grad mode, hooks and flags."""
+    from pathlib import Path
+
+    import diffexp.model.compile as model_compile
+    from diffexp.training.cli import build_fit
+    from tests.helpers import scalars
+    from tests.test_training import tiny_fit_args
+
+    torch.compiler.reset()
+    torch._dynamo.utils.counters.clear()
+    frames = []
+
+    def counter(graph, example_inputs):  # a torch.compile backend that counts the frames it is given
+        frames.append(graph)
+        return graph.forward
+
+    compile_blocks = model_compile.compile_blocks
+    monkeypatch.setattr(model_compile, "compile_blocks", lambda blocks, device: compile_blocks(blocks, device, counter))
+    monkeypatch.chdir(tmp_path)
+    module, data, trainer = build_fit([
+        *tiny_fit_args(tmp_path), "--model.compile", "true", "--data.batch_size", "2", "--trainer.max_steps", "6",
+        "--diagnostics.every_n_steps", "2", "--trainer.limit_val_batches", "0", "--trainer.enable_progress_bar",
+        "false"])
+    trainer.fit(module, data)
+    assert len(frames) == 2, [frame.code for frame in frames]  # compile_blocks' probe, then the block's one graph
+    assert not torch._dynamo.utils.counters["graph_break"], dict(torch._dynamo.utils.counters["graph_break"])
+    logged = scalars(Path(trainer.log_dir))
+    for key in ("diag/layer_00/attn_logit_max", "diag/layer_00/attn_sink", "diag/layer_00/context_rms"):
+        assert [step for step, _ in logged[key]] == [0, 2, 4], key
+    torch.compile(lambda x: x + 1, backend=counter)(torch.ones(1))  # the eager observation ended with its step
+    assert len(frames) == 3

@@ -65,3 +65,26 @@ def test_non_finite_value_stops_and_saves_the_last_finite_state(tmp_path, monkey
     last = torch.load(run / "checkpoints/last.ckpt", weights_only=True)
     assert last["global_step"] == 8
     assert last["optimizer_states"][0]["param_groups"][0]["initial_lr"] == pytest.approx(1.5e-3)
+
+
+@pytest.mark.heavy  # two sharded processes (about a minute on 2 cores)
+def test_a_non_finite_loss_on_one_rank_stops_every_rank_together(tmp_path):
+    """FSDP2 on 2 CPU processes, rank 1's loss inf at step 3: both ranks see the all-reduced flag, save the
+    last finite state together (a sharded checkpoint, one shard per rank) and stop, saying what to do."""
+    import subprocess
+    import sys
+
+    from diffexp.checkpoint_io import read_checkpoint
+    from tests.helpers import one_thread_env
+    from tests.test_fsdp2 import FSDP2, write
+
+    recipe = write(tmp_path, "sharded", devices=2, batch=2, strategy=FSDP2 % "false")
+    inject = ('--trainer.callbacks+={"class_path": "tests.helpers.InjectNonFinite", "init_args": '
+              '{"step": 3, "quantity": "train/loss", "weights_path": "unused.pt", "rank": 1}}')
+    proc = subprocess.run([sys.executable, "-m", "diffexp", "fit", "--config", str(recipe), inject], cwd=tmp_path,
+                          env=one_thread_env(), text=True, capture_output=True, timeout=300)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert "train/loss is " in proc.stderr and " at step 3;" in proc.stderr, proc.stderr[-3000:]
+    saved = tmp_path / "runs/sharded/version_0/checkpoints/last-finite-step000003.ckpt"
+    assert sorted(p.name for p in saved.glob("*.distcp")) == ["__0_0.distcp", "__1_0.distcp"]
+    assert read_checkpoint(saved)["global_step"] == 3

@@ -129,3 +129,70 @@ def test_throughput_reads_once_per_optimizer_step_and_counts_every_micro_batch(t
     per_row = seq_len * Decoder(arch).flops_per_token(seq_len, training=True)
     for (_, f), (_, n) in zip(flops, samples):
         assert f / n == pytest.approx(per_row, rel=1e-6)
+
+
+#: what reads a device tensor on the host (each waits for a GPU), counted on CPU where nothing waits
+HOST_READS = ("item", "tolist", "__bool__", "__float__", "__int__", "__index__", "cpu", "numpy")
+
+
+@pytest.mark.slow
+def test_a_step_that_logs_nothing_reads_the_device_once(tmp_path, monkeypatch):
+    """Two micro-batches per step, every diagnostic and the throughput monitor on: a step off the logging grid
+    reads from the device once (its losses, the finite check of every rank and the gradient norm, together).
+    Counted: tensor reads; Strategy.reduce_boolean_decision, which on several processes reads an all-reduced flag;
+    torch.cuda.synchronize, with the throughput monitor told it runs on CUDA. Before, such a step read five times
+    (the losses, the any-rank flag, the gradient norm, the Diagnostics' losses, the throughput monitor's sync)."""
+    import traceback
+
+    import lightning as L
+    from lightning.pytorch.strategies import Strategy
+
+    from diffexp.training.cli import build_fit
+    from diffexp.training.throughput import Throughput
+    from tests.test_training import tiny_fit_args
+
+    monkeypatch.chdir(tmp_path)
+    # AdamW as on CUDA, fused: foreach AdamW reads its step counts, host tensors by design, on every step
+    monkeypatch.setattr("diffexp.training.module.adamw_kernel", lambda device: {"fused": True})
+    module, data, trainer = build_fit([
+        *tiny_fit_args(tmp_path), "--data.batch_size", "2", "--global_batch.rows", "4", "--trainer.max_steps", "7",
+        "--trainer.log_every_n_steps", "3", "--checkpoint.every_n_train_steps", "100", "--trainer.limit_val_batches",
+        "0", "--trainer.enable_progress_bar", "false", "--throughput.window_size", "2"])
+    reads: dict[int, list[str]] = {}
+
+    def read(name: str) -> None:
+        step = trainer.fit_loop.epoch_loop._batches_that_stepped  # the optimizer steps done: this step's index
+        reads.setdefault(step, []).append(f"{name} from\n" + "".join(traceback.format_stack(limit=5)[:-2]))
+
+    def counted(owner, name):
+        original = getattr(owner, name)
+
+        def call(*args, **kwargs):
+            read(name)
+            return original(*args, **kwargs)
+        monkeypatch.setattr(owner, name, call)
+
+    class Steps(L.Callback):  # counts from the first batch on, when the fit's setup is done
+        def on_train_start(self, trainer, pl_module):
+            for name in HOST_READS:
+                counted(torch.Tensor, name)
+            counted(Strategy, "reduce_boolean_decision")
+            monkeypatch.setattr(torch.cuda, "synchronize", lambda *args: read("torch.cuda.synchronize"))
+
+    reading = Throughput.on_train_batch_end
+
+    def on_cuda(self, trainer, *args):  # the monitor's reading as on a GPU (only it is told so)
+        with monkeypatch.context() as patched:
+            patched.setattr(type(trainer.strategy), "root_device", property(lambda _: torch.device("cuda", 0)))
+            return reading(self, trainer, *args)
+
+    monkeypatch.setattr(Throughput, "on_train_batch_end", on_cuda)
+    trainer.callbacks.append(Steps())
+    trainer.fit(module, data)
+    monkeypatch.undo()
+    logging_steps, observed = {2, 5, 6}, {0}  # log_every_n_steps 3 and the last step; diagnostics.every_n_steps 50
+    quiet = sorted(set(range(7)) - logging_steps - observed)
+    assert quiet == [1, 3, 4]
+    for step in quiet:
+        assert len(reads.get(step, [])) == 1, f"step {step}:\n" + "\n".join(reads.get(step, []))
+    assert all(reads.get(step) for step in logging_steps)

@@ -2,7 +2,8 @@
 
 Compiling per block keeps the graphs small (one per distinct block, reused by every layer) and composes with
 FSDP2, which wraps the compiled blocks. Inductor needs a C++ compiler on CPU and Triton on CUDA; where a tiny
-probe does not compile, the model runs eagerly and the reason is returned for the log.
+probe does not compile, the model runs eagerly and the reason is returned for the log. `eagerly()` runs the compiled
+blocks as plain Python for a while: the training diagnostics observe their steps so (diffexp.training.diagnostics).
 """
 
 from __future__ import annotations
@@ -31,3 +32,10 @@ def compile_blocks(blocks: nn.ModuleList, device: torch.device, backend: str = "
     for block in blocks:
         block.compile(backend=backend)
     return None
+
+
+def eagerly():
+    """A context (enter and leave it, or close an ExitStack holding it) in which every compiled block runs eagerly:
+    its hooks, flags and host reads never reach dynamo, so they neither break the compiled graphs nor add a guard
+    that would recompile them, and the graphs keep no trace of them. Process-wide, as torch.compile's stance is."""
+    return torch.compiler.set_stance("force_eager")

@@ -4,10 +4,15 @@ Every `every_n_steps`, hooks on the training step's own forward (no extra forwar
 activation checkpointing) record per layer the largest |activation|, the hidden states' kurtosis, the largest
 attention logit, the context RMS and what a variant records; the attention-sink score takes one extra forward
 without gradients. Every optimizer step: gradient-norm and loss spikes, the largest gradient norm, divergence.
+
+Under model.compile the observed micro-batch (the sink forward, its forward and backward) runs eagerly: the hooks
+and host reads stay out of the compiled blocks, which then hold one graph with no diagnostics in it, never broken
+or recompiled by them.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import lightning as L
@@ -18,6 +23,7 @@ from torch import nn
 from diffexp.errors import UserError
 from diffexp.model.attention.base import AttentionBase
 from diffexp.model.blocks import DecoderBlock
+from diffexp.model.compile import eagerly
 from diffexp.training.nonfinite import NonFiniteError
 from diffexp.training.stability import ContextRMS, LossSpikes, attention_sinks, divergence_threshold
 from diffexp.training.step_logs import logs_this_step, write_to_loggers
@@ -70,11 +76,11 @@ class Diagnostics(L.Callback):
         self.divergence: dict | None = None
         self._observed_step: int | None = None
         self._recorder: LayerStats | None = None
+        self._eager = contextlib.ExitStack()  # holds model.compile off while a step is observed
         self._sinks: dict[str, float] = {}
         self._norm_mean: float | None = None
         self._norms_seen = 0
         self._step_seen: int | None = None
-        self._losses: list[torch.Tensor] = []  # the micro-batch losses of the step under way
 
     def state_dict(self) -> dict:
         return {"spikes": self.spikes, "norm_mean": self._norm_mean, "norms_seen": self._norms_seen,
@@ -93,6 +99,7 @@ class Diagnostics(L.Callback):
         step = trainer.global_step  # the same for every micro-batch of an accumulated step: observe the first
         if self.every_n_steps and step % self.every_n_steps == 0 and step != self._observed_step:
             self._observed_step = step
+            self._eager.enter_context(eagerly())
             if self.attention_sink and _model_callable_directly(trainer.strategy):
                 tokens = batch["tokens"] if isinstance(batch, dict) else batch
                 model = getattr(pl_module, "model", pl_module)
@@ -101,12 +108,10 @@ class Diagnostics(L.Callback):
             self._recorder = LayerStats(pl_module, self.sample_rows).start()
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        loss = getattr(pl_module, "last_train_loss", None)
-        if loss is not None:
-            self._losses.append(loss.detach())  # read once per optimizer step (no host sync per micro-batch)
         if self._recorder is not None:
             recorder, self._recorder = self._recorder, None
             stats, self._sinks = {**recorder.stop(), **self._sinks}, {}
+            self._eager.close()
             # at the step they were measured (self.log would hold them to the next logging step and repeat them at
             # each one after); dozens of values: see write_to_loggers
             write_to_loggers(trainer, stats)
@@ -117,8 +122,9 @@ class Diagnostics(L.Callback):
             return
         self._step_seen = trainer.global_step
         self._count_spike(pl_module)
-        if self._losses:
-            losses, self._losses = torch.stack(self._losses).tolist(), []
+        # the step's micro-batch losses (each the mean over ranks), brought to the host with its finite check
+        losses = getattr(pl_module, "step_losses", None)
+        if losses:
             step_loss = sum(losses) / len(losses)
             self.loss_spikes.update(step_loss)
             self._check_divergence(trainer, pl_module, step_loss)
@@ -145,8 +151,12 @@ class Diagnostics(L.Callback):
                        "(diagnostics.divergence_factor); training stops here, recorded as diverged")
 
     def on_exception(self, trainer, pl_module, exception: BaseException) -> None:
+        self._eager.close()
         if isinstance(exception, NonFiniteError) and self.divergence is None:
             self.divergence = exception.divergence
+
+    def teardown(self, trainer, pl_module, stage: str) -> None:
+        self._eager.close()
 
     def _count_spike(self, pl_module) -> None:
         norm = getattr(pl_module, "last_grad_norm", None)

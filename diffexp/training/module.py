@@ -21,7 +21,7 @@ from diffexp.parallel import FSDP2Strategy, full_value
 from diffexp.training.global_batch import resumed_layout
 from diffexp.training.loss import token_losses
 from diffexp.training.loss_slices import ar_hit_mask, frequent_bigrams
-from diffexp.training.nonfinite import any_rank, stop_with_last_finite
+from diffexp.training.nonfinite import any_rank_non_finite, stop_with_last_finite
 from diffexp.training.options import ARHitConfig, OptimConfig
 from diffexp.training.step_logs import logs_this_step, write_to_loggers
 
@@ -108,8 +108,11 @@ class DiffexpLM(L.LightningModule):
         self.init_from = init_from
         self.compile_blocks = compile
         self.last_grad_norm: float | None = None
-        self.last_train_loss: torch.Tensor | None = None  # read by the Diagnostics (loss spikes, divergence)
-        #: last_train_loss on the host, read with the step's finite check: what the progress bar shows
+        self.last_train_loss: torch.Tensor | None = None  # the last micro-batch's, the mean over ranks
+        #: the last optimizer step's micro-batch losses (each the mean over ranks) on the host, read with the step's
+        #: finite check: the Diagnostics' loss spikes and divergence
+        self.step_losses: list[float] = []
+        #: the last of them: what the progress bar shows
         self.shown_train_loss: float | None = None
         self.validated_step: int | None = None  # the global step of the last validation, kept in checkpoints
         self._last_step_time: float | None = None
@@ -117,7 +120,8 @@ class DiffexpLM(L.LightningModule):
         self._flops_cache: dict[int, float] = {}
         self._frequent_bigrams: torch.Tensor | None = None
         self._split_sums = torch.zeros(4, dtype=torch.float64)  # ar-hit loss, count, others loss, count
-        self._step_losses: list[torch.Tensor] = []  # this optimizer step's micro-batch losses, on the device
+        #: this optimizer step's micro-batch losses on the device: this rank's and the mean over ranks
+        self._step_losses: list[tuple[torch.Tensor, torch.Tensor]] = []
 
     def setup(self, stage: str) -> None:
         # before FSDP wraps the model and before a resume restores its own weights (which then win)
@@ -166,10 +170,10 @@ class DiffexpLM(L.LightningModule):
 
     def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
         loss = self._loss(batch)
-        # checked once per optimizer step, before it (on_before_optimizer_step): no host sync per micro-batch
-        self._step_losses.append(loss.detach())
         # the mean over every rank's rows, as one process with the whole batch would log it
         self.last_train_loss = self.trainer.strategy.reduce(loss.detach(), reduce_op="mean")
+        # read and checked once per optimizer step, before it (on_before_optimizer_step): no host sync per micro-batch
+        self._step_losses.append((loss.detach(), self.last_train_loss))
         if logs_this_step(self.trainer):  # not prog_bar: Lightning would read it from the device at every redraw
             self.log("train/loss", self.last_train_loss)  # the bar shows shown_train_loss (training.progress)
             self.log("lr", self.trainer.optimizers[0].param_groups[0]["lr"])
@@ -296,16 +300,27 @@ class DiffexpLM(L.LightningModule):
 
     # -- logs that need the step boundaries -------------------------------------------------------
     def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
-        self._stop_if_loss_non_finite()
-        # in the optimizer's order, as clip_grad_norm_ sums them: the same norm to the last bit
-        grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
-        if grads:  # before clipping: spikes are what we want to see
-            norm = full_value(torch.nn.utils.get_total_norm(grads))  # FSDP2: an all-reduce of the shards' norms
-            replicas = _shard_replicas(self.trainer.strategy)
-            if replicas:  # each rank holds a shard: sum the squares over ranks, once per replica of the shards
-                norm = (self.trainer.strategy.reduce(norm.pow(2), reduce_op="sum") / replicas).sqrt()
-            self.last_grad_norm = float(norm)
-            self._unclipped_norm = norm if not replicas and norm.__class__ is torch.Tensor else None
+        """The step's checks before it changes the weights, on one read from the device (the step's one host sync):
+        its micro-batch losses, whether any rank's is NaN/inf (an all-reduce on the device, so that every rank stops
+        and saves together) and the gradient norm. A non-finite loss stops the run, then a non-finite norm."""
+        norm = self._gradient_norm(optimizer)
+        losses, self._step_losses = self._step_losses, []
+        parts, n = [], len(losses)
+        if losses:
+            own = torch.stack([own for own, _ in losses])
+            parts += [any_rank_non_finite(self.trainer, own), own, torch.stack([mean for _, mean in losses])]
+        if norm is not None:
+            parts.append(norm.reshape(1))
+        # one copy to the host, in the widest dtype among them (every value exact)
+        values = torch.cat(parts).tolist() if parts else []
+        if losses:
+            stops, own_values, self.step_losses = values[0], values[1:n + 1], values[n + 1:2 * n + 1]
+            self.shown_train_loss = self.step_losses[-1]
+            if stops:  # this rank's first non-finite loss (another rank's when all of this rank's are finite)
+                value = next((v for v in own_values if not math.isfinite(v)), own_values[-1])
+                stop_with_last_finite(self.trainer, self, "train/loss", value, self.optim.lr)
+        if norm is not None:  # before clipping: spikes are what we want to see
+            self.last_grad_norm = values[-1]
             # identical on every rank (DDP averages gradients, FSDP reduces the norm); fp16's GradScaler
             # expects inf gradients now and then and skips those steps itself
             fp16_scaled = getattr(self.trainer.precision_plugin, "scaler", None) is not None
@@ -316,20 +331,19 @@ class DiffexpLM(L.LightningModule):
         if logs_this_step(self.trainer):  # once per optimizer step, after every micro-batch's forward
             self._write_traces()
 
-    def _stop_if_loss_non_finite(self) -> None:
-        """One check of the step's micro-batch losses (one host sync, one all-reduce), before the optimizer step
-        and the gradient norm: a non-finite loss stops the run before it reaches the weights. The same copy to the
-        host brings the loss the progress bar shows."""
-        losses, self._step_losses = self._step_losses, []
-        if not losses:
-            return
-        *losses, shown = torch.stack([*losses, self.last_train_loss.to(losses[0].dtype)]).tolist()
-        self.shown_train_loss = shown
-        non_finite = [value for value in losses if not math.isfinite(value)]
-        if any_rank(self.trainer, bool(non_finite)):
-            # this rank's first non-finite loss (another rank's when all of this rank's are finite)
-            value = non_finite[0] if non_finite else losses[-1]
-            stop_with_last_finite(self.trainer, self, "train/loss", value, self.optim.lr)
+    def _gradient_norm(self, optimizer: torch.optim.Optimizer) -> torch.Tensor | None:
+        """The total norm of the gradients on the device (None without any); kept for the clipping where it can
+        clip with it (configure_gradient_clipping)."""
+        # in the optimizer's order, as clip_grad_norm_ sums them: the same norm to the last bit
+        grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+        if not grads:
+            return None
+        norm = full_value(torch.nn.utils.get_total_norm(grads))  # FSDP2: an all-reduce of the shards' norms
+        replicas = _shard_replicas(self.trainer.strategy)
+        if replicas:  # each rank holds a shard: sum the squares over ranks, once per replica of the shards
+            norm = (self.trainer.strategy.reduce(norm.pow(2), reduce_op="sum") / replicas).sqrt()
+        self._unclipped_norm = norm if not replicas and norm.__class__ is torch.Tensor else None
+        return norm
 
     def configure_gradient_clipping(self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None) -> None:
         """Clip by the norm on_before_optimizer_step just computed, instead of computing it again (the same

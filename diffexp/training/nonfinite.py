@@ -26,9 +26,12 @@ class NonFiniteError(UserError):
         self.divergence = {"step": step, "reason": f"{quantity} is {value}"}
 
 
-def any_rank(trainer: L.Trainer, flag: bool) -> bool:
-    """True on every rank when it is true on one: all ranks must stop (and save) together."""
-    return bool(trainer.strategy.reduce_boolean_decision(flag, all=False))
+def any_rank_non_finite(trainer: L.Trainer, values: torch.Tensor) -> torch.Tensor:
+    """(1,) on the device, the same on every rank: how many ranks hold a NaN or inf in their `values`. An
+    all-reduce and no host read: the caller reads it with the step's other values; all ranks must stop (and save)
+    together."""
+    flag = (~torch.isfinite(values)).any().to(values.dtype).reshape(1)
+    return trainer.strategy.reduce(flag, reduce_op="sum")
 
 
 def _checkpoint_dir(trainer: L.Trainer) -> Path:
@@ -52,7 +55,7 @@ def stop_with_last_finite(trainer: L.Trainer, module: L.LightningModule, quantit
                           lr: float) -> NoReturn:
     """Save the pre-step state (unless the weights are already non-finite) and raise NonFiniteError.
 
-    Called on every rank at once (see any_rank): under DDP/FSDP saving a checkpoint is collective.
+    Called on every rank at once (see any_rank_non_finite): under DDP/FSDP saving a checkpoint is collective.
     """
     step = trainer.global_step
     weights_finite = all(bool(torch.isfinite(p).all()) for p in module.parameters())

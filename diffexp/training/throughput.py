@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import time
 import warnings
 
+import torch
 from lightning.pytorch.callbacks import ThroughputMonitor
+from lightning.pytorch.trainer.states import RunningStage
 from lightning.pytorch.utilities import rank_zero_only
 
 from diffexp.errors import UserError
@@ -29,9 +32,12 @@ class Throughput(ThroughputMonitor):
             (e.g. 989 for an H100/H200 SXM in bf16). None: the device's (diffexp.gpu_peaks; none on CPU).
         window_size: optimizer steps averaged in each reading.
 
-    One reading per optimizer step, not per micro-batch: each reading waits for the GPU (cuda.synchronize), which
-    between the micro-batches of a step would only stall the host. The micro-batches still count in batches,
-    samples and lengths, and their FLOPs in the step's reading.
+    One reading per optimizer step, not per micro-batch; the micro-batches still count in batches, samples and
+    lengths, and their FLOPs in the step's reading. Only a reading that is logged waits for the GPU
+    (cuda.synchronize): the others take the time the host reaches them, which the step's one read from the device
+    (its losses and gradient norm, DiffexpLM.on_before_optimizer_step) keeps within one optimizer update of the GPU.
+    A logged rate spans window_size steps whose last reading waited, so it is off by at most one optimizer update's
+    time over the window.
     """
 
     def __init__(self, peak_tflops: float | None = None, window_size: int = 20) -> None:
@@ -58,6 +64,24 @@ class Throughput(ThroughputMonitor):
         finally:
             if flops is not None:
                 pl_module.flops_per_batch = flops
+
+    @torch.inference_mode()
+    def _update(self, trainer, pl_module, batch, iter_num: int) -> None:
+        """Lightning's reading, which waits for the GPU at every reading; here only where the reading is logged
+        (every evaluation reading, the training steps Lightning logs)."""
+        stage = trainer.state.stage
+        logged = stage != RunningStage.TRAINING or trainer._logger_connector.should_update_logs
+        if logged and trainer.strategy.root_device.type == "cuda":
+            torch.cuda.synchronize()
+        elapsed = time.perf_counter() - self._t0s[stage]
+        self._lengths[stage] += self.length_fn(batch)
+        if self._module_has_flops is None:
+            self._module_has_flops = hasattr(pl_module, "flops_per_batch")
+        self._samples[stage] += self.batch_size_fn(batch)
+        self._batches[stage] += 1
+        self._throughputs[stage].update(time=elapsed, batches=self._batches[stage], samples=self._samples[stage],
+                                        lengths=self._lengths[stage],
+                                        flops=pl_module.flops_per_batch if self._module_has_flops else None)
 
     def setup(self, trainer, pl_module, stage: str) -> None:
         flops = self.peak_flops(trainer)
