@@ -24,6 +24,10 @@ def _rows(batch) -> int:
     return tokens.shape[0]
 
 
+#: ThroughputMonitor's state that Throughput._update reads and updates
+LIGHTNING_STATE = ("_t0s", "_lengths", "_samples", "_batches", "_throughputs", "_module_has_flops")
+
+
 class Throughput(ThroughputMonitor):
     """ThroughputMonitor for diffexp batches; FLOPs come from DiffexpLM.flops_per_batch (per variant).
 
@@ -68,7 +72,10 @@ class Throughput(ThroughputMonitor):
     @torch.inference_mode()
     def _update(self, trainer, pl_module, batch, iter_num: int) -> None:
         """Lightning's reading, which waits for the GPU at every reading; here only where the reading is logged
-        (every evaluation reading, the training steps Lightning logs)."""
+        (every evaluation reading, the training steps Lightning logs). It reads Lightning's internals (checked
+        against 2.6); a Lightning without them gets its own reading."""
+        if not all(hasattr(self, name) for name in LIGHTNING_STATE) or not hasattr(trainer, "_logger_connector"):
+            return super()._update(trainer, pl_module, batch, iter_num)
         stage = trainer.state.stage
         logged = stage != RunningStage.TRAINING or trainer._logger_connector.should_update_logs
         if logged and trainer.strategy.root_device.type == "cuda":
