@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# The wheels bench/gpu.sh needs on a GPU machine that has no network: the Python packages diffexp imports that
-# the lent GPU image (torch, lightning, tensorboard, tokenizers, ... already there) lacks. Run here, where pip
-# reaches the registry; the folder .whl/ (ignored through .git/info/exclude) then travels with the run (docs/gpu.md).
+# The wheels bench/gpu.sh needs on a GPU machine that has no network: the Python packages diffexp imports that a
+# GPU image with torch, lightning, tensorboard, tokenizers, ... often lacks. Run it where pip reaches the registry,
+# then copy the folder .whl/ (ignored through .git/info/exclude) with the checkout to the GPU machine (docs/gpu.md).
 #   bash bench/gpu_wheels.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."
