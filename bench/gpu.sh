@@ -92,8 +92,8 @@ step() {  # step NAME CAP_SECONDS COMMAND...: runs it within min(CAP, what is le
 common=(--recipe "$size" --recipe-dir "$recipes" --device "$device" --dtype "$dtype" --backend sdpa
         --rounds "$rounds" --steps "$steps" --warmup 1 "${seq[@]}")
 if [ "$device" = cuda ]; then
-  step kernels-check 75 python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py tests/test_decoding.py \
-    -k "kernels_picked or (cuda_graph and (diff_v1 or dint))"
+  step kernels-check 90 python3 -m pytest -v -p no:cacheprovider tests/test_gpu.py tests/test_decoding.py \
+    -k "kernels_picked or (cuda_graph and (diff_v1 or dint))"  # -v: a check stopped at its cap names what passed
 fi
 case $wanted in *" fit "*) reserve=$((70 * percent / 100)) ;; esac
 for v in "${variants[@]}"; do

@@ -46,8 +46,7 @@ def test_kernels_picked_on_cuda_match_the_fp32_plain_path_output_and_every_gradi
     check_head(registry._KERNELS[name].head, inputs, integral)
 
 
-@pytest.mark.parametrize("attention, name", [("diff_v1", "sdpa_joined"), ("shared_diff", "sdpa_joined"),
-                                             ("dint", "gpu_dint")])
+@pytest.mark.parametrize("attention, name", [("diff_v1", "sdpa_joined"), ("dint", "gpu_dint")])
 def test_kernels_picked_inside_inductor_compiled_blocks_match_eager(attention, name):
     """The recipes' default: the kernel inside an inductor-compiled block, bf16 autocast, picked (recorded at the
     trace) and equal to the same block eager on the fp32 plain path within bf16's rounding; gradients too."""
