@@ -295,6 +295,13 @@ def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lse: torch.Tensor,
             raise ValueError(f"Triton tile sizes are powers of two >= 16, got {block}")
 
 
+def tiles(d: int, dv: int) -> tuple[int, int]:
+    """The query and key tile sizes that dint_integral takes unless given, for head widths d (q1, k1) and dv (v).
+    Untuned: 64 x 64, the query tile halved past dv 128 (two fp32 accumulators of width dv fit), the key tile past
+    d 64. tests/test_triton_aot.py compiles every kernel at these tiles for an H100."""
+    return (64 if _width(dv) <= 128 else 32), (64 if _width(d) <= 64 else 32)
+
+
 def dint_integral(q1: torch.Tensor, k1: torch.Tensor, v: torch.Tensor, lse1: torch.Tensor, scale: float | None = None,
                   block_m: int | None = None, block_n: int | None = None) -> torch.Tensor:
     """A3 V of DINT's "softmax" integral, causal: (B, h, T, dv) in v's dtype.
@@ -302,11 +309,10 @@ def dint_integral(q1: torch.Tensor, k1: torch.Tensor, v: torch.Tensor, lse1: tor
     q1: (B, h, T, d); k1: (B, h_kv, T, d); v: (B, h_kv, T, dv) (GQA: query head p reads kv head p // (h / h_kv));
     lse1: (B, h, T), the row log-sum-exp of scale * q1 k1^T over keys 0..n (map1_lse, or the differential
     kernel's). scale defaults to 1/sqrt(d). lse1 is taken as given (no gradient): the gradient reaches q1 and k1
-    through the full softmax Jacobian of A1. Blocks: the query and key tile sizes (powers of two >= 16)."""
-    if block_m is None:
-        block_m = 64 if _width(v.shape[-1]) <= 128 else 32  # untuned: two fp32 accumulators of width dv fit
-    if block_n is None:
-        block_n = 64 if _width(q1.shape[-1]) <= 64 else 32
+    through the full softmax Jacobian of A1. Blocks: the query and key tile sizes (powers of two >= 16; by
+    default `tiles(d, dv)`)."""
+    default_m, default_n = tiles(q1.shape[-1], v.shape[-1])
+    block_m, block_n = default_m if block_m is None else block_m, default_n if block_n is None else block_n
     _check(q1, k1, v, lse1, (block_m, block_n))
     q1, k1, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q1, k1, v))
     scale = 1.0 / math.sqrt(q1.shape[-1]) if scale is None else float(scale)
@@ -351,4 +357,4 @@ def map1_lse(q1: torch.Tensor, k1: torch.Tensor, scale: float | None = None, com
     return map1_attention(q1, k1, k1, scale, compiled)[1]
 
 
-__all__ = ["dint_integral", "map1_attention", "map1_lse"]
+__all__ = ["dint_integral", "map1_attention", "map1_lse", "tiles"]
