@@ -160,3 +160,45 @@ def test_the_written_causal_block_mask_is_create_block_masks(t):
     q, k, v = (torch.randn(1, 2, t, 16, dtype=torch.float64) for _ in range(3))
     torch.testing.assert_close(flex_attention(q, k, v, block_mask=written),
                                flex_attention(q, k, v, block_mask=found), rtol=0, atol=1e-12)
+
+
+def spread_batches(b, h, t, widths, batch_stride, first, tmp_path):
+    """Tensors (b, h, t, width) for each width whose batch elements lie batch_stride elements apart, from element
+    `first` of one fp32 storage that spans the last of them: 16 GiB here, a sparse file's mapping on the CPU (only
+    the pages the tensors use are ever written or read), device memory on CUDA."""
+    size = first + (b - 1) * batch_stride + h * t * sum(widths)
+    if DEVICE == "cpu":
+        path = tmp_path / "storage"
+        with open(path, "wb") as f:
+            f.truncate(size * 4)
+        storage = torch.from_file(str(path), shared=True, size=size, dtype=F32)
+    else:
+        storage = torch.empty(size, dtype=F32, device=DEVICE)
+    gen = torch.Generator().manual_seed(5)
+    out, offset = [], first
+    for width in widths:
+        x = storage.as_strided((b, h, t, width), (batch_stride, t * width, width, 1), offset)
+        x.copy_(torch.randn(b, h, t, width, generator=gen, dtype=F32))
+        out.append(x.requires_grad_())
+        offset += h * t * width
+    return out
+
+
+def test_offsets_past_two_to_the_31_elements(tmp_path):
+    """Batch element 2 of q1, k1 and v starts 2 * (2^31 - 2^20) elements past element 0 of its tensor, as in a
+    batch of long sequences: 32-bit offset arithmetic wraps that to 2^21 elements before element 0 (still inside
+    the storage here, so a wrapped read gives wrong numbers rather than a crash). The stride itself fits in 32 bits,
+    so Triton passes it as int32, and only the kernels' own arithmetic decides."""
+    b, h, t, d = 3, 1, 17, 16
+    stride = 2**31 - 2**20
+    q, k, v = spread_batches(b, h, t, (d, d, 2 * d), stride, 2**21, tmp_path)
+    assert 2 * stride >= 2**31 > stride
+    out = dint_integral(q, k, v, naive_lse(q.detach(), k.detach(), 1.0 / math.sqrt(d)).to(F32))
+    qc, kc, vc = (x.detach().clone().requires_grad_() for x in (q, k, v))
+    want = reference_integral(qc, kc, vc)
+    torch.testing.assert_close(out.double().cpu(), want, **TOLERANCE[F32])
+    grad = torch.randn_like(out)
+    for name, g, w in zip(("q1", "k1", "v"), torch.autograd.grad(out, (q, k, v), grad),
+                          torch.autograd.grad(want, (qc, kc, vc), grad.double().cpu())):
+        torch.testing.assert_close(g.double().cpu(), w.double(), **TOLERANCE[F32],
+                                   msg=lambda m, name=name: f"{name}: {m}")

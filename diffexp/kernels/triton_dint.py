@@ -21,6 +21,10 @@ Backward (dO given; delta_n = rowsum(A3 dA3) = dO . out per row, dA3 = dO V^T):
   C. one program per (key block, kv head): the same dS, dK = scale dS^T Q over the heads of its GQA group.
 Memory: PREFIX (saved for backward), CARRY and ROWPART hold T * T / block floats per head (1/64 of the map at
 the default blocks); nothing holds T x T.
+Offsets: a program's (batch, head) offsets are 64-bit (program id 1 widened to int64), so tensors past 2^31
+elements are addressed right. A row's offset inside one sequence (T times the row stride of q1, k1 or v) stays
+32-bit: it passes 2^31 only past T ~ 400K at the widest recipe's rows (2 maps x 20 heads x 128), where the
+T * T / block scratch of the heads is far beyond any GPU's memory.
 """
 
 from __future__ import annotations
@@ -74,14 +78,13 @@ def _column_prefix(Q, K, LSE, PREFIX, sq_b, sq_h, sq_t, sk_b, sk_h, sk_t, H, GRO
                    PREC: tl.constexpr, ACC: tl.constexpr):
     """PREFIX[bh, m, cols] = sum of A1[r, cols] over the rows r of the query blocks before m."""
     scale = tl.load(SCALE)
-    pid_n, bh = tl.program_id(0), tl.program_id(1)
+    pid_n, bh = tl.program_id(0), tl.program_id(1).to(tl.int64)
     b, h = bh // H, bh % H
     cols, dims = pid_n * BLOCK_N + tl.arange(0, BLOCK_N), tl.arange(0, BLOCK_D)
     k = _load(K + b * sk_b + (h // GROUP) * sk_h, cols, dims, sk_t, T, D)
-    prefix = PREFIX + bh.to(tl.int64) * NM * T
     sums = tl.zeros((BLOCK_N,), ACC)
     for m in range(pid_n * BLOCK_N // BLOCK_M, NM):  # the blocks above hold no causal entry in these columns
-        tl.store(prefix + m * T + cols, sums, mask=cols < T)
+        tl.store(PREFIX + (bh * NM + m) * T + cols, sums, mask=cols < T)
         rows = m * BLOCK_M + tl.arange(0, BLOCK_M)
         q = _load(Q + b * sq_b + h * sq_h, rows, dims, sq_t, T, D)
         a1, _ = _a1(q, k, tl.load(LSE + bh * T + rows, mask=rows < T, other=0.0), rows, cols, T, scale, PREC)
@@ -94,13 +97,13 @@ def _integral_rows(Q, K, V, LSE, PREFIX, OUT, Z, sq_b, sq_h, sq_t, sk_b, sk_h, s
                    BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, PREC: tl.constexpr, ACC: tl.constexpr):
     """OUT[rows] = A3 V and Z[rows] for one query block, over its causal key blocks."""
     scale = tl.load(SCALE)
-    pid_m, bh = tl.program_id(0), tl.program_id(1)
+    pid_m, bh = tl.program_id(0), tl.program_id(1).to(tl.int64)
     b, h = bh // H, bh % H
     kvh = h // GROUP
     rows, dims, dims_v = pid_m * BLOCK_M + tl.arange(0, BLOCK_M), tl.arange(0, BLOCK_D), tl.arange(0, BLOCK_DV)
     q = _load(Q + b * sq_b + h * sq_h, rows, dims, sq_t, T, D)
     lse = tl.load(LSE + bh * T + rows, mask=rows < T, other=0.0)
-    prefix = PREFIX + (bh.to(tl.int64) * NM + pid_m) * T
+    prefix = PREFIX + (bh * NM + pid_m) * T
     n = (rows + 1).to(ACC)
     z = tl.zeros((BLOCK_M,), ACC)
     acc = tl.zeros((BLOCK_M, BLOCK_DV), ACC)
@@ -127,7 +130,7 @@ def _column_walk(Q, K, V, DO, LSE, Z, DELTA, PREFIX, CARRY, ROWPART, ROWDOT, DK,
     """One program per (key block, kv head), over the query heads of its GQA group. KEYS false (pass A): walks
     upwards storing CARRY, ROWPART and dV; true (pass C): dK from dS = A1 (dA1 - ROWDOT)."""
     scale = tl.load(SCALE)
-    pid_n, bkv = tl.program_id(0), tl.program_id(1)
+    pid_n, bkv = tl.program_id(0), tl.program_id(1).to(tl.int64)
     b, kvh = bkv // HK, bkv % HK
     cols, dims, dims_v = pid_n * BLOCK_N + tl.arange(0, BLOCK_N), tl.arange(0, BLOCK_D), tl.arange(0, BLOCK_DV)
     k = _load(K + b * sk_b + kvh * sk_h, cols, dims, sk_t, T, D)
@@ -138,27 +141,27 @@ def _column_walk(Q, K, V, DO, LSE, Z, DELTA, PREFIX, CARRY, ROWPART, ROWDOT, DK,
     for head in range(0, GROUP):
         h = kvh * GROUP + head
         bh = b * H + h
-        blocks = bh.to(tl.int64) * NM * T
         carried = tl.zeros((BLOCK_N,), ACC)  # sum of dG[n, cols] / (n+1) over the rows below the block
         for step in range(0, NM - first):
             m = NM - 1 - step
+            block = (bh * NM + m) * T  # this head's row of PREFIX and CARRY for query block m
             rows = m * BLOCK_M + tl.arange(0, BLOCK_M)
             in_seq = rows < T
             q = _load(Q + b * sq_b + h * sq_h, rows, dims, sq_t, T, D)
             do = _load(DO + bh * T * DV, rows, dims_v, DV, T, DV)
             a1, valid = _a1(q, k, tl.load(LSE + bh * T + rows, mask=in_seq, other=0.0), rows, cols, T, scale, PREC)
-            a3, dg = _a3_and_dg(a1, valid, tl.load(PREFIX + blocks + m * T + cols, mask=cols < T, other=0.0),
+            a3, dg = _a3_and_dg(a1, valid, tl.load(PREFIX + block + cols, mask=cols < T, other=0.0),
                                 tl.load(Z + bh * T + rows, mask=in_seq, other=1.0), rows, do, v,
                                 tl.load(DELTA + bh * T + rows, mask=in_seq, other=0.0), PREC)
             if KEYS:
-                carried = tl.load(CARRY + blocks + m * T + cols, mask=cols < T, other=0.0)
+                carried = tl.load(CARRY + block + cols, mask=cols < T, other=0.0)
             da1 = tl.cumsum(dg, 0, reverse=True) + carried[None, :]
             if KEYS:
                 ds = a1 * (da1 - tl.load(ROWDOT + bh * T + rows, mask=in_seq, other=0.0)[:, None])
                 dk += tl.dot(tl.trans(ds).to(q.dtype), q, input_precision=PREC)
             else:
-                tl.store(CARRY + blocks + m * T + cols, carried, mask=cols < T)
-                tl.store(ROWPART + (bh.to(tl.int64) * NN + pid_n) * T + rows, tl.sum(a1 * da1, 1), mask=in_seq)
+                tl.store(CARRY + block + cols, carried, mask=cols < T)
+                tl.store(ROWPART + (bh * NN + pid_n) * T + rows, tl.sum(a1 * da1, 1), mask=in_seq)
                 carried += tl.sum(dg, 0)
                 dv += tl.dot(tl.trans(a3).to(do.dtype), do, input_precision=PREC)
     if KEYS:
@@ -174,7 +177,7 @@ def _row_walk(Q, K, V, DO, LSE, Z, DELTA, PREFIX, CARRY, ROWDOT, DQ,
               PREC: tl.constexpr, ACC: tl.constexpr):
     """Pass B: dQ[rows] = scale sum over the key blocks of A1 (dA1 - ROWDOT) K, one program per query block."""
     scale = tl.load(SCALE)
-    pid_m, bh = tl.program_id(0), tl.program_id(1)
+    pid_m, bh = tl.program_id(0), tl.program_id(1).to(tl.int64)
     b, h = bh // H, bh % H
     kvh = h // GROUP
     rows, dims, dims_v = pid_m * BLOCK_M + tl.arange(0, BLOCK_M), tl.arange(0, BLOCK_D), tl.arange(0, BLOCK_DV)
@@ -185,7 +188,7 @@ def _row_walk(Q, K, V, DO, LSE, Z, DELTA, PREFIX, CARRY, ROWDOT, DQ,
     z = tl.load(Z + bh * T + rows, mask=in_seq, other=1.0)
     delta = tl.load(DELTA + bh * T + rows, mask=in_seq, other=0.0)
     rowdot = tl.load(ROWDOT + bh * T + rows, mask=in_seq, other=0.0)
-    block = (bh.to(tl.int64) * NM + pid_m) * T
+    block = (bh * NM + pid_m) * T
     dq = tl.zeros((BLOCK_M, BLOCK_D), ACC)
     for start_n in range(0, (pid_m + 1) * BLOCK_M, BLOCK_N):
         cols = start_n + tl.arange(0, BLOCK_N)
@@ -292,6 +295,13 @@ def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lse: torch.Tensor,
             raise ValueError(f"Triton tile sizes are powers of two >= 16, got {block}")
 
 
+def tiles(d: int, dv: int) -> tuple[int, int]:
+    """The query and key tile sizes that dint_integral takes unless given, for head widths d (q1, k1) and dv (v).
+    Untuned: 64 x 64, the query tile halved past dv 128 (two fp32 accumulators of width dv fit), the key tile past
+    d 64. tests/test_triton_aot.py compiles every kernel at these tiles for an H100."""
+    return (64 if _width(dv) <= 128 else 32), (64 if _width(d) <= 64 else 32)
+
+
 def dint_integral(q1: torch.Tensor, k1: torch.Tensor, v: torch.Tensor, lse1: torch.Tensor, scale: float | None = None,
                   block_m: int | None = None, block_n: int | None = None) -> torch.Tensor:
     """A3 V of DINT's "softmax" integral, causal: (B, h, T, dv) in v's dtype.
@@ -299,11 +309,10 @@ def dint_integral(q1: torch.Tensor, k1: torch.Tensor, v: torch.Tensor, lse1: tor
     q1: (B, h, T, d); k1: (B, h_kv, T, d); v: (B, h_kv, T, dv) (GQA: query head p reads kv head p // (h / h_kv));
     lse1: (B, h, T), the row log-sum-exp of scale * q1 k1^T over keys 0..n (map1_lse, or the differential
     kernel's). scale defaults to 1/sqrt(d). lse1 is taken as given (no gradient): the gradient reaches q1 and k1
-    through the full softmax Jacobian of A1. Blocks: the query and key tile sizes (powers of two >= 16)."""
-    if block_m is None:
-        block_m = 64 if _width(v.shape[-1]) <= 128 else 32  # untuned: two fp32 accumulators of width dv fit
-    if block_n is None:
-        block_n = 64 if _width(q1.shape[-1]) <= 64 else 32
+    through the full softmax Jacobian of A1. Blocks: the query and key tile sizes (powers of two >= 16; by
+    default `tiles(d, dv)`)."""
+    default_m, default_n = tiles(q1.shape[-1], v.shape[-1])
+    block_m, block_n = default_m if block_m is None else block_m, default_n if block_n is None else block_n
     _check(q1, k1, v, lse1, (block_m, block_n))
     q1, k1, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q1, k1, v))
     scale = 1.0 / math.sqrt(q1.shape[-1]) if scale is None else float(scale)
@@ -361,4 +370,4 @@ def map1_lse(q1: torch.Tensor, k1: torch.Tensor, scale: float | None = None, com
     return map1_attention(q1, k1, k1, scale, compiled)[1]
 
 
-__all__ = ["dint_integral", "map1_attention", "map1_lse"]
+__all__ = ["dint_integral", "map1_attention", "map1_lse", "tiles"]
