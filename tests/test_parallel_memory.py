@@ -230,3 +230,35 @@ def test_long_sequences_are_extrapolated_to_what_a_direct_measurement_gives(atte
     direct = estimate_memory(cfg, 2, 192, 1, torch.float32)
     monkeypatch.setattr(memory, "MEASURED_TOKENS", 64)
     assert estimate_memory(cfg, 2, 192, 1, torch.float32) == direct
+
+
+def test_dints_triton_integral_scratch_is_counted_in_half_precision(monkeypatch):
+    """DINT's Triton integral (picked on CUDA in half precision) keeps PREFIX (B, h, T / 64, T) fp32 per layer for
+    the backward, and makes CARRY and ROWPART in it: T^2 / 64 floats a head, which the plain path measured on the
+    meta device does not keep. The estimate adds them, and the rough bound stays above it."""
+    from diffexp.kernels import gpu_dint
+
+    cfg = replace(arch("dint"), max_seq_len=4096)
+    kept, backward = gpu_dint.scratch_bytes(2, cfg.n_heads, 4096, cfg.resolved_head_dim, 2 * cfg.resolved_head_dim)
+    assert kept == 4 * 2 * cfg.n_heads * 4096 * 4096 // 64 and backward == 2 * kept
+    with_kernel = estimate_memory(cfg, 2, 4096, 1, torch.bfloat16)
+    assert memory.kernel_scratch(cfg, 2, 4096, torch.float32) == (0, 0)  # fp32: the plain path runs
+    assert memory.kernel_scratch(replace(cfg, integral="mean"), 2, 4096, torch.bfloat16) == (0, 0)
+    assert rough_training_bytes(cfg, 2, 4096) >= with_kernel.total
+    monkeypatch.setattr(memory, "kernel_scratch", lambda *args: (0, 0))
+    plain = estimate_memory(cfg, 2, 4096, 1, torch.bfloat16)
+    added = with_kernel.activations - plain.activations  # every layer's PREFIX, and the backward's buffers where
+    assert cfg.n_layers * kept <= added <= cfg.n_layers * kept + backward  # they outgrow the loss's backward
+
+
+def test_the_triton_integrals_buffers_are_the_scratch_counted():
+    """scratch_bytes against the buffers the kernel allocates (its _Call, at the default tiles)."""
+    pytest.importorskip("triton")
+    from diffexp.kernels import gpu_dint, triton_dint
+
+    b, h, t, d = 2, 3, 200, 64
+    q, k, v = torch.zeros(b, h, t, d), torch.zeros(b, h, t, d), torch.zeros(b, h, t, 2 * d)
+    call = triton_dint._Call(q, k, v, 0.125, *triton_dint.tiles(d, 2 * d))
+    prefix = call.buffer(call.nm, "cpu")
+    kept, backward = gpu_dint.scratch_bytes(b, h, t, d, 2 * d)
+    assert kept == prefix.nbytes and backward == prefix.nbytes + call.buffer(call.nn, "cpu").nbytes

@@ -38,6 +38,8 @@ import triton
 import triton.language as tl
 from torch.nn.attention.flex_attention import AuxRequest, BlockMask, flex_attention
 
+from diffexp.kernels.gpu_dint import tile_width, tiles  # noqa: F401  (tiles: the default tiles, read here too)
+
 
 # -- tiles --------------------------------------------------------------------------------------------------------
 @triton.jit
@@ -204,9 +206,7 @@ def _row_walk(Q, K, V, DO, LSE, Z, DELTA, PREFIX, CARRY, ROWDOT, DQ,
 
 
 # -- autograd -----------------------------------------------------------------------------------------------------
-def _width(n: int) -> int:
-    """A power-of-two tile width >= n; at least 16, the smallest tl.dot operand on GPUs."""
-    return max(16, triton.next_power_of_2(n))
+_width = tile_width
 
 
 class _Call:
@@ -293,13 +293,6 @@ def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lse: torch.Tensor,
     for block in blocks:
         if block < 16 or block & (block - 1):
             raise ValueError(f"Triton tile sizes are powers of two >= 16, got {block}")
-
-
-def tiles(d: int, dv: int) -> tuple[int, int]:
-    """The query and key tile sizes that dint_integral takes unless given, for head widths d (q1, k1) and dv (v).
-    Untuned: 64 x 64, the query tile halved past dv 128 (two fp32 accumulators of width dv fit), the key tile past
-    d 64. tests/test_triton_aot.py compiles every kernel at these tiles for an H100."""
-    return (64 if _width(dv) <= 128 else 32), (64 if _width(d) <= 64 else 32)
 
 
 def dint_integral(q1: torch.Tensor, k1: torch.Tensor, v: torch.Tensor, lse1: torch.Tensor, scale: float | None = None,

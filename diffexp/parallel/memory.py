@@ -200,11 +200,12 @@ def estimate_memory(arch, micro_batch: int, seq_len: int, shard_size: int,
                                       micro_batch * seq_len, start=MEASURED_ROWS)
     total_params = root_params + arch.n_layers * block_params
     compute_bytes = torch.finfo(compute_dtype).bits // 8
+    kept, backward = kernel_scratch(arch, micro_batch, seq_len, compute_dtype)
     if activation_checkpointing:  # each block keeps its input; one block's activations are recomputed at a time
         block_input = micro_batch * seq_len * arch.d_model * compute_bytes
-        layers = arch.n_layers * block_input + block_saved
+        layers = arch.n_layers * block_input + block_saved + kept
     else:
-        layers = arch.n_layers * block_saved
+        layers = arch.n_layers * (block_saved + kept)
     return MemoryEstimate(
         # the fp32 shard, plus compute-dtype copies gathered at once: the root and two blocks (running, prefetched)
         parameters=4 * total_params // shard_size + compute_bytes * (root_params + 2 * block_params),
@@ -212,14 +213,26 @@ def estimate_memory(arch, micro_batch: int, seq_len: int, shard_size: int,
         gradients=4 * total_params // shard_size + 4 * block_params,
         optimizer=8 * total_params // shard_size,  # AdamW's two fp32 moments of the shard
         # + the loss's backward, where the step's backward starts
-        activations=layers + root_saved + loss_backward,
+        activations=layers + root_saved + max(loss_backward, backward),
     )
+
+
+def kernel_scratch(arch, micro_batch: int, seq_len: int, compute_dtype: torch.dtype) -> tuple[int, int]:
+    """(kept per layer, one layer's backward) bytes that a fast kernel adds to what the plain path saves: DINT's
+    Triton integral (diffexp.kernels.gpu_dint, picked on CUDA in half precision) keeps T^2 / 64 floats a head; the
+    meta-device measurement runs the plain path, which keeps O(T)."""
+    from diffexp.kernels import gpu_dint
+
+    if arch.attention != "dint" or arch.integral != "softmax" or compute_dtype not in (torch.bfloat16, torch.float16):
+        return 0, 0
+    d = arch.resolved_head_dim
+    return gpu_dint.scratch_bytes(micro_batch, arch.n_heads, seq_len, d, 2 * d)
 
 
 def rough_training_bytes(arch, micro_batch: int, seq_len: int) -> int:
     """An upper bound of estimate_memory's total for one process, from the model's sizes alone: AdamW's 16 bytes a
     parameter, 8 an element of its buffers (the RoPE table), 64 floats per token, layer and (d_model + SwiGLU
-    width), and 4 of the logits' width per token."""
+    width), and 4 of the logits' width per token; plus a fast kernel's scratch in half precision (kernel_scratch)."""
     from diffexp.model import Decoder
 
     with torch.device("meta"):
@@ -227,7 +240,8 @@ def rough_training_bytes(arch, micro_batch: int, seq_len: int) -> int:
     parameters = sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
     buffers = sum(b.numel() for b in model.buffers())
     per_token = arch.n_layers * 256 * (arch.d_model + arch.resolved_ffn_hidden) + 16 * arch.vocab_size
-    return 16 * parameters + 8 * buffers + micro_batch * seq_len * per_token
+    kept, backward = kernel_scratch(arch, micro_batch, seq_len, torch.bfloat16)
+    return 16 * parameters + 8 * buffers + micro_batch * seq_len * per_token + arch.n_layers * kept + backward
 
 
 def check_fits(arch, micro_batch: int, seq_len: int, shard_size: int, compute_dtype: torch.dtype,
