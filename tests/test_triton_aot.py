@@ -4,7 +4,7 @@ tests/triton_aot.py compiles each kernel, forward and backward, down to the cubi
 (the default tiles of `triton_dint.tiles`, Triton's default warps and stages), for an input dtype and head widths.
 A kernel that asks for more shared memory than a block may have is refused at its first launch on the GPU; here it
 fails on any machine with Triton. The default run builds bf16 at the recipes' two head shapes (d 64, v 128 and
-d 128, v 256); the other dtypes and widths, and GQA, are under `-m heavy` (an fp32 build takes up to 2 minutes of a
+d 128, v 256); the other dtypes and widths, and GQA, are under `-m heavy` (an fp32 kernel takes minutes of a
 CPU: its exact "ieee" products make long PTX). Triton keeps what it built in its cache, so a second run takes
 seconds.
 """

@@ -147,7 +147,9 @@ class NativeTwoMap(torch.autograd.Function):
         out, lse = torch.ops.diffexp_cpu.two_map_forward(*inputs, ctx.scale, block_rows)
         ctx.save_for_backward(*inputs, lse)
         ctx.dtypes = [t.dtype for t in (q1, q2, k1, k2, v, lam_rows)]
-        return out.to(v.dtype)
+        # not a no-op out.to(v.dtype): torch 2.11's compile gives zero gradients to an autograd.Function whose
+        # forward returns such an alias
+        return out if out.dtype == v.dtype else out.to(v.dtype)
 
     @staticmethod
     def backward(ctx, grad_out):
@@ -165,7 +167,9 @@ class NativeDint(torch.autograd.Function):
         out, lse, col_sums = torch.ops.diffexp_cpu.dint_forward(*inputs, gamma32, ctx.scale, block_rows)
         ctx.save_for_backward(*inputs, gamma32, lse, col_sums)
         ctx.dtypes = [t.dtype for t in (q1, q2, k1, k2, v, lam_rows)] + [gamma.dtype]
-        return out.to(v.dtype)
+        # not a no-op out.to(v.dtype): torch 2.11's compile gives zero gradients to an autograd.Function whose
+        # forward returns such an alias
+        return out if out.dtype == v.dtype else out.to(v.dtype)
 
     @staticmethod
     def backward(ctx, grad_out):
@@ -173,7 +177,7 @@ class NativeDint(torch.autograd.Function):
         *grads, d_gamma_rows = torch.ops.diffexp_cpu.dint_backward(
             grad_out.to(torch.float32).contiguous(), q1, q2, k1, k2, v, lam_rows, gamma, lse, col_sums, ctx.scale,
             ctx.block_rows)
-        grads.append(d_gamma_rows.sum())
+        grads = [*grads, d_gamma_rows.sum()]  # not grads.append: torch 2.11's dynamo makes grads a tuple
         return (*(g.to(dtype) for g, dtype in zip(grads, ctx.dtypes, strict=True)), None)
 
 

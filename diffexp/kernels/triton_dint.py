@@ -252,7 +252,9 @@ class _Integral(torch.autograd.Function):
                                           BLOCK_DV=c.block_dv, **c.sizes)
         ctx.call = c
         ctx.save_for_backward(q, k, v, lse, prefix, z, out)
-        return out.to(v.dtype)
+        # not a no-op out.to(v.dtype): torch 2.11's compile gives zero gradients to an autograd.Function whose
+        # forward returns such an alias
+        return out if out.dtype == v.dtype else out.to(v.dtype)
 
     @staticmethod
     def backward(ctx, d_out):

@@ -143,7 +143,9 @@ class StreamingIntegral(torch.autograd.Function):
         ctx.save_for_backward(q.to(dtype), k.to(dtype), v.to(dtype), col_sums)
         ctx.block_size, ctx.scale, ctx.gamma = block_size, 1.0 / math.sqrt(q.shape[-1]), weight
         ctx.in_dtypes = (q.dtype, k.dtype, v.dtype, None if gamma is None else gamma.dtype)
-        return out.to(v.dtype)
+        # not a no-op out.to(v.dtype): torch 2.11's compile gives zero gradients to an autograd.Function whose
+        # forward returns such an alias
+        return out if out.dtype == v.dtype else out.to(v.dtype)
 
     @staticmethod
     def backward(ctx, grad_out):
