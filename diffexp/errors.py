@@ -25,6 +25,22 @@ def invalid(key: str, value: Any, allowed: str) -> UserError:
     return UserError(f"{key}={value!r} is invalid: {allowed}")
 
 
+def dash_value_hint(message: str, argv: list[str]) -> str:
+    """For argparse's "argument --key: expected one argument" where the word after --key starts with "-" (a
+    negative number such as -1e-3 is read as an option): the --key=value form that passes it, else ""."""
+    import re
+
+    found = re.search(r"argument (--[\w.\-]+)(?:/\S+)?: expected one argument", message)
+    if not found:
+        return ""
+    key = found.group(1)
+    following = [argv[i + 1] for i, word in enumerate(argv[:-1]) if word == key]
+    if not following or not following[-1].startswith("-"):
+        return ""
+    return (f"; {key} {following[-1]}: a value that starts with '-' is read as an option, so write it as "
+            f"{key}={following[-1]}")
+
+
 def debug_enabled() -> bool:
     return os.environ.get("DIFFEXP_DEBUG", "").strip().lower() not in ("", "0", "false", "no")
 

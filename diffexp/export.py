@@ -1,6 +1,8 @@
 """`diffexp export CKPT OUT`: one self-contained model directory from any checkpoint.
 
-OUT gets config.json (format, hyperparameters, data settings, step, source), model.safetensors (or model.pt with
+OUT gets config.json (format, hyperparameters, data settings, step, and the run it comes from: its name and version,
+the checkpoint's file name and the weights' SHA-256, never a local path: an export is meant to be shared),
+model.safetensors (or model.pt with
 --format torch; DiffexpLM's state-dict names) and, for a model trained on a BPE, tokenizer.json. Every
 `diffexp eval` task and `diffexp generate` read OUT like a checkpoint. With --format hf, OUT is a Hugging Face
 transformers directory instead (diffexp.hf: LlamaForCausalLM, DiffLlamaForCausalLM, or with --remote-code any
@@ -76,7 +78,7 @@ def export(checkpoint_path: str, out: str, weights_format: str = "safetensors", 
         "tokenizer": None if tokenizer is None else
         {"kind": tokenizer["kind"], **({"file": "tokenizer.json", "identity": tokenizer["identity"]}
                                        if tokenizer["kind"] == "tokenizers" else {})},
-        "source": str(Path(checkpoint_path).resolve()),
+        "source": run_identity(Path(checkpoint_path)),
     }
     with _staged(target) as staging:
         weights = untied(checkpoint["state_dict"])
@@ -84,10 +86,29 @@ def export(checkpoint_path: str, out: str, weights_format: str = "safetensors", 
             _save_safetensors(weights, staging / FORMATS["safetensors"])
         else:
             torch.save(weights, staging / FORMATS["torch"])
+        config["source"]["weights_sha256"] = _sha256(staging / FORMATS[weights_format])
         if tokenizer is not None and tokenizer["kind"] == "tokenizers":
             (staging / "tokenizer.json").write_text(tokenizer["json"], encoding="utf-8")
         (staging / EXPORT_CONFIG).write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
     return target
+
+
+def run_identity(checkpoint_path: Path) -> dict:
+    """What identifies the checkpoint without a local path: `<name>/<version>` of the run whose checkpoints/ holds
+    it (None elsewhere) and its file name (a sharded checkpoint: its directory's)."""
+    path = checkpoint_path.resolve()
+    run = path.parent.parent if path.parent.name == "checkpoints" else None
+    return {"run": None if run is None else f"{run.parent.name}/{run.name}", "checkpoint": path.name}
+
+
+def _sha256(path: Path) -> str:
+    import hashlib
+
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
 
 
 def _export_hf(checkpoint: dict, hparams: dict, target: Path, remote_code: bool) -> Path:

@@ -80,7 +80,7 @@ def make_study(root: Path, name: str = "table6") -> Path:
     write_sweep(study, CASES, [0, 1, 2])
     for seed, loss in enumerate((1.90, 1.92, 1.94)):
         metrics = {"val/loss": loss, "val/ppl": 2.718281828 ** loss, "train/loss": loss - 0.1,
-                   "val/ar_hit_loss": 0.9 + seed / 10}
+                   "val/loss_ar_hit": 0.9 + seed / 10}
         write_trial(study, "Transformer", "transformer", seed, metrics, params=1_000_000, tokens_per_s=12_000 + seed)
     resumed = study / "transformer" / "seed1"
     write_events(resumed, {"val/loss": [(200, 2.11)]}, walltime=2.0e9)  # the resumed run's events file

@@ -216,7 +216,7 @@ class KillAtFitEnd(L.Callback):
 
 class InjectNonFinite(L.Callback):
     """At step `step`, make `quantity` non-finite without touching the weights, after saving them to
-    `weights_path`: "train/loss" becomes inf, or one gradient entry ("train/grad_norm") becomes NaN. With `rank`,
+    `weights_path`: "train/loss" becomes inf, or one gradient entry ("vitals/grad_norm") becomes NaN. With `rank`,
     the loss of that rank only."""
 
     def __init__(self, step: int, quantity: str, weights_path: str, rank: int | None = None) -> None:
@@ -232,7 +232,7 @@ class InjectNonFinite(L.Callback):
             pl_module._loss = lambda batch: loss(batch) + float("inf")
 
     def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
-        if trainer.global_step == self.step and self.quantity == "train/grad_norm":
+        if trainer.global_step == self.step and self.quantity == "vitals/grad_norm":
             grad = next(p.grad for p in pl_module.parameters() if p.grad is not None)
             grad.view(-1)[0] = float("nan")
 
@@ -521,3 +521,78 @@ def write_local_task(root: Path, data_name: str = "toy.jsonl", write_data: bool 
         data.write_text("".join(json.dumps(doc) + "\n" for doc in DOCS))
     (tasks / "toy.yaml").write_text(LOCAL_TASK.format(data=data))
     return tasks
+
+
+# ----------------------------------------------------------------------------- exported models (test_export_hf*)
+
+#: a prompt with characters of two bytes, so a decoder that splits them shows
+PROMPT = "héllo wörld"
+#: the byte tokenizer's state, as a checkpoint carries it
+BYTE = {"kind": "byte"}
+
+
+def tiny_decoder(case: str, **extra):
+    """The case's model (vocab 257: bytes and end of document) with every norm, lambda and gamma moved off its
+    init, so a head norm weight that is not folded or a lambda read in the wrong place shows in the logits."""
+    from diffexp.model.decoder import Decoder
+
+    torch.manual_seed(0)
+    model = Decoder(make_config(case, vocab_size=257, **extra)).eval()
+    generator = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name or "lambda_" in name or name.endswith("gamma"):
+                param.add_(0.3 * torch.randn(param.shape, generator=generator))
+    return model
+
+
+def write_checkpoint(model, path, tokenizer: dict | None = BYTE):
+    """A diffexp checkpoint of `model` as read_checkpoint reads it (DiffexpLM's names: model.<Decoder's>)."""
+    from dataclasses import asdict
+
+    checkpoint = {"state_dict": {f"model.{k}": v for k, v in model.state_dict().items()},
+                  "hyper_parameters": {"arch": asdict(model.cfg)}, "global_step": 0}
+    if tokenizer is not None:
+        checkpoint["diffexp_tokenizer"] = tokenizer
+    torch.save(checkpoint, path)
+    return path
+
+
+# ----------------------------------------------------------------------------- Markdown as a renderer reads it
+
+
+def markdown_tables(text: str) -> list[list[list[str]]]:
+    """Every table a Markdown renderer (markdown-it-py, CommonMark with GFM tables) draws from `text`, as rows of
+    cell texts, the header row first. Asserts that each line that starts with "|" belongs to a drawn table (a
+    header with another number of cells than its delimiter row is drawn as a paragraph) and that each row of a
+    table has its header's number of cells."""
+    from markdown_it import MarkdownIt
+
+    tokens = MarkdownIt("commonmark").enable("table").parse(text)
+    lines = text.splitlines()
+    tables, covered, row, cells = [], set(), None, 0
+    for token in tokens:
+        if token.type == "table_open":
+            tables.append([])
+            covered.update(range(*token.map))
+        elif token.type == "tr_open":
+            row = []
+            cells = sum(1 for _ in _unescaped_pipes(lines[token.map[0]])) - 1  # the row's own line, "| a | b |"
+        elif token.type == "inline" and row is not None:
+            row.append(token.content)
+        elif token.type == "tr_close":
+            tables[-1].append(row)
+            header = tables[-1][0]
+            assert len(row) == len(header) == cells, f"a row of {cells} cells under a header of {len(header)}: {row}"
+            row = None
+    stray = [line for i, line in enumerate(lines) if line.startswith("|") and i not in covered]
+    assert not stray, f"lines no renderer draws as a table: {stray}"
+    return tables
+
+
+def _unescaped_pipes(line: str):
+    escaped = False
+    for char in line:
+        if char == "|" and not escaped:
+            yield char
+        escaped = char == "\\" and not escaped

@@ -127,3 +127,16 @@ def test_private_torch_uses_are_found():
     assert [use.split(": ")[1] for use in private_torch_uses(source)] == ["torch._dynamo", "torch._inductor",
                                                                          "torch._dynamo"]
     assert private_torch_uses("torch.compiler.reset()\nimport torch.nn\n") == []
+
+
+def test_test_modules_share_helpers_through_tests_helpers_only():
+    """A test module imports no other test module (pytest would collect the imported tests twice over, and a
+    helper would move with its tests): what several modules use lives in tests/helpers.py."""
+    tests = Path(__file__).resolve().parent
+    found = []
+    for path in sorted(tests.glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [node.module or ""] if isinstance(node, ast.ImportFrom) else \
+                [alias.name for alias in node.names] if isinstance(node, ast.Import) else []
+            found += [f"{path.name}: {name}" for name in names if name.startswith("tests.test_")]
+    assert not found, found

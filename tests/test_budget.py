@@ -111,6 +111,9 @@ def test_docs_state_the_times_the_size_files_state(monkeypatch):
         wall = re.search(r"# time: about (\S+ \S+) ", sweep_estimate(trials, fit, per_gpu)).group(1)
         row = next(ln for ln in sweeps_md.splitlines() if f"`sweeps/{spec.name}`" in ln)
         assert row.endswith(f"| {wall} |"), (row, wall)
+        if spec.name == "gpu_125m.yaml":  # the table of every spec, above, says the same
+            specs_row = next(ln for ln in sweeps_md.splitlines() if "`sweeps/gpu_<size>.yaml`" in ln)
+            assert f"125m: {wall} on one 8-H100 node" in specs_row, (specs_row, wall)
     for text in (gpu_md, sweeps_md):
         assert fit.commit in text and "bench/fits.json" in text and "35-42%" not in text and "42-35%" not in text
 
@@ -127,8 +130,10 @@ def test_readme_and_base_recipe_state_the_125m_times(monkeypatch):
     assert f"takes {span} on one H100" in " ".join(readme.split())
     assert f"# time[125m]: {span} on one H100" in base
     sweep = next(ln for ln in (REPO / "sweeps/gpu_125m.yaml").read_text().splitlines() if ln.startswith("# time: "))
-    wall, gpu_hours = re.search(r"about (\S+ \S+) on .*, ([\d,]+) H100-hours", sweep).groups()
-    assert f"sweep about {wall} on an 8-H100 node, {gpu_hours} H100-hours in all" in " ".join(readme.split())
+    wall, gpu_hours, node_hours = re.search(r"about (\S+ \S+) on .*, ([\d,]+) H100-hours of trials, ([\d,]+) of the "
+                                            "node's", sweep).groups()
+    assert (f"sweep about {wall} on an 8-H100 node, {gpu_hours} H100-hours of trials and {node_hours} of the node's"
+            in " ".join(readme.split()))
     measured = measured_fit()
     for text in (readme, base):
         assert measured.commit in text and f"{measured.tokens_per_s:,.0f} tokens/s" in text

@@ -12,7 +12,7 @@ import pytest
 
 from diffexp import compare
 from tests.fixtures_compare import make_study, write_sweep, write_trial
-from tests.helpers import exit_code, subprocess_env
+from tests.helpers import exit_code, markdown_tables, subprocess_env
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -46,7 +46,7 @@ def test_means_and_sample_std(runs):
     assert t.n == 3
     assert t.mean == pytest.approx(1.92)
     assert t.std == pytest.approx(0.02)  # sample std (ddof=1) of 1.90, 1.92, 1.94
-    assert _row(rows, "Transformer").stats["val/ar_hit_loss"].mean == pytest.approx(1.0)
+    assert _row(rows, "Transformer").stats["val/loss_ar_hit"].mean == pytest.approx(1.0)
     assert t.format() == "1.920 ± 0.020"
     # a single complete seed: std is n/a, not 0
     g = _row(rows, "DIFF -GroupNorm").stats["val/loss"]
@@ -103,6 +103,7 @@ def test_main_writes_markdown_csv_and_plots(study, tmp_path, capsys):
     assert header.index("Valid loss") < header.index("Valid ppl") < header.index("Train loss")
 
     md = (out / "compare.md").read_text()
+    assert len(markdown_tables(md)) == 1  # drawn by a Markdown renderer
     table = [line for line in md.splitlines() if line.startswith("| ")]
     assert table[0].startswith("| Model | Params | Non-emb. params | Valid loss ↓ |")
     assert [line.split(" | ")[0][2:] for line in table[1:]] == [
@@ -148,7 +149,7 @@ def test_default_out_dir_and_metric_filter(tmp_path, capsys):
     out = study / "compare"
     header = (out / "compare.csv").read_text().splitlines()[0]
     assert "val/loss_mean" in header and "val/ppl_mean" in header
-    assert "train/loss_mean" not in header and "val/ar_hit_loss_mean" not in header
+    assert "train/loss_mean" not in header and "val/loss_ar_hit_mean" not in header
     # the compare/ folder is not mistaken for a run directory on a second pass
     assert compare.load_study_runs(study).unexpected == []
 
@@ -230,7 +231,7 @@ def test_unknown_metric_exits_2_listing_available(study, tmp_path, capsys):
     assert exit_code(["compare", str(study), "--out", str(tmp_path), "--metric", "val/accuracy"]) == 2
     err = capsys.readouterr().err
     assert "'val/accuracy'" in err
-    for name in ("val/loss", "val/ppl", "train/loss", "val/ar_hit_loss"):
+    for name in ("val/loss", "val/ppl", "train/loss", "val/loss_ar_hit"):
         assert name in err
     assert not (tmp_path / "compare.md").exists()
 
@@ -293,16 +294,33 @@ def test_printed_table_splits_to_fit_the_terminal_and_keeps_every_column(study, 
     assert tables > 1 if width == 100 else tables == 1
 
 
-def test_a_study_validated_once_per_trial_is_warned_of_its_one_point_curves(tmp_path, capsys):
+def test_a_study_validated_once_per_trial_is_warned_of_its_one_point_curves(tmp_path, capsys, monkeypatch):
+    from matplotlib.container import ErrorbarContainer
+
+    from diffexp.compare import plots
+
+    figures = []
+    monkeypatch.setattr(plots, "new_figure", lambda *a, new=plots.new_figure: figures.append(new(*a)) or figures[-1])
     study = tmp_path / "short"
     write_sweep(study, [("Transformer", "transformer"), ("DIFF", "diff")], [0, 1])
     for seed in (0, 1):
         for name, slug, loss in (("Transformer", "transformer", 3.4), ("DIFF", "diff", 3.3)):
-            write_trial(study, name, slug, seed, {"val/loss": loss + 0.01 * seed}, curve=[(400, loss + 0.01 * seed)])
+            write_trial(study, name, slug, seed, {"val/loss": loss + 0.01 * seed}, global_step=60,
+                        curve=[(60, loss + 0.01 * seed)])
     assert compare.main([str(study), "--out", str(tmp_path / "out")]) == 0
     printed = " ".join(capsys.readouterr().out.split())
     assert "warning: val_loss_curves.png has one point per case" in printed
     assert "set a lower trainer.val_check_interval" in printed
+    # the figure draws what one point can show: one panel, the step axis from 0, each case's spread over seeds as
+    # an error bar (a band needs two steps), and a title that fits inside the figure
+    curves = figures[0]
+    (ax,) = curves.axes
+    assert ax.get_xlim()[0] == 0 and ax.get_xlim()[1] > 60
+    bars = [c for c in ax.containers if isinstance(c, ErrorbarContainer)]
+    assert len(bars) == 2 and all(c.has_yerr for c in bars)
+    renderer = curves.canvas.get_renderer()
+    box, title = curves.bbox, ax.title.get_window_extent(renderer)
+    assert box.x0 <= title.x0 and title.x1 <= box.x1, (title, box)
     # a study with curves is not warned
     assert compare.main([str(make_study(tmp_path / "full")), "--out", str(tmp_path / "out2")]) == 0
     assert "one point per case" not in capsys.readouterr().out
@@ -336,3 +354,19 @@ def test_each_case_keeps_one_colour_in_every_plot(study, tmp_path, monkeypatch):
             assert to_rgb(line.get_color()) == expected[case], case
             checked.add(case)
     assert checked == {"Transformer", "DIFF -GroupNorm"}  # DIFF is the reference here
+
+
+def test_the_diagnostics_columns_render_as_a_markdown_table(tmp_path):
+    """Column labels with a pipe in them ("Max |act|") are escaped like any cell: compare.md's table is drawn, with
+    its header's cells in every row."""
+    study = tmp_path / "diag"
+    write_sweep(study, [("Transformer", "transformer"), ("DIFF | V1", "diff")], [0, 1])
+    for slug, name, base in (("transformer", "Transformer", 1.9), ("diff", "DIFF | V1", 1.8)):
+        for seed in (0, 1):
+            write_trial(study, name, slug, seed, {"val/loss": base + 0.01 * seed, "vitals/act_max_abs": 12.5 + seed,
+                                                  "vitals/attn_logit_max": 7.0, "vitals/grad_spikes": 1.0})
+    assert compare.main([str(study), "--out", str(tmp_path / "out"), "--no-plots"]) == 0
+    header, *rows = markdown_tables((tmp_path / "out" / "compare.md").read_text())[0]
+    assert {"Max |act|", "Max attn logit", "Grad spikes"} <= set(header)
+    assert [row[0] for row in rows] == ["Transformer", "DIFF | V1"]
+    assert rows[1][header.index("Max |act|")] == "13.000 ± 0.707"

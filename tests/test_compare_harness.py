@@ -10,6 +10,7 @@ import pytest
 
 from diffexp import compare
 from tests.fixtures_compare import write_sweep, write_trial
+from tests.helpers import markdown_tables
 
 SCORES = {  # case slug -> seed -> task -> acc
     "baseline": {0: {"arc_easy": 0.50, "piqa": 0.60}, 1: {"arc_easy": 0.54, "piqa": 0.64}},
@@ -35,6 +36,7 @@ def test_compare_adds_the_harness_table(tmp_path, capsys):
     study = make_harness_study(tmp_path)
     compare.compare(study, plots=False)
     markdown = (study / "compare/compare.md").read_text()
+    assert markdown_tables(markdown)[1][0][0] == "Case"  # the comparison's table, then the harness's
     assert "## LM-Eval harness (acc, %, mean ± std over seeds)" in markdown
     markdown = markdown.split("## LM-Eval harness")[1]
     base_easy = [0.50, 0.54]

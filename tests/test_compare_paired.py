@@ -34,7 +34,7 @@ from diffexp.compare.paired import (
 )
 from diffexp.model.attention.registry import reference_variant
 from tests.fixtures_compare import make_study, write_loss_table, write_sweep, write_trial
-from tests.helpers import exit_code, subprocess_env
+from tests.helpers import exit_code, markdown_tables, subprocess_env
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 SEEDS = [0, 1, 2, 3, 4, 5]
@@ -146,6 +146,7 @@ def test_level_changes_the_interval(runs):
 def test_markdown_and_csv_columns(study, tmp_path):
     printed = _print(study, tmp_path / "out")
     md = (tmp_path / "out" / "compare.md").read_text()
+    assert len(markdown_tables(md)) == 1
     header = next(line for line in md.splitlines() if line.startswith("| Model"))
     assert "| Valid loss ↓ | Δ vs Baseline | 95% CI | Paired seeds | Verdict | Seeds |" in header
     far_line = next(line for line in md.splitlines() if line.startswith("| Far |"))

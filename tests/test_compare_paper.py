@@ -19,7 +19,7 @@ from diffexp.sweep.layout import SWEEP_FILE
 from diffexp.sweep.runs import load_study_runs
 from diffexp.sweep.spec import SpecError, parse_spec
 from tests.fixtures_compare import make_study, write_loss_table
-from tests.helpers import REPO
+from tests.helpers import REPO, markdown_tables
 
 PAPER = {"source": "A paper, Table 9",
          "values": {"Transformer": {"val/loss": 3.10}, "DIFF": {"val/loss": 3.06},
@@ -70,6 +70,7 @@ def test_compare_prints_and_writes_the_paper_columns(tmp_path):
     assert "not measured yet: DIFF lambda 0.8" in printed
     md = (tmp_path / "out" / "compare.md").read_text()
     assert "## Paper: A paper, Table 9" in md and "| DIFF | 1.860 | 3.060 |" in md
+    assert ["DIFF", "1.860", "3.060"] in markdown_tables(md)[-1]  # the paper's table is drawn
 
 
 def test_the_direction_check_reads_the_paired_verdict(tmp_path):

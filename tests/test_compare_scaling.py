@@ -10,6 +10,7 @@ import pytest
 from diffexp import compare
 from diffexp.compare.scaling import CURVE_FIT, LOG_LINEAR, fit_power_law, scaling_report
 from tests.fixtures_compare import make_study, write_sweep, write_trial
+from tests.helpers import markdown_tables
 
 SIZES = np.array([1.0e5, 3.0e5, 1.0e6, 3.0e6, 1.0e7])
 A, B, C = 60.0, 0.35, 1.6  # the reference's law
@@ -102,6 +103,7 @@ def test_compare_writes_the_scaling_section_only_for_a_scaling_study(tmp_path):
     out = tmp_path / "out"
     assert compare.main([str(make_scaling_study(tmp_path)), "--out", str(out)]) == 0
     md = (out / "compare.md").read_text()
+    assert len(markdown_tables(md)) == 2  # the comparison's and the scaling's, both drawn
     assert "## Scaling: parameters needed to reach the reference's loss" in md
     line = next(row for row in md.splitlines() if row.startswith("| diff_v1 |"))
     assert " curve_fit " in line and " 4 " in line

@@ -41,7 +41,7 @@ def test_measure_reports_layers_and_the_true_logit_max():
     stats = Diagnostics.measure(model, idx)
     for layer in ("00", "01"):
         for key in ("act_max_abs", "act_kurtosis", "attn_logit_max", "lambda_mean", "lambda_std"):
-            assert f"diag/layer_{layer}/{key}" in stats
+            assert f"vitals/layer_{layer}/{key}" in stats
     # the first layer's logit max, recomputed by hand from its projections
     attn = model.blocks[0].attn
     x = model.blocks[0].attn_norm(model.embed(idx))
@@ -49,7 +49,7 @@ def test_measure_reports_layers_and_the_true_logit_max():
     k = attn.rope.rotate(attn.k_proj(x).view(1, 12, 1, 16).transpose(1, 2))
     logits = (q @ k.transpose(-1, -2)) / math.sqrt(16)
     causal = torch.ones(12, 12, dtype=torch.bool).tril()
-    assert abs(stats["diag/layer_00/attn_logit_max"] - logits[..., causal].max().item()) < 1e-5
+    assert abs(stats["vitals/layer_00/attn_logit_max"] - logits[..., causal].max().item()) < 1e-5
     assert not any(b.attn.record_stats for b in model.blocks)
 
 
@@ -140,10 +140,10 @@ def test_context_rms_reads_each_variants_o_proj_input_by_head(name):
                      for b in range(2) for t in range(10)]
         expected.append(sum(per_token) / len(per_token))
     for h, value in enumerate(expected):
-        assert stats[f"diag/layer_01/context_rms/head_{h:02d}"] == pytest.approx(value, rel=1e-5)
-    assert stats["diag/layer_01/context_rms"] == pytest.approx(sum(expected) / heads, rel=1e-5)
-    layers = [stats[f"diag/layer_{i:02d}/context_rms"] for i in range(2)]
-    assert stats["diag/context_rms"] == pytest.approx(sum(layers) / 2)
+        assert stats[f"vitals/layer_01/context_rms/head_{h:02d}"] == pytest.approx(value, rel=1e-5)
+    assert stats["vitals/layer_01/context_rms"] == pytest.approx(sum(expected) / heads, rel=1e-5)
+    layers = [stats[f"vitals/layer_{i:02d}/context_rms"] for i in range(2)]
+    assert stats["vitals/context_rms"] == pytest.approx(sum(layers) / 2)
     assert not any(m._forward_pre_hooks for m in model.modules())
 
 
@@ -169,8 +169,8 @@ def test_attention_sinks_score_each_variants_effective_map(name):
     with torch.no_grad():
         _, maps = model(idx, need_weights=True)
     for i, effective in enumerate(maps):
-        assert scores[f"diag/layer_{i:02d}/attn_sink"] == pytest.approx(sink_score(effective), abs=1e-6)
-    assert scores["diag/attn_sink"] == pytest.approx(sum(sink_score(m) for m in maps) / len(maps), abs=1e-6)
+        assert scores[f"vitals/layer_{i:02d}/attn_sink"] == pytest.approx(sink_score(effective), abs=1e-6)
+    assert scores["vitals/attn_sink"] == pytest.approx(sum(sink_score(m) for m in maps) / len(maps), abs=1e-6)
     assert model.training and not any(m._forward_hooks for m in model.modules())
 
 
@@ -218,8 +218,8 @@ def test_loss_spikes_and_divergence_per_optimizer_step():
     for first, second in [(2.0, 2.0), (1.0, 6.0), (2.0, 2.0)]:  # step means 2, 3.5, 2
         micro_batch(first, steps=False)
         micro_batch(second, steps=True)
-    assert diag.loss_spikes.count == 1 and logged["diag/loss_spikes"] == 1.0  # 3.5 > 1.5 x median(2)
-    assert diag.grad_norm_max == 1.0 and logged["diag/grad_norm_max"] == 1.0
+    assert diag.loss_spikes.count == 1 and logged["vitals/loss_spikes"] == 1.0  # 3.5 > 1.5 x median(2)
+    assert diag.grad_norm_max == 1.0 and logged["vitals/grad_norm_max"] == 1.0
     assert diverged_at(trainer) is None and not trainer.should_stop
 
     threshold = 1.5 * math.log(257)
@@ -229,7 +229,7 @@ def test_loss_spikes_and_divergence_per_optimizer_step():
     micro_batch(threshold + 0.02, steps=False)
     with pytest.warns(UserWarning, match="diverged at step 4"):
         micro_batch(threshold, steps=True)  # step 4's mean is above the threshold
-    assert trainer.should_stop and logged["diag/diverged_step"] == 4.0
+    assert trainer.should_stop and logged["vitals/diverged_step"] == 4.0
     assert diverged_at(trainer) == {"step": 4, "reason": f"train/loss {threshold + 0.01:.4g} > {threshold:.4g} "
                                                           "(1.5 x ln 257)"}
 
@@ -265,7 +265,7 @@ def test_a_compiled_fit_keeps_one_graph_while_the_diagnostics_observe_it(tmp_pat
     assert len(frames) == 2, [frame.code for frame in frames]  # compile_blocks' probe, then the block's one graph
     assert not torch._dynamo.utils.counters["graph_break"], dict(torch._dynamo.utils.counters["graph_break"])
     logged = scalars(Path(trainer.log_dir))
-    for key in ("diag/layer_00/attn_logit_max", "diag/layer_00/attn_sink", "diag/layer_00/context_rms"):
-        assert [step for step, _ in logged[key]] == [0, 2, 4], key
+    for key in ("vitals/layer_00/attn_logit_max", "vitals/layer_00/attn_sink", "vitals/layer_00/context_rms"):
+        assert [step for step, _ in logged[key]] == [1, 3, 5], key  # written at the steps done after them
     torch.compile(lambda x: x + 1, backend=counter)(torch.ones(1))  # the eager observation ended with its step
     assert len(frames) == 3

@@ -239,7 +239,7 @@ def assert_trained_like_the_reference(root: Path, name: str) -> None:
     assert [s for s, _ in elastic] == [s for s, _ in reference] == list(range(STEPS))
     torch.testing.assert_close(torch.tensor([v for _, v in elastic]), torch.tensor([v for _, v in reference]),
                                rtol=RTOL, atol=1e-6)
-    lr, reference_lr = (scalars(root / "runs" / run_name / "version_0")["lr"] for run_name in (name, "reference"))
+    lr, reference_lr = (scalars(root / "runs" / run_name / "version_0")["train/lr"] for run_name in (name, "reference"))
     assert [s for s, _ in lr] == [s for s, _ in reference_lr]  # the same schedule
     assert [v for _, v in lr] == pytest.approx([v for _, v in reference_lr], rel=1e-6)
     assert_same_weights(torch.load(root / "reference.pt", weights_only=True),

@@ -133,3 +133,21 @@ def test_a_damaged_export_is_a_clear_error(ckpt, tmp_path, capsys):
     (out / "config.json").write_text("{not json")
     code, _, err = run(["generate", str(out), "--prompt", "x", "--device", "cpu"], capsys)
     assert code == 2 and "config.json" in err
+
+
+def test_an_export_names_its_run_and_weights_and_no_local_path(tmp_path, capsys):
+    """config.json carries what identifies the run (name/version, checkpoint file, the weights' SHA-256), and no
+    path of the machine it was made on: an export is meant to be shared."""
+    import hashlib
+
+    ckpt = tmp_path / "runs/tiny/diff_v1/version_3/checkpoints/last.ckpt"
+    ckpt.parent.mkdir(parents=True)
+    save_untrained_checkpoint(ModelConfig(attention="diff_v1", vocab_size=257, d_model=32, n_layers=1, n_heads=2,
+                                          max_seq_len=64), ckpt)
+    out = tmp_path / "exported"
+    assert run(["export", str(ckpt), str(out)], capsys)[0] == 0
+    text = (out / "config.json").read_text()
+    source = json.loads(text)["source"]
+    assert source == {"run": "diff_v1/version_3", "checkpoint": "last.ckpt",
+                      "weights_sha256": hashlib.sha256((out / "model.safetensors").read_bytes()).hexdigest()}
+    assert str(tmp_path) not in text and str(tmp_path.resolve()) not in text

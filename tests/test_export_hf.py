@@ -26,7 +26,7 @@ from diffexp.generate.decode import generate
 from diffexp.generate.sampling import Sampling
 from diffexp.model.config import ModelConfig
 from diffexp.model.decoder import Decoder
-from tests.helpers import CASES, make_config, naive_logprob, write_local_task
+from tests.helpers import CASES, PROMPT, naive_logprob, tiny_decoder, write_checkpoint, write_local_task
 
 transformers = pytest.importorskip("transformers")
 
@@ -34,33 +34,6 @@ transformers = pytest.importorskip("transformers")
 DEFAULT_CASES = ["baseline", "diff_v1", "diff_v2", "shared_diff", "dint"]
 #: cases a plain transformers class represents: baseline -> Llama, diff_v1 -> DiffLlama
 PLAIN_CASES = ["baseline", "baseline-mha", "baseline-tied", "diff_v1", "diff_v1-mha"]
-BYTE = {"kind": "byte"}
-PROMPT = "héllo wörld"
-
-
-def tiny_decoder(case: str, **extra) -> Decoder:
-    """The case's model (vocab 257: bytes and end of document) with every norm, lambda and gamma moved off its
-    init, so a head norm weight that is not folded or a lambda read in the wrong place shows in the logits."""
-    torch.manual_seed(0)
-    model = Decoder(make_config(case, vocab_size=257, **extra)).eval()
-    generator = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if "norm" in name or "lambda_" in name or name.endswith("gamma"):
-                param.add_(0.3 * torch.randn(param.shape, generator=generator))
-    return model
-
-
-def write_checkpoint(model: Decoder, path, tokenizer: dict | None = BYTE):
-    """A diffexp checkpoint of `model` as read_checkpoint reads it (DiffexpLM's names: model.<Decoder's>)."""
-    checkpoint = {"state_dict": {f"model.{k}": v for k, v in model.state_dict().items()},
-                  "hyper_parameters": {"arch": asdict(model.cfg)}, "global_step": 0}
-    if tokenizer is not None:
-        checkpoint["diffexp_tokenizer"] = tokenizer
-    torch.save(checkpoint, path)
-    return path
-
-
 def exported(tmp_path, case: str, remote: bool, **extra):
     model = tiny_decoder(case, **extra)
     out = export(str(write_checkpoint(model, tmp_path / f"{case}.ckpt")), str(tmp_path / f"{case}-hf"), "hf", remote)

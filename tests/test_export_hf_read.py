@@ -21,7 +21,7 @@ from diffexp.model.config import ModelConfig
 from diffexp.model.decoder import Decoder
 from diffexp.training.loading import load_checkpoint as read_model
 from diffexp.training.loading import load_model
-from tests.test_export_hf import PROMPT, tiny_decoder, write_checkpoint
+from tests.helpers import PROMPT, tiny_decoder, write_checkpoint
 
 pytest.importorskip("transformers")
 

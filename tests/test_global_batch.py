@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from diffexp.errors import UserError
 from diffexp.training.global_batch import accumulation_for
@@ -26,10 +27,13 @@ def test_a_run_accumulates_to_the_global_batch_and_validates_on_steps(tmp_path, 
     main(["fit", "--config", str(recipe), "--global_batch.rows", "12", "--trainer.val_check_interval", "2",
           "--trainer.log_every_n_steps", "1"])
     logged = scalars(tmp_path / "runs/run/version_0")
-    assert [step for step, _ in logged["train/loss"]] == [0, 1, 2, 3]  # 4 optimizer steps ...
+    assert [step for step, _ in logged["train/loss"]] == [1, 2, 3, 4]  # 4 optimizer steps ...
     # written straight to the loggers, once per optimizer step, not once per micro-batch
-    assert [step for step, _ in logged["lambda/layer_01"]] == [0, 1, 2, 3]
-    assert [step for step, _ in logged["diag/layer_01/act_max_abs"]] == [step for step, _ in logged["diag/act_max_abs"]]
-    assert [step for step, _ in logged["diag/act_max_abs"]] == [0]  # diagnostics.every_n_steps 4: step 0 only
-    assert logged["train/samples"][-1] == (3, 4 * 12)  # ... of 12 rows: 3 micro-batches of 4 each
+    assert [step for step, _ in logged["vitals/lambda/layer_01"]] == [1, 2, 3, 4]
+    per_layer, whole = logged["vitals/layer_01/act_max_abs"], logged["vitals/act_max_abs"]
+    assert [step for step, _ in per_layer] == [step for step, _ in whole]
+    assert [step for step, _ in whole] == [1]  # diagnostics.every_n_steps 4: the first step only
+    # ... of 12 rows: 3 micro-batches of 4 each
+    assert torch.load(next((tmp_path / "runs/run/version_0/checkpoints").glob("last.ckpt")),
+                      weights_only=False)["loops"]["fit_loop"]["epoch_loop.batch_progress"]["total"]["completed"] == 12
     assert [step for step, _ in logged["val/loss"]] == [2, 4]  # every 2 steps, not every 2 micro-batches

@@ -131,7 +131,7 @@ def test_fsdp_bf16_fit_logs_diagnostics_and_resumes_from_sharded_checkpoint(tmp_
     assert "peak memory" in first.stdout and "before training" in first.stdout  # the peak beside the estimate
     run_dir = tmp_path / "runs/run/version_0"
     logged = scalars(run_dir)
-    assert "diag/layer_01/act_kurtosis" in logged and "diag/attn_logit_max" in logged
+    assert "vitals/layer_01/act_kurtosis" in logged and "vitals/attn_logit_max" in logged
     assert (run_dir / "checkpoints/last.ckpt").is_dir()  # sharded: a directory
 
     run_cli(["fit", "--config", str(recipe), *common, "--trainer.max_steps=12", "--ckpt_path=last"], tmp_path)

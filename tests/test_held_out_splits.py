@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 import torch
@@ -67,3 +69,61 @@ def test_synthetic_test_batches_are_not_the_validation_batches():
                ICLDataModule(seq_len=64, batch_size=4, train_size=4, val_size=8)):
         test_rows, val_rows = rows(dm.test_dataloader()), rows(dm.val_dataloader())
         assert len(test_rows) == len(val_rows) == 8 and test_rows.isdisjoint(val_rows), type(dm).__name__
+
+
+# -- real corpora: every layout splits by document, and a preparation is never read as corpus ------------------
+def _paragraph(i: int) -> str:
+    return f"Paragraph {i} of the corpus: a few words that make it a document of its own, {i * 7919 % 1000}."
+
+
+LAYOUTS = {
+    "one document per .txt file": lambda root: [(root / f"doc{i:02d}.txt").write_text(_paragraph(i) + "\n")
+                                                for i in range(40)],
+    "many documents per .txt file": lambda root: [(root / f"part{k}.txt").write_text(
+        "\n\n".join(_paragraph(i) for i in range(k * 20, k * 20 + 20)) + "\n") for k in range(2)],
+    "JSON lines shards": lambda root: [(root / f"shard{k}.jsonl").write_text(
+        "".join(json.dumps({"text": _paragraph(i)}) + "\n" for i in range(k * 8, k * 8 + 8))) for k in range(5)],
+}
+
+
+def _prepare(source, out, capsys) -> dict:
+    from diffexp.cli import main
+
+    with pytest.raises(SystemExit) as done:
+        main(["data", "prepare", str(source), str(out), "--no-progress", "--num-proc", "1"])
+    assert done.value.code in (0, None), capsys.readouterr().err
+    return json.loads((out / "manifest.json").read_text())
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_a_corpus_splits_by_document_whatever_its_file_layout(layout, tmp_path, capsys):
+    """Forty documents, laid out one per file, many per file or as JSON lines shards: each is one document, and
+    validation and test hold at least one each (at 5% each, forty documents may hold none by their scores)."""
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    LAYOUTS[layout](corpus)
+    splits = _prepare(corpus, tmp_path / "prepared", capsys)["splits"]
+    assert sum(split["documents"] for split in splits.values()) == 40
+    assert splits["val"]["documents"] >= 1 and splits["test"]["documents"] >= 1
+
+
+def test_out_inside_source_is_refused_and_a_preparation_inside_a_source_is_never_read(tmp_path, capsys):
+    from tests.helpers import exit_code
+
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    LAYOUTS["one document per .txt file"](corpus)
+    before = sorted(corpus.rglob("*"))
+    assert exit_code(["data", "prepare", str(corpus), str(corpus / "prepared")]) == 2
+    message = " ".join(capsys.readouterr().err.split())
+    assert f"OUT='{corpus / 'prepared'}' is invalid: it lies inside SOURCE='{corpus}'" in message
+    assert "expected a directory outside it" in message and "Traceback" not in message
+    assert sorted(corpus.rglob("*")) == before  # nothing written
+    # a preparation put inside the source anyway (copied there, or made by an older diffexp) is left out, said so
+    made = _prepare(corpus, tmp_path / "prepared", capsys)
+    import shutil
+
+    shutil.copytree(tmp_path / "prepared", corpus / "prepared")
+    again = _prepare(corpus, tmp_path / "again", capsys)
+    assert f"left out {corpus / 'prepared'}: a preparation" in capsys.readouterr().err
+    assert again["splits"] == made["splits"] and again["source"]["fingerprint"] == made["source"]["fingerprint"]

@@ -23,7 +23,7 @@ def all_finite(tree) -> bool:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("quantity, clip, rows", [("train/grad_norm", 1.0, None), ("train/loss", 0.0, None),
+@pytest.mark.parametrize("quantity, clip, rows", [("vitals/grad_norm", 1.0, None), ("train/loss", 0.0, None),
                                                    ("train/loss", 0.0, 8)],
                          ids=["grad_norm", "loss", "loss-accum"])
 def test_non_finite_value_stops_and_saves_the_last_finite_state(tmp_path, monkeypatch, quantity, clip, rows):

@@ -9,7 +9,7 @@ Each command line of README.md's shell blocks is one of:
 Any other command fails the test. The pages the README links to for the details (docs/*.md, bench/README.md)
 hold the commands that moved out of it; theirs are checked the same way. Also: every relative link in these pages
 names a file that exists (and, with #anchor, one of its headings), as does every repository path they name in
-backquotes.
+backquotes, and every pointer in a recipe's or sweep spec's comments (a file, a #heading, or `file, "Section"`).
 """
 
 from __future__ import annotations
@@ -28,6 +28,8 @@ README = REPO / "README.md"
 CI_RUN = REPO / ".ci" / "run"
 #: the pages whose links and paths are checked
 PAGES = [README, REPO / "bench" / "README.md", *sorted((REPO / "docs").glob("*.md"))]
+#: the files whose comments point at pages and sections
+COMMENTED = sorted([*(REPO / "recipes").rglob("*.yaml"), *(REPO / "sweeps").glob("*.yaml")])
 SHELL = {"bash", "sh", "shell", "console"}
 #: what a README command's shell variables stand for when it is parsed
 PLACEHOLDERS = {"$NODE_RANK": "0", "$MASTER": "127.0.0.1"}
@@ -344,3 +346,56 @@ def test_named_repository_files_exist(page):
     pattern = r"`((?:diffexp|tests|recipes|sweeps|bench)/[\w./-]+\.(?:py|cpp|yaml|md|sh))`"
     for path in re.findall(pattern, page.read_text()):
         assert (REPO / path).is_file(), f"{page.relative_to(REPO)} names {path}: no such file"
+
+
+#: in a comment: a file of the repository, optionally with "#anchor", or followed by `, "Section title"`
+POINTER = re.compile(r"\b((?:README|ARCHITECTURE)(?:\.md)?"
+                     r"|(?:docs|bench|recipes|sweeps)/[\w./<>-]+\.(?:md|yaml|json|sh))(#[\w-]+)?(?:,\s+\"([^\"]+)\")?")
+
+
+def comment_pointers(path: Path) -> list[tuple[str, str | None, str | None]]:
+    """(file, #anchor, section title) of every pointer in the file's comments; a comment may run over lines."""
+    comments = " ".join(line.split("#", 1)[1] if line.lstrip().startswith("#") else line.split(" # ", 1)[1]
+                        for line in path.read_text().splitlines() if line.lstrip().startswith("#") or " # " in line)
+    comments = re.sub(r"\s+", " ", comments)
+    return [(m.group(1), m.group(2), m.group(3)) for m in POINTER.finditer(comments)]
+
+
+def _pointer_problem(file: str, anchor: str | None, title: str | None) -> str | None:
+    if "<" in file:  # a pattern such as recipes/gpu/variant/<variant>.yaml
+        return None if list(REPO.glob(re.sub(r"<[^>]+>", "*", file))) else f"{file}: matches no file"
+    path = REPO / (file if "." in Path(file).name else f"{file}.md")
+    if not path.is_file():
+        return f"{file}: no such file"
+    if anchor and anchor[1:] not in anchors(path):
+        return f"{file}{anchor}: no such heading"
+    wanted = re.sub(r"[^\w\- ]", "", title.lower()).replace(" ", "-") if title else ""
+    if title and path.suffix == ".md" and not any(a == wanted or a.startswith(wanted + "-")
+                                                  for a in anchors(path)):  # a title's start names it too
+        return f'{file}, "{title}": no such section'
+    return None
+
+
+@pytest.mark.parametrize("path", COMMENTED, ids=lambda p: str(p.relative_to(REPO)))
+def test_every_pointer_in_a_recipe_or_spec_comment_resolves(path):
+    problems = [problem for pointer in comment_pointers(path) if (problem := _pointer_problem(*pointer))]
+    assert not problems, f"{path.relative_to(REPO)}: " + "; ".join(problems)
+
+
+def test_the_pointer_check_finds_what_is_stale():
+    """Each kind of stale pointer in a comment is caught: a missing file, heading or section."""
+    assert _pointer_problem("README", None, "Data at paper scale") is not None
+    assert _pointer_problem("README", None, "Data preparation") is None
+    assert _pointer_problem("docs/gpu.md", "#no-such-section", None) is not None
+    assert comment_pointers(REPO / "recipes/gpu/base.yaml")
+
+
+def test_the_paired_tiny_sweep_takes_one_time_wherever_it_is_stated():
+    spec = (REPO / "sweeps/paired_tiny.yaml").read_text()
+    stated = {re.search(r"about (\d+) min", spec).group(1)}
+    readme = " ".join((REPO / "README.md").read_text().split())
+    stated.add(re.search(r"`sweeps/paired_tiny.yaml`: [^)]*about (\d+) min", readme).group(1))
+    table = (REPO / "docs/sweeps.md").read_text().splitlines()
+    row = next(line for line in table if "`sweeps/paired_tiny.yaml`" in line)
+    stated.add(re.search(r"about (\d+) min", row).group(1))
+    assert len(stated) == 1, stated

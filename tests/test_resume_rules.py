@@ -29,11 +29,11 @@ def test_extending_max_steps_keeps_the_saved_schedule(tmp_path, monkeypatch, cap
     main(["fit", "--config", str(recipe), "--trainer.max_steps", "10", "--model.optim.schedule_steps", "6",
           "--ckpt_path", "last"])
     assert torch.load(run / "checkpoints/last.ckpt", weights_only=True)["global_step"] == 10
-    lr = dict(scalars(run)["lr"])
+    lr = dict(scalars(run)["train/lr"])
     peak, warmup, floor = 3e-3, 2, 0.1
-    for step in (1, 3, 5):  # the original run's steps, logged before the resume
-        assert lr[step] == pytest.approx(peak * warmup_cosine(step, warmup, 6, floor), rel=1e-5)
-    for step in (7, 9):  # past the planned end the lr stays at its final value
+    for step in (2, 4, 6):  # the original run's steps, logged before the resume, at the steps done after each
+        assert lr[step] == pytest.approx(peak * warmup_cosine(step - 1, warmup, 6, floor), rel=1e-5)
+    for step in (8, 10):  # past the planned end the lr stays at its final value
         assert lr[step] == pytest.approx(peak * floor, rel=1e-5)
     saved = (run / next(p.name for p in run.iterdir() if p.name.startswith("config.resumed-"))).read_text()
     assert "schedule_steps: 6" in saved and "max_steps: 10" in saved
@@ -68,7 +68,7 @@ def test_lr_override_on_resume_is_honoured_and_recorded(tmp_path, monkeypatch, c
     run = tmp_path / "runs/run/version_0"
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    events = EventAccumulator(str(run)).Reload().Scalars("lr")
+    events = EventAccumulator(str(run)).Reload().Scalars("train/lr")
     before = [e.value for e in events if e.wall_time < resumed_at]
     after = [e.value for e in events if e.wall_time >= resumed_at]
     assert before and after

@@ -13,7 +13,7 @@ from diffexp.compare import main as compare_main
 from diffexp.sweep.runner import main as sweep_main
 from tests.helpers import REPO, TINY_OVERRIDES, scalars, trials_by_state
 
-STABILITY_COLUMNS = ("diag/loss_spikes", "diag/grad_norm_max", "diag/context_rms", "diag/attn_sink")
+STABILITY_COLUMNS = ("vitals/loss_spikes", "vitals/grad_norm_max", "vitals/context_rms", "vitals/attn_sink")
 
 
 def tiny_spec(tmp_path: Path, raw: dict, **changes) -> Path:
@@ -48,8 +48,8 @@ def test_stability_sweep_runs_and_compare_shows_the_stability_columns(tmp_path, 
         for metric in STABILITY_COLUMNS:
             assert metric in record["metrics"], metric
     logged = scalars(study / "diff-v2-lr-0.00667/seed0")
-    for tag in (*STABILITY_COLUMNS, "diag/layer_00/context_rms", "diag/layer_00/context_rms/head_00",
-                "diag/layer_00/attn_sink"):
+    for tag in (*STABILITY_COLUMNS, "vitals/layer_00/context_rms", "vitals/layer_00/context_rms/head_00",
+                "vitals/layer_00/attn_sink"):
         assert tag in logged, tag
 
     capsys.readouterr()
@@ -93,8 +93,8 @@ def test_diverged_trials_are_recorded_not_retried_and_shown(tmp_path, repo_on_pa
     assert threshold["divergence"].startswith("train/loss ") and "(0.5 x ln 257)" in threshold["divergence"]
     assert threshold["global_step"] == 1  # stopped right after the step that diverged
     assert json.loads((study / "stable/seed0/trial.json").read_text())["diverged_step"] is None
-    assert scalars(study / "nan-loss/seed0")["diag/diverged_step"] == [(2, 2.0)]
-    assert scalars(study / "over-threshold/seed0")["diag/diverged_step"][-1][1] == 0.0
+    assert scalars(study / "nan-loss/seed0")["vitals/diverged_step"] == [(2, 2.0)]
+    assert scalars(study / "over-threshold/seed0")["vitals/diverged_step"][-1][1] == 0.0
 
     # one attempt each, finished: a second sweep run has nothing left to do
     url = f"sqlite:///{study / 'study.db'}"
@@ -116,7 +116,7 @@ def test_diverged_trials_are_recorded_not_retried_and_shown(tmp_path, repo_on_pa
         ("stable", "0", ""), ("NaN loss", "1", "2"), ("over threshold", "1", "0")]
     assert rows["NaN loss"]["val/loss_mean"] == "" and rows["stable"]["val/loss_mean"] != ""
     # the diagnostics of a diverged run are kept: how it went unstable is what they are for
-    assert rows["over threshold"]["diag/loss_spikes_n"] == "1"
+    assert rows["over threshold"]["vitals/loss_spikes_n"] == "1"
     md = (out / "compare.md").read_text()
     assert "| NaN loss |" in md and "| 0/1 (1 diverged) | 1/1 |" in md
     assert "excluded from the loss and result means" in md

@@ -26,27 +26,39 @@ def tiny_fit_args(tmp_path) -> list[str]:
 
 
 @pytest.mark.slow
-def test_fit_logs_to_tensorboard_and_never_overwrites(tmp_path, monkeypatch):
+def test_fit_logs_to_tensorboard_and_never_overwrites(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
     recipe = write_recipe(tmp_path, attention="dint")
     main(["fit", "--config", str(recipe), "--throughput.peak_tflops=0.001", "--throughput.window_size=2"])
+    # the summary's TensorBoard command is the README's: the logger's save_dir, this run among the others there
+    assert "tensorboard --logdir runs   (this run: run/version_0, beside" in capsys.readouterr().out
     first = tmp_path / "runs/run/version_0"
     logged = scalars(first)
-    flops, mfu = logged["train/device/flops_per_sec"], logged["train/device/mfu"]  # MFU against the peak given
+    flops, mfu = (logged[f"vitals/throughput/device/{name}"] for name in ("flops_per_sec", "mfu"))  # the peak given
     assert [s for s, _ in mfu] == [s for s, _ in flops] and len(mfu) >= 3
     assert all(m == pytest.approx(f / 1e9, rel=1e-5) for (_, f), (_, m) in zip(flops, mfu))
-    for tag in ("train/loss", "val/loss", "val/ppl", "lr", "train/grad_norm", "train/tokens_per_s",
-                "lambda/layer_00", "lambda/layer_01", "params/total", "val/ar_hit_loss", "val/others_loss",
-                "diag/grad_spikes", "diag/layer_01/act_kurtosis", "diag/layer_00/attn_logit_max", "diag/act_max_abs"):
+    for tag in ("train/loss", "val/loss", "val/ppl", "train/lr", "vitals/grad_norm", "vitals/throughput/tokens_per_s",
+                "val/loss_best",
+                "vitals/lambda/layer_00", "vitals/lambda/layer_01", "val/loss_ar_hit", "val/loss_others",
+                "vitals/grad_spikes", "vitals/layer_01/act_kurtosis", "vitals/layer_00/attn_logit_max",
+                "vitals/act_max_abs"):
         assert tag in logged, tag
-    assert [step for step, _ in logged["val/loss"]] == [6, 12]  # the steps done, as the CLI prints them
+    # one step axis, the optimizer steps done: the 2nd step's train/loss and the validation after 6 steps sit at 2
+    # and 6, as the CLI prints them
+    assert [step for step, _ in logged["val/loss"]] == [6, 12]
     # lambda: at the logging steps (log_every_n_steps 2), as train/loss; the diagnostics: at the steps they were
-    # measured (diagnostics.every_n_steps 4), once each
-    assert [s for s, _ in logged["lambda/layer_00"]] == [s for s, _ in logged["train/loss"]] == [1, 3, 5, 7, 9, 11]
-    for tag in ("diag/layer_01/act_kurtosis", "diag/act_max_abs", "diag/attn_sink", "diag/layer_00/attn_sink"):
-        assert [s for s, _ in logged[tag]] == [0, 4, 8], tag
+    # measured (diagnostics.every_n_steps 4: the 1st, 5th and 9th), once each
+    lambdas, losses = logged["vitals/lambda/layer_00"], logged["train/loss"]
+    assert [s for s, _ in lambdas] == [s for s, _ in losses] == [2, 4, 6, 8, 10, 12]
+    for tag in ("vitals/layer_01/act_kurtosis", "vitals/act_max_abs", "vitals/attn_sink", "vitals/layer_00/attn_sink"):
+        assert [s for s, _ in logged[tag]] == [1, 5, 9], tag
+    # what TensorBoard lists first is train/ and val/: every other tag sorts after them, and none is noise (a
+    # running count, an evaluation batch counter, a constant "epoch", one-point parameter counts)
+    groups = sorted({tag.split("/")[0] for tag in logged})
+    assert groups == ["train", "val", "vitals"], groups
+    assert not [tag for tag in logged if tag.split("/")[-1] in ("time", "batches", "samples", "lengths", "epoch")]
     # AR-Hit / Others split the same tokens as val/loss
-    share, hit, other = (logged[t][-1][1] for t in ("val/ar_hit_share", "val/ar_hit_loss", "val/others_loss"))
+    share, hit, other = (logged[t][-1][1] for t in ("val/share_ar_hit", "val/loss_ar_hit", "val/loss_others"))
     assert 0 < share < 1
     assert share * hit + (1 - share) * other == pytest.approx(logged["val/loss"][-1][1], rel=1e-4)
     assert (first / "config.yaml").is_file() and (first / "checkpoints/last.ckpt").is_file()
@@ -252,10 +264,10 @@ def test_a_run_ending_off_the_logging_grid_ends_with_its_last_steps_values(tmp_p
     trainer.fit(module, data)
     assert len(losses) == 5
     assert float(trainer.callback_metrics["train/loss"]) == losses[-1] != losses[2]  # not step 2's (logged)
-    for key in ("diag/loss_spikes", "diag/grad_spikes", "train/grad_norm"):
+    for key in ("vitals/loss_spikes", "vitals/grad_spikes", "vitals/grad_norm"):
         assert key in trainer.callback_metrics, key
     logged = scalars(Path(trainer.log_dir))
-    assert [s for s, _ in logged["train/loss"]] == [2]  # Lightning writes only its logging steps
+    assert [s for s, _ in logged["train/loss"]] == [3]  # Lightning writes only its logging steps (the 3rd step's)
 
 
 def test_the_bar_shows_the_steps_loss_without_reading_the_device(tmp_path, monkeypatch):
@@ -297,3 +309,25 @@ def test_the_bar_shows_the_steps_loss_without_reading_the_device(tmp_path, monke
     assert all(text == f"{value:.3f}" for text, value in shown[1:])
     # the last micro-batch's loss of each optimizer step, as train/loss logs it at the logging steps
     assert module.shown_train_loss == float(trainer.callback_metrics["train/loss"])
+
+
+def test_lightnings_noise_is_dropped_and_its_real_messages_stay():
+    """What tells a diffexp user nothing is dropped from Lightning's log: accelerators the machine lacks, and the
+    "`Trainer.fit` stopped" line that lands on the validation bar's line; a GPU that is there, and warnings, stay."""
+    import logging
+
+    from diffexp.training.cli import quiet_third_party_noise
+
+    quiet_third_party_noise()
+    handlers = [h for name in ("lightning.pytorch", "lightning.fabric") for h in logging.getLogger(name).handlers]
+    assert handlers
+
+    def shown(message: str) -> bool:
+        record = logging.LogRecord("lightning.pytorch.utilities.rank_zero", logging.INFO, __file__, 1, message, None,
+                                   None)
+        return all(h.filter(record) for h in handlers)
+
+    for noise in ("GPU available: False, used: False", "TPU available: False, using: 0 TPU cores",
+                  "`Trainer.fit` stopped: `max_steps=400` reached."):
+        assert not shown(noise), noise
+    assert shown("GPU available: True (cuda), used: True") and shown("model: diff_v1, parameters total 919,296")

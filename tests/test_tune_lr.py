@@ -22,7 +22,7 @@ from diffexp.sweep.runs import load_study_runs
 from diffexp.sweep.spec import LR_KEY, SpecError, parse_spec
 from diffexp.sweep.tune import BEST_LR, BEST_SUFFIX, SAME_LR, best_lrs, final_spec, tuning_spec
 from tests.fixtures_compare import write_loss_table
-from tests.helpers import REPO, TINY_OVERRIDES
+from tests.helpers import REPO, TINY_OVERRIDES, markdown_tables
 
 CASES = {"Transformer": {}, "DIFF": {"base": "recipes/tiny/diff_v1.yaml"}}
 TUNE = {"values": [1.0e-3, 2.0e-3, 4.0e-3], "overrides": {"trainer.max_steps": 3}}
@@ -123,6 +123,7 @@ def test_compare_shows_the_same_lr_and_the_best_lr_views(tmp_path):
     assert [c.strip() for c in lr_row.split("│")[1:-1]] == ["DIFF", "2.5000", "2.2000", "2.1200", "0.002", "0.004"]
     md = (tmp_path / "out" / "compare.md").read_text()
     assert "## Learning rate per case" in md and "## Paired differences, best lr" in md
+    assert len(markdown_tables(md)) == 4  # the comparison, the lr per case, the paired differences of each view
     assert "| Valid loss ↓ | Δ vs" not in md  # the paired columns are per view, not in the main table
     with open(tmp_path / "out" / "paired.csv", newline="") as f:
         records = {(r["view"], r["case"]): r for r in csv.DictReader(f)}

@@ -275,3 +275,21 @@ def test_no_command_takes_a_shortened_flag(argv, tmp_path, monkeypatch, capsys):
     assert stop.value.code == 2
     err = capsys.readouterr().err
     assert "unrecognized arguments" in err and list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("argv, key, value", [
+    (["fit", "--model.optim.lr", "-1e-3"], "--model.optim.lr", "-1e-3"),
+    (["fit", "--model.arch.init_std", "-2e-2"], "--model.arch.init_std", "-2e-2"),
+])
+def test_a_value_that_starts_with_a_dash_is_named_with_the_key_value_form(argv, key, value, tmp_path, monkeypatch,
+                                                                          capsys):
+    """`--model.optim.lr -1e-3` reads -1e-3 as an option ("expected one argument"; argparse takes -5 or -0.5 as
+    values, not a number with an exponent): the message names the form that passes it, --model.optim.lr=-1e-3,
+    before any file is written."""
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as stop:
+        main(argv)
+    assert stop.value.code == 2
+    err = " ".join(capsys.readouterr().err.split())
+    assert f"argument {key}: expected one argument" in err and f"write it as {key}={value}" in err
+    assert "Traceback" not in err and list(tmp_path.iterdir()) == []

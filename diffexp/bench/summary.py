@@ -29,7 +29,7 @@ def train_section(data: dict, name: str) -> str:
 
 def fit_section(fit: dict, bench: dict | None) -> str:
     lines = [f"### diffexp fit: {fit['command']}", "",
-             f"- tokens/s (median of the logged train/tokens_per_s after the first {fit['skipped']} logs): "
+             f"- tokens/s (median of the logged {TOKENS_TAG} after the first {fit['skipped']} logs): "
              f"{fit['tokens_per_s']:,.0f} over {fit['logs']} logs"]
     if bench is not None:
         entry = next((e for e in bench["results"].values() if e["variant"] == fit["variant"]), None)
@@ -101,9 +101,12 @@ def summarise(folder: Path, failed: Path | None = None) -> str:
     return "\n".join(parts)
 
 
+TOKENS_TAG = "vitals/throughput/tokens_per_s"
+
+
 def fit_throughput(run_dir: Path, command: str, variant: str, skip: int = 2) -> dict:
-    """The logged train/tokens_per_s of a fit's TensorBoard events under run_dir (the first `skip` logs, which hold
-    the first steps' one-time costs, left out)."""
+    """The logged tokens/s of a fit's TensorBoard events under run_dir (the first `skip` logs, which hold the first
+    steps' one-time costs, left out): TOKENS_TAG, or train/tokens_per_s in fits from before it moved there."""
     import statistics
 
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
@@ -112,11 +115,11 @@ def fit_throughput(run_dir: Path, command: str, variant: str, skip: int = 2) -> 
     for events in sorted(run_dir.rglob("events.out.tfevents.*")):
         acc = EventAccumulator(str(events), size_guidance={"scalars": 0})
         acc.Reload()
-        if "train/tokens_per_s" in acc.Tags().get("scalars", []):
-            values += [s.value for s in acc.Scalars("train/tokens_per_s")]
+        tag = next((t for t in (TOKENS_TAG, "train/tokens_per_s") if t in acc.Tags().get("scalars", [])), None)
+        values += [s.value for s in acc.Scalars(tag)] if tag else []
     kept = values[skip:] or values
     if not kept:
-        raise SystemExit(f"no train/tokens_per_s logged under {run_dir}")
+        raise SystemExit(f"no {TOKENS_TAG} logged under {run_dir}")
     return {"command": command, "variant": variant, "logs": len(kept), "skipped": len(values) - len(kept),
             "tokens_per_s": statistics.median(kept)}
 

@@ -129,13 +129,15 @@ def node_seconds(trial_seconds: Sequence[float], workers: int) -> float:
 
 def sweep_estimate(trials: Sequence[RunBudget], fit: MeasuredFit, per_gpu: bool, node_gpus: int = 8) -> str:
     """A sweep's time on one node, in a spec's header: its trials in order, each on one GPU (`--gpus auto`, one
-    worker per GPU) or each on the whole node (FSDP2 over its GPUs, one worker), and its GPU-hours in all."""
+    worker per GPU) or each on the whole node (FSDP2 over its GPUs, one worker); the GPU-hours its trials use, and
+    those of the node for that time (what is billed: GPUs idle once no trial is left for them)."""
     gpus, workers = (1, node_gpus) if per_gpu else (node_gpus, 1)
     wall = node_seconds([run.seconds(gpus, fit) for run in trials], workers)
     gpu_hours = sum(run.seconds(1, fit) for run in trials) / 3600
     how = "one trial per GPU" if per_gpu else "one trial at a time on all its GPUs"
     return (f"# time: about {duration(wall)} on one {node_gpus}-{fit.gpu} node ({how}), {gpu_hours:,.0f} "
-            f"{fit.gpu}-hours in all, at the measured fit's rate (bench/fits.json: {fit.machine}, {fit.commit})")
+            f"{fit.gpu}-hours of trials, {wall * node_gpus / 3600:,.0f} of the node's; every variant at the measured "
+            f"fit's rate (bench/fits.json: {fit.machine}, {fit.commit})")
 
 
 def run_budget(config, arch, model=None) -> RunBudget | None:

@@ -14,6 +14,7 @@ import statistics
 from dataclasses import dataclass
 from pathlib import Path
 
+from diffexp.compare import markdown
 from diffexp.evals.harness import RESULTS_FILE
 from diffexp.sweep.runs import StudyRuns
 
@@ -86,9 +87,8 @@ def _rows(table: HarnessTable) -> list[list[str]]:
 
 def harness_markdown(table: HarnessTable) -> str:
     header = ["Case", *table.tasks, "Avg"]
-    lines = [f"## LM-Eval harness ({table.metric}, %, mean ± std over seeds)", "", "| " + " | ".join(header) + " |",
-             "|---" + "|---:" * (len(header) - 1) + "|"]
-    lines += ["| " + " | ".join(cell.replace("|", "\\|") for cell in row) + " |" for row in _rows(table)]
+    lines = [f"## LM-Eval harness ({table.metric}, %, mean ± std over seeds)", "",
+             *markdown.table(header, _rows(table))]
     return "\n".join(lines + [""] + [f"- unreadable: {item}" for item in table.unreadable]) + "\n"
 
 

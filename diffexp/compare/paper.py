@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 from scipy.stats import kendalltau
 
+from diffexp.compare import markdown
 from diffexp.compare.paired import (
     AGREES,
     DISAGREES,
@@ -165,11 +166,8 @@ def paper_markdown(runs: StudyRuns, checks: Sequence[PaperCheck]) -> str:
     if not checks:
         return ""
     header = ["Case"] + [h for check in checks for h in (f"{check.metric} ours", "paper")]
-    lines = [f"## Paper: {runs.paper['source']}", "", "| " + " | ".join(header) + " |",
-             "|---" + "|---:" * (len(header) - 1) + "|"]
-    for case in _cases(checks):
-        lines.append("| " + " | ".join([case.replace("|", "\\|"), *_cells(checks, case)]) + " |")
-    lines.append("")
+    rows = [[case, *_cells(checks, case)] for case in _cases(checks)]
+    lines = [f"## Paper: {runs.paper['source']}", "", *markdown.table(header, rows), ""]
     for check in checks:
         lines += [f"- {line.strip()}" for line in summary_lines(check)]
     return "\n".join(lines) + "\n"

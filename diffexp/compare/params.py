@@ -215,8 +215,12 @@ def budget(recipe: Recipe) -> RunBudget | None:
 
 
 def run_header(fit: MeasuredFit | None) -> str:
-    """The line above a GPU size file's `# run[<variant>]:` lines: what their times rest on."""
-    return "# Whole run of each variant" + ("" if fit is None else f", {fit.basis()}") + ":"
+    """The line above a GPU size file's `# run[<variant>]:` lines: what their times rest on, said plainly: one
+    measured rate prices every variant."""
+    if fit is None:
+        return "# Whole run of each variant:"
+    return (f"# Whole run of each variant, every one {fit.basis()}; no other variant's fit is measured, so the "
+            "variants that run slower than it (bench/README.md, GPU) take longer than stated:")
 
 
 def report(recipe: Recipe) -> dict[str, int]:

@@ -71,14 +71,18 @@ def _case_curve(trials: Sequence[TrialRun], tag: str):
 
 def plot_val_curves(runs: StudyRuns, rows: Sequence[CaseSummary], path: str | Path, tag: str = CURVE_TAG,
                     colors: dict[str, tuple] | None = None) -> bool:
-    """Validation loss vs step per case (complete seeds): mean line, min–max band. False when nothing to plot."""
+    """Validation loss vs step per case (complete seeds): mean line, min–max band; where every case has one
+    point, plot_val_points. False when nothing to plot."""
     curves = [(row, _case_curve(row.complete, tag)) for row in rows]
     curves = [(row, c) for row, c in curves if c[0]]
     if not curves:
         return False
+    colors = colors or case_colors(runs, rows)
+    if max(len(c[0]) for _, c in curves) == 1:
+        plot_val_points(runs, curves, path, tag, colors)
+        return True
     fig = new_figure(13, 5.2 + 0.25 * math.ceil(len(curves) / 3))
     full, zoom = fig.subplots(1, 2)
-    colors = colors or case_colors(runs, rows)
     last_step = max(c[0][-1] for _, c in curves)
     zoom_from = last_step / 2
     zoom_values = []
@@ -102,12 +106,35 @@ def plot_val_curves(runs: StudyRuns, rows: Sequence[CaseSummary], path: str | Pa
         ax.set_xlabel("step")
         ax.set_ylabel(tag)
         ax.grid(True, alpha=0.3)
-    sparse = " (one point per case: lower trainer.val_check_interval for curves)" \
-        if sparse_curves_note(runs, rows, tag) else ""
-    fig.suptitle(f"{runs.study}: {tag} vs step, mean over complete seeds, shaded band = min–max over seeds{sparse}")
+    fig.suptitle(f"{runs.study}: {tag} vs step, mean over complete seeds, shaded band = min–max over seeds")
     fig.legend(loc="outside lower center", ncol=min(len(curves), 3), fontsize=9, frameon=False)
     fig.savefig(path, dpi=PLOT_DPI)
     return True
+
+
+def plot_val_points(runs: StudyRuns, curves: list, path: str | Path, tag: str, colors: dict[str, tuple]) -> None:
+    """One validation per trial: each case's mean at its step with the min–max over seeds as an error bar (the
+    band of a curve), side by side a little apart, on a step axis from 0, so the figure says where in training the
+    one point lies; one panel (a zoom on one step shows nothing more)."""
+    import textwrap
+
+    fig = new_figure(9, 4.4 + 0.25 * math.ceil(len(curves) / 3))
+    ax = fig.subplots()
+    last_step = max(c[0][-1] for _, c in curves)
+    apart = last_step * 0.012
+    for i, (row, (steps, mean, low, high, n)) in enumerate(curves):
+        x = steps[0] + (i - (len(curves) - 1) / 2) * apart
+        ax.errorbar([x], mean, yerr=[[mean[0] - low[0]], [high[0] - mean[0]]], fmt="o", ms=6, capsize=4, lw=1.6,
+                    color=colors[row.case.slug], label=f"{row.case.name} ({n} seed{'s' if n > 1 else ''})")
+    ax.set_xlim(0, last_step + max(apart * len(curves), last_step * 0.05))
+    ax.set_xlabel("step")
+    ax.set_ylabel(tag)
+    ax.grid(True, alpha=0.3)
+    title = (f"{runs.study}: {tag} at the one validation of each trial (step {last_step:,}), mean over complete "
+             "seeds, error bar = min–max over seeds; for curves, lower trainer.val_check_interval")
+    ax.set_title("\n".join(textwrap.wrap(title, 95)), fontsize=10)
+    fig.legend(loc="outside lower center", ncol=min(len(curves), 3), fontsize=9, frameon=False)
+    fig.savefig(path, dpi=PLOT_DPI)
 
 
 def plot_objective_bars(runs: StudyRuns, rows: Sequence[CaseSummary], path: str | Path,

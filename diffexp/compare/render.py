@@ -1,6 +1,6 @@
 """The comparison as text: the terminal report (rich tables), compare.md and compare.csv.
 
-Metric columns come in StudyRuns.metric_names' order (the objective, val/*, test/*, train/*, the rest), diag/* under
+Metric columns come in StudyRuns.metric_names' order (the objective, val/*, test/*, train/*, the rest), vitals/* under
 _DIAGNOSTIC_LABELS; "Variant" and "Diverged" (from trial.json's `diverged_step`) only where the runs record them.
 With a PairedReport (diffexp.compare.paired), each case's paired difference to the reference case, its interval
 and verdict: columns after the objective in compare.md and compare.csv, a table of their own in the terminal
@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from diffexp.compare import markdown
 from diffexp.compare.paired import POWER_DELTAS, REFERENCE, TOO_FEW, PairedDiff, PairedReport
 from diffexp.compare.stats import DIAGNOSTIC_PREFIX, EMPTY, CaseSummary, best_case, issues
 from diffexp.sweep import layout
@@ -172,10 +173,6 @@ def print_paired(console, runs: StudyRuns, rows: Sequence[CaseSummary], paired: 
 
 
 # -- compare.md -----------------------------------------------------------------------------------------
-def md_cell(text: str) -> str:
-    return text.replace("|", "\\|")
-
-
 def render_markdown(runs: StudyRuns, rows: Sequence[CaseSummary], metrics: Sequence[str],
                     paired: PairedReport | None = None) -> str:
     """The table (the paired columns after the objective's, with `paired`), its notes and the issue sections."""
@@ -192,10 +189,10 @@ def render_markdown(runs: StudyRuns, rows: Sequence[CaseSummary], metrics: Seque
     if runs.spec:
         meta += f". Spec: `{runs.spec}`"
     meta += f". Seeds: {', '.join(map(str, runs.seeds))}."
-    align = ["---"] + ["---" if h in ("Verdict", "Variant") else "---:" for h in header[1:]]  # text left
-    lines += [meta, "", "| " + " | ".join(header) + " |", "|" + "|".join(align) + "|"]
+    align = ["left"] + ["left" if h in ("Verdict", "Variant") else "right" for h in header[1:]]  # text left
+    body = []
     for row in rows:
-        cells = [md_cell(row.case.name), format_params(row.params_total), format_params(row.params_non_embedding)]
+        cells = [row.case.name, format_params(row.params_total), format_params(row.params_non_embedding)]
         for m in metrics:
             text = row.stats[m].format()
             cells.append(f"**{text}**" if m == runs.objective and row is best else text)
@@ -204,13 +201,14 @@ def render_markdown(runs: StudyRuns, rows: Sequence[CaseSummary], metrics: Seque
         cells += [row.seeds_text] + ([row.diverged_text] if divergence else [])
         cells += [format_tokens_per_s(row.tokens_per_s)]
         if variant:
-            cells.append(md_cell(row.variant or EMPTY))
-        lines.append("| " + " | ".join(cells) + " |")
-    lines += ["", f"Values: {note(rows)}. Best objective in bold. Params: total and non-embedding counts.", ""]
+            cells.append(row.variant or EMPTY)
+        body.append(cells)
+    lines += [meta, "", *markdown.table(header, body, align), "",
+              f"Values: {note(rows)}. Best objective in bold. Params: total and non-embedding counts.", ""]
     if paired is not None:
         lines += [paired_note(runs, paired), "", *(line.strip() for line in power_lines(runs, paired)), ""]
     for key, items in issues(runs, rows).items():
-        lines += [f"## {SECTION_TITLES[key]}", ""] + [f"- {md_cell(item)}" for item in items] + [""]
+        lines += [f"## {SECTION_TITLES[key]}", ""] + [f"- {markdown.cell(item)}" for item in items] + [""]
     return "\n".join(lines)
 
 

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
+from diffexp.compare import markdown
 from diffexp.compare.plots import PLOT_DPI, new_figure, series_colors
 from diffexp.compare.render import format_params
 from diffexp.compare.stats import EMPTY, NA, Stat, format_number
@@ -354,10 +355,8 @@ def explanation(report: ScalingReport) -> list[str]:
 
 def render_scaling_markdown(report: ScalingReport) -> str:
     """The `## Scaling` section appended to compare.md."""
-    lines = [f"## {TITLE}", "", "| " + " | ".join(HEADER) + " |",
-             "|---|" + "|".join(["---:"] * 2 + ["---"] + ["---:"] * (len(HEADER) - 4)) + "|"]
-    for row in report.rows:
-        lines.append("| " + " | ".join(c.replace("|", "\\|") for c in cells(report, row)) + " |")
+    align = ["left", "right", "right", "left"] + ["right"] * (len(HEADER) - 4)
+    lines = [f"## {TITLE}", "", *markdown.table(HEADER, [cells(report, row) for row in report.rows], align)]
     lines += [""] + [f"{line}  " for line in explanation(report)] + ["", "Figure: scaling.png.", ""]
     return "\n".join(lines)
 

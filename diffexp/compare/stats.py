@@ -1,7 +1,7 @@
 """The numbers of a comparison: per case, mean, sample std and 95% CI over complete seeds; what is missing.
 
 Means are over the complete trials of a case (a single seed's std is n/a, never 0); pruned and diverged trials
-are counted but left out, except that the training diagnostics (diag/*) average over the diverged ones too,
+are counted but left out, except that the training diagnostics (vitals/*) average over the diverged ones too,
 since how a run went unstable is what they show. A search's draws are trials of their case like its seeds.
 """
 
@@ -23,7 +23,7 @@ from diffexp.sweep.runs import ATTENTION_KEY, Case, StudyRuns, TrialRun
 NA = "n/a"  # the std of a single seed
 EMPTY = "—"  # a case with no complete seed
 #: metrics of how training went (spikes, gradient norms, context RMS, ...): over complete and diverged trials
-DIAGNOSTIC_PREFIX = "diag/"
+DIAGNOSTIC_PREFIX = "vitals/"
 
 
 def over_diverged_too(name: str) -> bool:

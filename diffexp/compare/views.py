@@ -12,10 +12,10 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from diffexp.compare import markdown
 from diffexp.compare.paired import PairedReport
 from diffexp.compare.render import (
     PAIRED_FIELDS,
-    md_cell,
     paired_cells,
     paired_headers,
     paired_note,
@@ -77,16 +77,13 @@ def print_views(console, runs: StudyRuns, rows: Sequence[CaseSummary], reports: 
 
 def views_markdown(runs: StudyRuns, rows: Sequence[CaseSummary], reports: dict[str, PairedReport]) -> str:
     header, table_rows = tuning_table(runs)
-    lines = ["## Learning rate per case", "", "| " + " | ".join(header) + " |",
-             "|---" + "|---:" * (len(header) - 1) + "|"]
-    lines += ["| " + " | ".join([md_cell(cells[0]), *cells[1:]]) + " |" for cells in table_rows]
+    lines = ["## Learning rate per case", "", *markdown.table(header, table_rows)]
     lines += ["", tuning_note(runs), ""]
     for view, report in reports.items():
         headers = ["Case", *paired_headers(report)]
-        lines += [f"## Paired differences, {view}", "", "| " + " | ".join(headers) + " |",
-                  "|---" + "|---:" * (len(headers) - 2) + "|---|"]
-        for row in view_rows(runs, rows, view):
-            lines.append("| " + " | ".join([md_cell(row.case.name), *paired_cells(report.of(row))]) + " |")
+        body = [[row.case.name, *paired_cells(report.of(row))] for row in view_rows(runs, rows, view)]
+        lines += [f"## Paired differences, {view}", "",
+                  *markdown.table(headers, body, ["left"] + ["right"] * (len(headers) - 2) + ["left"])]
         lines += ["", paired_note(runs, report), "", *(line.strip() for line in power_lines(runs, report)), ""]
     return "\n".join(lines)
 

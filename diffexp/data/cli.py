@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 from diffexp.data.shards import SPLITS
-from diffexp.errors import UserError
+from diffexp.errors import UserError, dash_value_hint
 
 # the data module's keys as this command spells them, so shared checks name what the user typed
 FLAG_NAMES = {"data.source": "SOURCE", "data.text_field": "--text-field", "data.tokenizer": "--tokenizer",
@@ -30,12 +30,14 @@ DEFAULTS = {"tokenizer": "byte", "bpe_vocab_size": 4096, "text_field": "text", "
 
 
 class _Parser(argparse.ArgumentParser):
+    words: list[str] | None = None  # what main() parses, read by error()
 
     def __init__(self, *args, **kwargs) -> None:
         kwargs.setdefault("allow_abbrev", False)  # a shortened flag is an unknown flag, never another one
         super().__init__(*args, **kwargs)
     def error(self, message: str):
-        raise UserError(f"{message} (`{self.prog} --help` lists the options)")
+        hint = dash_value_hint(message, sys.argv[1:] if _Parser.words is None else _Parser.words)
+        raise UserError(f"{message}{hint} (`{self.prog} --help` lists the options)")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -78,6 +80,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str]) -> int:
+    _Parser.words = list(argv)
     args = _parser().parse_args(argv)
     try:
         return {"prepare": _prepare, "join": _join, "inspect": _inspect}[args.command](args)
@@ -127,6 +130,7 @@ def _prepare(args: argparse.Namespace) -> int:
         raise UserError(f"--part={args.part} is invalid: expected 0 .. {args.of - 1} (--of {args.of} parts)")
     check_settings(args.tokenizer, args.bpe_vocab_size, args.val_fraction, args.test_fraction, args.max_chars)
     source = sources.resolve_source(args.source)
+    sources.check_out_outside(args.source, Path(args.out))
     sources.check_source(source, args.text_field)
     if args.tokenizer not in ("byte", "bpe"):
         from diffexp.data.tokenizer import load_named_tokenizer
@@ -136,6 +140,9 @@ def _prepare(args: argparse.Namespace) -> int:
                 args.bpe_sample_chars or BPE_SAMPLE_CHARS, args.seed, args.val_fraction, args.test_fraction,
                 args.shard_tokens or SHARD_TOKENS, str(Path(args.cache_dir).expanduser() / "hf_datasets"),
                 None if args.unit_mb is None else max(1, int(args.unit_mb * 2**20)))
+    for directory in source.left_out:
+        print(f"SOURCE={args.source!r}: left out {directory}: a preparation (its {sources.PREPARATION}), never read "
+              "as corpus", file=sys.stderr)
     result = prepare(plan, Path(args.out), args.num_proc, args.part, args.of, progress=not args.no_progress,
                      command=canonical_command(args))
     part = f" (part {args.part} of {args.of})" if args.of > 1 else ""

@@ -76,10 +76,10 @@ class Plan:
     overrides: dict[float, str] = field(default_factory=dict)  # held_out_overrides, once planned
 
     def plan(self) -> None:
-        """Cut the corpus into units and find the split's overrides (reads at most the first unit's start)."""
+        """Cut the corpus into units and find the split's overrides (reads at most the corpus's first documents)."""
         if not self.units:
             self.units = plan_units(self.source, self.text_field, self.max_chars, self.hf_cache_dir, self.unit_bytes)
-            self.overrides = held_out_overrides(self.units[0], self.source, self.text_field, self.hf_cache_dir,
+            self.overrides = held_out_overrides(self.units, self.source, self.text_field, self.hf_cache_dir,
                                                 self.seed, self.val_fraction, self.test_fraction)
 
     def settings(self, tokenizer_info: dict, command: str) -> dict:

@@ -20,7 +20,20 @@ from diffexp.sweep.paper import parse_paper
 CONFIG_FILE = "config.yaml"  # written into the trial directory by LightningCLI's SaveConfigCallback
 ATTENTION_KEY = "model.arch.attention"  # the dotted key naming a trial's attention variant
 METRIC_GROUPS = ("val", "test", "train")  # metric name prefixes, in column order
-DIVERGED_STEP = "diag/diverged_step"  # a diverged trial's metric; its record's `diverged_step` as well
+DIVERGED_STEP = "vitals/diverged_step"  # a diverged trial's metric; its record's `diverged_step` as well
+#: names trials recorded before TensorBoard's first groups, train/ and val/, began with their losses (the
+#: diagnostics moved under vitals/, the AR-Hit split after val/loss)
+FORMER_PREFIXES = (("diag/", "vitals/"), ("train/grad_norm", "vitals/grad_norm"),
+                   ("val/ar_hit_loss", "val/loss_ar_hit"), ("val/others_loss", "val/loss_others"),
+                   ("val/ar_hit_share", "val/share_ar_hit"))
+
+
+def current_name(name: str) -> str:
+    """A metric's name today, for one an older trial recorded under a former prefix."""
+    for old, new in FORMER_PREFIXES:
+        if name.startswith(old):
+            return new + name[len(old):]
+    return name
 
 
 class LayoutError(UserError):
@@ -67,7 +80,8 @@ class TrialRun:
         raw = (self.record or {}).get("metrics") or {}
         if not isinstance(raw, dict):
             return {}
-        return {str(k): float(v) for k, v in raw.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+        return {current_name(str(k)): float(v) for k, v in raw.items()
+                if isinstance(v, (int, float)) and not isinstance(v, bool)}
 
     @property
     def last_step(self) -> int | None:

@@ -22,9 +22,9 @@ from diffexp.sweep import layout
 from diffexp.sweep.paper import parse_paper
 
 #: metrics a trial records at the end of fit (the objective must be one of them)
-KNOWN_METRICS = ("val/loss", "val/ppl", "val/ar_hit_loss", "val/others_loss", "val/ar_hit_share", "train/loss",
-                 "diag/grad_spikes", "diag/act_max_abs", "diag/attn_logit_max", "diag/loss_spikes",
-                 "diag/grad_norm_max", "diag/context_rms", "diag/attn_sink")
+KNOWN_METRICS = ("val/loss", "val/ppl", "val/loss_ar_hit", "val/loss_others", "val/share_ar_hit", "train/loss",
+                 "vitals/grad_spikes", "vitals/act_max_abs", "vitals/attn_logit_max", "vitals/loss_spikes",
+                 "vitals/grad_norm_max", "vitals/context_rms", "vitals/attn_sink")
 #: evaluation callbacks record these (e.g. needle/rank/N4R2, attention/noise, mqar/accuracy, icl/random/n16)
 EVAL_PREFIXES = ("needle/", "attention/", "mqar/", "icl/", "val/mqar")
 SPEC_KEYS = {"study", "base", "overrides", "cases", "grid", "seeds", "search", "n_trials", "objective", "pruner",

@@ -22,7 +22,8 @@ from diffexp.training.diagnostics import diverged_at
 
 STORAGE_ENV = "DIFFEXP_SWEEP_STORAGE"
 #: last values that say nothing about a run's result (tokens/s is recorded as a median instead)
-NOT_RESULTS = {"lr", "epoch", "step", "train/tokens_per_s", "train/grad_norm"}  # "step": where val logs
+NOT_RESULTS = {"train/lr", "lr", "epoch", "step", "vitals/throughput/tokens_per_s",
+               "vitals/grad_norm"}  # "step": where val logs
 
 
 def build_pruner(spec: dict[str, Any]) -> optuna.pruners.BasePruner:
@@ -101,7 +102,7 @@ class SweepTrialCallback(L.Callback):
         return Path(trainer.log_dir)
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        value = trainer.callback_metrics.get("train/tokens_per_s")
+        value = trainer.callback_metrics.get("vitals/throughput/tokens_per_s")
         if value is not None:
             self._tokens_per_s.append(float(value))
         if trainer.is_global_zero and trainer.global_step % 5 == 0:
@@ -148,7 +149,7 @@ class SweepTrialCallback(L.Callback):
         divergence = diverged_at(trainer, exception)
         state = "diverged" if divergence is not None else "pruned" if self.pruned else "complete"
         if divergence is not None:
-            metrics["diag/diverged_step"] = float(divergence["step"])
+            metrics["vitals/diverged_step"] = float(divergence["step"])
         params = pl_module.model.parameter_report() if hasattr(pl_module, "model") else {}
         tokens_per_s = statistics.median(self._tokens_per_s) if self._tokens_per_s else None
         record = {"study": self.study_name, "case": self.case, "seed": self.seed, "overrides": self.overrides,
@@ -171,7 +172,7 @@ class SweepTrialCallback(L.Callback):
 
 def _scalar_results(trainer: L.Trainer) -> dict[str, float]:
     return {k: float(v) for k, v in trainer.callback_metrics.items()
-            if getattr(v, "numel", lambda: 1)() == 1 and k not in NOT_RESULTS and not k.startswith("diag/layer_")}
+            if getattr(v, "numel", lambda: 1)() == 1 and k not in NOT_RESULTS and not k.startswith("vitals/layer_")}
 
 
 def _hparam_value(value: Any) -> Any:

@@ -100,8 +100,11 @@ def unlogged_step_metrics(trainer: L.Trainer) -> dict[str, Any] | None:
     metrics = convert_tensors_to_scalars(dict(connector.metrics["log"]))
     if not metrics:
         return None
-    metrics.setdefault("epoch", trainer.current_epoch)  # as Lightning's log_metrics adds it
-    return {"step": trainer.fit_loop.epoch_loop._batches_that_stepped, "metrics": metrics}
+    step = metrics.pop("step", None)  # as Lightning's log_metrics reads it (DiffexpLM logs it: the steps done)
+    if step is None:  # as Lightning's log_metrics falls back
+        metrics.setdefault("epoch", trainer.current_epoch)
+        step = trainer.fit_loop.epoch_loop._batches_that_stepped
+    return {"step": int(step), "metrics": metrics}
 
 
 def validation_follows(trainer: L.Trainer) -> bool:

@@ -20,7 +20,7 @@ from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 
 from diffexp.checkpoint_io import read_checkpoint
-from diffexp.errors import UserError, debug_enabled
+from diffexp.errors import UserError, dash_value_hint, debug_enabled
 from diffexp.training.auto_batch import is_auto, resolve_auto_batch
 from diffexp.training.checkpointing import RunCheckpoint
 from diffexp.training.construction import check_buildable, trainer_build_errors
@@ -75,6 +75,7 @@ class DiffexpArgumentParser(LightningArgumentParser):
     """Parse errors become UserErrors: one paragraph naming the key, without the pages of usage."""
 
     appended_help = ""  # set on the fit/validate/test parsers: the default data module's options
+    parsed_words: list[str] = []  # the words parsed last, read by error()
 
     def __init__(self, *args, **kwargs) -> None:
         kwargs.setdefault("allow_abbrev", False)  # --trainer.max_step is an unknown key, not max_steps
@@ -83,11 +84,17 @@ class DiffexpArgumentParser(LightningArgumentParser):
     def format_help(self) -> str:
         return super().format_help() + self.appended_help
 
+    def parse_args(self, args=None, *rest, **kwargs):
+        if args is not None or not DiffexpArgumentParser.parsed_words:  # a subcommand's parser keeps the root's words
+            DiffexpArgumentParser.parsed_words = [str(a) for a in (sys.argv[1:] if args is None else args)]
+        return super().parse_args(args, *rest, **kwargs)
+
     def error(self, message: str, ex: Exception | None = None):
         if debug_enabled():
             return super().error(message, ex)
         prog = self.prog.replace(" [options]", "")
-        text = _clean_parser_message(message) + self._nearest_keys(message)
+        text = (_clean_parser_message(message) + dash_value_hint(message, DiffexpArgumentParser.parsed_words)
+                + self._nearest_keys(message))
         raise UserError(f"{text} (`{prog} --help` lists the accepted keys)") from None
 
     def _nearest_keys(self, message: str) -> str:
@@ -250,6 +257,10 @@ def _is_tensorboard(logger) -> bool:
     return isinstance(logger, Namespace) and str(logger.get("class_path", "")).endswith("TensorBoardLogger")
 
 
+#: fragments of the Lightning messages quiet_third_party_noise drops
+NOISE = ("litlogger", "available: False", "`Trainer.fit` stopped:")
+
+
 class _DropMessages(logging.Filter):
     def __init__(self, *fragments: str) -> None:
         super().__init__()
@@ -261,14 +272,16 @@ class _DropMessages(logging.Filter):
 
 def quiet_third_party_noise() -> None:
     """Drop messages that tell a diffexp user nothing (real warnings stay): Lightning's litlogger
-    advertisement and its own deprecated pytree call."""
+    advertisement, its own deprecated pytree call, the accelerators a machine lacks ("TPU available: False", while
+    "GPU available: True (cuda), used: True" stays), and "`Trainer.fit` stopped: `max_steps=400` reached.", which
+    lands on the validation bar's line (the run summary says how the run ended)."""
     import warnings
 
     warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\).*")
     for name in ("lightning.pytorch", "lightning.fabric"):
         for handler in logging.getLogger(name).handlers:
             if not any(isinstance(f, _DropMessages) for f in handler.filters):
-                handler.addFilter(_DropMessages("litlogger"))
+                handler.addFilter(_DropMessages(*NOISE))
 
 
 class _StderrHandler(logging.StreamHandler):

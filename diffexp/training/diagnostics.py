@@ -26,10 +26,10 @@ from diffexp.model.blocks import DecoderBlock
 from diffexp.model.compile import eagerly
 from diffexp.training.nonfinite import NonFiniteError
 from diffexp.training.stability import ContextRMS, LossSpikes, attention_sinks, divergence_threshold
-from diffexp.training.step_logs import logs_this_step, write_to_loggers
+from diffexp.training.step_logs import VITALS, logs_this_step, write_to_loggers
 
 #: the prefix of the per-layer (and per-head) diagnostics
-PER_LAYER = "diag/layer_"
+PER_LAYER = f"{VITALS}layer_"
 
 
 def kurtosis(x: torch.Tensor) -> float:
@@ -131,11 +131,11 @@ class Diagnostics(L.Callback):
         # counted every step, logged at the steps Lightning writes (and at a stop, which it writes too)
         if not logs_this_step(trainer):
             return
-        pl_module.log("diag/grad_spikes", float(self.spikes))
+        pl_module.log("vitals/grad_spikes", float(self.spikes))
         if self.grad_norm_max is not None:
-            pl_module.log("diag/grad_norm_max", self.grad_norm_max)
+            pl_module.log("vitals/grad_norm_max", self.grad_norm_max)
         if self.loss_spikes.seen:
-            pl_module.log("diag/loss_spikes", float(self.loss_spikes.count))
+            pl_module.log("vitals/loss_spikes", float(self.loss_spikes.count))
 
     def _check_divergence(self, trainer, pl_module, loss: float) -> None:
         vocab_size = getattr(getattr(pl_module, "arch", None), "vocab_size", None)
@@ -145,7 +145,7 @@ class Diagnostics(L.Callback):
         step = trainer.global_step - 1  # the step whose loss this is (the optimizer step is done)
         self.divergence = {"step": step, "reason": f"train/loss {loss:.4g} > {threshold:.4g} "
                                                    f"({self.divergence_factor:g} x ln {vocab_size})"}
-        pl_module.log("diag/diverged_step", float(step))
+        pl_module.log("vitals/diverged_step", float(step))
         trainer.should_stop = True
         rank_zero_warn(f"diverged at step {step}: {self.divergence['reason']} "
                        "(diagnostics.divergence_factor); training stops here, recorded as diverged")
@@ -244,15 +244,15 @@ class LayerStats:
             attn.record_stats, attn.stats_rows = False, None
         out: dict[str, float] = self.context.stop()
         for i, h in sorted(self.hidden.items()):
-            out[f"diag/layer_{i:02d}/act_max_abs"] = float(h.abs().max())
-            out[f"diag/layer_{i:02d}/act_kurtosis"] = kurtosis(h)
+            out[f"vitals/layer_{i:02d}/act_max_abs"] = float(h.abs().max())
+            out[f"vitals/layer_{i:02d}/act_kurtosis"] = kurtosis(h)
         for i, attn in enumerate(self.attention):
             for key, value in attn.stats.items():
-                out[f"diag/layer_{i:02d}/{key}"] = value
+                out[f"vitals/layer_{i:02d}/{key}"] = value
         if not self.hidden:
             return out
-        out["diag/act_max_abs"] = max(v for k, v in out.items() if k.endswith("act_max_abs"))
+        out["vitals/act_max_abs"] = max(v for k, v in out.items() if k.endswith("act_max_abs"))
         logit_maxes = [v for k, v in out.items() if k.endswith("attn_logit_max")]
         if logit_maxes:
-            out["diag/attn_logit_max"] = max(logit_maxes)
+            out["vitals/attn_logit_max"] = max(logit_maxes)
         return out

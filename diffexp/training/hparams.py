@@ -1,32 +1,35 @@
-"""Every `diffexp fit` as one row of TensorBoard's HParams tab: its variant, `model.arch` flags and parameter
-counts, with its final and best `val/loss`, last train loss and median tokens/s as the row's metrics.
+"""Every `diffexp fit` as one row of TensorBoard's HParams tab: its variant, the `model.arch` flags that variant reads
+and its parameter counts, with its final and best `val/loss`, last train loss and median tokens/s as the row's
+metrics.
 
 The row's header and settings (the hparams plugin's experiment and session-start summaries) are written once per
 run directory, when training starts, so a run that stops early still shows its settings; checkpoints remember that
-they were written, so a resumed run adds no second copy. The results are scalars under `hparams/`, written when
-fit ends (after the final validation): the tab shows a metric's latest value, so a resumed run's row ends with its
-new results. Runs with `trainer.enable_autolog_hparams` false (a sweep's trials, which write their own row) write
-none.
+they were written, so a resumed run adds no second copy. The final val/loss and the last train loss are the latest
+points of the curves themselves; the best val/loss and the median tokens/s are written when fit ends (after the
+final validation), beside them in `val/` and `train/`: the tab shows a metric's latest value, so a resumed run's row
+ends with its new results. Runs with `trainer.enable_autolog_hparams` false (a sweep's trials, which write their own
+row) write none.
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
 import lightning as L
 from lightning.pytorch.loggers import TensorBoardLogger
 
+from diffexp.model.attention.registry import variant
+from diffexp.model.config import SHARED_FLAGS
 from diffexp.secrets import mask_secrets
 from diffexp.training.report import RunReport
 
-#: the row's metrics: scalar tags written when fit ends (the sweep's trials write the first and third too)
-FINAL_VAL_LOSS = "hparams/val/loss"
-BEST_VAL_LOSS = "hparams/val/loss_best"
-TRAIN_LOSS = "hparams/train/loss"
-TOKENS_PER_S = "hparams/train/tokens_per_s"
+#: the row's metrics: the curves' latest points, and two scalars written when fit ends
+FINAL_VAL_LOSS = "val/loss"
+BEST_VAL_LOSS = "val/loss_best"
+TRAIN_LOSS = "train/loss"
+TOKENS_PER_S = "vitals/throughput/tokens_per_s_median"
 METRICS = (FINAL_VAL_LOSS, BEST_VAL_LOSS, TRAIN_LOSS, TOKENS_PER_S)
 
 
@@ -46,17 +49,19 @@ def hparam_value(value: Any, as_text: bool = False) -> int | float | str:
 
 
 def run_columns(pl_module: L.LightningModule) -> dict[str, int | float | str]:
-    """The row's settings: every flag as `model.arch.<flag>` and `params/<kind>` (parameter_report). TensorBoard
-    orders the columns by name, so `model.arch.attention`, the variant, leads.
-
-    Every flag, not only those the variant reads: every fit then writes the same header, and TensorBoard shows the
-    columns of the header of whichever run it reads first. A column holds one type in every run: a flag that may
-    be null or a word (n_kv_heads, lambda_init) is text even where it is a number."""
+    """The row's settings: `model.arch.attention`, then the flags the variant declares (its registry entry), then
+    the shared flags, as `model.arch.<flag>`, and `params/<kind>` (parameter_report); no flag the variant does not
+    read. The HParams tab shows the first five columns of a header until others are ticked: the variant and its own
+    flags lead. A column holds one type in every run: a flag that may be null or a word (n_kv_heads, lambda_init)
+    is text even where it is a number."""
     arch = pl_module.arch
+    own = variant(arch.attention).flags
+    shared = [flag for flag in SHARED_FLAGS if flag.name != "attention" and flag.name not in {f.name for f in own}]
+    ordered = [next(flag for flag in SHARED_FLAGS if flag.name == "attention"), *own, *shared]
     columns = {}
-    for field in fields(arch):
-        numeric = field.metadata["flag"].type in (int, float)
-        columns[f"model.arch.{field.name}"] = hparam_value(getattr(arch, field.name), as_text=not numeric)
+    for flag in ordered:
+        numeric = flag.type in (int, float)
+        columns[f"model.arch.{flag.name}"] = hparam_value(getattr(arch, flag.name), as_text=not numeric)
     return {**columns, **{f"params/{k}": v for k, v in pl_module.model.parameter_report().items()}}
 
 
@@ -125,7 +130,6 @@ class RunHParams(L.Callback):
             return
         self._write_row(trainer, pl_module)  # a resume that trained no step has not written it
         report = next((c for c in trainer.callbacks if isinstance(c, RunReport)), None)  # the closing summary's
-        results = {FINAL_VAL_LOSS: self.val_loss, BEST_VAL_LOSS: self.best_val_loss,
-                   TRAIN_LOSS: report.train_loss if report else None,
+        results = {BEST_VAL_LOSS: self.best_val_loss,  # val/loss and train/loss: their curves' latest points
                    TOKENS_PER_S: report.median_tokens_per_s() if report else None}
         logger.log_metrics({k: v for k, v in results.items() if v is not None}, step=trainer.global_step)

@@ -23,7 +23,7 @@ from diffexp.training.loss import token_losses
 from diffexp.training.loss_slices import ar_hit_mask, frequent_bigrams
 from diffexp.training.nonfinite import any_rank_non_finite, stop_with_last_finite
 from diffexp.training.options import ARHitConfig, OptimConfig
-from diffexp.training.step_logs import logs_this_step, write_to_loggers
+from diffexp.training.step_logs import VITALS, logs_this_step, write_to_loggers
 
 
 def _shard_replicas(strategy) -> int:
@@ -176,7 +176,11 @@ class DiffexpLM(L.LightningModule):
         self._step_losses.append((loss.detach(), self.last_train_loss))
         if logs_this_step(self.trainer):  # not prog_bar: Lightning would read it from the device at every redraw
             self.log("train/loss", self.last_train_loss)  # the bar shows shown_train_loss (training.progress)
-            self.log("lr", self.trainer.optimizers[0].param_groups[0]["lr"])
+            self.log("train/lr", self.trainer.optimizers[0].param_groups[0]["lr"])
+            # The x of every training metric: the optimizer steps done once this one is (10 for the 10th step), as
+            # validation logs its metrics after that many steps (on_validation_epoch_end): one step axis for both.
+            # Lightning reads a "step" key as the step to log at and writes no "epoch" beside it.
+            self.log("step", float(self.global_step + 1))
         self._log_step_extras(batch)
         return loss
 
@@ -188,7 +192,8 @@ class DiffexpLM(L.LightningModule):
         if self._last_step_time is not None:  # the whole steps since the last reading, callbacks included
             self._tokens_since_log += _batch_size(batch) * (_tokens(batch).shape[1] - 1) * self.trainer.world_size
             if logs:
-                self.log("train/tokens_per_s", self._tokens_since_log / max(now - self._last_step_time, 1e-9))
+                rate = self._tokens_since_log / max(now - self._last_step_time, 1e-9)
+                self.log(f"{VITALS}throughput/tokens_per_s", rate)
         if self._last_step_time is None or logs:
             self._last_step_time, self._tokens_since_log = now, 0
 
@@ -197,9 +202,9 @@ class DiffexpLM(L.LightningModule):
         traces = {}
         for i, block in enumerate(self.model.blocks):
             if hasattr(block.attn, "lambda_"):  # under FSDP2 from sharded vectors: every rank computes it
-                traces[f"lambda/layer_{i:02d}"] = float(full_value(block.attn.lambda_().detach()))
+                traces[f"{VITALS}lambda/layer_{i:02d}"] = float(full_value(block.attn.lambda_().detach()))
             if isinstance(getattr(block.attn, "gamma", None), torch.nn.Parameter):  # DINT's learned gamma
-                traces[f"gamma/layer_{i:02d}"] = float(full_value(block.attn.gamma.detach()))
+                traces[f"{VITALS}gamma/layer_{i:02d}"] = float(full_value(block.attn.gamma.detach()))
         write_to_loggers(self.trainer, traces)  # one per layer: see write_to_loggers
 
     def validation_step(self, batch: torch.Tensor, batch_idx: int) -> None:
@@ -246,9 +251,9 @@ class DiffexpLM(L.LightningModule):
         hit_loss, hits, other_loss, others = sums.tolist()
         if hits + others > 0:
             if hits:
-                self.log("val/ar_hit_loss", hit_loss / hits, sync_dist=True)
-            self.log("val/others_loss", other_loss / max(others, 1), sync_dist=True)
-            self.log("val/ar_hit_share", hits / (hits + others), sync_dist=True)
+                self.log("val/loss_ar_hit", hit_loss / hits, sync_dist=True)
+            self.log("val/loss_others", other_loss / max(others, 1), sync_dist=True)
+            self.log("val/share_ar_hit", hits / (hits + others), sync_dist=True)
 
     def on_test_epoch_end(self) -> None:
         test_loss = self.trainer.callback_metrics.get("test/loss")
@@ -325,9 +330,9 @@ class DiffexpLM(L.LightningModule):
             # expects inf gradients now and then and skips those steps itself
             fp16_scaled = getattr(self.trainer.precision_plugin, "scaler", None) is not None
             if not math.isfinite(self.last_grad_norm) and not fp16_scaled:
-                stop_with_last_finite(self.trainer, self, "train/grad_norm", self.last_grad_norm, self.optim.lr)
+                stop_with_last_finite(self.trainer, self, "vitals/grad_norm", self.last_grad_norm, self.optim.lr)
             if logs_this_step(self.trainer):
-                self.log("train/grad_norm", norm)
+                self.log("vitals/grad_norm", norm)
         if logs_this_step(self.trainer):  # once per optimizer step, after every micro-batch's forward
             self._write_traces()
 
@@ -414,9 +419,7 @@ class DiffexpLM(L.LightningModule):
         if hasattr(self.trainer.strategy, "describe"):  # FSDP2Strategy: mesh, precision, checkpointing
             rank_zero_info(f"parallel: {self.trainer.strategy.describe()}")
         counts = ", ".join(f"{k} {v:,}" for k, v in report.items())
-        rank_zero_info(f"model: {self.arch.attention}, parameters {counts}")
-        if self.logger is not None:
-            self.logger.log_metrics({f"params/{k}": v for k, v in report.items()}, step=0)
+        rank_zero_info(f"model: {self.arch.attention}, parameters {counts}")  # and in the run's HParams row
 
     # -- optimizer ---------------------------------------------------------------------------------
     def configure_optimizers(self):

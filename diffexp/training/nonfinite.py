@@ -1,6 +1,6 @@
 """Stop at the first non-finite loss or gradient norm, before it reaches the weights or a checkpoint.
 
-DiffexpLM checks the step's micro-batch train/loss values, then train/grad_norm, once per optimizer step and
+DiffexpLM checks the step's micro-batch train/loss values, then vitals/grad_norm, once per optimizer step and
 before it, while the weights and optimizer state are still the step's finite ones: they are saved as
 checkpoints/last-finite-step<N>.ckpt and the run stops with NonFiniteError, which says what to change and how to
 resume, and carries {"step", "reason"} (`NonFiniteError.divergence`) for a sweep trial to record as "diverged".
@@ -19,7 +19,7 @@ from diffexp.training.checkpointing import flush_loggers
 
 
 class NonFiniteError(UserError):
-    """train/loss or train/grad_norm became NaN/inf; the last finite state was saved."""
+    """train/loss or vitals/grad_norm became NaN/inf; the last finite state was saved."""
 
     def __init__(self, message: str, step: int | None = None, quantity: str = "", value: float = float("nan")):
         super().__init__(message)
@@ -63,7 +63,7 @@ def stop_with_last_finite(trainer: L.Trainer, module: L.LightningModule, quantit
     previous = getattr(trainer.checkpoint_callback, "last_model_path", "") or ""
     path = _checkpoint_dir(trainer) / f"last-finite-step{step:06d}.ckpt"
     for logger in trainer.loggers:  # the run diverged here (a sweep records it so)
-        logger.log_metrics({"diag/diverged_step": float(step)}, step=step)
+        logger.log_metrics({"vitals/diverged_step": float(step)}, step=step)
     flush_loggers(trainer)  # the logs up to this step are on disk (with the checkpoint)
     if weights_finite:
         # saved as a batch that ended without an optimizer step (the position of any checkpoint taken at a

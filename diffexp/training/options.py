@@ -59,7 +59,7 @@ class ARHitConfig:
     training split; every other target counts as Others (the papers' Table 6, after zoology).
 
     Args:
-        enabled: log val/ar_hit_loss, val/others_loss and val/ar_hit_share on text batches.
+        enabled: log val/loss_ar_hit, val/loss_others and val/share_ar_hit on text batches.
         exclude_frequent: leave bigrams frequent in the training split out of the hits (the default, as in
             the papers). Frequent means, unless min_count or top_percent says otherwise, the top 1 % of the
             distinct bigrams of the training split by count (counted over at most 2^25 tokens of evenly

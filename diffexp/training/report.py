@@ -41,7 +41,7 @@ class RunReport(L.Callback):
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         if trainer._logger_connector.should_update_logs:  # a fresh reading (callback_metrics rebuilds a dict)
-            value = trainer.callback_metrics.get("train/tokens_per_s")
+            value = trainer.callback_metrics.get("vitals/throughput/tokens_per_s")
             if value is not None:
                 self.tokens_per_s.append(float(value))
         # the module's loss (the mean over ranks), not `outputs`, which Lightning divides by accumulate_grad_batches;
@@ -100,6 +100,7 @@ def print_summary(trainer: L.Trainer) -> None:
         study_dir = run_dir.parent.parent
         if (study_dir / "sweep.json").is_file():
             lines.append(f"compare         diffexp compare {study_dir}")
-        else:
-            lines.append(f"compare         tensorboard --logdir {run_dir.parent}")
+        else:  # the logger's save_dir: this run beside every other run there (the README's command, the same way)
+            lines.append(f"compare         tensorboard --logdir {study_dir}   "
+                         f"(this run: {run_dir.parent.name}/{run_dir.name}, beside the other runs there)")
     print("\n".join(["", "== diffexp fit: done " + "=" * 50, *lines, "=" * 71]), flush=True)

@@ -61,12 +61,12 @@ class ContextRMS:
         self.hooks = []
         out: dict[str, float] = {}
         for i, heads in sorted(self.per_head.items()):
-            out[f"diag/layer_{i:02d}/context_rms"] = float(heads.mean())
+            out[f"vitals/layer_{i:02d}/context_rms"] = float(heads.mean())
             for h, value in enumerate(heads.tolist()):
-                out[f"diag/layer_{i:02d}/context_rms/head_{h:02d}"] = value
+                out[f"vitals/layer_{i:02d}/context_rms/head_{h:02d}"] = value
         layer_means = [v for k, v in out.items() if k.endswith("/context_rms")]
         if layer_means:
-            out["diag/context_rms"] = sum(layer_means) / len(layer_means)
+            out["vitals/context_rms"] = sum(layer_means) / len(layer_means)
         return out
 
 
@@ -97,9 +97,9 @@ def attention_sinks(model: nn.Module, idx: torch.Tensor) -> dict[str, float]:
         model.train(was_training)
         for handle in handles:
             handle.remove()
-    out = {f"diag/layer_{i:02d}/attn_sink": v for i, v in sorted(scores.items())}
+    out = {f"vitals/layer_{i:02d}/attn_sink": v for i, v in sorted(scores.items())}
     if scores:
-        out["diag/attn_sink"] = sum(scores.values()) / len(scores)
+        out["vitals/attn_sink"] = sum(scores.values()) / len(scores)
     return out
 
 

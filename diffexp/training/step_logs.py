@@ -1,9 +1,23 @@
-"""When a training step's metrics reach the loggers, and a way to write many of them cheaply.
+"""When a training step's metrics reach the loggers, at which step, and a way to write many of them cheaply.
+
+Every metric of a run shares one step axis: the optimizer steps done when it was measured, so the 10th step's
+train loss and a validation after 10 steps both sit at step 10. TensorBoard lists groups of tags by name:
+`train/` and `val/` hold what a person reads first; everything else a run watches is under VITALS, which sorts
+after them.
 
 Reads Lightning's logger connector and epoch loop (private; checked against Lightning 2.6).
 """
 
 from __future__ import annotations
+
+#: the prefix of the training diagnostics, lambda traces and throughput readings (after "train/" and "val/")
+VITALS = "vitals/"
+
+
+def logged_step(trainer) -> int:
+    """The step axis value of the training step under way: the optimizer steps done once it is (Lightning counts
+    the step only after its metrics are logged)."""
+    return trainer.fit_loop.epoch_loop._batches_that_stepped + 1
 
 
 def logs_this_step(trainer) -> bool:
@@ -17,13 +31,13 @@ def logs_this_step(trainer) -> bool:
 
 
 def write_to_loggers(trainer, metrics: dict[str, float]) -> None:
-    """Write `metrics` to the loggers now, at the step index Lightning gives this training step's own metrics.
+    """Write `metrics` to the loggers now, at the step this training step's own metrics are logged at.
 
     For values measured now and then, dozens at a time (per layer, per head): every key `self.log` takes stays in
     Lightning's result collection, walked again at each later step, and is written again at every logging step.
     They are not in `trainer.callback_metrics`, and are on disk before a checkpoint of this step is."""
     if not metrics:
         return
-    step = trainer.fit_loop.epoch_loop._batches_that_stepped  # increments after the step's metrics are logged
+    step = logged_step(trainer)
     for logger in trainer.loggers:
         logger.log_metrics(metrics, step=step)

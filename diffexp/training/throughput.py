@@ -12,6 +12,7 @@ from lightning.pytorch.utilities import rank_zero_only
 
 from diffexp.errors import UserError
 from diffexp.gpu_peaks import peak_flops
+from diffexp.training.step_logs import VITALS, logged_step
 
 
 def _tokens(batch) -> int:
@@ -108,16 +109,18 @@ class Throughput(ThroughputMonitor):
         dtype = getattr(trainer.strategy, "compute_dtype", None) or _plugin_to_compute_dtype(trainer.precision_plugin)
         return peak_flops(trainer.strategy.root_device, dtype)
 
+    #: Lightning's running counts (the x-axis of a chart already): not written
+    COUNTS = ("time", "batches", "samples", "lengths")
+
     def _compute(self, trainer, iter_num: int | None = None) -> None:
-        """Lightning's readings, with the running counts (samples, tokens) of all ranks, not rank 0's share:
-        what one process with the whole batch logs. (The rates without `device/` are already summed over ranks.)"""
-        if trainer.world_size == 1 or not trainer._logger_connector.should_update_logs:
-            return super()._compute(trainer, iter_num)
+        """The training readings (the rates; no running counts) under vitals/throughput/, at the step axis every
+        training metric shares. The rates without `device/` are summed over ranks: what one process with the whole
+        batch logs. Validation and test are timed (a validation's time is taken out of the training rate) but not
+        written: their x would count evaluation batches."""
         stage = trainer.state.stage
-        throughput = self._throughputs[stage]
-        metrics = throughput.compute()
-        for name in ("samples", "lengths"):
-            if name in metrics:
-                metrics[name] = metrics[name] * trainer.world_size
-        metrics = {f"{stage.value}{throughput.separator}{k}": v for k, v in metrics.items()}
-        trainer._logger_connector.log_metrics(metrics, step=iter_num)
+        if stage != RunningStage.TRAINING or not trainer._logger_connector.should_update_logs:
+            return
+        metrics = {k: v for k, v in self._throughputs[stage].compute().items() if k not in self.COUNTS}
+        if metrics:
+            trainer._logger_connector.log_metrics({f"{VITALS}throughput/{k}": v for k, v in metrics.items()},
+                                                  step=logged_step(trainer))
