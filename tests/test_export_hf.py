@@ -30,8 +30,10 @@ from tests.helpers import CASES, make_config, naive_logprob, write_local_task
 
 transformers = pytest.importorskip("transformers")
 
-#: one case per variant for the default run; every flag case of the registry runs under -m heavy
-DEFAULT_CASES = ["baseline", "diff_v1", "diff_v2", "shared_diff", "dint"]
+#: one case per variant for the default run (and each value of the sink's and the gate's flag); every flag case of
+#: the registry runs under -m heavy
+DEFAULT_CASES = ["baseline", "diff_v1", "diff_v2", "shared_diff", "dint", "softmax_sink", "softmax_sink-learned",
+                 "gated", "gated-headwise"]
 #: cases a plain transformers class represents: baseline -> Llama, diff_v1 -> DiffLlama
 PLAIN_CASES = ["baseline", "baseline-mha", "baseline-tied", "diff_v1", "diff_v1-mha"]
 BYTE = {"kind": "byte"}
@@ -39,14 +41,14 @@ PROMPT = "héllo wörld"
 
 
 def tiny_decoder(case: str, **extra) -> Decoder:
-    """The case's model (vocab 257: bytes and end of document) with every norm, lambda and gamma moved off its
-    init, so a head norm weight that is not folded or a lambda read in the wrong place shows in the logits."""
+    """The case's model (vocab 257: bytes and end of document) with every norm, lambda, gamma and learned sink moved
+    off its init, so a head norm weight that is not folded or a lambda read in the wrong place shows in the logits."""
     torch.manual_seed(0)
     model = Decoder(make_config(case, vocab_size=257, **extra)).eval()
     generator = torch.Generator().manual_seed(1)
     with torch.no_grad():
         for name, param in model.named_parameters():
-            if "norm" in name or "lambda_" in name or name.endswith("gamma"):
+            if "norm" in name or "lambda_" in name or name.endswith(("gamma", "sinks")):
                 param.add_(0.3 * torch.randn(param.shape, generator=generator))
     return model
 

@@ -50,9 +50,11 @@ def test_forward_and_every_gradient_match_the_float64_reference(case, backend):
         torch.testing.assert_close(got.grad, wanted.grad, rtol=1e-9, atol=1e-9, msg=lambda m, n=name: f"d{n}: {m}")
 
 
+@pytest.mark.parametrize("align", [1, 8])
 @pytest.mark.parametrize("t_q", [13, 4])
-def test_sink_on_sdpa_is_one_causal_call_without_a_mask_over_whole_sequences(monkeypatch, t_q):
-    """Over whole sequences SDPA gets its own causal flag (no (T, T) mask); a chunk after a cache gets its mask."""
+def test_sink_on_sdpa_is_one_causal_call_without_a_mask_over_whole_sequences(monkeypatch, t_q, align):
+    """Over whole sequences SDPA gets its own causal flag (no (T, T) mask); a chunk after a cache gets its mask.
+    align 8: the channels padded as on CUDA."""
     calls, sdpa = [], F.scaled_dot_product_attention
 
     def recording(q, k, v, **kwargs):
@@ -60,11 +62,14 @@ def test_sink_on_sdpa_is_one_causal_call_without_a_mask_over_whole_sequences(mon
         return sdpa(q, k, v, **kwargs)
 
     monkeypatch.setattr(F, "scaled_dot_product_attention", recording)
-    from diffexp.model.heads.sink import eager_sink, sink_attention
+    from diffexp.model.heads.sink import eager_sink, sdpa_sink, sink_attention
 
     q, k, v = torch.randn(2, 4, t_q, 8), torch.randn(2, 2, 13, 8), torch.randn(2, 2, 13, 8)
     sink = torch.randn(4)
-    out, weights = sink_attention(q, k, v, sink)
+    if align == 1:
+        out, weights = sink_attention(q, k, v, sink)
+    else:
+        out, weights = sdpa_sink(q, k, v, sink, align), None
     assert weights is None and len(calls) == 1
     assert (calls[0].get("is_causal"), "attn_mask" in calls[0]) == ((True, False) if t_q == 13 else (None, True))
     torch.testing.assert_close(out, eager_sink(q, k, v, sink)[0], rtol=1e-5, atol=1e-6)

@@ -46,10 +46,9 @@ class SoftmaxSinkAttention(AttentionBase):
         self.k_proj = self.linear(self.d_model, h_kv * d)
         self.v_proj = self.linear(self.d_model, h_kv * d)
         self.o_proj = self.linear(h * d, self.d_model)
-        if cfg.sink == "learned":  # fp32, 1-d: no weight decay
-            self.sinks = nn.Parameter(torch.zeros(h))
-        else:
-            self.register_buffer("sinks", torch.zeros(h), persistent=False)
+        # "learned": fp32 and 1-d, so no weight decay; "zero" holds no tensor (an exported model's loader leaves
+        # buffers outside the weights file uninitialised)
+        self.sinks = nn.Parameter(torch.zeros(h)) if cfg.sink == "learned" else None
 
     def forward(self, x: torch.Tensor, need_weights: bool = False, cache=None):
         start = self.start_of(cache)
@@ -57,12 +56,13 @@ class SoftmaxSinkAttention(AttentionBase):
         k = self.rope.rotate(split_heads(self.k_proj(x), self.n_kv_heads), start)
         k, v = self.cached(cache, k=k, v=split_heads(self.v_proj(x), self.n_kv_heads))
         self.record_sinks()
-        out, weights = self.attend_with_sink(q, k, v, self.sinks, need_weights, cache)
+        sinks = self.sinks if self.sinks is not None else q.new_zeros(self.n_heads, dtype=torch.float32)
+        out, weights = self.attend_with_sink(q, k, v, sinks, need_weights, cache)
         return self.o_proj(merge_heads(out)), weights
 
     def record_sinks(self) -> None:
         """On a diagnostics forward, the learned sink logits' mean."""
-        if self.record_stats and isinstance(self.sinks, nn.Parameter):
+        if self.record_stats and self.sinks is not None:
             self.stats["sink_logit_mean"] = self.sinks.detach().float().mean().item()
 
     def extra_repr(self) -> str:

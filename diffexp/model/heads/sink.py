@@ -40,11 +40,12 @@ def eager_sink(q, k, v, sink):
 CUDA_ALIGN = 8
 
 
-def sdpa_sink(q, k, v, sink):
-    """The sink as a key slot in front of the keys, in one SDPA call (no (T_q, T_k) tensor when T_q == T_k)."""
+def sdpa_sink(q, k, v, sink, align: int | None = None):
+    """The sink as a key slot in front of the keys, in one SDPA call (no (T_q, T_k) tensor when T_q == T_k). align:
+    the multiple the channels are padded to (default: CUDA_ALIGN on CUDA, else 1)."""
     b, hq, t_q, d = q.shape
     hk, t_k, dv = k.shape[1], k.shape[-2], v.shape[-1]
-    align = CUDA_ALIGN if q.is_cuda else 1
+    align = align or (CUDA_ALIGN if q.is_cuda else 1)
     width = -(-(max(d, dv) + 1) // align) * align  # one more channel, the last, carries the sink's logit
     sink_q = (sink * d ** 0.5).to(q.dtype).view(1, hq, 1, 1).expand(b, hq, t_q, 1)
     q = torch.cat((F.pad(q, (0, width - 1 - d)), sink_q), dim=-1)
