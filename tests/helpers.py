@@ -532,8 +532,8 @@ BYTE = {"kind": "byte"}
 
 
 def tiny_decoder(case: str, **extra):
-    """The case's model (vocab 257: bytes and end of document) with every norm, lambda and gamma moved off its
-    init, so a head norm weight that is not folded or a lambda read in the wrong place shows in the logits."""
+    """The case's model (vocab 257: bytes and end of document) with every norm, lambda, gamma and learned sink moved
+    off its init, so a head norm weight that is not folded or a lambda read in the wrong place shows in the logits."""
     from diffexp.model.decoder import Decoder
 
     torch.manual_seed(0)
@@ -541,7 +541,7 @@ def tiny_decoder(case: str, **extra):
     generator = torch.Generator().manual_seed(1)
     with torch.no_grad():
         for name, param in model.named_parameters():
-            if "norm" in name or "lambda_" in name or name.endswith("gamma"):
+            if "norm" in name or "lambda_" in name or name.endswith(("gamma", "sinks")):
                 param.add_(0.3 * torch.randn(param.shape, generator=generator))
     return model
 

@@ -63,6 +63,41 @@ def baseline_reference(m, x: torch.Tensor):
     return output(out, m.o_proj), maps
 
 
+def softmax_sink_reference(m, x: torch.Tensor):
+    """a_ij = exp(z_ij) / (exp(s_h) + sum_k exp(z_ik)) row by row, s_h = 0 ("zero") or the head's learned logit."""
+    cfg = m.cfg
+    h, h_kv = cfg.n_heads, cfg.kv_heads
+    sinks = m.sinks.double() if cfg.sink == "learned" else torch.zeros(h, dtype=torch.float64)
+    q = m.rope.rotate(project(x, m.q_proj, h))
+    k = m.rope.rotate(project(x, m.k_proj, h_kv))
+    v = project(x, m.v_proj, h_kv).double()
+    b, t = x.shape[:2]
+    d = q.shape[-1]
+    maps = torch.zeros(b, h, t, t, dtype=torch.float64)
+    out = torch.zeros(b, h, t, v.shape[-1], dtype=torch.float64)
+    for bi in range(b):
+        for i in range(h):
+            g = i // (h // h_kv)
+            a = torch.zeros(t, t, dtype=torch.float64)
+            for n in range(t):
+                e = torch.exp((k[bi, g, : n + 1].double() @ q[bi, i, n].double()) / math.sqrt(d))
+                a[n, : n + 1] = e / (torch.exp(sinks[i]) + e.sum())
+            maps[bi, i] = a
+            out[bi, i] = a @ v[bi, g]
+    return output(out, m.o_proj), maps
+
+
+def gated_reference(m, x: torch.Tensor):
+    """head_i = sigmoid(x W_g)_i * softmax(Q_i K^T / sqrt(d)) V; the map scaled per row by the head's mean gate."""
+    _, maps = baseline_reference(m, x)
+    cfg = m.cfg
+    h, h_kv = cfg.n_heads, cfg.kv_heads
+    gate = torch.sigmoid(project(x, m.gate_proj, h).double())  # (B, h, T, d or 1)
+    v = project(x, m.v_proj, h_kv).double()
+    heads_out = torch.stack([maps[:, i] @ v[:, i // (h // h_kv)] for i in range(h)], dim=1)
+    return output(gate * heads_out, m.o_proj), maps * gate.mean(-1, keepdim=True)
+
+
 def plain_qk(m, x: torch.Tensor):
     """DIFF V1's projections: interleaved maps, q1 = heads 0, 2, 4, ...; q2 = heads 1, 3, 5, ..."""
     q = project(x, m.q_proj, 2 * m.cfg.n_heads)
@@ -182,12 +217,17 @@ def dint_reference(m, x: torch.Tensor):
 
 
 REFERENCES = {"baseline": baseline_reference, "diff_v1": diff_v1_reference, "shared_diff": shared_diff_reference,
-              "diff_v2": diff_v2_reference, "dint": dint_reference}
+              "diff_v2": diff_v2_reference, "dint": dint_reference, "softmax_sink": softmax_sink_reference,
+              "gated": gated_reference}
 
 TWO_MAP_CASES = {"": {}, "mha": {"n_kv_heads": None}, "nonorm": {"head_norm": False}}
 #: named config overrides per variant that exercise every flag ("" is the variant's defaults)
 CASES = {
     "baseline": {"": {}, "mha": {"n_kv_heads": None}, "tied": {"tie_embeddings": True}},
+    "softmax_sink": {"": {}, "mha": {"n_kv_heads": None}, "learned": {"sink": "learned"},
+                     "learned-mha": {"sink": "learned", "n_kv_heads": None}},
+    "gated": {"": {}, "mha": {"n_kv_heads": None}, "headwise": {"gate": "headwise"},
+              "headwise-mha": {"gate": "headwise", "n_kv_heads": None}},
     "diff_v1": {**TWO_MAP_CASES, "lam0.5": {"lambda_init": 0.5}, "lam0.8": {"lambda_init": 0.8}},
     "diff_v2": {"": {}, "mha": {"n_kv_heads": None}, "cross": {"pairing": "cross"}, "none": {"lambda_mode": "none"},
                "raw": {"lambda_mode": "raw"}, "cross-raw": {"pairing": "cross", "lambda_mode": "raw"},

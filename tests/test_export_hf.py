@@ -30,8 +30,10 @@ from tests.helpers import CASES, PROMPT, naive_logprob, tiny_decoder, write_chec
 
 transformers = pytest.importorskip("transformers")
 
-#: one case per variant for the default run; every flag case of the registry runs under -m heavy
-DEFAULT_CASES = ["baseline", "diff_v1", "diff_v2", "shared_diff", "dint"]
+#: one case per variant for the default run (and each value of the sink's and the gate's flag); every flag case of
+#: the registry runs under -m heavy
+DEFAULT_CASES = ["baseline", "diff_v1", "diff_v2", "shared_diff", "dint", "softmax_sink", "softmax_sink-learned",
+                 "gated", "gated-headwise"]
 #: cases a plain transformers class represents: baseline -> Llama, diff_v1 -> DiffLlama
 PLAIN_CASES = ["baseline", "baseline-mha", "baseline-tied", "diff_v1", "diff_v1-mha"]
 def exported(tmp_path, case: str, remote: bool, **extra):

@@ -13,7 +13,7 @@ from diffexp.kernels import Integral
 from tests.kernel_check import LAM, head_inputs, relative_error
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (CI has none)")
-VARIANTS = ["baseline", "diff_v1", "diff_v2", "shared_diff", "dint"]
+VARIANTS = ["baseline", "diff_v1", "diff_v2", "shared_diff", "dint", "softmax_sink", "gated"]
 
 
 def _pair(attention: str, backend: str):
@@ -92,6 +92,33 @@ def test_sdpa_bf16_training_step_is_finite_and_matches_eager(attention):
         losses.append(loss.item())
     assert all(torch.isfinite(torch.tensor(losses)))
     assert losses[0] == pytest.approx(losses[1], rel=2e-2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_sink_on_cuda_is_one_sdpa_call_that_never_holds_its_map(dtype):
+    """The sink as a key slot, its channels padded to CUDA's multiple of 8: an 8K GQA prompt stays far under its
+    2 GiB of maps, and a short one equals the eager map with the sink's column, values and gradients."""
+    from diffexp.model.heads.sink import eager_sink, sdpa_sink
+
+    torch.manual_seed(0)
+    sink = torch.randn(8, device="cuda")
+    q = torch.randn(1, 8, 8192, 64, device="cuda", dtype=dtype)
+    k, v = (torch.randn(1, 2, 8192, 64, device="cuda", dtype=dtype) for _ in range(2))
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    start = torch.cuda.memory_allocated()
+    sdpa_sink(q, k, v, sink)
+    torch.cuda.synchronize()
+    assert torch.cuda.max_memory_allocated() - start < 256 * 2**20
+    inputs = [t[:, :, :300].detach().float().requires_grad_() for t in (q, k, v)] + [sink.requires_grad_()]
+    grad = torch.randn(1, 8, 300, 64, device="cuda")
+    results = []
+    for fn in (sdpa_sink, lambda *a: eager_sink(*a)[0]):
+        out = fn(*[t.to(dtype) if t.dim() == 4 else t for t in inputs])
+        results.append([out.float(), *torch.autograd.grad(out.float(), inputs, grad)])
+    tolerance = dict(rtol=1e-4, atol=1e-4) if dtype == torch.float32 else dict(rtol=3e-2, atol=3e-2)
+    for got, want in zip(*results):
+        torch.testing.assert_close(got, want, **tolerance)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -94,6 +94,10 @@ CASES = [
     ("pair-norm", ["fit", "--config", RECIPE, "--model.arch.pair_norm", "sometimes"],
      ["model.arch.pair_norm", "sometimes"]),
     ("integral", ["fit", "--config", RECIPE, "--model.arch.integral", "max"], ["model.arch.integral", "max"]),
+    ("sink", ["fit", "--config", RECIPE, "--model.arch.attention", "softmax_sink", "--model.arch.sink", "one"],
+     ["model.arch.sink", "one", "zero", "learned"]),
+    ("gate", ["fit", "--config", RECIPE, "--model.arch.attention", "gated", "--model.arch.gate", "channel"],
+     ["model.arch.gate", "channel", "elementwise", "headwise"]),
     ("backend", ["fit", "--config", RECIPE, "--model.arch.backend", "triton2"], ["model.arch.backend", "triton2"]),
     # launches: the global batch, FSDP2's precision, the strategy, the world size of a resume
     ("global-batch-divide", ["fit", "--config", RECIPE, "--trainer.accelerator", "cpu", "--trainer.devices", "3",

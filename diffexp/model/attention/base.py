@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from diffexp.model.heads import Integral, attention, paired_heads, two_map_head
+from diffexp.model.heads import Integral, attention, paired_heads, sink_attention, two_map_head
 from diffexp.model.heads.single_map import causal_logits
 from diffexp.model.rope import RotaryEmbedding
 
@@ -85,6 +85,12 @@ class AttentionBase(nn.Module):
         """Causal softmax attention per query head on this layer's backend (RoPE already applied)."""
         self.record_logit_max(q, k)
         return attention(q, k, v, self.backend, need_weights, cache)
+
+    def attend_with_sink(self, q, k, v, sink: torch.Tensor, need_weights: bool = False, cache=None):
+        """Causal softmax attention per query head with a sink logit per query head, sink: (h,) (heads/sink.py);
+        the map returned leaves the sink's mass out."""
+        self.record_logit_max(q, k)
+        return sink_attention(q, k, v, sink, self.backend, need_weights, cache)
 
     def paired_heads(self, q, k, v, lam, first: slice, second: slice, shared_kv: bool, need_weights: bool = False,
                      cache=None):

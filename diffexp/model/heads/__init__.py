@@ -11,6 +11,7 @@ and for maps requested, eager attention and decoding, the plain path:
     single_map.py    one causal attention per query head (SDPA or the eager map), GQA
     cached_step.py   one decoding step: both maps against the cache, V read once
     dint_integral.py DINT's softmax integral without a T x T tensor, and decoding's rows from column sums
+    sink.py          softmax with a sink logit per head (off by one, gpt-oss): the sink as one more key slot
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from diffexp.kernels.registry import Integral, resolve
 from diffexp.model.heads.cached_step import single_map_step, two_map_step
 from diffexp.model.heads.per_map import per_map_head
 from diffexp.model.heads.single_map import attend
+from diffexp.model.heads.sink import sink_attention
 
 
 def attention(q, k, v, backend: str = "sdpa", need_weights: bool = False, cache=None):
@@ -72,4 +74,4 @@ def paired_heads(q, k, v, lam, first: slice, second: slice, *, shared_kv: bool, 
     return out, weights[:, first] - lam_maps * weights[:, second]
 
 
-__all__ = ["Integral", "attention", "paired_heads", "two_map_head"]
+__all__ = ["Integral", "attention", "paired_heads", "sink_attention", "two_map_head"]
