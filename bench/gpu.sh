@@ -7,7 +7,7 @@
 #     a compiled block too, and the decoding step's CUDA graph (tests/test_gpu.py, tests/test_decoding.py);
 #  2. train-compiled-<variant>: each variant against the baseline at the 125m recipe's own shape (32K vocab, seq
 #     2048, micro-batch 8), bf16, compiled as the recipes train; one process per variant, so one slow compile
-#     loses one row;
+#     loses one row; the four differential variants first, then the softmax-constraint study's two;
 #  3. fit: a short real `diffexp fit` of the 125m DIFF V1 recipe at that shape (MQAR tokens over the 32K
 #     vocabulary, made in memory: no download), compiled as the recipe says: what the trainer adds to the bench
 #     step of that model;
@@ -37,7 +37,7 @@ exec > >(tee -a "$out/gpu.log") 2>&1
 budget=${DIFFEXP_GPU_BUDGET_S:-300}
 size=${DIFFEXP_GPU_SIZE:-125m}
 recipes=${DIFFEXP_GPU_RECIPE_DIR:-recipes/gpu}
-variants=(${DIFFEXP_GPU_VARIANTS:-diff_v1 dint diff_v2 shared_diff})
+variants=(${DIFFEXP_GPU_VARIANTS:-diff_v1 dint diff_v2 shared_diff softmax_sink gated})
 device=cuda dtype=bf16 rounds=2 steps=3 fit_steps=30 seq=() fit_rows=8 fit_seq=2048 fit_pairs=64 fit_extra=()
 probe_extra=() percent=100
 if [ "${DIFFEXP_GPU_SH_SMOKE:-0}" = 1 ]; then  # inductor's CPU compiles take minutes on a small machine

@@ -24,7 +24,8 @@ def tiny_recipes(tmp_path) -> Path:
     shutil.copytree(REPO / "recipes/gpu", gpu)
     (gpu / "size/tiny.yaml").write_text("model:\n  arch:\n    d_model: 64\n    n_layers: 1\n    n_heads: 2\n"
                                         "    rank: 4\n    max_seq_len: 64\n")
-    (gpu / "variant/baseline/tiny.yaml").write_text("model:\n  arch:\n    n_heads: 4\n")
+    for variant in ("baseline", "softmax_sink", "gated"):  # the single-map variants at 2h heads
+        (gpu / f"variant/{variant}/tiny.yaml").write_text("model:\n  arch:\n    n_heads: 4\n")
     (gpu / "variant/diff_v2/tiny.yaml").write_text("model:\n  arch:\n    n_heads: 4\n    n_kv_heads: 1\n")
     return gpu
 
