@@ -109,11 +109,13 @@ def test_each_run_records_its_variant_flags_and_parameter_counts(two_fits):
         row = {k: getattr(v, v.WhichOneof("kind")) for k, v in start.hparams.items()}
         arch = torch.load(run_dir / "checkpoints/last.ckpt", weights_only=True)["hyper_parameters"]["arch"]
         assert row["model.arch.attention"] == attention == arch["attention"]
-        # the flags the variant reads (the shared ones and its registry entry's), its own first after its name: the
-        # tab shows a header's first five columns until others are ticked
-        read = ["attention", *variant(attention).fields]
-        read += [name for name in SHARED_FIELDS if name not in read]
-        assert [h for h, _ in experiment_order(content)][: len(read)] == [f"model.arch.{k}" for k in read]
+        # the flags the variant reads (the shared ones and its registry entry's); its name and own flags marked as
+        # what tells runs apart, which the tab lists first among the five columns it shows until others are ticked
+        own = ["attention", *variant(attention).fields]
+        read = own + [name for name in SHARED_FIELDS if name not in own]
+        header = experiment_order(content)
+        assert sorted(h for h, _ in header if h.startswith("model.arch.")) == sorted(f"model.arch.{k}" for k in read)
+        assert sorted(h for h, differs in header if differs) == sorted(f"model.arch.{k}" for k in own)
         flags = {k: v for k, v in arch.items() if k in read}
         assert sorted(k for k in row if k.startswith("model.arch.")) == sorted(f"model.arch.{k}" for k in flags)
         for name, value in flags.items():  # a number, or the text a recipe writes
@@ -128,12 +130,12 @@ def test_each_run_records_its_variant_flags_and_parameter_counts(two_fits):
     assert set(headers[0]) < set(headers[1])  # DIFF V1's header adds its own flags to the baseline's
 
 
-def experiment_order(content) -> list[tuple[str, int]]:
-    """The header's columns in the order it lists them (the HParams tab shows them so)."""
+def experiment_order(content) -> list[tuple[str, bool]]:
+    """The header's columns, each with whether it is marked as telling runs apart (the tab lists those first)."""
     from tensorboard.plugins.hparams import metadata
 
     experiment = metadata.parse_experiment_plugin_data(content[metadata.EXPERIMENT_TAG])
-    return [(h.name, h.type) for h in experiment.hparam_infos]
+    return [(h.name, h.differs) for h in experiment.hparam_infos]
 
 
 @pytest.mark.slow

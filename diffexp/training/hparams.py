@@ -51,9 +51,9 @@ def hparam_value(value: Any, as_text: bool = False) -> int | float | str:
 def run_columns(pl_module: L.LightningModule) -> dict[str, int | float | str]:
     """The row's settings: `model.arch.attention`, then the flags the variant declares (its registry entry), then
     the shared flags, as `model.arch.<flag>`, and `params/<kind>` (parameter_report); no flag the variant does not
-    read. The HParams tab shows the first five columns of a header until others are ticked: the variant and its own
-    flags lead. A column holds one type in every run: a flag that may be null or a word (n_kv_heads, lambda_init)
-    is text even where it is a number."""
+    read. The HParams tab shows five columns of a header until others are ticked, those marked as telling runs apart
+    first (write_row's `leading`): the variant and its own flags. A column holds one type in every run: a flag that
+    may be null or a word (n_kv_heads, lambda_init) is text even where it is a number."""
     arch = pl_module.arch
     own = variant(arch.attention).flags
     shared = [flag for flag in SHARED_FLAGS if flag.name != "attention" and flag.name not in {f.name for f in own}]
@@ -65,12 +65,22 @@ def run_columns(pl_module: L.LightningModule) -> dict[str, int | float | str]:
     return {**columns, **{f"params/{k}": v for k, v in pl_module.model.parameter_report().items()}}
 
 
-def write_row(logger: TensorBoardLogger, columns: dict[str, int | float | str], metrics=METRICS) -> None:
+def write_row(logger: TensorBoardLogger, columns: dict[str, int | float | str], metrics=METRICS,
+              leading: int = 0) -> None:
     """The hparams plugin's experiment (the columns and metric tags) and session start (this run's values), as
-    Lightning's log_hyperparams writes them, without its placeholder metric values at step 0."""
+    Lightning's log_hyperparams writes them, without its placeholder metric values at step 0. The first `leading`
+    columns are marked as the ones that tell runs apart (the plugin's `differs`): the tab lists those first and
+    shows five columns until others are ticked."""
+    from tensorboard.plugins.hparams import plugin_data_pb2
     from torch.utils.tensorboard.summary import hparams
 
     experiment, session_start, _ = hparams(columns, dict.fromkeys(metrics, 0.0))  # only the metric names are used
+    shown = set(list(columns)[:leading])
+    value = experiment.value[0]
+    data = plugin_data_pb2.HParamsPluginData.FromString(value.metadata.plugin_data.content)
+    for info in data.experiment.hparam_infos:
+        info.differs = info.name in shown
+    value.metadata.plugin_data.content = data.SerializeToString()
     writer = logger.experiment._get_file_writer()
     writer.add_summary(experiment)
     writer.add_summary(session_start)
@@ -121,7 +131,7 @@ class RunHParams(L.Callback):
             return
         run_dir = str(Path(logger.log_dir).resolve())
         if self.recorded_in != run_dir:  # a resumed run's row is there already
-            write_row(logger, run_columns(pl_module))
+            write_row(logger, run_columns(pl_module), leading=1 + len(variant(pl_module.arch.attention).flags))
             self.recorded_in = run_dir
 
     def _write_results(self, trainer, pl_module) -> None:
