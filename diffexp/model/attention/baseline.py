@@ -39,10 +39,15 @@ class BaselineAttention(AttentionBase):
         self.v_proj = self.linear(self.d_model, h_kv * d)
         self.o_proj = self.linear(h * d, self.d_model)
 
-    def forward(self, x: torch.Tensor, need_weights: bool = False, cache=None):
+    def qkv(self, x: torch.Tensor, cache=None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Q (B, h, T, d) and K, V (B, h_kv, T_k, d): RoPE applied, the cached positions in front of K and V."""
         start = self.start_of(cache)
         q = self.rope.rotate(split_heads(self.q_proj(x), self.n_heads), start)
         k = self.rope.rotate(split_heads(self.k_proj(x), self.n_kv_heads), start)
         k, v = self.cached(cache, k=k, v=split_heads(self.v_proj(x), self.n_kv_heads))
+        return q, k, v
+
+    def forward(self, x: torch.Tensor, need_weights: bool = False, cache=None):
+        q, k, v = self.qkv(x, cache)
         out, weights = self.attend(q, k, v, need_weights, cache)
         return self.o_proj(merge_heads(out)), weights

@@ -16,8 +16,8 @@ from typing import Literal
 
 import torch
 
-from diffexp.model.attention.base import AttentionBase, merge_heads, split_heads
-from diffexp.model.attention.baseline import attention_flops
+from diffexp.model.attention.base import merge_heads, split_heads
+from diffexp.model.attention.baseline import BaselineAttention, attention_flops
 from diffexp.model.attention.registry import Variant, register
 from diffexp.model.flags import Flag
 
@@ -28,7 +28,7 @@ FLAGS = (
 
 
 @register
-class GatedAttention(AttentionBase):
+class GatedAttention(BaselineAttention):
     variant = Variant(
         name="gated",
         summary="softmax attention times a sigmoid gate from the input, per channel or per head (G1)",
@@ -39,19 +39,12 @@ class GatedAttention(AttentionBase):
     )
 
     def __init__(self, cfg, layer_idx: int) -> None:
-        super().__init__(cfg, layer_idx)
-        h, h_kv, d = self.n_heads, self.n_kv_heads, self.head_dim
-        self.q_proj = self.linear(self.d_model, h * d)
-        self.k_proj = self.linear(self.d_model, h_kv * d)
-        self.v_proj = self.linear(self.d_model, h_kv * d)
-        self.o_proj = self.linear(h * d, self.d_model)
-        self.gate_proj = self.linear(self.d_model, h * d if cfg.gate == "elementwise" else h)
+        super().__init__(cfg, layer_idx)  # the baseline's Q, K, V and O
+        width = self.n_heads * (self.head_dim if cfg.gate == "elementwise" else 1)
+        self.gate_proj = self.linear(self.d_model, width)
 
     def forward(self, x: torch.Tensor, need_weights: bool = False, cache=None):
-        start = self.start_of(cache)
-        q = self.rope.rotate(split_heads(self.q_proj(x), self.n_heads), start)
-        k = self.rope.rotate(split_heads(self.k_proj(x), self.n_kv_heads), start)
-        k, v = self.cached(cache, k=k, v=split_heads(self.v_proj(x), self.n_kv_heads))
+        q, k, v = self.qkv(x, cache)
         gate = torch.sigmoid(split_heads(self.gate_proj(x), self.n_heads))  # (B, h, T, d or 1), new tokens only
         self.record_gate(gate)
         out, weights = self.attend(q, k, v, need_weights, cache)

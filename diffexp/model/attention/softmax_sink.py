@@ -17,8 +17,8 @@ from typing import Literal
 import torch
 from torch import nn
 
-from diffexp.model.attention.base import AttentionBase, merge_heads, split_heads
-from diffexp.model.attention.baseline import attention_flops
+from diffexp.model.attention.base import merge_heads
+from diffexp.model.attention.baseline import BaselineAttention, attention_flops
 from diffexp.model.attention.registry import Variant, register
 from diffexp.model.flags import Flag
 
@@ -29,7 +29,7 @@ FLAGS = (
 
 
 @register
-class SoftmaxSinkAttention(AttentionBase):
+class SoftmaxSinkAttention(BaselineAttention):
     variant = Variant(
         name="softmax_sink",
         summary="softmax with a sink logit per head: 'zero' (off by one) or 'learned' (gpt-oss)",
@@ -40,21 +40,13 @@ class SoftmaxSinkAttention(AttentionBase):
     )
 
     def __init__(self, cfg, layer_idx: int) -> None:
-        super().__init__(cfg, layer_idx)
-        h, h_kv, d = self.n_heads, self.n_kv_heads, self.head_dim
-        self.q_proj = self.linear(self.d_model, h * d)
-        self.k_proj = self.linear(self.d_model, h_kv * d)
-        self.v_proj = self.linear(self.d_model, h_kv * d)
-        self.o_proj = self.linear(h * d, self.d_model)
+        super().__init__(cfg, layer_idx)  # the baseline's Q, K, V and O
         # "learned": fp32 and 1-d, so no weight decay; "zero" holds no tensor (an exported model's loader leaves
         # buffers outside the weights file uninitialised)
-        self.sinks = nn.Parameter(torch.zeros(h)) if cfg.sink == "learned" else None
+        self.sinks = nn.Parameter(torch.zeros(self.n_heads)) if cfg.sink == "learned" else None
 
     def forward(self, x: torch.Tensor, need_weights: bool = False, cache=None):
-        start = self.start_of(cache)
-        q = self.rope.rotate(split_heads(self.q_proj(x), self.n_heads), start)
-        k = self.rope.rotate(split_heads(self.k_proj(x), self.n_kv_heads), start)
-        k, v = self.cached(cache, k=k, v=split_heads(self.v_proj(x), self.n_kv_heads))
+        q, k, v = self.qkv(x, cache)
         self.record_sinks()
         sinks = self.sinks if self.sinks is not None else q.new_zeros(self.n_heads, dtype=torch.float32)
         out, weights = self.attend_with_sink(q, k, v, sinks, need_weights, cache)
