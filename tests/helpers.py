@@ -596,3 +596,60 @@ def _unescaped_pipes(line: str):
         if char == "|" and not escaped:
             yield char
         escaped = char == "\\" and not escaped
+
+
+def tiny_fit_args(tmp_path) -> list[str]:
+    """`diffexp fit` arguments of a one-layer model on the embedded corpus, its cache under tmp_path."""
+    return ["--model.arch.d_model", "32", "--model.arch.n_layers", "1", "--model.arch.n_heads", "2",
+            "--data.seq_len", "32", "--data.max_chars", "40000", "--data.cache_dir", str(tmp_path / "cache")]
+
+
+# ----------------------------------------------------------------------------- FSDP2 on CPU processes
+
+FSDP_STEPS = 8
+FSDP_RECIPE = """
+seed_everything: 7
+trainer:
+  accelerator: cpu
+  devices: {devices}
+  max_steps: {steps}
+  val_check_interval: 4
+  limit_val_batches: 2
+  log_every_n_steps: 1
+  enable_progress_bar: false
+  strategy: {strategy}
+  logger:
+    class_path: lightning.pytorch.loggers.TensorBoardLogger
+    init_args: {{save_dir: runs, name: {name}, default_hp_metric: false}}
+  callbacks:
+    - class_path: tests.helpers.SaveFullWeights
+      init_args: {{path: {name}.pt}}
+checkpoint:
+  every_n_train_steps: 4
+diagnostics:
+  every_n_steps: 4
+throughput:
+  window_size: 2
+model:
+  arch: {{attention: diff_v1, d_model: 32, n_layers: 2, n_heads: 2, max_seq_len: 32}}
+  optim: {{lr: 3.0e-3, warmup_steps: 2}}
+data:
+  source: stdlib
+  seq_len: 32
+  batch_size: {batch}
+  max_chars: 60000
+  cache_dir: cache
+"""
+FSDP2 = "{class_path: diffexp.parallel.FSDP2Strategy, init_args: {replicate_across_nodes: %s}}"
+
+
+def write_fsdp_recipe(root: Path, name: str, devices: int, batch: int, strategy: str, steps: int = FSDP_STEPS) -> Path:
+    path = root / f"{name}.yaml"
+    path.write_text(FSDP_RECIPE.format(name=name, devices=devices, batch=batch, strategy=strategy, steps=steps))
+    return path
+
+
+def added_on_purpose(model) -> int:
+    """Parameters a variant adds to the size's shape by design and reports instead of matching (diffexp params):
+    the gated variant's gate projection, d_model x h d per layer (x h headwise)."""
+    return sum(p.numel() for name, p in model.named_parameters() if ".attn.gate_proj." in name)

@@ -38,15 +38,17 @@ def recipe_args(*argv: str):
 
 
 def test_a_recipe_shape_is_each_variants_model_as_its_recipe_files_define_it():
-    """125m: GPT-2 small's width and depth; the baseline and DIFF V2 at 2h = 12 heads (V2 over 3 KV heads), the
-    two-map variants at h = 6, Shared DIFF's rank 48, the recipes' 32K vocabulary, seq 2048 and micro-batch 8."""
+    """125m: GPT-2 small's width and depth; the baseline, DIFF V2 and the softmax-constraint variants at 2h = 12
+    heads (V2 over 3 KV heads), the two-map variants at h = 6, Shared DIFF's rank 48, the recipes' 32K vocabulary,
+    seq 2048 and micro-batch 8."""
     args = recipe_args("--recipe", "125m")
     archs = args.recipe_archs
     assert {cfg.d_model for cfg in archs.values()} == {768} and {cfg.n_layers for cfg in archs.values()} == {12}
     assert {cfg.vocab_size for cfg in archs.values()} == {32768}
     heads = {name: (cfg.n_heads, cfg.kv_heads, cfg.resolved_head_dim) for name, cfg in archs.items()}
     assert heads == {"baseline": (12, 12, 64), "diff_v1": (6, 6, 64), "diff_v2": (12, 3, 64),
-                     "shared_diff": (6, 6, 64), "dint": (6, 6, 64)}
+                     "shared_diff": (6, 6, 64), "dint": (6, 6, 64), "softmax_sink": (12, 12, 64),
+                     "gated": (12, 12, 64)}
     assert archs["shared_diff"].rank == 48
     assert args.seq_lens == [2048] and args.batch_size == 8
     assert recipe_shape.shapes(args)["diff_v2"]["n_kv_heads"] == 3

@@ -137,17 +137,21 @@ def test_switch_and_broken_build_give_reasons_not_errors(monkeypatch, tmp_path):
     assert reason is not None and reason.startswith("building broken.cpp failed")
 
 
-def test_the_build_is_keyed_by_its_source(monkeypatch, tmp_path):
-    """Two checkouts with different kernel sources on one machine build under different names, never each other's."""
+def test_the_build_is_keyed_by_its_source_and_its_path(monkeypatch, tmp_path):
+    """Two checkouts on one machine build under different names, never each other's: with different kernel sources,
+    and with the same source at another path (ninja rebuilds when the path in its build file changes, so two
+    checkouts of one commit took turns rebuilding one library)."""
     capability = torch.backends.cpu.get_cpu_capability()
     name, flags, directory = cpu_native._build_settings(capability)
+    assert cpu_native._build_settings(capability)[0] == name  # the same source and path: the same build
     copy = tmp_path / "two_map_attention.cpp"
     copy.write_bytes(cpu_native.SOURCE.read_bytes())
     monkeypatch.setattr(cpu_native, "SOURCE", copy)
-    assert cpu_native._build_settings(capability)[0] == name  # the same source: the same build
+    moved, _, moved_directory = cpu_native._build_settings(capability)
+    assert moved != name and moved_directory != directory
     copy.write_bytes(copy.read_bytes() + b"\n// changed\n")
     other, _, other_directory = cpu_native._build_settings(capability)
-    assert other != name and other_directory != directory
+    assert other not in (name, moved) and other_directory not in (directory, moved_directory)
 
 
 def test_the_build_says_compiled_only_when_it_compiled_and_only_on_stderr(monkeypatch, tmp_path, capfd):

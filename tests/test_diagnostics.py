@@ -243,8 +243,7 @@ def test_a_compiled_fit_keeps_one_graph_while_the_diagnostics_observe_it(tmp_pat
 
     import diffexp.model.compile as model_compile
     from diffexp.training.cli import build_fit
-    from tests.helpers import scalars
-    from tests.test_training import tiny_fit_args
+    from tests.helpers import scalars, tiny_fit_args
 
     torch.compiler.reset()
     torch._dynamo.utils.counters.clear()

@@ -19,49 +19,9 @@ import pytest
 import torch
 
 from diffexp.checkpoint_io import read_checkpoint
-from tests.helpers import RTOL, assert_same_weights, free_port, one_thread_env, scalars
-
-STEPS = 8
-RECIPE = """
-seed_everything: 7
-trainer:
-  accelerator: cpu
-  devices: {devices}
-  max_steps: {steps}
-  val_check_interval: 4
-  limit_val_batches: 2
-  log_every_n_steps: 1
-  enable_progress_bar: false
-  strategy: {strategy}
-  logger:
-    class_path: lightning.pytorch.loggers.TensorBoardLogger
-    init_args: {{save_dir: runs, name: {name}, default_hp_metric: false}}
-  callbacks:
-    - class_path: tests.helpers.SaveFullWeights
-      init_args: {{path: {name}.pt}}
-checkpoint:
-  every_n_train_steps: 4
-diagnostics:
-  every_n_steps: 4
-throughput:
-  window_size: 2
-model:
-  arch: {{attention: diff_v1, d_model: 32, n_layers: 2, n_heads: 2, max_seq_len: 32}}
-  optim: {{lr: 3.0e-3, warmup_steps: 2}}
-data:
-  source: stdlib
-  seq_len: 32
-  batch_size: {batch}
-  max_chars: 60000
-  cache_dir: cache
-"""
-FSDP2 = "{class_path: diffexp.parallel.FSDP2Strategy, init_args: {replicate_across_nodes: %s}}"
-
-
-def write(root: Path, name: str, devices: int, batch: int, strategy: str, steps: int = STEPS) -> Path:
-    path = root / f"{name}.yaml"
-    path.write_text(RECIPE.format(name=name, devices=devices, batch=batch, strategy=strategy, steps=steps))
-    return path
+from tests.helpers import FSDP2, RTOL, assert_same_weights, free_port, one_thread_env, scalars
+from tests.helpers import FSDP_STEPS as STEPS
+from tests.helpers import write_fsdp_recipe as write
 
 
 def fit(root: Path, *args: str, timeout: int = 240) -> subprocess.CompletedProcess:

@@ -75,8 +75,8 @@ def test_a_non_finite_loss_on_one_rank_stops_every_rank_together(tmp_path):
     import sys
 
     from diffexp.checkpoint_io import read_checkpoint
-    from tests.helpers import one_thread_env
-    from tests.test_fsdp2 import FSDP2, write
+    from tests.helpers import FSDP2, one_thread_env
+    from tests.helpers import write_fsdp_recipe as write
 
     recipe = write(tmp_path, "sharded", devices=2, batch=2, strategy=FSDP2 % "false")
     inject = ('--trainer.callbacks+={"class_path": "tests.helpers.InjectNonFinite", "init_args": '

@@ -236,10 +236,10 @@ def test_dints_triton_integral_scratch_is_counted_in_half_precision(monkeypatch)
     """DINT's Triton integral (picked on CUDA in half precision) keeps PREFIX (B, h, T / 64, T) fp32 per layer for
     the backward, and makes CARRY and ROWPART in it: T^2 / 64 floats a head, which the plain path measured on the
     meta device does not keep. The estimate adds them, and the rough bound stays above it."""
-    from diffexp.kernels import gpu_dint
+    from diffexp.kernels import dint_tiles
 
     cfg = replace(arch("dint"), max_seq_len=4096)
-    kept, backward = gpu_dint.scratch_bytes(2, cfg.n_heads, 4096, cfg.resolved_head_dim, 2 * cfg.resolved_head_dim)
+    kept, backward = dint_tiles.scratch_bytes(2, cfg.n_heads, 4096, cfg.resolved_head_dim, 2 * cfg.resolved_head_dim)
     assert kept == 4 * 2 * cfg.n_heads * 4096 * 4096 // 64 and backward == 2 * kept
     with_kernel = estimate_memory(cfg, 2, 4096, 1, torch.bfloat16)
     assert memory.kernel_scratch(cfg, 2, 4096, torch.float32) == (0, 0)  # fp32: the plain path runs
@@ -254,11 +254,11 @@ def test_dints_triton_integral_scratch_is_counted_in_half_precision(monkeypatch)
 def test_the_triton_integrals_buffers_are_the_scratch_counted():
     """scratch_bytes against the buffers the kernel allocates (its _Call, at the default tiles)."""
     pytest.importorskip("triton")
-    from diffexp.kernels import gpu_dint, triton_dint
+    from diffexp.kernels import dint_tiles, triton_dint
 
     b, h, t, d = 2, 3, 200, 64
     q, k, v = torch.zeros(b, h, t, d), torch.zeros(b, h, t, d), torch.zeros(b, h, t, 2 * d)
     call = triton_dint._Call(q, k, v, 0.125, *triton_dint.tiles(d, 2 * d))
     prefix = call.buffer(call.nm, "cpu")
-    kept, backward = gpu_dint.scratch_bytes(b, h, t, d, 2 * d)
+    kept, backward = dint_tiles.scratch_bytes(b, h, t, d, 2 * d)
     assert kept == prefix.nbytes and backward == prefix.nbytes + call.buffer(call.nn, "cpu").nbytes

@@ -23,7 +23,7 @@ from diffexp import Decoder, ModelConfig
 from diffexp.cli import DiffexpCLI, main, parse_config
 from diffexp.data import TextDataModule
 from diffexp.training import DiffexpLM
-from tests.helpers import REPO
+from tests.helpers import REPO, added_on_purpose
 
 GPU = REPO / "recipes" / "gpu"
 #: recipes that are one file each (the GPU ones are base + size + variant, below)
@@ -39,7 +39,8 @@ SCALE = {"m": 1e6, "b": 1e9}
 #: meets the tolerance passes like any other.
 BEYOND_TOLERANCE = {
     ("3b", v): "the DIFF paper's 3B shape (d_model 3072, 28 layers) with the recipes' 32,768-token vocabulary: "
-               "3.37B, 12.4% over its name (3.17B without embeddings)" for v in ("baseline", "diff_v1", "dint")
+               "3.37B, 12.4% over its name (3.17B without embeddings)"
+    for v in ("baseline", "diff_v1", "dint", "softmax_sink", "gated")
 }
 
 
@@ -89,7 +90,7 @@ def dotted_keys(path: Path) -> set[str]:
 
 def test_recipes_exist_for_every_variant():
     names = {p.stem for p in TINY}
-    assert names == {"baseline", "diff_v1", "diff_v2", "shared_diff", "dint"}
+    assert names == {"baseline", "diff_v1", "diff_v2", "shared_diff", "dint", "softmax_sink", "gated"}
     assert names <= set(GPU_VARIANTS)  # every variant has a tiny recipe and a GPU delta of its name
     assert {attention_of(v) for v in GPU_VARIANTS} == names  # the others are comparisons: <variant>-<what>
     # the papers' Table 3, DIFF's 3B, and the one-GPU sizes (GPT-2 small and medium shapes)
@@ -119,7 +120,7 @@ def test_gpu_recipe_has_the_size_in_its_name(size, variant):
     with torch.device("meta"):  # 1.4B parameters cost no memory here
         model = Decoder(arch)
     promised = float(size[:-1]) * SCALE[size[-1]]
-    count = model.num_parameters()
+    count = model.num_parameters() - added_on_purpose(model)  # the gated variant's gate: reported, not matched
     off = count / promised - 1
     tolerance = 0.12 if variant == arch.attention else 0.20
     if abs(off) >= tolerance and (size, variant) in BEYOND_TOLERANCE:
@@ -261,8 +262,10 @@ def test_documented_gpu_command_prints_the_merged_recipe():
 
 def test_tiny_recipes_have_matched_parameter_budgets():
     """Within 5% of the baseline's non-embedding parameters; Shared DIFF, with fewer Q/K parameters by design
-    (tests/test_recipe_params.py), is 4.8% under."""
-    counts = {p.stem: Decoder(arch_of(p)).num_parameters(exclude_embeddings=True) for p in TINY}
+    (tests/test_recipe_params.py), is 4.8% under; the gated variant's gate (+7.7% here) is reported, not matched."""
+    models = {p.stem: Decoder(arch_of(p)) for p in TINY}
+    counts = {name: model.num_parameters(exclude_embeddings=True) - added_on_purpose(model)
+              for name, model in models.items()}
     for name, count in counts.items():
         assert abs(count / counts["baseline"] - 1) < 0.05, (name, count, counts["baseline"])
 

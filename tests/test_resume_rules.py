@@ -33,7 +33,9 @@ def test_extending_max_steps_keeps_the_saved_schedule(tmp_path, monkeypatch, cap
     peak, warmup, floor = 3e-3, 2, 0.1
     for step in (2, 4, 6):  # the original run's steps, logged before the resume, at the steps done after each
         assert lr[step] == pytest.approx(peak * warmup_cosine(step - 1, warmup, 6, floor), rel=1e-5)
-    for step in (8, 10):  # past the planned end the lr stays at its final value
+    after = [step for step in lr if step > 6]  # the steps Lightning logs after the resume, and the last one
+    assert 10 in after and len(after) >= 2
+    for step in after:  # past the planned end the lr stays at its final value
         assert lr[step] == pytest.approx(peak * floor, rel=1e-5)
     saved = (run / next(p.name for p in run.iterdir() if p.name.startswith("config.resumed-"))).read_text()
     assert "schedule_steps: 6" in saved and "max_steps: 10" in saved

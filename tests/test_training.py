@@ -12,17 +12,11 @@ import torch
 from diffexp.cli import DiffexpCLI, main
 from diffexp.data import TextDataModule
 from diffexp.training import DiffexpLM
-from tests.helpers import run_cli, scalars, write_recipe
+from tests.helpers import run_cli, scalars, tiny_fit_args, write_recipe
 
 
 def records(path: Path) -> dict[int, dict]:
     return {r["step"]: r for r in map(json.loads, path.read_text().splitlines())}
-
-
-def tiny_fit_args(tmp_path) -> list[str]:
-    """`diffexp fit` arguments of a one-layer model on the embedded corpus, its cache under tmp_path."""
-    return ["--model.arch.d_model", "32", "--model.arch.n_layers", "1", "--model.arch.n_heads", "2",
-            "--data.seq_len", "32", "--data.max_chars", "40000", "--data.cache_dir", str(tmp_path / "cache")]
 
 
 @pytest.mark.slow

@@ -148,7 +148,7 @@ def test_a_step_that_logs_nothing_reads_the_device_once(tmp_path, monkeypatch):
 
     from diffexp.training.cli import build_fit
     from diffexp.training.throughput import Throughput
-    from tests.test_training import tiny_fit_args
+    from tests.helpers import tiny_fit_args
 
     monkeypatch.chdir(tmp_path)
     # AdamW as on CUDA, fused: foreach AdamW reads its step counts, host tensors by design, on every step

@@ -38,7 +38,7 @@ import triton
 import triton.language as tl
 from torch.nn.attention.flex_attention import AuxRequest, BlockMask, flex_attention
 
-from diffexp.kernels.gpu_dint import tile_width, tiles  # noqa: F401  (tiles: the default tiles, read here too)
+from diffexp.kernels.dint_tiles import tile_width, tiles
 
 
 # -- tiles --------------------------------------------------------------------------------------------------------

@@ -218,15 +218,18 @@ def estimate_memory(arch, micro_batch: int, seq_len: int, shard_size: int,
 
 
 def kernel_scratch(arch, micro_batch: int, seq_len: int, compute_dtype: torch.dtype) -> tuple[int, int]:
-    """(kept per layer, one layer's backward) bytes that a fast kernel adds to what the plain path saves: DINT's
-    Triton integral (diffexp.kernels.gpu_dint, picked on CUDA in half precision) keeps T^2 / 64 floats a head; the
-    meta-device measurement runs the plain path, which keeps O(T)."""
-    from diffexp.kernels import gpu_dint
+    """(kept per layer, one layer's backward) bytes that a fast kernel adds to what the plain path saves: the softmax
+    integral's Triton kernel (diffexp.kernels.gpu_dint: a variant reading model.arch.integral, DINT; picked on CUDA
+    in half precision) keeps T^2 / 64 floats a head; the meta-device measurement runs the plain path, which keeps
+    O(T)."""
+    from diffexp.kernels.dint_tiles import scratch_bytes
+    from diffexp.model.attention import variant
 
-    if arch.attention != "dint" or arch.integral != "softmax" or compute_dtype not in (torch.bfloat16, torch.float16):
+    reads_integral = any(flag.name == "integral" for flag in variant(arch.attention).flags)
+    if not reads_integral or arch.integral != "softmax" or compute_dtype not in (torch.bfloat16, torch.float16):
         return 0, 0
     d = arch.resolved_head_dim
-    return gpu_dint.scratch_bytes(micro_batch, arch.n_heads, seq_len, d, 2 * d)
+    return scratch_bytes(micro_batch, arch.n_heads, seq_len, d, 2 * d)
 
 
 def rough_training_bytes(arch, micro_batch: int, seq_len: int) -> int:

@@ -23,7 +23,7 @@ from diffexp.training.loss import token_losses
 from diffexp.training.loss_slices import ar_hit_mask, frequent_bigrams
 from diffexp.training.nonfinite import any_rank_non_finite, stop_with_last_finite
 from diffexp.training.options import ARHitConfig, OptimConfig
-from diffexp.training.step_logs import VITALS, logs_this_step, write_to_loggers
+from diffexp.training.step_logs import VITALS, logs_this_step, note_fit_start, write_to_loggers
 
 
 def _shard_replicas(strategy) -> int:
@@ -383,6 +383,7 @@ class DiffexpLM(L.LightningModule):
             tokens.shape[1] - 1, training=False)
 
     def on_train_start(self) -> None:
+        note_fit_start(self.trainer)
         if self.trainer.ckpt_path is not None:
             self._apply_configured_optim()
 

@@ -10,14 +10,26 @@ Reads Lightning's logger connector and epoch loop (private; checked against Ligh
 
 from __future__ import annotations
 
+import weakref
+
 #: the prefix of the training diagnostics, lambda traces and throughput readings (after "train/" and "val/")
 VITALS = "vitals/"
 
 
+#: per trainer, optimizer steps done minus Lightning's count of stepped batches at the start of fit: 0 in a new run,
+#: and 1 after resuming from a checkpoint written where Lightning does not correct its count (at a validation's end)
+_OFFSETS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def note_fit_start(trainer) -> None:
+    """At the start of fit (on_train_start), after a resume restored Lightning's loops: align the step axis."""
+    _OFFSETS[trainer] = trainer.global_step - trainer.fit_loop.epoch_loop._batches_that_stepped
+
+
 def logged_step(trainer) -> int:
     """The step axis value of the training step under way: the optimizer steps done once it is (Lightning counts
-    the step only after its metrics are logged)."""
-    return trainer.fit_loop.epoch_loop._batches_that_stepped + 1
+    the step only after its metrics are logged), the same before and after a resume."""
+    return trainer.fit_loop.epoch_loop._batches_that_stepped + 1 + _OFFSETS.get(trainer, 0)
 
 
 def logs_this_step(trainer) -> bool:
@@ -27,7 +39,7 @@ def logs_this_step(trainer) -> bool:
     if trainer._logger_connector.should_update_logs:
         return True
     # the same for every micro-batch of the step: Lightning counts the step after its metrics are logged
-    return 0 < trainer.max_steps <= trainer.fit_loop.epoch_loop._batches_that_stepped + 1
+    return 0 < trainer.max_steps <= logged_step(trainer)
 
 
 def write_to_loggers(trainer, metrics: dict[str, float]) -> None:
