@@ -72,8 +72,9 @@ def export(checkpoint_path: str, out: str, weights_format: str = "safetensors", 
     config = {
         "format": EXPORT_FORMAT,
         "weights": FORMATS[weights_format],
-        "hyper_parameters": to_builtin(checkpoint["hyper_parameters"], json_safe=True),
-        "datamodule_hyper_parameters": to_builtin(checkpoint.get("datamodule_hyper_parameters") or {}, json_safe=True),
+        "hyper_parameters": without_local_paths(to_builtin(checkpoint["hyper_parameters"], json_safe=True)),
+        "datamodule_hyper_parameters": without_local_paths(
+            to_builtin(checkpoint.get("datamodule_hyper_parameters") or {}, json_safe=True)),
         "global_step": hparams["global_step"],
         "tokenizer": None if tokenizer is None else
         {"kind": tokenizer["kind"], **({"file": "tokenizer.json", "identity": tokenizer["identity"]}
@@ -91,6 +92,22 @@ def export(checkpoint_path: str, out: str, weights_format: str = "safetensors", 
             (staging / "tokenizer.json").write_text(tokenizer["json"], encoding="utf-8")
         (staging / EXPORT_CONFIG).write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
     return target
+
+
+#: settings that only name a place on the machine that trained the model: left out of an export
+LOCAL_ONLY = ("cache_dir",)
+
+
+def without_local_paths(value):
+    """`value` as a shared model may carry it: every absolute path reduced to its last component (a corpus directory's
+    name, an init_from checkpoint's file), the local-only settings (LOCAL_ONLY) left out."""
+    if isinstance(value, dict):
+        return {k: without_local_paths(v) for k, v in value.items() if k not in LOCAL_ONLY}
+    if isinstance(value, list):
+        return [without_local_paths(v) for v in value]
+    if isinstance(value, str) and os.path.isabs(value):
+        return Path(value).name
+    return value
 
 
 def run_identity(checkpoint_path: Path) -> dict:

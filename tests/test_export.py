@@ -144,9 +144,17 @@ def test_an_export_names_its_run_and_weights_and_no_local_path(tmp_path, capsys)
     ckpt.parent.mkdir(parents=True)
     save_untrained_checkpoint(ModelConfig(attention="diff_v1", vocab_size=257, d_model=32, n_layers=1, n_heads=2,
                                           max_seq_len=64), ckpt)
+    checkpoint = torch.load(ckpt, weights_only=True)  # as a run on a local corpus, from a local checkpoint, saves it
+    checkpoint["datamodule_hyper_parameters"] = {"source": str(tmp_path / "corpus"), "seq_len": 64,
+                                                 "cache_dir": str(tmp_path / ".cache/diffexp")}
+    checkpoint["hyper_parameters"]["init_from"] = str(tmp_path / "runs/pre/version_0/checkpoints/last.ckpt")
+    torch.save(checkpoint, ckpt)
     out = tmp_path / "exported"
     assert run(["export", str(ckpt), str(out)], capsys)[0] == 0
     text = (out / "config.json").read_text()
+    config = json.loads(text)
+    assert config["datamodule_hyper_parameters"] == {"source": "corpus", "seq_len": 64}  # the corpus by name
+    assert config["hyper_parameters"]["init_from"] == "last.ckpt"
     source = json.loads(text)["source"]
     assert source == {"run": "diff_v1/version_3", "checkpoint": "last.ckpt",
                       "weights_sha256": hashlib.sha256((out / "model.safetensors").read_bytes()).hexdigest()}
