@@ -246,6 +246,7 @@ def test_bad_input_fails_early_and_clearly(workspace, no_work, monkeypatch, caps
     for fragment in fragments:
         assert fragment.format(root=workspace) in message, f"{fragment!r} not in {message!r}"
     assert "weights_only=False" not in message
+    assert "typing." not in message and "<class" not in message, message  # values a user writes, not Python types
     assert snapshot(workspace) == before
 
 

@@ -59,11 +59,37 @@ TRAINER_DEFAULTS = {
 }
 
 
+_TYPE_WORDS = {"float": "a number", "int": "an integer", "str": "a string", "bool": "true or false",
+               "NoneType": "null"}
+
+
+def _readable_types(subtypes: str) -> str:
+    """`[typing.Literal['depth'], float]` as a user reads it: `depth, or a number`."""
+    words = []
+    for literal, name in re.findall(r"(?:typing\.)?Literal\[(.*?)\]|([\w.]+)", subtypes):
+        if literal:
+            words += [w.strip().strip("'\"") for w in literal.split(",")]
+        elif name:
+            words.append(_TYPE_WORDS.get(name.split(".")[-1], name.split(".")[-1]))
+    if not words:
+        return subtypes
+    return words[0] if len(words) == 1 else ", ".join(words[:-1]) + " or " + words[-1]
+
+
 def _clean_parser_message(message: str) -> str:
     """jsonargparse's message as one paragraph with the key as the user writes it."""
     message = re.sub(r"<class '([\w.]+)'>", r"\1", message)
     message = re.sub(r'Parser key "([^"]+)":\s*', r"\1: ", message)
     message = re.sub(r"\s*\n\s*", " ", message).strip().replace("Expected a ", "expected ")
+    choice = re.match(r"([\w.]+): expected (?:typing\.)?Literal\[(.*?)\]\.? Got value: (.*)$", message)
+    if choice:  # a choice flag: the value given and the values allowed, not the Python type
+        key, allowed, value = choice.groups()
+        return f"{key}: {value!r} is not allowed; allowed: {_readable_types(f'Literal[{allowed}]')}"
+    union = re.match(r"([\w.]+): Does not validate against any of the Union subtypes Subtypes: \[(.*?)\] Errors:"
+                     r".* Given value: (.*)$", message)
+    if union:  # e.g. lambda_init: a word of a Literal or a number
+        key, subtypes, value = union.groups()
+        return f"{key}: {value!r} is not allowed; allowed: {_readable_types(subtypes)}"
     unknown = re.match(r"unrecognized arguments: (.*)", message)
     if unknown:
         keys = [arg.split("=", 1)[0] for arg in unknown.group(1).split() if arg.startswith("--")]
