@@ -244,7 +244,8 @@ def test_search_space_is_sampled_per_trial_and_reaches_the_run(tmp_path):
         assert hparams["case"] == "DIFF" and hparams["seed"] == 0 and hparams["params/total"] > 0
         assert hparams["model.optim.lr"] == pytest.approx(record["overrides"]["model.optim.lr"])
         assert hparams["data.seq_len"] == 32 and hparams["trainer.max_steps"] == 6
-        assert "hparams/val/loss" in metric_tags
+        assert "val/loss" in metric_tags and "train/loss" in metric_tags  # the run's own curves
+        assert not [tag for tag in scalar_tags(path.parent) if tag.startswith("hparams/")]  # no copies sorting first
         assert "step" not in record["metrics"]  # the x of the validation metrics, not a result
     # every view counts steps as the CLI prints them, the optimizer steps done: validation after 3 and 6 steps
     from diffexp.compare import load_study_runs
@@ -275,6 +276,14 @@ def hparams_of(run_dir: Path) -> tuple[dict, list[str]]:
         kind = value.WhichOneof("kind")
         values[key] = getattr(value, kind)
     return values, [info.name.tag for info in experiment.metric_infos]
+
+
+def scalar_tags(run_dir: Path) -> list[str]:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(run_dir))
+    acc.Reload()
+    return acc.Tags()["scalars"]
 
 
 def test_saved_config_values_look_through_init_args(tmp_path):

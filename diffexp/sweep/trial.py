@@ -15,10 +15,12 @@ from typing import Any
 
 import lightning as L
 import optuna
+from lightning.pytorch.loggers import TensorBoardLogger
 
 from diffexp.sweep.layout import TRIAL_FILE
 from diffexp.sweep.runs import CONFIG_FILE, saved_config_values
 from diffexp.training.diagnostics import diverged_at
+from diffexp.training.hparams import write_row
 
 STORAGE_ENV = "DIFFEXP_SWEEP_STORAGE"
 #: last values that say nothing about a run's result (tokens/s is recorded as a median instead)
@@ -161,12 +163,15 @@ class SweepTrialCallback(L.Callback):
                   "divergence": None if divergence is None else divergence["reason"]}
         run_dir = self._run_dir(trainer)
         record["case_slug"] = run_dir.parent.name
-        if trainer.logger is not None:  # the HParams dashboard: one row per trial
-            values = {**saved_config_values(run_dir / CONFIG_FILE, self.hparam_keys), **self.overrides}
-            hparams = {"case": self.case, "seed": self.seed, "params/total": params.get("total", 0),
-                       **{k: _hparam_value(v) for k, v in values.items()}}
-            hp_metrics = {f"hparams/{k}": v for k, v in metrics.items() if k.startswith(("val/", "train/loss"))}
-            trainer.logger.log_hyperparams(hparams, hp_metrics)
+        if isinstance(trainer.logger, TensorBoardLogger):  # the HParams dashboard: one row per trial
+            # its columns: case, seed and the varied keys first (marked as telling trials apart), then the size
+            # and the spec's other keys; its metrics: the run's own val/ and train/loss curves, no copies of them
+            saved = saved_config_values(run_dir / CONFIG_FILE, self.hparam_keys)
+            columns = {"case": self.case, "seed": self.seed, **self.overrides, "params/total": params.get("total", 0),
+                       **{k: v for k, v in saved.items() if k not in self.overrides}}
+            tags = [k for k in metrics if k.startswith(("val/", "train/loss"))]
+            write_row(trainer.logger, {k: _hparam_value(v) for k, v in columns.items()}, metrics=tags,
+                      leading=2 + len(self.overrides))
         write_json_atomic(run_dir / TRIAL_FILE, record)
 
 
