@@ -135,6 +135,17 @@ class SweepSpec:
                 table.append((label, case, assignment, {**case_overrides, **assignment}))
         return table
 
+    def grid_views(self) -> dict[str, dict[str, str]] | None:
+        """With a grid and two or more named cases, one view per grid point ("lr=0.01": case -> its row there),
+        so `compare` sets each case against the reference case at the same grid point; else None."""
+        if not self.grid or len([case for case in self.cases if case]) < 2:
+            return None
+        views: dict[str, dict[str, str]] = {}
+        for label, case, assignment, _ in self.table():
+            point = ", ".join(f"{k.split('.')[-1]}={_label_value(v)}" for k, v in assignment.items())
+            views.setdefault(point, {})[case] = label
+        return views
+
     def rows(self) -> list[tuple[str, dict[str, Any]]]:
         """Table rows: each case crossed with each grid point, named "case, key=value"."""
         return [(label, overrides) for label, _, _, overrides in self.table()]

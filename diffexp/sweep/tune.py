@@ -95,5 +95,9 @@ def describe(best: dict[str, float], means: dict[str, dict[float, float]], metri
 
 
 def views_of(spec: SweepSpec) -> dict[str, Any]:
-    """What sweep.json records of a tuned study: its views and the tuning (empty for any other study)."""
-    return {"views": spec.views, "tuned": spec.tuned} if spec.views else {}
+    """What sweep.json records of a study's views: a tuned study's two and its tuning, a grid study's one per grid
+    point (SweepSpec.grid_views), else nothing."""
+    if spec.views:
+        return {"views": spec.views, "tuned": spec.tuned}
+    grid = spec.grid_views()
+    return {"views": grid} if grid else {}
