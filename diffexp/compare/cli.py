@@ -9,6 +9,7 @@ from pathlib import Path
 from diffexp.compare.errors import CompareError
 from diffexp.compare.harness import DEFAULT_METRIC, harness_markdown, harness_table, print_harness, write_harness_csv
 from diffexp.compare.paired import LEVEL, check_level, paired_reports
+from diffexp.compare.paired_metrics import check_paired_metrics, paired_metrics_markdown, print_paired_metrics
 from diffexp.compare.paper import paper_checks, paper_markdown, paper_metrics, print_paper
 from diffexp.compare.plots import (
     CURVE_TAG,
@@ -37,7 +38,7 @@ PIPED_WIDTH = 200  # piped or captured output is read in an editor, not a termin
 
 def compare(study_dir: str | Path, out: str | Path | None = None, metrics: Sequence[str] | None = None,
             plots: bool = True, console=None, harness_metric: str = DEFAULT_METRIC, reference: str | None = None,
-            level: float = LEVEL) -> list[CaseSummary]:
+            level: float = LEVEL, paired_metrics: Sequence[str] | None = None) -> list[CaseSummary]:
     """Load, summarize, print, and write compare.md, compare.csv (and the PNGs) into `out`.
 
     Every case is set against the reference case (`reference`, a case's name or slug; default the baseline)
@@ -56,7 +57,8 @@ def compare(study_dir: str | Path, out: str | Path | None = None, metrics: Seque
     runs = load_study_runs(study_dir, curves=plots)
     columns = check_metrics(runs, metrics)
     recorded = runs.metric_names()
-    rows = summarize(runs, columns + [m for m in paper_metrics(runs) if m not in columns and m in recorded])
+    extra = check_paired_metrics(runs, paired_metrics)
+    rows = summarize(runs, columns + [m for m in [*extra, *paper_metrics(runs)] if m not in columns and m in recorded])
     reports = paired_reports(runs, rows, reference, level)
     paired = reports.get("")  # a study without views: the paired columns go in the main table
     out = Path(out) if out is not None else runs.study_dir / DEFAULT_OUT
@@ -67,6 +69,8 @@ def compare(study_dir: str | Path, out: str | Path | None = None, metrics: Seque
     print_report(console, runs, rows, columns, paired)
     if paired is None:
         print_views(console, runs, rows, reports)
+    for view, report in reports.items():  # --paired-metric: the same pairs in other metrics
+        print_paired_metrics(console, runs, view_rows(runs, rows, view) if view else rows, report, extra, view)
     checks = paper_checks(runs, rows, level)
     print_paper(console, runs, checks)
     scaling = scaling_report(runs)
@@ -76,6 +80,9 @@ def compare(study_dir: str | Path, out: str | Path | None = None, metrics: Seque
         markdown += "\n" + views_markdown(runs, rows, reports)
         write_paired_csv(out / "paired.csv", runs, rows, reports)
         written.append(out / "paired.csv")
+    for view, report in reports.items():
+        markdown += "\n" + paired_metrics_markdown(runs, view_rows(runs, rows, view) if view else rows, report,
+                                                   extra, view)
     if scaling is not None:
         print_scaling(console, scaling)
         markdown += "\n" + render_scaling_markdown(scaling)
@@ -132,6 +139,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--reference", metavar="CASE",
                         help="the case every other is set against, seed by seed (name or slug; default: the "
                              "first case running the reference variant, else the first case)")
+    parser.add_argument("--paired-metric", nargs="+", action="extend", metavar="NAME",
+                        help="also set each case against the reference seed by seed in these metrics (e.g. "
+                             "vitals/context_rms vitals/attn_sink): mean difference, interval, ratio, lower/higher")
     parser.add_argument("--level", default=str(LEVEL), metavar="P",
                         help=f"confidence level of the paired intervals and verdicts, between 0 and 1 "
                              f"(default {LEVEL})")
@@ -150,7 +160,8 @@ def main(argv: list[str] | None = None) -> int:
     if not console.is_terminal:  # piped or captured: do not squeeze the table into 80 columns
         console = Console(width=max(console.width, PIPED_WIDTH))
     compare(_study_dir(args), out=args.out, metrics=args.metric, plots=not args.no_plots, console=console,
-            harness_metric=args.harness_metric, reference=args.reference, level=level)
+            harness_metric=args.harness_metric, reference=args.reference, level=level,
+            paired_metrics=args.paired_metric)
     return 0
 
 
