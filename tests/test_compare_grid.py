@@ -90,6 +90,7 @@ def test_each_case_is_set_against_the_reference_at_the_same_grid_point(tmp_path)
     assert abs(float(paired[("lr=0.002", "Gated, lr=0.002")]["paired_diff_mean"]) - diffs.mean()) < 1e-12
     # the grid tables, case by grid point, printed and in compare.md
     text = buffer.getvalue()
+    assert "Paired differences vs Transformer, lr=1.0: val/loss" in text and "lr=1.0, lr=1.0" not in text
     assert "val/loss by grid point" in text and "(1/3 diverged)" in text and "Loss spikes by grid point" in text
     tables = markdown_tables((tmp_path / "out" / "compare.md").read_text())
     grid = next(t for t in tables if t[0] == ["Case", "lr=0.002", "lr=1.0"])
@@ -97,3 +98,15 @@ def test_each_case_is_set_against_the_reference_at_the_same_grid_point(tmp_path)
     assert grid[2] == ["Gated", "1.823", "2.463"]
     spikes = [t for t in tables if t[0] == ["Case", "lr=0.002", "lr=1.0"]][1]
     assert spikes[1] == ["Transformer", "0.000", "3.000"]  # the diverged seed's 5 spikes count: (2 + 5 + 2) / 3
+
+
+def test_the_grid_plot_is_drawn_for_a_grid_study_only(tmp_path):
+    study = _study(tmp_path)
+    compare.compare(study, out=tmp_path / "out", console=Console(file=io.StringIO(), width=220))
+    assert (tmp_path / "out" / "grid.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert (tmp_path / "out" / "paired_diffs-lr-1.0.png").is_file()
+    views_gone = json.loads((study / "sweep.json").read_text())
+    del views_gone["views"]
+    (study / "sweep.json").write_text(json.dumps(views_gone))
+    compare.compare(study, out=tmp_path / "plain", console=Console(file=io.StringIO(), width=220))
+    assert not (tmp_path / "plain" / "grid.png").exists()

@@ -14,6 +14,7 @@ from diffexp.compare.paper import paper_checks, paper_markdown, paper_metrics, p
 from diffexp.compare.plots import (
     CURVE_TAG,
     case_colors,
+    plot_grid,
     plot_objective_bars,
     plot_paired_diffs,
     plot_val_curves,
@@ -112,6 +113,8 @@ def compare(study_dir: str | Path, out: str | Path | None = None, metrics: Seque
             if plot_paired_diffs(runs, view_rows(runs, rows, view) if view else rows, report, path, view,
                                  colors=colors):
                 written.append(path)
+        if plot_grid(runs, rows, out / "grid.png"):
+            written.append(out / "grid.png")
         if scaling is not None:
             plot_scaling(scaling, runs.study, out / "scaling.png")
             written.append(out / "scaling.png")

@@ -219,8 +219,58 @@ def plot_paired_diffs(runs: StudyRuns, rows: Sequence[CaseSummary], paired: Pair
     better = "left" if runs.direction == "minimize" else "right"
     ax.set_xlabel(f"{runs.objective}: case − {paired.reference.case.name} ({runs.direction}; {better} of 0 is better)")
     ax.grid(True, axis="x", alpha=0.3)
-    ax.set_title(f"{runs.study}{' (' + view + ')' if view else ''}: paired difference to "
-                 f"{paired.reference.case.name}, mean and "
-                 f"{paired.level * 100:g}% CI (Student t; dots: seeds)", fontsize=10)
+    ref = paired.reference.case.name
+    shown_view = f" ({view})" if view and not ref.endswith(view) else ""  # a grid point is in its row's name already
+    ax.set_title(f"{runs.study}{shown_view}: paired difference to {ref}\n"
+                 f"mean and {paired.level * 100:g}% CI (Student t; dots: seeds)", fontsize=10)
+    fig.savefig(path, dpi=PLOT_DPI)
+    return True
+
+
+def plot_grid(runs: StudyRuns, rows: Sequence[CaseSummary], path: str | Path) -> bool:
+    """A grid study (one view per grid point): the objective's mean over complete seeds against the grid point, a
+    line per case, every seed a dot; a grid point where seeds diverged marked with a cross and "k/n", one where all
+    did with a cross on the top edge. False without grid views."""
+    if not runs.views or runs.tuned:
+        return False
+    by_name = {row.case.name: row for row in rows}
+    points = list(runs.views)
+    cases = list(runs.views[points[0]])
+    colors = dict(zip(cases, series_colors(len(cases))))
+    fig = new_figure(9, 5.2)
+    ax = fig.subplots()
+    values = [v for point in points for case in cases for v in by_name[runs.views[point][case]].stats[
+        runs.objective].values]
+    top = max(values) if values else 1.0
+    bottom = min(values) if values else 0.0
+    edge = top + (top - bottom) * 0.08 + 1e-9
+    offsets = np.linspace(-0.12, 0.12, len(cases)) if len(cases) > 1 else [0.0]
+    for case, offset in zip(cases, offsets):
+        xs, means = [], []
+        for x, point in enumerate(points):
+            row = by_name[runs.views[point][case]]
+            stat = row.stats[runs.objective]
+            if stat.mean is not None:
+                xs.append(x + offset)
+                means.append(stat.mean)
+                ax.scatter([x + offset] * stat.n, stat.values, s=10, color=colors[case], alpha=0.5, zorder=3)
+            if row.diverged:
+                y = edge if stat.mean is None else stat.mean
+                ax.scatter([x + offset], [y], marker="x", s=60, color=colors[case], linewidths=2, zorder=4)
+                if stat.mean is not None:  # some seeds: how many diverged (on the dotted line: all of them)
+                    ax.annotate(f"{len(row.diverged)}/{row.n_expected}", xy=(x + offset, y), xytext=(4, 4),
+                                textcoords="offset points", fontsize=8, color=colors[case])
+        ax.plot(xs, means, marker="o", ms=5, lw=1.6, color=colors[case], label=case, zorder=3)
+    ax.axhline(edge, color="gray", lw=0.8, ls=":")
+    ax.text(-0.45, edge, "all seeds diverged", ha="left", va="bottom", fontsize=8, color="gray")
+    ax.set_xticks(range(len(points)), points)
+    ax.set_xlim(-0.5, len(points) - 0.5)
+    ax.set_xlabel("grid point")
+    ax.set_ylabel(f"{runs.objective} ({runs.direction})")
+    ax.grid(True, alpha=0.3)
+    ax.set_ylim(top=edge + (top - bottom) * 0.06 + 1e-9)
+    ax.legend(fontsize=9, loc="lower right")
+    ax.set_title(f"{runs.study}: {runs.objective} by grid point, mean over complete seeds (dots: seeds)\n"
+                 "x: seeds diverged (k/n), on the dotted line when all did", fontsize=10)
     fig.savefig(path, dpi=PLOT_DPI)
     return True

@@ -158,8 +158,9 @@ def print_paired(console, runs: StudyRuns, rows: Sequence[CaseSummary], paired: 
     from rich.table import Table
     from rich.text import Text
 
-    title = (f"Paired differences vs {paired.reference.case.name}{', ' + view if view else ''}: {runs.objective}, "
-             "case − reference per seed")
+    ref = paired.reference.case.name
+    shown_view = ", " + view if view and not ref.endswith(view) else ""  # a grid point is in its row's name already
+    title = f"Paired differences vs {ref}{shown_view}: {runs.objective}, case − reference per seed"
     table = Table(title=title, title_justify="left", box=box.SIMPLE_HEAD)
     table.add_column("Case", overflow="fold")
     for header in paired_headers(paired):

@@ -19,8 +19,8 @@ from typing import Any
 from diffexp.compare import markdown
 from diffexp.compare.paired import PairedReport
 from diffexp.compare.render import (
-    metric_label,
     PAIRED_FIELDS,
+    metric_label,
     paired_cells,
     paired_headers,
     paired_note,
