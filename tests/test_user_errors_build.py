@@ -66,8 +66,8 @@ CASES = [
      [pytest.mark.skipif(_has("transformer_engine"), reason="transformer_engine is installed")]),
     ("profiler-name", ["--trainer.profiler", "foo"], ["trainer.profiler='foo'"], []),
     ("max-time", ["--trainer.max_time", "abc"], ["trainer.max_time='abc'"], []),
-    ("backend-retired", ["--model.arch.backend", "flash_attn"], ["model.arch.backend", "flash_attn", "allowed: sdpa or eager"],
-     []),
+    ("backend-retired", ["--model.arch.backend", "flash_attn"],
+     ["model.arch.backend", "flash_attn", "allowed: sdpa or eager"], []),
 ]
 
 
