@@ -46,7 +46,9 @@ def compare(study_dir: str | Path, out: str | Path | None = None, metrics: Seque
     seed by seed (diffexp.compare.paired): the mean difference, its `level` interval and verdict, and the
     power statement; paired_diffs.png plots them. A tune_lr study (diffexp.sweep.tune) has two views, the same
     lr and each case's best lr: each gets its paired table (diffexp.compare.views), paired.csv holds both and
-    paired_diffs-<view>.png plots each.
+    paired_diffs-<view>.png plots each. A study of cases crossed with a grid has one view per grid point, with
+    tables case by grid point and grid.png (diffexp.compare.views). `paired_metrics` (--paired-metric) pairs the
+    cases in those metrics too (diffexp.compare.paired_metrics).
 
     A study with several sizes per variant (diffexp.compare.scaling) also gets the scaling section:
     printed, appended to compare.md, scaling.csv and scaling.png. Trials evaluated with `diffexp eval harness`
