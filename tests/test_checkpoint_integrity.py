@@ -164,7 +164,8 @@ def test_fit_ckpt_path_last_refuses_the_damaged_last_and_names_the_others(workdi
 
 def test_an_intact_checkpoint_resumes(workdir, capsys):
     root, recipe = workdir
-    code, output = run(["fit", "--config", str(recipe), "--ckpt_path", "last", "--trainer.max_steps", "6"], capsys)
+    code, output = run(["fit", "--config", str(recipe), "--ckpt_path", "last", "--trainer.max_steps", "6",
+                        "--model.optim.schedule_steps", "4"], capsys)
     assert code == 0, output
     assert torch.load(root / "runs/run/version_0/checkpoints/last.ckpt", weights_only=True)["global_step"] == 6
 
@@ -283,8 +284,8 @@ def test_a_sharded_checkpoint_from_before_sha256sums_still_loads_and_resumes(sha
     last, recipe = sharded_copy
     (last / CHECKSUMS).unlink()
     assert read_checkpoint(last)["state_dict"]
-    code, output = run(["fit", "--config", str(recipe), *FSDP2, "--ckpt_path", "last", "--trainer.max_steps", "6"],
-                       capsys)
+    code, output = run(["fit", "--config", str(recipe), *FSDP2, "--ckpt_path", "last", "--trainer.max_steps", "6",
+                        "--model.optim.schedule_steps", "4"], capsys)
     assert code == 0, output
     assert (last / CHECKSUMS).is_file()  # the new save wrote its sums
 
