@@ -310,6 +310,8 @@ def verify_checkpoint(path: os.PathLike | str, key: str = "--ckpt_path") -> None
     A truncated or foreign file is left to the reader, which says what it is. Reads every byte once."""
     path = Path(path).expanduser()
     if path.is_dir():
+        if not (path / CHECKSUMS).is_file() and not is_exported_model(path):
+            return  # no sums to check (an older sharded checkpoint), or no checkpoint: the reader says which
         identity = _identity(sorted(p for p in path.rglob("*") if p.is_file()))
         if identity in _VERIFIED:
             return

@@ -14,6 +14,7 @@ import json
 import shutil
 import struct
 import subprocess
+import sys
 import zipfile
 from pathlib import Path
 
@@ -288,6 +289,33 @@ def test_a_sharded_checkpoint_from_before_sha256sums_still_loads_and_resumes(sha
                         "--model.optim.schedule_steps", "4"], capsys)
     assert code == 0, output
     assert (last / CHECKSUMS).is_file()  # the new save wrote its sums
+
+
+@pytest.mark.heavy  # a 2-process FSDP2 fit and a refused 2-process resume (about 40 s); one process runs by default
+def test_two_ranks_hash_their_own_shards_and_a_flipped_one_stops_every_rank(tmp_path):
+    from tests.helpers import FSDP2 as FSDP2_STRATEGY
+    from tests.helpers import one_thread_env, write_fsdp_recipe
+
+    recipe = write_fsdp_recipe(tmp_path, "two", devices=2, batch=2, strategy=FSDP2_STRATEGY % "false")
+
+    def fit(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "diffexp", "fit", "--config", str(recipe), *args], cwd=tmp_path,
+                              env=one_thread_env(), text=True, capture_output=True, timeout=300)
+
+    done = fit()
+    assert done.returncode == 0, done.stderr[-3000:]
+    last = tmp_path / "runs/two/version_0/checkpoints/last.ckpt"
+    listed = dict(reversed(line.split("  ", 1)) for line in (last / CHECKSUMS).read_text().splitlines())
+    shards = sorted(p.name for p in last.glob("*.distcp"))
+    assert len(shards) >= 2 and {name.split("_")[2] for name in shards} == {"0", "1"}  # one set per rank
+    assert set(listed) == {p.name for p in last.iterdir()} - {CHECKSUMS}
+    assert all(hashlib.sha256((last / name).read_bytes()).hexdigest() == digest for name, digest in listed.items())
+    rank_1 = next(name for name in shards if name.startswith("__1_"))
+    flip_in_file(last / rank_1)
+    refused = fit("--ckpt_path", "last", "--trainer.max_steps", "12", "--model.optim.schedule_steps", "8")
+    assert refused.returncode == 2, refused.stderr[-3000:]
+    assert "the checkpoint is damaged" in refused.stderr and f"{rank_1} does not match its SHA-256" in refused.stderr
+    assert "Traceback" not in refused.stderr
 
 
 # -- export to a full disk: a real tmpfs ----------------------------------------------------------------------
