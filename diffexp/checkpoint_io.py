@@ -257,7 +257,7 @@ def _identity(paths: list[Path]) -> tuple:
 
 
 def _damaged(key: str, path: Path, problem: str) -> UserError:
-    others = sorted(p.name for p in path.parent.glob("*.ckpt") if p.name != path.name)
+    others = sorted(p.name for p in path.parent.glob("*.ckpt") if p.name != path.name) if path.suffix == ".ckpt" else []
     instead = f"another checkpoint ({', '.join(others[:4])} beside it)" if others else "another checkpoint"
     return _error(key, path, f"the checkpoint is damaged: {problem} (its bytes changed after it was written: a "
                              f"faulty copy or disk?); copy it again from where it was written, or use {instead}")
@@ -273,7 +273,7 @@ def _verify_zip(path: Path, key: str) -> None:
                 with archive.open(info) as data:
                     while data.read(READ_CHUNK):
                         pass
-    except (zipfile.BadZipFile, zipfile.LargeZipFile, EOFError, ValueError, OSError) as err:
+    except Exception as err:  # noqa: BLE001  # an archive zipfile found whole but cannot read: damage, whatever the error
         crc = "CRC-32" in str(err)
         problem = (f"its record {member} fails its CRC-32 check" if crc and member else
                    f"its zip archive cannot be read at record {member}" if member else "its zip index cannot be read")
