@@ -22,6 +22,7 @@ import torch
 
 from diffexp.checkpoint_io import CHECKSUMS, read_checkpoint
 from diffexp.cli import main
+from diffexp.errors import UserError
 from tests.helpers import write_recipe
 
 FSDP2 = ["--trainer.strategy.class_path", "diffexp.parallel.FSDP2Strategy"]
@@ -116,11 +117,10 @@ def test_torch_load_takes_flipped_weights_and_read_checkpoint_refuses_them(workd
     changed = torch.load(bad, weights_only=True)["state_dict"]
     original = torch.load(good, weights_only=True)["state_dict"]
     assert any(not torch.equal(changed[k], v) for k, v in original.items())  # loaded silently, weights changed
-    with pytest.raises(Exception) as refused:
+    with pytest.raises(UserError) as refused:
         read_checkpoint(bad, "--ckpt_path", weights=False)
     message = str(refused.value)
-    assert type(refused.value).__name__ == "UserError" and f"its record {record} fails its CRC-32 check" in message
-    assert "epoch=" not in message or "beside it" in message
+    assert f"its record {record} fails its CRC-32 check" in message
     assert read_checkpoint(good)["state_dict"].keys() == original.keys()  # the intact one reads as before
 
 
@@ -177,9 +177,9 @@ def test_a_flipped_zip_header_is_refused_too(workdir):
     bad = root / "header.ckpt"
     shutil.copyfile(root / "runs/run/version_0/checkpoints/last.ckpt", bad)
     flip(bad, 30, 4)  # the first record's name, in its local header
-    with pytest.raises(Exception) as refused:
+    with pytest.raises(UserError) as refused:
         read_checkpoint(bad, "CKPT")
-    assert "the checkpoint is damaged" in str(refused.value) and type(refused.value).__name__ == "UserError"
+    assert "the checkpoint is damaged" in str(refused.value)
 
 
 # -- exports --------------------------------------------------------------------------------------------------
@@ -222,7 +222,7 @@ def test_a_changed_config_of_an_export_is_refused(workdir):
     config = root / "exported/config.json"
     text = config.read_text()
     config.write_text(text.replace('"n_layers": 2', '"n_layers": 1'))
-    with pytest.raises(Exception) as refused:
+    with pytest.raises(UserError) as refused:
         read_checkpoint(root / "exported", "CKPT", weights=False)
     assert "config.json does not match its SHA-256" in str(refused.value)
 
