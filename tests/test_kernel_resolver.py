@@ -155,3 +155,32 @@ def test_gpu_dint_is_picked_on_cuda_in_half_precision_only(monkeypatch):
     assert gpu_dint.refuses(cuda.half(), k, v, "softmax") is None
     assert "half precision" in gpu_dint.refuses(cuda.float(), k, v, "softmax")
     assert "softmax integral only" in gpu_dint.refuses(cuda, k, v, "mean")
+
+
+def test_constant_result_marks_as_torch_does():
+    """registry.constant_result sets what torch.compiler.assume_constant_result sets, without importing torch's
+    compiler: if a torch release marks such functions another way, this fails and the decorator must follow."""
+    def mine():
+        return True
+
+    def torchs():
+        return True
+
+    assert registry.constant_result(mine) is mine
+    assert torch.compiler.assume_constant_result(torchs) is torchs, "assume_constant_result no longer returns fn"
+    assert vars(torchs) == vars(mine) == {registry._CONSTANT_MARK: True}, (
+        f"torch {torch.__version__}'s assume_constant_result sets {vars(torchs)}; diffexp.kernels.registry."
+        "constant_result sets {_CONSTANT_MARK: True} and needs updating")
+    from diffexp.kernels import cpu_native, sdpa_joined
+
+    for fn in (registry._picked, cpu_native.available, sdpa_joined.fused_backend_takes):
+        assert getattr(fn, registry._CONSTANT_MARK, False), fn.__qualname__
+
+
+def test_importing_the_model_leaves_torch_compiler_stack_unloaded():
+    import subprocess
+    import sys
+
+    code = "import sys, diffexp.model, diffexp.kernels; print('torch._dynamo' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.stdout.strip() == "False", out.stderr[-2000:]

@@ -32,7 +32,7 @@ from pathlib import Path
 
 import torch
 
-from diffexp.kernels.registry import Kernel, register
+from diffexp.kernels.registry import Kernel, constant_result, register
 
 SOURCE = Path(__file__).with_name("cpu") / "two_map_attention.cpp"
 #: set to 0 to never build the kernel (the plain path runs instead)
@@ -124,7 +124,7 @@ def _register_fakes() -> None:
 _warned: list[bool] = []
 
 
-@torch.compiler.assume_constant_result  # torch.compile reads it once while tracing, not the build inside
+@constant_result  # torch.compile reads it once while tracing, not the build inside
 def available() -> bool:
     """Whether the kernel runs (building it on the first call); warns once when it cannot."""
     reason = unavailable_reason()

@@ -115,7 +115,20 @@ def recording():
         _RECORDS.remove(picks)
 
 
-@torch.compiler.assume_constant_result  # run while tracing, outside the graph: no guard, no graph break
+#: what torch.compiler.assume_constant_result sets on a function (checked against the installed torch by
+#: tests/test_kernel_registry.py::test_constant_result_marks_as_torch_does)
+_CONSTANT_MARK = "_dynamo_marked_constant"
+
+
+def constant_result(fn: Callable) -> Callable:
+    """torch.compiler.assume_constant_result without importing torch's compiler stack: a compiled region calls `fn`
+    once while tracing and keeps its result as a constant (no guard, no graph break). The public decorator imports
+    torch._dynamo (and sympy, Triton) only to set one attribute, which costs every light subcommand its start-up."""
+    setattr(fn, _CONSTANT_MARK, True)
+    return fn
+
+
+@constant_result  # run while tracing, outside the graph: no guard, no graph break
 def _picked(name: str) -> bool:
     for picks in _RECORDS:
         picks[name] += 1

@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from diffexp.kernels.registry import Kernel, register
+from diffexp.kernels.registry import Kernel, constant_result, register
 
 #: the SDPA backends the joined call may take on CUDA: those `fused_backend_takes` checks, never the math
 #: fallback, which would hold the T x T map
@@ -34,7 +34,7 @@ def head(q1, q2, k1, k2, v, lam, integral=None) -> torch.Tensor:
     return out[:, :h] - lam.to(out.dtype) * out[:, h:]
 
 
-@torch.compiler.assume_constant_result  # torch.compile reads it once while tracing
+@constant_result  # torch.compile reads it once while tracing
 def fused_backend_takes(device: str, dtype: torch.dtype, heads: int, kv_heads: int, d: int, dv: int) -> bool:
     """Whether SDPA's cuDNN or memory-efficient backend runs the joined call's shapes (checked on small tensors:
     the rules read head counts, widths, dtype and the device, not the length)."""
