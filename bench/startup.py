@@ -101,13 +101,49 @@ def commit() -> str:
         return "unknown"
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python bench/startup.py", description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=5, help="timed runs of each command (default 5)")
     parser.add_argument("--recipe", default="recipes/tiny/diff_v1.yaml", help="the recipe `params` reads")
     parser.add_argument("--checkpoint", help="a checkpoint: adds real `generate` and `export` runs")
     parser.add_argument("--runs", help="a sweep's runs directory: adds a real `compare` run")
     parser.add_argument("--prepared", help="a `diffexp data prepare` directory: adds a real `data inspect` run")
+    return parser
+
+
+def measure(rows: list[tuple[str, list[str]]], rounds: int) -> tuple[dict, dict]:
+    """({label: wall seconds per round}, {label: import_profile}) of `rows`, the reference first: one untimed
+    run of each under -X importtime (which also warms the file cache), then `rounds` rotated rounds."""
+    profiles = {label: import_profile(run_once(argv, importtime=True)[1]) for label, argv in rows}
+    times: dict[str, list[float]] = {label: [] for label, _ in rows}
+    for round_ in range(rounds):
+        turn = rows[round_ % len(rows):] + rows[:round_ % len(rows)]
+        for label, argv in turn:
+            times[label].append(run_once(argv)[0])
+        print(f"round {round_ + 1}/{rounds} done", file=sys.stderr)
+    return times, profiles
+
+
+def render(labels: list[str], times: dict, profiles: dict) -> tuple[str, list[str]]:
+    """(the Markdown table, the labels over GOAL) of measure's results; labels[0] is the reference."""
+    reference = labels[0]
+    lines = ["| command | median s | ratio to `import torch` | imports Lightning? | other heavy imports | "
+             "largest imports (self s) |", "|---|---:|---:|---|---|---|"]
+    over = []
+    for label in labels:
+        ratio = statistics.median(t / r for t, r in zip(times[label], times[reference]))
+        packages, largest = profiles[label]
+        heavy = "yes" if "lightning" in packages else "no"
+        others = ", ".join(name for name in HEAVY[1:] if name in packages) or "-"
+        lines.append(f"| `{label}` | {statistics.median(times[label]):.2f} | {ratio:.2f} | {heavy} | {others} | "
+                     + ", ".join(f"{name} {seconds:.2f}" for name, seconds in largest) + " |")
+        if label != reference and ratio > GOAL:
+            over.append(label)
+    return "\n".join(lines), over
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
     args = parser.parse_args(argv)
     if args.rounds < 1:
         parser.error(f"--rounds={args.rounds} is invalid: expected a positive integer")
@@ -116,33 +152,14 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"--{flag}={getattr(args, flag)!r} is invalid: no such file or directory")
     rows = commands(args)
     load_before = os.getloadavg()
-    profiles = {label: import_profile(run_once(argv, importtime=True)[1]) for label, argv in rows}  # also warms up
-    times: dict[str, list[float]] = {label: [] for label, _ in rows}
-    for round_ in range(args.rounds):
-        turn = rows[round_ % len(rows):] + rows[:round_ % len(rows)]
-        for label, argv in turn:
-            times[label].append(run_once(argv)[0])
-        print(f"round {round_ + 1}/{args.rounds} done", file=sys.stderr)
+    times, profiles = measure(rows, args.rounds)
     load_after = os.getloadavg()
-
-    reference = rows[0][0]
     print(f"machine: {cpu_model()}, {os.cpu_count()} logical CPUs; Python {platform.python_version()}; "
           f"commit {commit()}")
     print(f"load average (1, 5, 15 min): {' '.join(f'{x:.2f}' for x in load_before)} before, "
           f"{' '.join(f'{x:.2f}' for x in load_after)} after; {args.rounds} rounds, interleaved\n")
-    print("| command | median s | ratio to `import torch` | imports Lightning? | other heavy imports | "
-          "largest imports (self s) |")
-    print("|---|---:|---:|---|---|---|")
-    over = []
-    for label, _ in rows:
-        ratio = statistics.median(t / r for t, r in zip(times[label], times[reference]))
-        packages, largest = profiles[label]
-        heavy = "yes" if "lightning" in packages else "no"
-        others = ", ".join(name for name in HEAVY[1:] if name in packages) or "-"
-        print(f"| `{label}` | {statistics.median(times[label]):.2f} | {ratio:.2f} | {heavy} | {others} | "
-              + ", ".join(f"{name} {seconds:.2f}" for name, seconds in largest) + " |")
-        if label != reference and ratio > GOAL:
-            over.append(label)
+    table, over = render([label for label, _ in rows], times, profiles)
+    print(table)
     print(f"\nover {GOAL}x `import torch`: " + (", ".join(f"`{label}`" for label in over) or "none"))
     return 0
 

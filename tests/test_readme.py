@@ -40,6 +40,8 @@ ELSEWHERE = {
     "python -m pytest -q -m heavy": "tests/test_readme.py::test_heavy_tests_exist_and_stay_out_of_the_default_run",
     "bash bench/gpu.sh OUT_DIR": "tests/test_bench_recipe.py::test_the_gpu_script_runs_end_to_end_on_cpu_in_smoke_mode",
     "bash bench/gpu_wheels.sh": "tests/test_bench_recipe.py::test_the_gpu_wheels_are_what_the_gpu_script_installs",
+    "python bench/startup.py --rounds 5 --checkpoint CKPT --runs RUNS --prepared PREPARED":
+        "tests/test_startup.py::test_the_startup_bench_times_and_tables_its_commands",
 }
 
 

@@ -17,7 +17,7 @@ import torch
 
 from diffexp.errors import UserError
 from tests.fixtures_compare import make_study
-from tests.helpers import REPO, one_thread_env, tiny_decoder, write_checkpoint
+from tests.helpers import REPO, markdown_tables, one_thread_env, tiny_decoder, write_checkpoint
 
 #: what must stay out of sys.modules (the package and the standalone distribution of its trainer)
 HEAVY = ("lightning", "pytorch_lightning")
@@ -117,3 +117,33 @@ def test_generate_refuses_what_eval_refuses(tmp_path):
             else:
                 raise AssertionError(f"{load.__name__} built a model from {message!r} hyper_parameters")
 
+
+
+def test_the_startup_bench_times_and_tables_its_commands(tmp_path):
+    """bench/startup.py (bench/README.md): its flags add the real runs they name, its measurement times fresh
+    interpreters and reads their imports, its table gives each command's median, ratio and imports. Run here on
+    three cheap commands, one round each."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("startup_bench", REPO / "bench" / "startup.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    checkpoint = write_checkpoint(tiny_decoder("diff_v1"), tmp_path / "tiny.ckpt")
+    args = bench.build_parser().parse_args(["--rounds", "5", "--checkpoint", str(checkpoint), "--runs", "RUNS",
+                                            "--prepared", "PREPARED"])
+    rows = dict(bench.commands(args))
+    assert next(iter(rows)) == 'python -c "import torch"'
+    assert rows["diffexp compare RUNS --no-plots"][:4] == ["-m", "diffexp", "compare", "RUNS"]
+    assert rows["diffexp data inspect PREPARED"] == ["-m", "diffexp", "data", "inspect", "PREPARED"]
+    assert rows["diffexp export CKPT OUT"][3] == str(checkpoint)
+
+    cheap = [("python -c pass", ["-c", "pass"]), ("diffexp --help", ["-m", "diffexp", "--help"]),
+             ("diffexp data --help", ["-m", "diffexp", "data", "--help"])]
+    times, profiles = bench.measure(cheap, rounds=1)
+    assert all(len(times[label]) == 1 and times[label][0] > 0 for label, _ in cheap)
+    packages, largest = profiles["diffexp data --help"]
+    assert {"diffexp", "numpy"} <= packages and "lightning" not in packages and len(largest) == 3
+    table, _ = bench.render([label for label, _ in cheap], times, profiles)
+    (rows_,) = markdown_tables(table)
+    assert [row[0] for row in rows_[1:]] == [f"`{label}`" for label, _ in cheap]
+    assert rows_[1][2] == "1.00" and all(row[3] == "no" for row in rows_[1:])
