@@ -23,17 +23,26 @@ def kind_module(kind: str):
     return importlib.import_module(KINDS[kind])
 
 
+def declared(module: str, *names: str) -> tuple:
+    """The string constants `names` a bench module declares (its NAME and ABOUT), read from its source without
+    importing it: `diffexp bench --help` stays light (the kinds import the model, the trainer and Lightning)."""
+    import ast
+    import importlib.util
+
+    tree = ast.parse(open(importlib.util.find_spec(module).origin).read())
+    values = {target.id: ast.literal_eval(node.value) for node in tree.body if isinstance(node, ast.Assign)
+              for target in node.targets if isinstance(target, ast.Name) and target.id in names}
+    return tuple(values[name] for name in names)
+
+
 def usage() -> str:
-    width = max(map(len, KINDS))
+    others = [declared(f"diffexp.bench.{module}", "NAME", "ABOUT") for module in ("trainer", "data", "probe")]
+    width = max(len(name) for name in [*KINDS, *(name for name, _ in others)])
     lines = ["usage: diffexp bench [KIND] [options]", "",
              "Cost of each registered attention variant relative to the reference variant, measured side by side",
              f"in one run. With no KIND (or options first) the kind is {DEFAULT_KIND}.", "", "kinds:"]
-    lines += [f"  {kind:<{width}}  {kind_module(kind).ABOUT}" for kind in KINDS]
-    from diffexp.bench import data, probe, trainer
-
-    width = max(width, len(probe.NAME))
-    lines += [f"  {trainer.NAME:<{width}}  {trainer.ABOUT}", f"  {data.NAME:<{width}}  {data.ABOUT}",
-              f"  {probe.NAME:<{width}}  {probe.ABOUT}"]
+    lines += [f"  {kind:<{width}}  {declared(KINDS[kind], 'ABOUT')[0]}" for kind in KINDS]
+    lines += [f"  {name:<{width}}  {about}" for name, about in others]
     lines += ["", "`diffexp bench KIND --help` lists the options of a kind."]
     return "\n".join(lines) + "\n"
 
