@@ -1,0 +1,176 @@
+"""Real SLURM jobs on the one-node cluster .ci/slurm-up runs (munge, slurmctld, slurmd; no mocked scheduler).
+
+The batch scripts are the ones docs/gpu.md and docs/sweeps.md show, run as written: a block whose info string is
+`bash file=NAME` is saved as NAME, and the page's `bash slurm` block is the command a user types on the login node.
+On this CPU node the test adds to that command only what a GPU script cannot have here (`--gpus-per-node=0`, two
+tasks of one CPU), and gives a tiny CPU recipe where the page names a GPU one; the recipes the page names are
+parsed by LightningCLI as test_readme parses every other command.
+
+In the default run: the fit script as one 2-task FSDP2 job (about a minute on 2 busy cores). Under -m heavy: that
+job requeued mid-run (`scontrol requeue`: SIGTERM to every task, the job run again from the top) resuming to the
+weights of the uninterrupted job, bit for bit, and the sweep's job array of workers sharing one storage, one
+array task requeued mid-trial.
+"""
+
+from __future__ import annotations
+
+import re
+import shlex
+import time
+from collections import Counter
+from pathlib import Path
+
+import optuna
+import pytest
+import torch
+
+from diffexp.checkpoint_io import read_checkpoint
+from diffexp.sweep.storage import open_storage
+from tests.helpers import FSDP2, REPO, TINY_OVERRIDES, trials_by_state, write_fsdp_recipe, write_spec
+
+#: what the GPU scripts ask for that this CPU node has not, given on the sbatch line (it overrides #SBATCH)
+CPU_NODE = ("--ntasks-per-node=2", "--gpus-per-node=0", "--cpus-per-task=1")
+CPU_ARRAY = ("--array=0-1", "--gpus-per-task=0", "--cpus-per-task=1")
+
+
+def page_blocks(page: Path) -> tuple[dict[str, str], list[str]]:
+    """A page's SLURM blocks: {file name: text} of its `bash file=NAME` blocks, and its `bash slurm` commands."""
+    from tests.test_readme import command_lines, fenced_blocks
+
+    files, commands = {}, []
+    for info, body in fenced_blocks(page.read_text()):
+        if match := re.fullmatch(r"bash file=(\S+)", info):
+            files[match.group(1)] = "\n".join(body) + "\n"
+        elif info == "bash slurm":
+            commands += command_lines(body)
+    return files, commands
+
+
+def save_scripts(page: Path, directory: Path) -> list[str]:
+    """The page's scripts saved, as written, into `directory`; its login-node commands."""
+    files, commands = page_blocks(page)
+    assert files and commands, f"{page.name} shows no SLURM script or no command that submits it"
+    for name, text in files.items():
+        (directory / name).write_text(text)
+    return commands
+
+
+def fit_args_parse(args: list[str]) -> None:
+    from tests.test_readme import parse_lightning
+
+    parse_lightning("fit", args)
+
+
+def job_log(directory: Path, job: str) -> str:
+    return "".join(p.read_text(errors="replace") for p in sorted(directory.glob(f"slurm-*{job}*.out")))
+
+
+def fit_job(slurm, tmp_path: Path, name: str, steps: int) -> str:
+    """gpu.md's fit.sbatch submitted as the page says, on a tiny 2-rank FSDP2 CPU recipe named `name`."""
+    [command] = save_scripts(REPO / "docs/gpu.md", tmp_path)
+    argv = shlex.split(command)
+    assert argv[:2] == ["sbatch", "fit.sbatch"], command
+    fit_args_parse(argv[2:])  # the page's GPU recipes: a valid fit
+    recipe = write_fsdp_recipe(tmp_path, name, devices=2, batch=2, strategy=FSDP2 % "false", steps=steps)
+    return slurm.sbatch(tmp_path / "fit.sbatch", *CPU_NODE, args=("--config", recipe.name))
+
+
+def test_the_fit_script_of_gpu_md_trains_one_fsdp2_run_over_its_two_srun_tasks(slurm, tmp_path):
+    """srun's two tasks are one 2-rank FSDP2 run (one shard each, the trained weights consolidated), not two
+    1-process runs: Lightning took its world from SLURM's environment, and the job ends COMPLETED."""
+    job = fit_job(slurm, tmp_path, "slurmfit", steps=2)
+    [done] = slurm.wait(job, timeout=400)
+    log = job_log(tmp_path, job)
+    assert (done["JobState"], done["ExitCode"]) == ("COMPLETED", "0:0"), log[-3000:]
+    assert "FSDP2 over 2 rank(s)" in log and "Starting with 2 processes" in log, log[-3000:]
+    last = tmp_path / "runs/slurmfit/version_0/checkpoints/last.ckpt"
+    assert sorted(p.name for p in last.glob("*.distcp")) == ["__0_0.distcp", "__1_0.distcp"]
+    assert not (tmp_path / "runs/slurmfit/version_1").exists()  # one run, not one per task
+    saved = read_checkpoint(last)
+    assert saved["global_step"] == 2
+    trained = torch.load(tmp_path / "slurmfit.pt", weights_only=True)
+    weights = {k.removeprefix("model."): v for k, v in saved["state_dict"].items()}
+    assert weights.keys() == trained.keys() and all(torch.equal(weights[k], trained[k]) for k in trained)
+
+
+def last_step(run: Path) -> int:
+    last = run / "checkpoints/last.ckpt"
+    return read_checkpoint(last)["global_step"] if last.is_dir() else 0
+
+
+@pytest.mark.heavy  # two 2-task jobs of 24 steps, one of them run twice (a few minutes on 2 cores)
+def test_a_requeued_fit_job_resumes_to_the_weights_of_the_uninterrupted_job(slurm, tmp_path):
+    """`scontrol requeue` mid-run: SLURM sends SIGTERM to every task, then reruns the script, whose
+    `${SLURM_RESTART_COUNT:+--ckpt_path last}` resumes the run from its saved step; it ends on the weights of
+    the same job left alone, bit for bit, and appends to its version directory."""
+    steps = 24
+    reference = fit_job(slurm, tmp_path, "alone", steps)
+    job = fit_job(slurm, tmp_path, "requeued", steps)
+    run = tmp_path / "runs/requeued/version_0"
+    deadline = time.monotonic() + 400
+    while not 4 <= last_step(run) < steps - 4:  # checkpoints every 4 steps: requeue once one is saved
+        assert time.monotonic() < deadline, job_log(tmp_path, job)[-3000:]
+        time.sleep(0.2)
+    slurm.run("scontrol", "requeue", job)
+    slurm.wait(job, until=lambda jobs: jobs[0]["JobState"] == "PENDING" and jobs[0]["Restarts"] == "1",
+               timeout=120)
+    saved = last_step(run)  # what the first attempt left: the resume starts here
+    assert 4 <= saved < steps
+    slurm.release(job)
+    [done] = slurm.wait(job, timeout=600)
+    [alone] = slurm.wait(reference, timeout=600)
+    log = job_log(tmp_path, job)
+    assert "DUE TO JOB REQUEUE" in log, log[-3000:]
+    assert (done["JobState"], done["ExitCode"], alone["JobState"]) == ("COMPLETED", "0:0", "COMPLETED"), log[-3000:]
+    assert "resuming from runs/requeued/version_0/checkpoints/last.ckpt" in log, log[-3000:]
+    assert not (tmp_path / "runs/requeued/version_1").exists() and list(run.glob("config.resumed-*.yaml"))
+    resumed = torch.load(tmp_path / "requeued.pt", weights_only=True)
+    uninterrupted = torch.load(tmp_path / "alone.pt", weights_only=True)
+    assert resumed.keys() == uninterrupted.keys()
+    for key in uninterrupted:
+        assert torch.equal(resumed[key], uninterrupted[key]), key
+
+
+@pytest.mark.heavy  # four tiny trials of 40 steps on a 2-task array, one task requeued (a few minutes)
+def test_the_sweep_array_of_sweeps_md_runs_every_trial_once_and_a_requeued_tasks_trial_is_resumed(slurm, tmp_path):
+    """sweeps.md's job array: two workers, each an array task with its own CPU, on one journal storage; every
+    point completes exactly once; an array task requeued in the middle of a trial leaves it to be resumed from
+    its checkpoint (by whichever worker claims it next), and no finished trial runs again."""
+    commands = save_scripts(REPO / "docs/sweeps.md", tmp_path)
+    export, submit = (shlex.split(c) for c in commands)
+    assert export[0] == "export" and export[1].startswith("DIFFEXP_STORAGE=journal:$PWD/"), export
+    assert submit[:2] == ["sbatch", "sweep.sbatch"] and submit[2].startswith("sweeps/"), submit
+    assert (REPO / submit[2]).is_file()
+    url = export[1].split("=", 1)[1].replace("$PWD", str(tmp_path))
+    overrides = {**TINY_OVERRIDES, "trainer.max_steps": 40, "trainer.val_check_interval": 20,
+                 "checkpoint.every_n_train_steps": 4, "data.cache_dir": str(tmp_path / "cache")}
+    spec = write_spec(tmp_path, "slurmsweep", overrides=overrides, stale_after_s=20, max_attempts=3)
+    job = slurm.sbatch(tmp_path / "sweep.sbatch", *CPU_ARRAY, args=(spec.name,), env={"DIFFEXP_STORAGE": url})
+    study = tmp_path / "runs/slurmsweep"
+
+    def in_flight() -> list[Path]:  # a trial with a checkpoint saved and its end not yet written
+        return [d for d in study.glob("*/seed*") if not (d / "trial.json").exists()
+                and list(d.glob("**/checkpoints/last.ckpt"))]
+
+    deadline = time.monotonic() + 400
+    while not in_flight():
+        assert time.monotonic() < deadline, "no trial saved a checkpoint"
+        time.sleep(0.2)
+    [task0] = [j for j in slurm.jobs(job) if j.get("ArrayTaskId") == "0"]
+    slurm.run("scontrol", "requeue", task0["JobId"])
+    slurm.wait(task0["JobId"], until=lambda jobs: jobs[0]["Restarts"] == "1" and jobs[0]["JobState"] == "PENDING",
+               timeout=120)
+    slurm.release(task0["JobId"])
+    tasks = slurm.wait(job, timeout=900)
+    assert [t["JobState"] for t in tasks] == ["COMPLETED", "COMPLETED"], [job_log(tmp_path, job)[-3000:]]
+    states = trials_by_state(url, "slurmsweep")
+    assert sorted(states) == ["head-norm-false/seed0", "head-norm-false/seed1",
+                              "head-norm-true/seed0", "head-norm-true/seed1"]
+    assert all(c["COMPLETE"] == 1 and c["RUNNING"] == 0 for c in states.values()), states
+    interrupted = [p for p, c in states.items() if c != Counter({"COMPLETE": 1})]
+    assert len(interrupted) == 1, states  # the requeued task's trial, and only it, ran twice
+    trial_dir = study / interrupted[0]
+    assert list(trial_dir.glob("**/config.resumed-*.yaml")), "the second attempt started over instead of resuming"
+    workers = {t.user_attrs.get("worker") for t in optuna.load_study(study_name="slurmsweep", storage=open_storage(url))
+               .get_trials(deepcopy=False) if t.state.name == "COMPLETE"}
+    assert len(workers) >= 2, workers  # both array tasks claimed trials
