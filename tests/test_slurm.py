@@ -14,6 +14,7 @@ array task requeued mid-trial.
 
 from __future__ import annotations
 
+import contextlib
 import re
 import shlex
 import time
@@ -95,40 +96,65 @@ def test_the_fit_script_of_gpu_md_trains_one_fsdp2_run_over_its_two_srun_tasks(s
 
 def last_step(run: Path) -> int:
     last = run / "checkpoints/last.ckpt"
-    return read_checkpoint(last)["global_step"] if last.is_dir() else 0
+    try:  # a sharded checkpoint is a directory, swapped in whole; a file is renamed into place
+        return read_checkpoint(last)["global_step"] if last.exists() else 0
+    except (OSError, RuntimeError, ValueError):  # swapped while being read
+        return 0
 
 
-@pytest.mark.heavy  # two 2-task jobs of 24 steps, one of them run twice (a few minutes on 2 cores)
-def test_a_requeued_fit_job_resumes_to_the_weights_of_the_uninterrupted_job(slurm, tmp_path):
-    """`scontrol requeue` mid-run: SLURM sends SIGTERM to every task, then reruns the script, whose
-    `${SLURM_RESTART_COUNT:+--ckpt_path last}` resumes the run from its saved step; it ends on the weights of
-    the same job left alone, bit for bit, and appends to its version directory."""
+def preempt_when_saved(slurm, tmp_path: Path, steps: int, commands: dict[str, tuple[str, ...]],
+                       jobs: dict[str, str]) -> dict[str, int]:
+    """For each job (by its run's name): once its run has saved a checkpoint (every 4 steps) and has steps left,
+    run its command (scancel, scontrol) on it; then wait for SLURM to queue each again and let it start at once.
+    The step each first attempt saved last."""
+    runs = {name: tmp_path / f"runs/{name}/version_0" for name in jobs}
+    pending, deadline = dict(commands), time.monotonic() + 400
+    while pending:
+        for name in list(pending):
+            if 4 <= last_step(runs[name]) < steps - 8:
+                slurm.run(*pending.pop(name), jobs[name])
+        assert time.monotonic() < deadline, [job_log(tmp_path, jobs[name])[-2000:] for name in pending]
+        time.sleep(0.2)
+    for job in jobs.values():
+        slurm.wait(job, until=lambda j: j[0]["Restarts"] == "1" and j[0]["JobState"] == "PENDING", timeout=180)
+        slurm.release(job)
+    return {name: last_step(run) for name, run in runs.items()}
+
+
+@pytest.mark.heavy  # three 2-task jobs of 24 steps side by side, two of them run twice (about 4 min on 2 cores)
+def test_a_preempted_fit_job_resumes_to_the_weights_of_the_uninterrupted_job(slurm, tmp_path):
+    """Two preemptions of gpu.md's fit job, each against the same job left alone:
+    - `scontrol requeue` (what a preempting scheduler does): SIGTERM to every task; the fit saves the step it was
+      on and exits 143, SLURM queues the job again;
+    - `scancel --signal=USR1` (what `--signal=USR1@120` sends before the time limit): the fit saves, exits 138 and
+      requeues its own job.
+    Both rerun the script, whose `${SLURM_RESTART_COUNT:+--ckpt_path last}` resumes from the saved step, append to
+    the run's version directory, and end on the uninterrupted job's weights, bit for bit."""
     steps = 24
     reference = fit_job(slurm, tmp_path, "alone", steps)
-    job = fit_job(slurm, tmp_path, "requeued", steps)
-    run = tmp_path / "runs/requeued/version_0"
-    deadline = time.monotonic() + 400
-    while not 4 <= last_step(run) < steps - 4:  # checkpoints every 4 steps: requeue once one is saved
-        assert time.monotonic() < deadline, job_log(tmp_path, job)[-3000:]
-        time.sleep(0.2)
-    slurm.run("scontrol", "requeue", job)
-    slurm.wait(job, until=lambda jobs: jobs[0]["JobState"] == "PENDING" and jobs[0]["Restarts"] == "1",
-               timeout=120)
-    saved = last_step(run)  # what the first attempt left: the resume starts here
-    assert 4 <= saved < steps
-    slurm.release(job)
-    [done] = slurm.wait(job, timeout=600)
+    preempted = {"requeued": fit_job(slurm, tmp_path, "requeued", steps),
+                 "timed": fit_job(slurm, tmp_path, "timed", steps)}
+    saved = preempt_when_saved(slurm, tmp_path, steps, {"requeued": ("scontrol", "requeue"),
+                                                        "timed": ("scancel", "--signal=USR1")}, preempted)
     [alone] = slurm.wait(reference, timeout=600)
-    log = job_log(tmp_path, job)
-    assert "DUE TO JOB REQUEUE" in log, log[-3000:]
-    assert (done["JobState"], done["ExitCode"], alone["JobState"]) == ("COMPLETED", "0:0", "COMPLETED"), log[-3000:]
-    assert "resuming from runs/requeued/version_0/checkpoints/last.ckpt" in log, log[-3000:]
-    assert not (tmp_path / "runs/requeued/version_1").exists() and list(run.glob("config.resumed-*.yaml"))
-    resumed = torch.load(tmp_path / "requeued.pt", weights_only=True)
+    assert alone["JobState"] == "COMPLETED", job_log(tmp_path, reference)[-3000:]
     uninterrupted = torch.load(tmp_path / "alone.pt", weights_only=True)
-    assert resumed.keys() == uninterrupted.keys()
-    for key in uninterrupted:
-        assert torch.equal(resumed[key], uninterrupted[key]), key
+    signals = {"requeued": ("SIGTERM", 143), "timed": ("SIGUSR1", 138)}
+    for name, job in preempted.items():
+        [done] = slurm.wait(job, timeout=600)
+        log = job_log(tmp_path, job)
+        assert (done["JobState"], done["ExitCode"], done["Restarts"]) == ("COMPLETED", "0:0", "1"), log[-3000:]
+        signame, code = signals[name]
+        assert f"stopped by {signame} at step {saved[name]}, exit code {code}" in log, log[-4000:]
+        assert f"resuming from runs/{name}/version_0/checkpoints/last.ckpt" in log, log[-3000:]
+        if name == "timed":
+            assert f"requeued SLURM job {job}" in log, log[-3000:]
+        run = tmp_path / f"runs/{name}"
+        assert not (run / "version_1").exists() and list((run / "version_0").glob("config.resumed-*.yaml"))
+        resumed = torch.load(tmp_path / f"{name}.pt", weights_only=True)
+        assert resumed.keys() == uninterrupted.keys()
+        for key in uninterrupted:
+            assert torch.equal(resumed[key], uninterrupted[key]), (name, key)
 
 
 @pytest.mark.heavy  # four tiny trials of 40 steps on a 2-task array, one task requeued (a few minutes)
@@ -148,19 +174,32 @@ def test_the_sweep_array_of_sweeps_md_runs_every_trial_once_and_a_requeued_tasks
     job = slurm.sbatch(tmp_path / "sweep.sbatch", *CPU_ARRAY, args=(spec.name,), env={"DIFFEXP_STORAGE": url})
     study = tmp_path / "runs/slurmsweep"
 
-    def in_flight() -> list[Path]:  # a trial with a checkpoint saved and its end not yet written
-        return [d for d in study.glob("*/seed*") if not (d / "trial.json").exists()
-                and list(d.glob("**/checkpoints/last.ckpt"))]
+    def in_flight() -> dict[str, str]:  # the array task running a trial that has saved a checkpoint: its point
+        found = {}
+        with contextlib.suppress(Exception):  # the study may not exist yet
+            for trial in optuna.load_study(study_name="slurmsweep", storage=open_storage(url)).get_trials(
+                    deepcopy=False, states=(optuna.trial.TrialState.RUNNING,)):
+                point, pid = trial.user_attrs["point"], trial.user_attrs["worker"].split(":")[1]
+                saved = list((study / point).glob("**/checkpoints/last.ckpt"))
+                if saved and 4 <= last_step(saved[0].parent.parent) < 32:
+                    found[owner_of(pid)] = point
+        return {task: point for task, point in found.items() if task}
+
+    def owner_of(pid: str) -> str | None:  # the array task whose processes include the worker's
+        for task in slurm.jobs(job):
+            listed = slurm.run("scontrol", "listpids", task["JobId"], check=False).split()
+            if pid in listed:
+                return task["JobId"]
+        return None
 
     deadline = time.monotonic() + 400
-    while not in_flight():
+    while not (busy := in_flight()):
         assert time.monotonic() < deadline, "no trial saved a checkpoint"
-        time.sleep(0.2)
-    [task0] = [j for j in slurm.jobs(job) if j.get("ArrayTaskId") == "0"]
-    slurm.run("scontrol", "requeue", task0["JobId"])
-    slurm.wait(task0["JobId"], until=lambda jobs: jobs[0]["Restarts"] == "1" and jobs[0]["JobState"] == "PENDING",
-               timeout=120)
-    slurm.release(task0["JobId"])
+        time.sleep(0.5)
+    task, point = next(iter(busy.items()))
+    slurm.run("scontrol", "requeue", task)
+    slurm.wait(task, until=lambda jobs: jobs[0]["Restarts"] == "1" and jobs[0]["JobState"] == "PENDING", timeout=120)
+    slurm.release(task)
     tasks = slurm.wait(job, timeout=900)
     assert [t["JobState"] for t in tasks] == ["COMPLETED", "COMPLETED"], [job_log(tmp_path, job)[-3000:]]
     states = trials_by_state(url, "slurmsweep")
@@ -168,8 +207,8 @@ def test_the_sweep_array_of_sweeps_md_runs_every_trial_once_and_a_requeued_tasks
                               "head-norm-true/seed0", "head-norm-true/seed1"]
     assert all(c["COMPLETE"] == 1 and c["RUNNING"] == 0 for c in states.values()), states
     interrupted = [p for p, c in states.items() if c != Counter({"COMPLETE": 1})]
-    assert len(interrupted) == 1, states  # the requeued task's trial, and only it, ran twice
-    trial_dir = study / interrupted[0]
+    assert interrupted == [point], states  # the requeued task's trial, and only it, ran twice
+    trial_dir = study / point
     assert list(trial_dir.glob("**/config.resumed-*.yaml")), "the second attempt started over instead of resuming"
     workers = {t.user_attrs.get("worker") for t in optuna.load_study(study_name="slurmsweep", storage=open_storage(url))
                .get_trials(deepcopy=False) if t.state.name == "COMPLETE"}
