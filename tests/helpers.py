@@ -709,9 +709,9 @@ class Slurm:
                         env=env).strip().split(";")[0]
 
     def jobs(self, job: str) -> list[dict[str, str]]:
-        """`scontrol show job` of a job (every task of an array), one dict of its fields per job; finished jobs
-        stay listed for MinJobAge (300 s)."""
-        out = self.run("scontrol", "show", "job", "--oneliner", job, check=False)
+        """`scontrol show job --details` of a job (every task of an array), one dict of its fields per job (with
+        the CPU_IDs of a running one); finished jobs stay listed for MinJobAge (300 s)."""
+        out = self.run("scontrol", "show", "job", "--details", "--oneliner", job, check=False)
         return [dict(field.split("=", 1) for field in line.split() if "=" in field) for line in out.splitlines()
                 if line.strip()]
 

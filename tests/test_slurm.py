@@ -197,6 +197,8 @@ def test_the_sweep_array_of_sweeps_md_runs_every_trial_once_and_a_requeued_tasks
         assert time.monotonic() < deadline, "no trial saved a checkpoint"
         time.sleep(0.5)
     task, point = next(iter(busy.items()))
+    running = [t for t in slurm.jobs(job) if t["JobState"] == "RUNNING"]
+    assert len(running) == 2 and running[0]["CPU_IDs"] != running[1]["CPU_IDs"], running  # a CPU per task
     slurm.run("scontrol", "requeue", task)
     slurm.wait(task, until=lambda jobs: jobs[0]["Restarts"] == "1" and jobs[0]["JobState"] == "PENDING", timeout=120)
     slurm.release(task)
