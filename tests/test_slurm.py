@@ -188,8 +188,8 @@ def test_the_sweep_array_of_sweeps_md_runs_every_trial_once_and_a_requeued_tasks
     def owner_of(pid: str) -> str | None:  # the array task whose processes include the worker's
         for task in slurm.jobs(job):
             listed = slurm.run("scontrol", "listpids", task["JobId"], check=False).split()
-            if pid in listed:
-                return task["JobId"]
+            if pid in listed:  # named as ARRAY_TASK: the first task's own JobId is the array's, all of it
+                return f"{task['ArrayJobId']}_{task['ArrayTaskId']}"
         return None
 
     deadline = time.monotonic() + 400
