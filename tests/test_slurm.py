@@ -15,6 +15,7 @@ array task requeued mid-trial.
 from __future__ import annotations
 
 import contextlib
+import io
 import re
 import shlex
 import time
@@ -35,15 +36,23 @@ CPU_ARRAY = ("--array=0-1", "--gpus-per-task=0", "--cpus-per-task=1")
 
 
 def page_blocks(page: Path) -> tuple[dict[str, str], list[str]]:
-    """A page's SLURM blocks: {file name: text} of its `bash file=NAME` blocks, and its `bash slurm` commands."""
-    from tests.test_readme import command_lines, fenced_blocks
-
-    files, commands = {}, []
-    for info, body in fenced_blocks(page.read_text()):
-        if match := re.fullmatch(r"bash file=(\S+)", info):
-            files[match.group(1)] = "\n".join(body) + "\n"
-        elif info == "bash slurm":
-            commands += command_lines(body)
+    """A page's SLURM blocks: {file name: text} of its `bash file=NAME` blocks, and the command lines of its
+    `bash slurm` blocks (continuations joined). test_readme checks the page's other shell blocks; these two kinds
+    are not among them, as they run here."""
+    files, commands, info, body = {}, [], None, []
+    for line in page.read_text().splitlines():
+        fence = re.match(r"\s*```(.*)$", line)
+        if info is None and fence:
+            info, body = fence.group(1).strip(), []
+        elif info is not None and fence and not fence.group(1).strip():
+            if match := re.fullmatch(r"bash file=(\S+)", info):
+                files[match.group(1)] = "\n".join(body) + "\n"
+            elif info == "bash slurm":
+                text = "\n".join(line for line in body if line.strip() and not line.lstrip().startswith("#"))
+                commands += [" ".join(c.split()) for c in text.replace("\\\n", " ").splitlines()]
+            info = None
+        elif info is not None:
+            body.append(line)
     return files, commands
 
 
@@ -57,9 +66,14 @@ def save_scripts(page: Path, directory: Path) -> list[str]:
 
 
 def fit_args_parse(args: list[str]) -> None:
-    from tests.test_readme import parse_lightning
+    """The page's `diffexp fit` arguments through LightningCLI's parser (--print_config: parse, print, exit 0)."""
+    from diffexp.cli import parse_config
 
-    parse_lightning("fit", args)
+    with contextlib.redirect_stdout(io.StringIO()):
+        try:
+            parse_config(args, "fit")
+        except SystemExit as stop:
+            assert stop.code in (0, None), f"diffexp fit {shlex.join(args)}: exit {stop.code}"
 
 
 def job_log(directory: Path, job: str) -> str:
