@@ -14,16 +14,16 @@ from pathlib import Path
 from typing import Any, Literal, NoReturn
 
 import torch
-from lightning.pytorch.strategies import ModelParallelStrategy
 from torch import nn
 
 from diffexp.checkpoint_io import no_space_error, save_failed_for_space, tensor_bytes
 from diffexp.errors import UserError, invalid
+from diffexp.lightning_internals import StrategyInternals
 
 MIXED_PRECISION = ("auto", "bf16", "fp32")
 
 
-class FSDP2Strategy(ModelParallelStrategy):
+class FSDP2Strategy(StrategyInternals):
     """FSDP2 (per-parameter sharding, torch.distributed.fsdp.fully_shard) over every process of the run.
 
     Args:
@@ -49,6 +49,7 @@ class FSDP2Strategy(ModelParallelStrategy):
         super().__init__(save_distributed_checkpoint=save_distributed_checkpoint,
                          process_group_backend=process_group_backend, timeout=timeout)
         self.mixed_precision = mixed_precision
+        self.save_distributed_checkpoint = save_distributed_checkpoint
         self.activation_checkpointing = activation_checkpointing
         self.replicate_across_nodes = replicate_across_nodes
         self.estimated_memory: int | None = None  # bytes per rank, from check_memory
@@ -57,13 +58,12 @@ class FSDP2Strategy(ModelParallelStrategy):
     def setup_environment(self) -> None:
         from torch.distributed.device_mesh import init_device_mesh
 
-        self._setup_distributed()
+        self.setup_distributed()
         if self.replicate_across_nodes and self.num_nodes > 1:
             shape, names = (self.num_nodes, self.num_processes), ("replicate", "shard")
         else:
             shape, names = (self.world_size,), ("shard",)
-        self._device_mesh = init_device_mesh(self.root_device.type, shape, mesh_dim_names=names)
-        self.lightning_module._device_mesh = self._device_mesh
+        self.use_device_mesh(init_device_mesh(self.root_device.type, shape, mesh_dim_names=names))
 
     @property
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
@@ -82,7 +82,7 @@ class FSDP2Strategy(ModelParallelStrategy):
         renames leaves the new one under its staging name). A save that fails on one rank (a full disk) fails on
         all of them, rather than leaving the others waiting at the next collective; the staging directory is
         removed and the previous checkpoint stays as it was."""
-        if not self._save_distributed_checkpoint:  # one file, written by rank 0 (AtomicCheckpointIO)
+        if not self.save_distributed_checkpoint:  # one file, written by rank 0 (AtomicCheckpointIO)
             failure = _save_error(super().save_checkpoint, checkpoint, filepath, storage_options)
             if self.reduce_boolean_decision(failure is not None, all=False):
                 _raise_on_every_rank(failure, Path(filepath))
