@@ -144,7 +144,9 @@ def test_a_preempted_fit_job_resumes_to_the_weights_of_the_uninterrupted_job(slu
     - `scancel --signal=USR1` (what `--signal=USR1@120` sends before the time limit): the fit saves, exits 138 and
       requeues its own job.
     Both rerun the script, whose `${SLURM_RESTART_COUNT:+--ckpt_path last}` resumes from the saved step, append to
-    the run's version directory, and end on the uninterrupted job's weights, bit for bit."""
+    the run's version directory, and end on the uninterrupted job's weights, bit for bit. The USR1 job also guards
+    against Lightning's own SLURM handler coming back: it saved from inside the signal handler, mid-collective, and
+    such a job died of a gloo size mismatch (srun exit 134, nothing saved, no requeue)."""
     steps = 24
     reference = fit_job(slurm, tmp_path, "alone", steps)
     preempted = {"requeued": fit_job(slurm, tmp_path, "requeued", steps),
