@@ -725,6 +725,9 @@ class Slurm:
             jobs = self.jobs(job)
             if done(jobs):
                 return jobs
+            stuck = [j for j in jobs if j["JobState"] == "PENDING" and j.get("Reason") in SLURM_NEVER]
+            if stuck:
+                raise AssertionError(f"job {job} can never start here: {stuck[0]['Reason']} ({self.conf})")
             time.sleep(0.5)
         raise AssertionError(f"job {job} still {[j.get('JobState') for j in self.jobs(job)]} after {timeout} s")
 
@@ -734,6 +737,8 @@ class Slurm:
         self.run("scontrol", "update", f"JobId={job}", "StartTime=now")
 
 
+#: why a pending job waits for a cluster other than this one (more CPUs, other partitions): waiting would never end
+SLURM_NEVER = {"PartitionConfig", "BadConstraints", "PartitionNodeLimit", "PartitionTimeLimit"}
 SLURM_ENDED = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "PREEMPTED", "OUT_OF_MEMORY",
                "BOOT_FAIL", "DEADLINE"}
 
