@@ -10,7 +10,7 @@ import torch
 if not torch.cuda.is_available():  # Triton's CPU interpreter for test_triton_kernels.py; read as triton is
     os.environ.setdefault("TRITON_INTERPRET", "1")  # first imported (lightning imports it), so set it here
 
-from tests.helpers import PATTERN, bpe_text_checkpoint, save_checkpoint, small_model  # noqa: E402
+from tests.helpers import DISTRIBUTED_ENV, PATTERN, bpe_text_checkpoint, save_checkpoint, small_model  # noqa: E402
 
 
 def _share_the_cores_among_workers() -> None:
@@ -27,9 +27,6 @@ def _share_the_cores_among_workers() -> None:
 
 _share_the_cores_among_workers()
 
-# what an in-process fit on a distributed strategy leaves behind: later subprocess runs would inherit the port
-DISTRIBUTED_ENV = ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "LOCAL_RANK", "NODE_RANK", "RANK", "GROUP_RANK",
-                   "LOCAL_WORLD_SIZE")
 
 
 @pytest.fixture(autouse=True)

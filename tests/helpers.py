@@ -27,6 +27,11 @@ REPO = Path(__file__).resolve().parents[1]
 # ----------------------------------------------------------------------------- runs of `python -m diffexp`
 
 
+# what an in-process fit on a distributed strategy leaves behind: later subprocess runs would inherit the port
+DISTRIBUTED_ENV = ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "LOCAL_RANK", "NODE_RANK", "RANK", "GROUP_RANK",
+                   "LOCAL_WORLD_SIZE")
+
+
 def subprocess_env(**extra: str) -> dict[str, str]:
     """The environment of a `python -m diffexp` child: this checkout first on its path."""
     path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)

@@ -172,12 +172,12 @@ def main(argv: list[str] | None = None) -> int:
 
 def _study_dir(args: argparse.Namespace) -> Path:
     """RUNS_DIR, or the run directory the Optuna study of --study records."""
-    from diffexp.sweep.storage import STORAGE_URL_ENV, resolve_url
-
     if args.runs_dir and (args.study or args.storage):
         raise CompareError("give either RUNS_DIR or --study NAME (with --storage URL or DIFFEXP_STORAGE), not both")
     if args.runs_dir:
         return Path(args.runs_dir)
+    from diffexp.sweep.storage import STORAGE_URL_ENV, resolve_url  # imports Optuna: not for a RUNS_DIR
+
     if args.study:
         storage, origin = resolve_url(args.storage)
         if storage is None:

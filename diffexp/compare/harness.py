@@ -15,7 +15,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from diffexp.compare import markdown
-from diffexp.evals.harness import RESULTS_FILE
 from diffexp.sweep.runs import StudyRuns
 
 DEFAULT_METRIC = "acc"
@@ -44,6 +43,8 @@ class HarnessTable:
 
 def harness_table(runs: StudyRuns, metric: str = DEFAULT_METRIC) -> HarnessTable | None:
     """None when no trial of the study has been through `diffexp eval harness`."""
+    from diffexp.evals.harness import RESULTS_FILE  # here, not at the top: diffexp.evals imports torch
+
     values: dict[str, dict[str, list[float]]] = {}
     tasks: list[str] = []
     unreadable: list[str] = []

@@ -13,8 +13,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from scipy.stats import kendalltau
-
 from diffexp.compare import markdown
 from diffexp.compare.paired import (
     AGREES,
@@ -77,6 +75,8 @@ class PaperCheck:
         """Kendall's tau between the measured and the paper's order (1: same ranking); None below 3 rows."""
         if len(self.rows) < 3:
             return None
+        from scipy.stats import kendalltau
+
         tau = kendalltau([m for _, m, _ in self.rows], [p for _, _, p in self.rows]).statistic
         return None if tau != tau else float(tau)  # NaN when one side is constant
 

@@ -14,7 +14,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-from scipy.stats import t as student_t
 
 from diffexp.compare.errors import CompareError
 from diffexp.sweep.layout import SWEEP_FILE
@@ -33,6 +32,8 @@ def over_diverged_too(name: str) -> bool:
 
 def t_quantile(q: float, df: int) -> float:
     """The q quantile of Student's t with `df` degrees of freedom (df >= 1)."""
+    from scipy.stats import t as student_t  # here: scipy.stats takes a second to import, `compare --help` none
+
     return float(student_t.ppf(q, df))
 
 

@@ -179,11 +179,6 @@ def icl_main(argv: list[str]) -> int:
 
 def mqar_main(argv: list[str]) -> int:
     """Multi-query associative recall accuracy on held-out MQAR sequences."""
-    import json
-
-    from diffexp.data.mqar import MQARDataModule
-    from diffexp.evals.mqar import evaluate_mqar
-
     parser = _task_parser("mqar", mqar_main.__doc__)
     parser.add_argument("--seq-len", type=int, default=256, help="tokens the model sees per sequence")
     parser.add_argument("--num-kv-pairs", type=int, default=16)
@@ -191,6 +186,11 @@ def mqar_main(argv: list[str]) -> int:
     parser.add_argument("--seed", type=int, default=1234)
     _add_device_and_out(parser)
     args = parser.parse_args(argv)
+    import json  # here, after --help: the MQAR modules import Lightning
+
+    from diffexp.data.mqar import MQARDataModule
+    from diffexp.evals.mqar import evaluate_mqar
+
     checkpoint, hparams = load_checkpoint(args.checkpoint)
     positive("--seq-len", args.seq_len)
     positive("--num-kv-pairs", args.num_kv_pairs)
@@ -216,9 +216,6 @@ def mqar_main(argv: list[str]) -> int:
 
 def nll_main(argv: list[str]) -> int:
     """Loss by token position on long held-out documents: the cumulative average NLL against position."""
-    from diffexp.data import documents
-    from diffexp.evals.nll import NLLResults, token_nlls
-
     parser = _task_parser("nll", nll_main.__doc__)
     given = parser.add_mutually_exclusive_group()
     given.add_argument("--text-file", nargs="+", default=None, metavar="FILE",
@@ -238,6 +235,9 @@ def nll_main(argv: list[str]) -> int:
     _add_tokenizer_flag(parser)
     _add_device_and_out(parser)
     args = parser.parse_args(argv)
+    from diffexp.data import documents  # here, after --help
+    from diffexp.evals.nll import NLLResults, token_nlls
+
     checkpoint, hparams = load_checkpoint(args.checkpoint)
     trained = min(hparams["data"].get("seq_len") or hparams["arch"]["max_seq_len"], hparams["arch"]["max_seq_len"])
     context_len = args.context_len if args.context_len is not None else trained

@@ -16,9 +16,8 @@ import torch
 
 from diffexp.data.tokenizer import ByteTokenizer, TextTokenizer, load_tokenizer_file, tokenizer_from_state
 from diffexp.errors import UserError
-from diffexp.generate.decode import generate
 from diffexp.generate.sampling import Sampling
-from diffexp.training.loading import CKPT_KEY, check_compile, check_device, load_checkpoint, load_model
+from diffexp.training.loading import CKPT_KEY, check_compile, check_device, load_checkpoint, load_decoder
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -143,7 +142,9 @@ def main(argv: list[str]) -> int:
     check_device(args.device)
     if args.compile:
         check_compile(args.device)
-    model = load_model(checkpoint, args.checkpoint, args.device).model
+    from diffexp.generate.decode import generate  # the model's modules: after every check, not for --help
+
+    model = load_decoder(checkpoint, args.checkpoint, args.device)
     generator = torch.Generator(device=args.device).manual_seed(args.seed)
     ids = torch.tensor([prompt_ids], device=args.device)
     stream = TextStream(tokenizer)

@@ -31,7 +31,6 @@ from diffexp.sweep.command import cli_value, fit_args
 from diffexp.sweep.gpus import DEVICES_ENV, chosen_devices, run_workers, visible_devices
 from diffexp.sweep.spec import Point, SpecError, SweepSpec, load_spec, recipe_record, slugify
 from diffexp.sweep.storage import STORAGE_URL_ENV, local_lock, open_storage, resolve_url, translated_errors
-from diffexp.sweep.trial import STORAGE_ENV, write_json_atomic
 from diffexp.sweep.tune import best_lrs, describe, final_spec, tuning_spec, views_of
 
 HEARTBEAT = "diffexp_heartbeat"
@@ -80,6 +79,8 @@ class SweepRunner:
         return study
 
     def _write_sweep_json(self) -> None:
+        from diffexp.sweep.trial import write_json_atomic  # trial.py imports Lightning: not for `sweep --help`
+
         spec = self.spec
         spec.study_dir.mkdir(parents=True, exist_ok=True)
         write_json_atomic(spec.study_dir / layout.SWEEP_FILE, {
@@ -194,6 +195,8 @@ class SweepRunner:
         return run_dir, None
 
     def _run_trial(self, trial: optuna.Trial, progress: Progress, bar) -> str:
+        from diffexp.sweep.trial import STORAGE_ENV
+
         point = self.points[trial.params[POINT_PARAM]]
         run_dir, resume = self._prepare_run_dir(point)
         command = self._command(trial, point, run_dir, resume)

@@ -16,6 +16,7 @@ from diffexp.checkpoint_io import model_hparams, read_checkpoint
 from diffexp.errors import UserError
 
 CKPT_KEY = "CKPT"  # how the usage lines name the checkpoint argument
+MODEL_PREFIX = "model."  # DiffexpLM's name of its Decoder, before each weight's name in a checkpoint
 
 
 def load_checkpoint(path: str) -> tuple[dict, dict]:
@@ -53,6 +54,33 @@ def check_compile(device: str) -> None:
     if reason is not None:
         raise UserError(f"--compile is invalid here: torch.compile cannot run on {device} ({reason}); "
                         "leave out --compile to decode eagerly")
+
+
+def load_decoder(checkpoint: dict, path: str, device: str):
+    """The checkpoint's Decoder alone, in eval mode on `device`: what `load_model(...).model` holds, built without
+    the LightningModule around it, so that `diffexp generate` never imports Lightning. The same checks, the same
+    UserErrors: its ModelConfig is DiffexpLM's (arch, with vocab_size over it), its weights DiffexpLM's `model.*`."""
+    from diffexp.model import Decoder
+    from diffexp.model.config import ModelConfig
+
+    hparams = checkpoint["hyper_parameters"]
+    arch = dict(hparams.get("arch") or {})
+    if hparams.get("vocab_size") is not None:
+        arch["vocab_size"] = hparams["vocab_size"]
+    try:
+        model = Decoder(ModelConfig(**arch))
+    except (TypeError, ValueError) as err:
+        raise UserError(f"{CKPT_KEY}={path!r}: its hyper_parameters do not describe a model this version of "
+                        f"diffexp can build ({err})") from None
+    # DiffexpLM holds the Decoder as `model`; a key outside it stays as it is, and is refused as unexpected
+    weights = {name.removeprefix(MODEL_PREFIX): value for name, value in checkpoint["state_dict"].items()}
+    try:
+        model.load_state_dict(weights)
+    except RuntimeError as err:
+        reason = str(err).strip().splitlines()[0]
+        raise UserError(f"{CKPT_KEY}={path!r}: its weights do not fit the model its hyper_parameters describe "
+                        f"({reason})") from None
+    return model.to(device).eval()
 
 
 def load_model(checkpoint: dict, path: str, device: str):
