@@ -63,3 +63,17 @@ def memorised(tmp_path_factory):
 def bpe_checkpoint(tmp_path_factory):
     """A small model trained one step on a 300-token BPE (helpers.bpe_text_checkpoint), holding its tokenizer."""
     return bpe_text_checkpoint(tmp_path_factory.mktemp("bpe"))[0]
+
+
+@pytest.fixture(scope="session")
+def slurm():
+    """The one-node SLURM cluster (.ci/slurm-up; in DIFFEXP_SLURM_DIR, default /tmp/diffexp-slurm): the one CI
+    started, else one this session starts and leaves running for the next; skipped where slurm-wlm is missing."""
+    from pathlib import Path
+
+    from tests.helpers import slurm_cluster
+
+    cluster = slurm_cluster(Path(os.environ.get("DIFFEXP_SLURM_DIR", "/tmp/diffexp-slurm")))
+    if isinstance(cluster, str):
+        pytest.skip(cluster)
+    return cluster

@@ -678,3 +678,87 @@ def added_on_purpose(model) -> int:
     """Parameters a variant adds to the size's shape by design and reports instead of matching (diffexp params):
     the gated variant's gate projection, d_model x h d per layer (x h headwise)."""
     return sum(p.numel() for name, p in model.named_parameters() if ".attn.gate_proj." in name)
+
+
+# ----------------------------------------------------------------------------- a one-node SLURM cluster
+
+SLURM_UP = REPO / ".ci" / "slurm-up"
+SLURM_TOOLS = ("munged", "slurmctld", "slurmd", "sbatch", "srun", "scontrol", "sinfo")
+
+
+class Slurm:
+    """The one-node cluster .ci/slurm-up runs (started by CI or by the first test that needs it): its config, the
+    environment its commands and jobs need, and submission and waiting by job id through the real client tools."""
+
+    def __init__(self, conf: Path) -> None:
+        self.conf = conf
+
+    def env(self, **extra: str) -> dict[str, str]:
+        """one_thread_env with SLURM_CONF and this interpreter's bin first on PATH (`diffexp`, `python`): what
+        `sbatch` needs, and, exported to the job (sbatch's default --export=ALL), what its tasks run with."""
+        env = one_thread_env()
+        path = os.pathsep.join(p for p in (str(Path(sys.executable).parent), env.get("PATH", "")) if p)
+        return {**env, "PATH": path, "SLURM_CONF": str(self.conf), **extra}
+
+    def run(self, *args: str, cwd: Path | None = None, check: bool = True, env: dict | None = None) -> str:
+        proc = subprocess.run(list(args), cwd=cwd, env=self.env(**(env or {})), capture_output=True, text=True,
+                              timeout=60)
+        if check and proc.returncode != 0:
+            raise AssertionError(f"{' '.join(args)}: exit {proc.returncode}\n{proc.stderr[-2000:]}")
+        return proc.stdout
+
+    def sbatch(self, script: Path, *options: str, args: tuple[str, ...] = (), env: dict | None = None) -> str:
+        """`sbatch OPTIONS SCRIPT ARGS` from the script's directory, `env` added to what the job inherits; the
+        job id ("123", an array's "123")."""
+        return self.run("sbatch", "--parsable", *options, str(script.name), *args, cwd=script.parent,
+                        env=env).strip().split(";")[0]
+
+    def jobs(self, job: str) -> list[dict[str, str]]:
+        """`scontrol show job --details` of a job (every task of an array), one dict of its fields per job (with
+        the CPU_IDs of a running one); finished jobs stay listed for MinJobAge (300 s)."""
+        out = self.run("scontrol", "show", "job", "--details", "--oneliner", job, check=False)
+        return [dict(field.split("=", 1) for field in line.split() if "=" in field) for line in out.splitlines()
+                if line.strip()]
+
+    def wait(self, job: str, until=None, timeout: float = 600) -> list[dict[str, str]]:
+        """Poll until `until(jobs)` holds (default: every task of the job has ended); the jobs' last fields."""
+        import time
+
+        done = until or (lambda jobs: jobs and all(j["JobState"] in SLURM_ENDED for j in jobs))
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            jobs = self.jobs(job)
+            if done(jobs):
+                return jobs
+            stuck = [j for j in jobs if j["JobState"] == "PENDING" and j.get("Reason") in SLURM_NEVER]
+            if stuck:
+                raise AssertionError(f"job {job} can never start here: {stuck[0]['Reason']} ({self.conf})")
+            time.sleep(0.5)
+        raise AssertionError(f"job {job} still {[j.get('JobState') for j in self.jobs(job)]} after {timeout} s")
+
+    def release(self, job: str) -> None:
+        """A requeued job waits about two minutes (its BeginTime) before it may start again; let it start now, as
+        an administrator would with `scontrol update`."""
+        self.run("scontrol", "update", f"JobId={job}", "StartTime=now")
+
+
+#: why a pending job waits for a cluster other than this one (more CPUs, other partitions): waiting would never end
+SLURM_NEVER = {"PartitionConfig", "BadConstraints", "PartitionNodeLimit", "PartitionTimeLimit"}
+SLURM_ENDED = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "PREEMPTED", "OUT_OF_MEMORY",
+               "BOOT_FAIL", "DEADLINE"}
+
+
+def slurm_cluster(directory: Path) -> Slurm | str:
+    """The cluster .ci/slurm-up starts from `directory` (reused where it answers; a lock keeps two pytest-xdist
+    workers from both starting one), or why there is none: the reason to skip with."""
+    import shutil
+
+    missing = [tool for tool in SLURM_TOOLS if shutil.which(tool) is None]
+    if missing:
+        return f"slurm-wlm is not installed ({', '.join(missing)} not found): apt-get install -y slurm-wlm"
+    if os.geteuid() != 0:
+        return "the one-node SLURM cluster runs slurmd as root (it starts jobs as their user); these tests run as root"
+    proc = subprocess.run(["bash", str(SLURM_UP), str(directory)], capture_output=True, text=True, timeout=120)
+    if proc.returncode != 0:
+        raise AssertionError(f".ci/slurm-up {directory} failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
+    return Slurm(directory / "slurm.conf")
