@@ -296,7 +296,8 @@ def _is_tensorboard(logger) -> bool:
 
 
 #: fragments of the Lightning messages quiet_third_party_noise drops
-NOISE = ("litlogger", "available: False", "`Trainer.fit` stopped:")
+NOISE = ("litlogger", "available: False", "`Trainer.fit` stopped:",
+         "SLURM auto-requeueing enabled")  # diffexp requeues on SIGUSR1 itself (training.preemption)
 
 
 class _DropMessages(logging.Filter):
