@@ -13,12 +13,14 @@ import getpass
 import json
 import os
 import pwd
+import re
 import secrets
 import shutil
 import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections import Counter
 from pathlib import Path
@@ -97,6 +99,51 @@ def one_paragraph(output: str) -> str:
     assert "Traceback" not in output, output[-3000:]
     assert output.count("error: ") == 1, output[-3000:]
     return output[output.index("error: "):].split("\n")[0]
+
+
+# ----------------------------------------------------------------------------- the bookkeeping, on a real study
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"grace_s": 0}, "grace_s=0: expected a positive number of seconds"),
+    ({"grace_s": "long"}, "grace_s='long' has the wrong type"),
+    ({"storage_retry_s": -1}, "storage_retry_s=-1: expected a number of seconds, 0 or more"),
+])
+def test_bad_grace_or_retry_bounds_are_refused(tmp_path, change, message):
+    from diffexp.sweep import SpecError
+    from diffexp.sweep.spec import load_spec
+
+    with pytest.raises(SpecError, match=re.escape(message)):
+        load_spec(write_spec(tmp_path, "bad", **change))
+
+
+def test_trials_stopped_by_the_machine_use_no_attempt_and_their_point_is_enqueued_at_once(tmp_path):
+    from diffexp.sweep.interruptions import INFRA_OUTCOMES, write_marker
+    from diffexp.sweep.runner import SweepRunner
+    from diffexp.sweep.spec import load_spec
+
+    spec = load_spec(one_point_spec(tmp_path, "book", max_attempts=1, stale_after_s=3600))
+    runner = SweepRunner(spec)
+    run_dir = tmp_path / "runs/book/diff/seed0"
+    run_dir.mkdir(parents=True)
+    for outcome in INFRA_OUTCOMES:  # recorded by the worker itself
+        trial = runner.claim()
+        runner._stopped(trial, run_dir, outcome, f"{outcome} (test)")
+        runner._enqueue_missing(runner.study)
+        assert runner._counts() == (0, 0, 0, 1)  # nothing failed for good: the point waits again
+    trial = runner.claim()  # recorded from its marker by another worker, at once (no stale wait)
+    trial.set_user_attr("run_dir", str(run_dir))
+    write_marker(run_dir, trial._trial_id, "interrupted", "interrupted by SIGTERM")
+    assert runner._fail_stale() == 1
+    runner._enqueue_missing(runner.study)
+    assert runner._counts() == (0, 0, 0, 1)
+    trial = runner.claim()  # a failure of the trial itself: with max_attempts 1, failed for good
+    runner.storage.set_trial_user_attr(trial._trial_id, "failure", "exit code 1")
+    runner.study.tell(trial, state=optuna.trial.TrialState.FAIL)
+    runner._enqueue_missing(runner.study)
+    assert runner._counts() == (0, 1, 0, 1)
+    outcomes = [t.user_attrs.get("outcome") for t in runner.study.get_trials(deepcopy=False)]
+    assert outcomes == [*INFRA_OUTCOMES, "interrupted", None]
 
 
 # ----------------------------------------------------------------------------- signals
@@ -232,6 +279,44 @@ def own_postgres():
         server.remove()
 
 
+def test_storage_calls_ride_out_a_postgres_restart_and_give_up_in_one_paragraph(own_postgres):
+    """The retrying storage on a real server: a call made while it is down returns once it is back; past the
+    bound, StorageGaveUp names the masked URL, what failed and the resume command, never Optuna's hint about
+    "exceeding max length"."""
+    from diffexp.sweep.outages import RetryingStorage, StorageGaveUp
+    from diffexp.sweep.storage import describe
+
+    lines: list[str] = []
+    storage = RetryingStorage(open_storage(own_postgres.url), own_postgres.url,
+                              describe(own_postgres.url, STORAGE_URL_ENV), retry_s=120,
+                              resume="diffexp sweep --config s.yaml", say=lines.append)
+    study = optuna.create_study(study_name="retry", storage=storage)
+    own_postgres.stop()
+    restart = threading.Timer(4, own_postgres.start)
+    restart.start()
+    try:
+        started = time.monotonic()
+        trial_id = storage.create_new_trial(study._study_id)  # waits for the server
+        assert time.monotonic() - started > 3
+    finally:
+        restart.join()
+    storage.set_trial_user_attr(trial_id, "point", "p")
+    assert storage.get_trial(trial_id).user_attrs == {"point": "p"}
+    assert len(lines) == 2 and "does not answer" in lines[0] and "answers again after" in lines[1]
+
+    own_postgres.stop()
+    storage.retry_s = 2
+    with pytest.raises(StorageGaveUp) as gave_up:
+        storage.set_trial_user_attr(trial_id, "case", "c")
+    message = str(gave_up.value)
+    masked = own_postgres.url.replace(PASSWORD, "***")
+    assert message.startswith(f"{STORAGE_URL_ENV}='{masked}' did not answer for ")
+    assert "(storage_retry_s=2) while calling the storage (set_trial_user_attr): OperationalError" in message
+    assert message.endswith("resume with: diffexp sweep --config s.yaml")
+    assert PASSWORD not in message + "".join(lines) and "max length" not in message
+    assert gave_up.value.exit_code == 75
+
+
 def wait_for_running_trial(url: str, study: str, worker: subprocess.Popen, log: Path, step: int) -> Path:
     """The run directory of the trial the worker runs, once it has logged progress at `step`."""
     deadline = time.time() + 300
@@ -321,21 +406,15 @@ def tmpfs(tmp_path):
 
 
 def fill(disk: Path) -> Path:
-    """Write a file until the disk is full; removing it frees the space."""
+    """Write a file until the disk is full (unbuffered: every byte that fits is on it); removing it frees the space."""
     filler = disk / "filler"
-    with open(filler, "wb") as handle:
-        try:
-            while True:
-                handle.write(b"\0" * 2**20)
-                handle.flush()
-        except OSError:
-            pass
-        try:
-            while True:
-                handle.write(b"\0" * 4096)
-                handle.flush()
-        except OSError:
-            pass
+    with open(filler, "wb", buffering=0) as handle:
+        for chunk in (2**20, 4096, 1):
+            try:
+                while True:
+                    handle.write(b"\0" * chunk)
+            except OSError:
+                pass
     return filler
 
 

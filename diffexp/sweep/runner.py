@@ -186,7 +186,9 @@ class SweepRunner:
 
     def _claim(self) -> optuna.Trial | None:
         study_id = self.study._study_id
-        for frozen in self.storage.get_all_trials(study_id, deepcopy=False, states=(TrialState.WAITING,)):
+        waiting = self.storage.get_all_trials(study_id, deepcopy=False, states=(TrialState.WAITING,))
+        # a point with a checkpoint first (an interrupted trial, say): it resumes before new points start
+        for frozen in sorted(waiting, key=lambda t: not self._has_checkpoint(t.user_attrs.get("point"))):
             try:
                 if not self.storage.set_trial_state_values(frozen._trial_id, state=TrialState.RUNNING):
                     continue  # claimed by another worker between our read and our write
@@ -218,6 +220,11 @@ class SweepRunner:
         signum = self.watch.signum
         what = f"worker stopped by {signal_name(signum)}" if signum is not None else "worker stopped"
         return (f"{what}: " + (trial_line or "no trial was running") + f". Resume with: {self.resume}")
+
+    def _has_checkpoint(self, key: str | None) -> bool:
+        point = self.points.get(key) if key else None
+        return point is not None and (layout.trial_dir(self.spec.study_dir, point.slug, point.seed, point.draw)
+                                      / "checkpoints" / "last.ckpt").exists()
 
     def _counts(self) -> tuple[int, int, int, int]:
         """(finished points, failed-for-good points, running, total)."""
@@ -289,8 +296,9 @@ class SweepRunner:
             outcome = NO_SPACE if isinstance(exc, StorageFull) else STORAGE
             write_marker(run_dir, trial._trial_id, outcome, f"{outcome}: {type(exc).__name__}")
             self.current = None  # the marker stands in for the storage record
-            raise type(exc)(f"{exc} Trial {point.key} {stopped}; it is recorded as stopped by the storage "
-                            "(no attempt used) when the sweep resumes.") from None
+            kept = run_dir / "checkpoints" / "last.ckpt"
+            where = f"it resumes from {kept}" if kept.exists() else "it had saved no checkpoint and starts again"
+            raise type(exc)(f"{exc} Trial {point.key} {stopped}; {where}, and it uses no attempt.") from None
         finally:
             self.watch.attach(None)
         record = _read_record(run_dir / layout.TRIAL_FILE)
@@ -379,7 +387,7 @@ class SweepRunner:
             _kill_group(proc)
             proc.wait()
             return f"did not stop within grace_s={self.spec.grace_s:g} s and was killed"
-        return f"was stopped (exit {proc.returncode}) and saved its checkpoint"
+        return f"was stopped (exit {proc.returncode})"
 
     # -- the worker loop ----------------------------------------------------------------------------
     def run(self) -> int:
@@ -388,10 +396,11 @@ class SweepRunner:
         with self.watch:
             try:
                 return self._loop()
-            except (WorkerSignalled, UserError):
+            except (WorkerSignalled, UserError) as stop:
                 if self.current is not None:
                     trial_id, run_dir = self.current
-                    outcome = INTERRUPTED if self.watch.signum is not None else STORAGE
+                    outcome = INTERRUPTED if isinstance(stop, WorkerSignalled) else \
+                        NO_SPACE if isinstance(stop, (StorageFull, NoSpaceError)) else STORAGE
                     write_marker(run_dir, trial_id, outcome, f"{outcome} (worker {self.worker} stopped)")
                 raise
 
