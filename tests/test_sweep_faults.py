@@ -358,7 +358,10 @@ def test_a_worker_rides_out_a_postgres_restart_and_finishes_every_trial_once(tmp
 
 def test_a_worker_gives_up_on_a_storage_gone_too_long_in_one_paragraph_and_the_rerun_finishes(tmp_path,
                                                                                                own_postgres):
-    spec = one_point_spec(tmp_path, "gone", storage_retry_s=3, stale_after_s=3600, max_attempts=1, grace_s=60)
+    # 80 steps and a heartbeat every 2 s (stale_after_s / 3): the trial is still training when its heartbeat
+    # gives up; the stale rule never fires, since the stopped trial's marker is found first
+    spec = one_point_spec(tmp_path, "gone", storage_retry_s=3, stale_after_s=6, max_attempts=1, grace_s=60,
+                          more_overrides={"trainer.max_steps": 80})
     log = tmp_path / "worker-1.log"
     worker = start_worker(spec, log, **{STORAGE_URL_ENV: own_postgres.url})
     try:
@@ -375,7 +378,7 @@ def test_a_worker_gives_up_on_a_storage_gone_too_long_in_one_paragraph_and_the_r
     assert "(storage_retry_s=3) while writing a trial's heartbeat" in message
     assert f"resume with: diffexp sweep --config {spec}" in message
     assert "Trial diff/seed0 was stopped" in message
-    assert PASSWORD not in output and "max length" not in output
+    assert PASSWORD not in output and "max length" not in output and "[SQL" not in output
     assert json.loads((run_dir / MARKER).read_text())["outcome"] == "storage outage"
 
     log = tmp_path / "worker-2.log"

@@ -66,9 +66,10 @@ def outage_of(exc: BaseException) -> tuple[str, BaseException] | None:
 
 def reason_of(error: BaseException, url: str) -> str:
     """The driver's message on one line, without SQLAlchemy's background link or the password."""
-    lines = [line.strip() for line in str(error).splitlines()
-             if line.strip() and not line.strip().startswith(("(Background on this error", "[SQL:", "[parameters:"))]
-    return mask_secrets_of(f"{type(error).__name__}: {' '.join(lines)}", url)
+    text = str(error)
+    for tail in ("[SQL:", "[parameters:", "(Background on this error"):  # the statement and a link: not the reason
+        text = text.split(tail)[0]
+    return mask_secrets_of(f"{type(error).__name__}: {' '.join(text.split())}", url)
 
 
 class RetryingStorage(BaseStorage):
