@@ -278,6 +278,26 @@ class SaveFullWeights(L.Callback):
             torch.save(weights, self.path)
 
 
+class SignalAtStep(L.Callback):
+    """Send `signum` (a name: SIGTERM, SIGINT, SIGUSR1) to this process while step `step` runs (before its optimizer
+    step), or with `during="validation"` while the validation after `step` steps runs; on rank `rank` only if given:
+    a scheduler's signal arriving mid-step."""
+
+    def __init__(self, step: int, signum: str = "SIGTERM", rank: int | None = None, during: str = "train") -> None:
+        self.step, self.signum, self.rank, self.during = step, getattr(signal, signum), rank, during
+
+    def _send(self, trainer, during: str) -> None:
+        if during == self.during and trainer.global_step == self.step and self.rank in (None, trainer.global_rank):
+            os.kill(os.getpid(), self.signum)
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        self._send(trainer, "train")
+
+    def on_validation_batch_start(self, trainer, pl_module, batch, batch_idx, dataloader_idx=0) -> None:
+        if not trainer.sanity_checking:
+            self._send(trainer, "validation")
+
+
 class KillRankZeroAtStep(L.Callback):
     """SIGKILL the launching process (rank 0) once `step` steps are done; the other ranks lose their peer."""
 

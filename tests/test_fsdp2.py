@@ -117,6 +117,25 @@ def test_kill_of_the_launcher_then_resume_ends_on_the_uninterrupted_weights(root
     assert [s for s, _ in logged(root, "killed")["train/loss"]][-1] == STEPS
 
 
+def test_sigterm_to_one_rank_stops_every_rank_after_the_step_saved_and_resumes_to_the_same_weights(root):
+    """A scheduler's signal reaching rank 1 only: both ranks finish the step, save their shards of it and exit 143;
+    the resumed run ends on the uninterrupted sharded run's weights."""
+    recipe = write(root, "preempted", devices=2, batch=2, strategy=FSDP2 % "false")
+    signal_rank_one = ('--trainer.callbacks+={"class_path": "tests.helpers.SignalAtStep", '
+                       '"init_args": {"step": 2, "rank": 1}}')
+    proc = subprocess.run([sys.executable, "-m", "diffexp", "fit", "--config", str(recipe), signal_rank_one],
+                          cwd=root, env=one_thread_env(), text=True, capture_output=True, timeout=240)
+    assert proc.returncode == 143, proc.stderr[-3000:]
+    assert "stopped by SIGTERM at step 3, exit code 143" in proc.stdout
+    last = root / "runs/preempted/version_0/checkpoints/last.ckpt"
+    assert sorted(p.name for p in last.glob("*.distcp")) == ["__0_0.distcp", "__1_0.distcp"]
+    assert read_checkpoint(last, weights=False)["global_step"] == 3
+    fit(root, "--config", str(recipe), "--ckpt_path", "last")
+    trained, resumed = (torch.load(root / f"{n}.pt", weights_only=True) for n in ("sharded", "preempted"))
+    for key in trained:
+        assert torch.equal(resumed[key], trained[key]), key
+
+
 @pytest.mark.heavy  # two torchrun launchers (about 25 s); the one-node sharded runs stay in the default run
 def test_two_torchrun_nodes_on_localhost_train_together_on_an_hsdp_mesh(root):
     recipe = write(root, "nodes", devices=1, batch=2, strategy=FSDP2 % "true")

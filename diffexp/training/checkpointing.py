@@ -19,6 +19,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.trainer.states import TrainerFn
 
 from diffexp.errors import UserError, invalid
+from diffexp.training.preemption import agree_now, agreed, stop, training_under_way
 from diffexp.training.runs import remove_orphan_temp_files
 
 
@@ -155,16 +156,19 @@ class RunCheckpoint(ModelCheckpoint):
             trainer.should_stop = True
         if self._last_after_validation is not None and self._last_after_validation != trainer.global_step:
             self._last_after_validation = None  # that validation did not run (no batches): nothing waits
-        if self._skip(trainer) or not self._step_trigger(trainer):
+        signalled = agreed() and training_under_way()  # the optimizer step is done: every rank agreed to stop
+        if self._skip(trainer):
+            if signalled:  # last.ckpt of this step exists already (or this run saves none: fast_dev_run)
+                stop(trainer, saved=self._last_saved_step == trainer.global_step, why="trainer.fast_dev_run is set")
             return
-        if validation_follows(trainer):
+        if not (signalled or self._step_trigger(trainer)):
+            return
+        if validation_follows(trainer):  # last.ckpt after it; a signal stops there (on_validation_end)
             self._last_after_validation = trainer.global_step
             return
-        self._unlogged = unlogged_step_metrics(trainer)
-        try:
-            self._save_last_checkpoint(trainer, self._monitor_candidates(trainer))
-        finally:
-            self._unlogged = None
+        self._save_last_with_unlogged(trainer)
+        if signalled:
+            self.stop_for_signal(trainer)
 
     def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if bool(trainer.fast_dev_run) or trainer.state.fn != TrainerFn.FITTING or trainer.sanity_checking:
@@ -174,6 +178,23 @@ class RunCheckpoint(ModelCheckpoint):
         if self._last_after_validation == trainer.global_step:
             self._last_after_validation = None
             self._save_last_checkpoint(trainer, candidates)
+        if training_under_way() and agree_now(trainer):  # a signal before or during this validation
+            self.stop_for_signal(trainer)
+
+    def stop_for_signal(self, trainer: L.Trainer) -> None:
+        """A signal's stop at a step's end or after its validation: last.ckpt of this step (unless it exists), the
+        summary with the resume command, then Preempted on every rank (diffexp.training.preemption)."""
+        if self._last_saved_step != trainer.global_step:
+            self._save_last_with_unlogged(trainer)
+        saved = bool(self.save_last) and self._last_saved_step == trainer.global_step
+        stop(trainer, saved=saved, why=None if saved else "checkpoint.save_last is false")
+
+    def _save_last_with_unlogged(self, trainer: L.Trainer) -> None:
+        self._unlogged = unlogged_step_metrics(trainer)
+        try:
+            self._save_last_checkpoint(trainer, self._monitor_candidates(trainer))
+        finally:
+            self._unlogged = None
 
     def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         # runs after the epoch's validation and after the last step's metrics went to the loggers

@@ -17,6 +17,7 @@ from pathlib import Path
 import lightning as L
 from jsonargparse import Namespace
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
+from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 
 from diffexp.checkpoint_io import read_checkpoint
@@ -28,6 +29,7 @@ from diffexp.training.diagnostics import Diagnostics
 from diffexp.training.global_batch import GlobalBatch
 from diffexp.training.hparams import RunHParams
 from diffexp.training.module import DiffexpLM
+from diffexp.training.preemption import Preemption, handling_signals
 from diffexp.training.preflight import (
     check_cpu_memory,
     check_resume,
@@ -209,7 +211,11 @@ class DiffexpCLI(LightningCLI):
             trainer.strategy.checkpoint_io = AtomicCheckpointIO()
         configured = self._get(self.config_init, "trainer", default={}).get("callbacks") or []
         use_step_progress_bar(trainer, configured if isinstance(configured, list) else [configured])
-        trainer.callbacks.append(RunReport())
+        # before the checkpoint callback, which Lightning runs last and which stops a signalled run at a
+        # validation's end: this validation's report line is printed first
+        checkpoints = [i for i, c in enumerate(trainer.callbacks) if isinstance(c, ModelCheckpoint)]
+        at = checkpoints[0] if checkpoints else len(trainer.callbacks)
+        trainer.callbacks[at:at] = [RunReport(), Preemption()]  # Preemption: SIGTERM, SIGINT, SIGUSR1
         if self.subcommand == "fit":  # its row in TensorBoard's HParams tab; first, so the checkpoints saved at a
             trainer.callbacks.insert(0, RunHParams())  # validation's end hold the val/loss it has just recorded
         return trainer
@@ -349,7 +355,8 @@ def run_lightning_cli(args: list[str]) -> None:
         handler.setFormatter(logging.Formatter("%(message)s"))
         log.addHandler(handler)
         log.setLevel(logging.INFO)
-    make_cli(args)
+    with handling_signals():
+        make_cli(args)
 
 
 def build_fit(args: list[str]):

@@ -21,8 +21,9 @@ from diffexp.parallel import FSDP2Strategy, full_value
 from diffexp.training.global_batch import resumed_layout
 from diffexp.training.loss import token_losses
 from diffexp.training.loss_slices import ar_hit_mask, frequent_bigrams
-from diffexp.training.nonfinite import any_rank_non_finite, stop_with_last_finite
+from diffexp.training.nonfinite import any_rank_stops, stop_with_last_finite
 from diffexp.training.options import ARHitConfig, OptimConfig
+from diffexp.training.preemption import note_agreement
 from diffexp.training.step_logs import VITALS, logs_this_step, note_fit_start, write_to_loggers
 
 
@@ -313,13 +314,15 @@ class DiffexpLM(L.LightningModule):
         parts, n = [], len(losses)
         if losses:
             own = torch.stack([own for own, _ in losses])
-            parts += [any_rank_non_finite(self.trainer, own), own, torch.stack([mean for _, mean in losses])]
+            parts += [any_rank_stops(self.trainer, own), own, torch.stack([mean for _, mean in losses])]
         if norm is not None:
             parts.append(norm.reshape(1))
         # one copy to the host, in the widest dtype among them (every value exact)
         values = torch.cat(parts).tolist() if parts else []
         if losses:
-            stops, own_values, self.step_losses = values[0], values[1:n + 1], values[n + 1:2 * n + 1]
+            stops, signalled = values[0], values[1]
+            own_values, self.step_losses = values[2:n + 2], values[n + 2:2 * n + 2]
+            note_agreement(signalled)  # a stop signal on any rank: every rank stops after this step
             self.shown_train_loss = self.step_losses[-1]
             if stops:  # this rank's first non-finite loss (another rank's when all of this rank's are finite)
                 value = next((v for v in own_values if not math.isfinite(v)), own_values[-1])

@@ -16,6 +16,7 @@ import torch
 
 from diffexp.errors import UserError
 from diffexp.training.checkpointing import flush_loggers
+from diffexp.training.preemption import stop_requested_locally
 
 
 class NonFiniteError(UserError):
@@ -26,12 +27,13 @@ class NonFiniteError(UserError):
         self.divergence = {"step": step, "reason": f"{quantity} is {value}"}
 
 
-def any_rank_non_finite(trainer: L.Trainer, values: torch.Tensor) -> torch.Tensor:
-    """(1,) on the device, the same on every rank: how many ranks hold a NaN or inf in their `values`. An
-    all-reduce and no host read: the caller reads it with the step's other values; all ranks must stop (and save)
-    together."""
-    flag = (~torch.isfinite(values)).any().to(values.dtype).reshape(1)
-    return trainer.strategy.reduce(flag, reduce_op="sum")
+def any_rank_stops(trainer: L.Trainer, values: torch.Tensor) -> torch.Tensor:
+    """(2,) on the device, the same on every rank: how many ranks hold a NaN or inf in their `values`, and how many
+    received a stop signal (diffexp.training.preemption). An all-reduce and no host read: the caller reads it with the
+    step's other values; all ranks must stop (and save) together."""
+    non_finite = (~torch.isfinite(values)).any().to(values.dtype)
+    signalled = values.new_full((), float(stop_requested_locally()))  # a fill on the device, no copy from the host
+    return trainer.strategy.reduce(torch.stack([non_finite, signalled]), reduce_op="sum")
 
 
 def _checkpoint_dir(trainer: L.Trainer) -> Path:
@@ -55,7 +57,7 @@ def stop_with_last_finite(trainer: L.Trainer, module: L.LightningModule, quantit
                           lr: float) -> NoReturn:
     """Save the pre-step state (unless the weights are already non-finite) and raise NonFiniteError.
 
-    Called on every rank at once (see any_rank_non_finite): under DDP/FSDP saving a checkpoint is collective.
+    Called on every rank at once (see any_rank_stops): under DDP/FSDP saving a checkpoint is collective.
     """
     step = trainer.global_step
     weights_finite = all(bool(torch.isfinite(p).all()) for p in module.parameters())

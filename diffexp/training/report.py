@@ -67,8 +67,9 @@ def _number_text(value) -> str:
     return "-" if value is None else f"{float(value):.4f}"
 
 
-def print_summary(trainer: L.Trainer) -> None:
-    """One block at the end of fit: where the run is, its checkpoints, losses, speed and what to run next."""
+def print_summary(trainer: L.Trainer, ended: str = "done", notes: list[str] = ()) -> None:
+    """One block at the end of fit: where the run is, its checkpoints, losses, speed and what to run next; `ended`
+    says how it ended (a signal's stop: diffexp.training.preemption), `notes` add lines before the commands."""
     log_dir = trainer.log_dir  # a broadcast under multi-process strategies: every rank takes part
     if not trainer.is_global_zero:
         return
@@ -93,6 +94,7 @@ def print_summary(trainer: L.Trainer) -> None:
     peak = peak_line(trainer.strategy.root_device, getattr(trainer.strategy, "estimated_memory", None))
     if peak is not None:
         lines.append(f"peak memory     {peak}")
+    lines += [f"note            {note}" for note in notes]
     if run_dir is not None and last:
         config = run_dir / "config.yaml"
         lines.append(f"resume          diffexp fit --config {config} --ckpt_path {last}")
@@ -103,4 +105,5 @@ def print_summary(trainer: L.Trainer) -> None:
         else:  # the logger's save_dir: this run beside every other run there (the README's command, the same way)
             lines.append(f"compare         tensorboard --logdir {study_dir}   "
                          f"(this run: {run_dir.parent.name}/{run_dir.name}, beside the other runs there)")
-    print("\n".join(["", "== diffexp fit: done " + "=" * 50, *lines, "=" * 71]), flush=True)
+    headline = f"== diffexp fit: {ended} "
+    print("\n".join(["", headline + "=" * max(3, 71 - len(headline)), *lines, "=" * 71]), flush=True)
