@@ -28,6 +28,7 @@ from pathlib import Path
 import optuna
 import pytest
 
+from diffexp.checkpoint_io import read_checkpoint
 from diffexp.sweep.interruptions import MARKER
 from diffexp.sweep.storage import STORAGE_URL_ENV, open_storage
 from tests.helpers import free_port, subprocess_env, write_spec
@@ -170,7 +171,9 @@ def test_a_signalled_worker_records_its_trial_interrupted_and_the_rerun_resumes_
     assert trial.state.name == "FAIL" and trial.user_attrs["outcome"] == "interrupted"
     assert trial.user_attrs["failure"] == "interrupted by SIGTERM"
     assert json.loads((run_dir / MARKER).read_text())["trial_id"] == trial._trial_id
-    assert (run_dir / "checkpoints/last.ckpt").is_file()
+    # the fit saved the step it stopped at: nothing trained is lost
+    stopped_at = int(re.search(r"stopped by SIGTERM at step (\d+)", (run_dir / "trial-1.log").read_text()).group(1))
+    assert read_checkpoint(run_dir / "checkpoints/last.ckpt")["global_step"] == stopped_at > 0
 
     log2 = tmp_path / "worker-2.log"
     started = time.time()
