@@ -359,6 +359,7 @@ def test_a_worker_rides_out_a_postgres_restart_and_finishes_every_trial_once(tmp
     assert len(list(run_dir.glob("trial-*.log"))) == 1  # the trial in flight ran once, through the outage
 
 
+@pytest.mark.heavy  # two fits around the outage (over two minutes); the retry bound is checked by default above
 def test_a_worker_gives_up_on_a_storage_gone_too_long_in_one_paragraph_and_the_rerun_finishes(tmp_path,
                                                                                                own_postgres):
     # 80 steps and a heartbeat every 2 s (stale_after_s / 3): the trial is still training when its heartbeat
@@ -424,6 +425,18 @@ def fill(disk: Path) -> Path:
     return filler
 
 
+def test_a_sweep_on_a_full_disk_stops_before_its_first_trial_in_one_paragraph(tmp_path, tmpfs):
+    spec = one_point_spec(tmp_path, "fullnow", runs_dir=str(tmpfs / "runs"), storage=f"sqlite:///{tmp_path}/study.db")
+    fill(tmpfs)
+    log = tmp_path / "worker.log"
+    code, output = finish(start_worker(spec, log), log, timeout=120)
+    assert code == 2, output[-3000:]
+    message = one_paragraph(output)
+    assert f"no space left on the device to write {tmpfs}/runs/fullnow/sweep.json" in message
+    assert "Free space there, then run the same `diffexp sweep` command again" in message
+
+
+@pytest.mark.heavy  # two fits around the full disk (about a minute and a half)
 def test_a_runs_directory_that_fills_mid_trial_stops_the_worker_and_the_rerun_finishes(tmp_path, tmpfs):
     spec = one_point_spec(tmp_path, "full", runs_dir=str(tmpfs / "runs"), storage=f"sqlite:///{tmp_path}/study.db",
                           max_attempts=1, stale_after_s=3600)
@@ -450,6 +463,7 @@ def test_a_runs_directory_that_fills_mid_trial_stops_the_worker_and_the_rerun_fi
         {"diff/seed0": Counter({"COMPLETE": 1, "FAIL": 1})}
 
 
+@pytest.mark.heavy  # two fits around the full disk (about two minutes)
 def test_a_sqlite_storage_on_a_disk_that_fills_stops_the_worker_in_one_paragraph(tmp_path, tmpfs):
     url = f"sqlite:///{tmpfs}/study.db"
     spec = one_point_spec(tmp_path, "dbfull", storage=url, max_attempts=1, stale_after_s=3600)

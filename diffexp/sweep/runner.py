@@ -194,6 +194,11 @@ class SweepRunner:
                     continue  # claimed by another worker between our read and our write
             except optuna.exceptions.UpdateFinishedTrialError:
                 continue  # claimed and already finished (e.g. dropped as a duplicate) by another worker
+            point = self.points.get(frozen.user_attrs.get("point"))
+            if point is not None:  # from here a stop of this worker marks the trial (run()), found by its run_dir
+                run_dir = layout.trial_dir(self.spec.study_dir, point.slug, point.seed, point.draw)
+                self.current = (frozen._trial_id, run_dir)
+                self.storage.set_trial_user_attr(frozen._trial_id, "run_dir", str(run_dir))
             self.storage.set_trial_system_attr(frozen._trial_id, HEARTBEAT, time.time())
             self.storage.set_trial_user_attr(frozen._trial_id, "worker", self.worker)
             trial = optuna.Trial(self.study, frozen._trial_id)
@@ -203,6 +208,7 @@ class SweepRunner:
             if others:  # enqueued twice by racing workers on a server storage: drop the copy
                 self.storage.set_trial_user_attr(frozen._trial_id, "failure", DUPLICATE)
                 self.study.tell(trial, state=TrialState.FAIL)
+                self.current = None
                 continue
             return trial
         return None
@@ -286,8 +292,8 @@ class SweepRunner:
             if not isinstance(exc, NoSpaceError) and not is_no_space(exc):
                 raise
             self._stopped(trial, run_dir, NO_SPACE, "no space left on the device")
-            raise NoSpaceError(no_space_message(run_dir / "trial-N.log") + f" (trial {point.key} was waiting "
-                               "to start; it has not used an attempt)") from None
+            raise NoSpaceError(no_space_message(run_dir) + f" (trial {point.key} was about to start; it has not "
+                               "used an attempt)") from None
         self.watch.attach(proc)
         try:
             self._watch_trial(trial, proc, progress, bar, run_dir)
