@@ -58,6 +58,7 @@ from diffexp.sweep.tune import best_lrs, describe, final_spec, tuning_spec, view
 HEARTBEAT = "diffexp_heartbeat"
 POINT_PARAM = "point"
 FINISHED = (TrialState.COMPLETE, TrialState.PRUNED)
+RESUME_ENV = "DIFFEXP_SWEEP_RESUME"  # the command a `--gpus` worker's messages give for resuming
 DUPLICATE = "duplicate of a claimed point"  # a copy enqueued by racing workers, dropped unrun: not an attempt
 console = Console(stderr=True)
 
@@ -552,8 +553,9 @@ def main(argv: list[str] | None = None) -> int:
                              "study's storage: auto = every visible GPU, N = the first N, LIST = ids such as 0,1,2,3; "
                              "their logs go to <runs>/<study>/workers/")
     args = parser.parse_args(argv)
-    resume = "diffexp sweep " + " ".join(shlex.quote(mask_secrets(arg)) for arg in
-                                         (sys.argv[2:] if argv is None else argv))
+    # `--gpus` workers name their parent's command (with --gpus), the one that resumes them all
+    resume = os.environ.get(RESUME_ENV) or "diffexp sweep " + " ".join(
+        shlex.quote(mask_secrets(arg)) for arg in (sys.argv[2:] if argv is None else argv))
     try:
         return _main(args, resume)
     except WorkerSignalled as stop:
@@ -577,6 +579,7 @@ def _main(args: argparse.Namespace, resume: str) -> int:
     if devices is not None:
         if tuning is None:
             SweepRunner(spec, storage_origin=origin or "storage", resume=resume)  # makes the study and its queue
+        os.environ[RESUME_ENV] = resume  # inherited by the workers
         worker_args = ["--config", args.config] + [arg for flag, value in (("--storage", args.storage),
                                                                            ("--runs-dir", args.runs_dir))
                                                     if value for arg in (flag, value)]
