@@ -3,12 +3,16 @@ disk full.
 
 A .ckpt file, a sharded (torch.distributed.checkpoint) directory or a `diffexp export` directory is read on the CPU
 with ``torch.load(weights_only=True)``, so a file needing anything else unpickled is refused, never run; every
-failure is a ``UserError`` naming the key, the file and the problem.
+failure is a ``UserError`` naming the key, the file and the problem. Before anything is unpickled the bytes are
+verified (``verify_checkpoint``): a file's zip members against the CRC-32 torch.save stores for each (torch.load
+never checks it), a directory's files against the SHA-256 sums its SHA256SUMS lists (written by FSDP2Strategy's
+sharded saves and by `diffexp export`), so a damaged checkpoint is refused by name instead of loading changed weights.
 """
 
 from __future__ import annotations
 
 import errno
+import hashlib
 import os
 import pickle
 import re
@@ -30,6 +34,9 @@ SHARDED_WEIGHTS = ("model", "state_dict")
 LIGHTNING_META = "meta.pt"  # Lightning's FSDP checkpoints: everything but the sharded tensors
 ZIP_MAGIC = b"PK\x03\x04"  # torch.save's default format is a zip archive
 PICKLE_PROTO = 0x80  # torch.save's legacy format starts with a pickle protocol opcode
+#: a sharded checkpoint's or an export's SHA-256 of each file, in `sha256sum -c` form ("<hex>  <name>" per line)
+CHECKSUMS = "SHA256SUMS"
+READ_CHUNK = 16 << 20  # bytes read at a time when verifying
 EXPECTED = "expected a .ckpt written by diffexp (a dict with 'state_dict' and 'hyper_parameters' with 'arch')"
 
 
@@ -215,16 +222,134 @@ def _read_sharded(path: Path, key: str, weights: bool) -> dict:
     return {**checkpoint, "state_dict": weights}
 
 
+# -- integrity ------------------------------------------------------------------------------------------------
+#: what verify_checkpoint has found intact in this process, by the files' identity and modification time, so a
+#: checkpoint read twice (the resume checks, then Lightning's load) is verified once
+_VERIFIED: set[tuple] = set()
+
+
+def file_sha256(path: os.PathLike | str) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(READ_CHUNK):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def write_checksums(directory: os.PathLike | str, digests: dict[str, str] | None = None) -> None:
+    """Write `directory`/SHA256SUMS for every file in it (recursively), taking the sums already known from
+    `digests` (name relative to `directory` -> hex). Call it on a staging directory before it is renamed into
+    place, so the sums and the files arrive together; the file itself is written beside and renamed."""
+    directory = Path(directory)
+    digests = dict(digests or {})
+    for file in sorted(p for p in directory.rglob("*") if p.is_file()):
+        name = file.relative_to(directory).as_posix()
+        if name != CHECKSUMS and not name.startswith(f".{CHECKSUMS}."):
+            digests.setdefault(name, file_sha256(file))
+    temporary = directory / f".{CHECKSUMS}.tmp"
+    temporary.write_text("".join(f"{digests[name]}  {name}\n" for name in sorted(digests)), encoding="utf-8")
+    os.replace(temporary, directory / CHECKSUMS)
+
+
+def _identity(paths: list[Path]) -> tuple:
+    return tuple((str(p.resolve()), st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+                 for p in paths for st in [p.stat()])
+
+
+def _damaged(key: str, path: Path, problem: str) -> UserError:
+    others = sorted(p.name for p in path.parent.glob("*.ckpt") if p.name != path.name) if path.suffix == ".ckpt" else []
+    instead = f"another checkpoint ({', '.join(others[:4])} beside it)" if others else "another checkpoint"
+    return _error(key, path, f"the checkpoint is damaged: {problem} (its bytes changed after it was written: a "
+                             f"faulty copy or disk?); copy it again from where it was written, or use {instead}")
+
+
+def _verify_zip(path: Path, key: str) -> None:
+    """Read every member of a torch.save archive to its end, which checks its CRC-32 (zipfile's public reader)."""
+    member = None
+    try:
+        with zipfile.ZipFile(path) as archive:
+            for info in archive.infolist():
+                member = info.filename.split("/", 1)[-1]  # without the archive's own top directory
+                with archive.open(info) as data:
+                    while data.read(READ_CHUNK):
+                        pass
+    except Exception as err:  # noqa: BLE001  # an archive zipfile found whole but cannot read: damage, whatever the error
+        crc = "CRC-32" in str(err)
+        problem = (f"its record {member} fails its CRC-32 check" if crc and member else
+                   f"its zip archive cannot be read at record {member}" if member else "its zip index cannot be read")
+        raise _damaged(key, path, problem) from None
+
+
+def _verify_sums(directory: Path, key: str) -> list[Path]:
+    """Check every file SHA256SUMS lists; the files checked (none when there is no SHA256SUMS: written before
+    diffexp wrote one, or by another tool)."""
+    listing = directory / CHECKSUMS
+    if not listing.is_file():
+        return []
+    files = []
+    for number, line in enumerate(listing.read_text(encoding="utf-8", errors="replace").splitlines(), 1):
+        found = re.fullmatch(r"([0-9a-f]{64}) [ *](.+)", line.strip())
+        if not found:
+            raise _damaged(key, directory, f"line {number} of its {CHECKSUMS} is not '<sha256>  <file>'")
+        expected, name = found.groups()
+        file = directory / name
+        if not file.is_file():
+            raise _damaged(key, directory, f"{name}, which its {CHECKSUMS} lists, is missing")
+        if file_sha256(file) != expected:
+            raise _damaged(key, directory, f"{name} does not match its SHA-256 in {CHECKSUMS}")
+        files.append(file)
+    return [*files, listing]
+
+
+def verify_checkpoint(path: os.PathLike | str, key: str = "--ckpt_path") -> None:
+    """Refuse a checkpoint whose bytes changed since it was written, with a UserError naming `key` and the file.
+
+    A .ckpt file (zip format): every record against its CRC-32. A directory (a sharded checkpoint or an export):
+    every file its SHA256SUMS lists against its sum; an export written before SHA256SUMS existed, its weights
+    against the SHA-256 in its config.json. A checkpoint without any sum (older sharded ones) is read as it is.
+    A truncated or foreign file is left to the reader, which says what it is. Reads every byte once."""
+    path = Path(path).expanduser()
+    if path.is_dir():
+        if not (path / CHECKSUMS).is_file() and not is_exported_model(path):
+            return  # no sums to check (an older sharded checkpoint), or no checkpoint: the reader says which
+        identity = _identity(sorted(p for p in path.rglob("*") if p.is_file()))
+        if identity in _VERIFIED:
+            return
+        if not _verify_sums(path, key) and is_exported_model(path):
+            _verify_export_weights(path, key)
+        _VERIFIED.add(identity)
+    elif path.is_file() and _first_bytes(path) == ZIP_MAGIC and zipfile.is_zipfile(path):
+        identity = _identity([path])
+        if identity not in _VERIFIED:
+            _verify_zip(path, key)
+            _VERIFIED.add(identity)
+
+
+def _verify_export_weights(path: Path, key: str) -> None:
+    """An export without SHA256SUMS: its weights against the sum its config.json records (source.weights_sha256)."""
+    import json
+
+    try:
+        config = json.loads((path / EXPORT_CONFIG).read_text(encoding="utf-8"))
+        weights, expected = str(config["weights"]), config["source"]["weights_sha256"]
+    except (ValueError, UnicodeDecodeError, KeyError, TypeError):
+        return  # _read_exported says what is wrong with the config
+    if (path / weights).is_file() and file_sha256(path / weights) != expected:
+        raise _damaged(key, path, f"{weights} does not match the SHA-256 its {EXPORT_CONFIG} records")
+
+
 def read_checkpoint(path: os.PathLike | str, key: str = "--ckpt_path", *, weights: bool = True) -> dict:
     """Load a diffexp checkpoint (a .ckpt file or a sharded checkpoint directory) on the CPU.
 
     ``key`` is how the user wrote the path (``--ckpt_path``, ``CKPT``), for the error messages.
-    ``weights=False`` memory-maps the tensors (zip files) or skips them (sharded directories): cheap,
-    for reading the hyperparameters of a large checkpoint.
+    ``weights=False`` memory-maps the tensors (zip files) or skips them (sharded directories), for reading the
+    hyperparameters of a large checkpoint; either way its bytes are verified first (verify_checkpoint), once per
+    process.
     """
     path = Path(path).expanduser()
     if not path.exists():
         raise _error(key, path, "no such file")
+    verify_checkpoint(path, key)
     if path.is_dir():
         if is_sharded_checkpoint(path):
             return _read_sharded(path, key, weights)
@@ -255,7 +380,8 @@ def model_hparams(checkpoint: dict) -> dict:
 
 
 def checkpoint_hparams(path: os.PathLike | str, key: str = "--ckpt_path") -> dict:
-    """``model_hparams`` of the checkpoint at ``path``, read cheaply (no tensors loaded); for resume checks."""
+    """``model_hparams`` of the checkpoint at ``path``, no tensors loaded (the bytes verified); for resume
+    checks."""
     return model_hparams(read_checkpoint(path, key, weights=False))
 
 
@@ -264,6 +390,8 @@ def checkpoint_hparams(path: os.PathLike | str, key: str = "--ckpt_path") -> dic
 NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
 #: torch's zip writer reports a failed write in these words, without the errno (a file opened by path)
 TORCH_WRITE_FAILED = re.compile(r"unexpected pos|file write failed|PytorchStreamWriter failed")
+#: safetensors reports the OS error in its message only: "I/O error: No space left on device (os error 28)"
+OS_ERROR_NO_SPACE = re.compile(rf"\(os error ({'|'.join(map(str, NO_SPACE))})\)")
 
 
 def _errors_within(err: BaseException):
@@ -315,11 +443,12 @@ def tensor_bytes(checkpoint: Any) -> int:
 
 
 def save_failed_for_space(err: BaseException, path: os.PathLike | str, needed: int) -> bool:
-    """Whether a checkpoint save failed because the disk is full: an ENOSPC (or EDQUOT) anywhere in the
-    error, or torch's bare "file write failed" while less than the checkpoint's size is free.
-    Call it before removing the partial files, which would give the space back."""
+    """Whether a checkpoint save (or an export) failed because the disk is full: an ENOSPC (or EDQUOT) anywhere in
+    the error (safetensors': in its message), or torch's bare "file write failed" while less than the checkpoint's
+    size is free. Call it before removing the partial files, which would give the space back."""
     carried = list(_errors_within(err))
-    if any(isinstance(exc, OSError) and exc.errno in NO_SPACE for exc in carried):
+    if any(isinstance(exc, OSError) and exc.errno in NO_SPACE or OS_ERROR_NO_SPACE.search(str(exc))
+           for exc in carried):
         return True
     torch_write = any(isinstance(exc, RuntimeError) and TORCH_WRITE_FAILED.search(str(exc)) for exc in carried)
     return torch_write and free_bytes(path) < needed
@@ -347,4 +476,15 @@ def no_space_error(path: os.PathLike | str, needed: int) -> UserError:
         f"no space left on the device to save the checkpoint {path}: it needs about {_human_size(needed)}, "
         f"{_human_size(free_bytes(path.parent))} is free on that file system. {kept} Free space there, or set "
         f"--checkpoint.dirpath to a directory on a disk with room, then {resume}."
+    )
+
+
+def no_space_for_export(out: os.PathLike | str, needed: int) -> UserError:
+    """The one paragraph for an export that did not fit (its partial directory already removed)."""
+    out = Path(out)
+    return UserError(
+        f"OUT={str(out)!r}: no space left on the device to write the export: it needs about {_human_size(needed)}, "
+        f"{_human_size(free_bytes(out.parent))} is free on that file system. Nothing was written (the partial "
+        f"directory was removed). Free space there, or give OUT a directory on a disk with room, then run diffexp "
+        f"export again."
     )

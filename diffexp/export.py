@@ -7,7 +7,9 @@ model.safetensors (or model.pt with
 `diffexp eval` task and `diffexp generate` read OUT like a checkpoint. With --format hf, OUT is a Hugging Face
 transformers directory instead (diffexp.hf: LlamaForCausalLM, DiffLlamaForCausalLM, or with --remote-code any
 variant), with the tokenizer files AutoTokenizer reads; `diffexp generate` and `model.init_from` read it back.
-It is written beside itself and renamed into place; an existing OUT is never overwritten.
+Every directory gets SHA256SUMS (`sha256sum -c` form), the SHA-256 of each file, which diffexp's readers check before
+loading it. It is written beside itself and renamed into place; an existing OUT is never overwritten, and a disk that
+fills leaves nothing behind.
 """
 
 from __future__ import annotations
@@ -21,7 +23,14 @@ from pathlib import Path
 
 import torch
 
-from diffexp.checkpoint_io import EXPORT_CONFIG, EXPORT_FORMAT
+from diffexp.checkpoint_io import (
+    EXPORT_CONFIG,
+    EXPORT_FORMAT,
+    no_space_for_export,
+    save_failed_for_space,
+    tensor_bytes,
+    write_checksums,
+)
 from diffexp.errors import UserError
 from diffexp.hf import require_transformers
 from diffexp.training.loading import CKPT_KEY, load_checkpoint
@@ -81,7 +90,7 @@ def export(checkpoint_path: str, out: str, weights_format: str = "safetensors", 
                                        if tokenizer["kind"] == "tokenizers" else {})},
         "source": run_identity(Path(checkpoint_path)),
     }
-    with _staged(target) as staging:
+    with _staged(target, tensor_bytes(checkpoint["state_dict"])) as staging:
         weights = untied(checkpoint["state_dict"])
         if weights_format == "safetensors":
             _save_safetensors(weights, staging / FORMATS["safetensors"])
@@ -91,6 +100,7 @@ def export(checkpoint_path: str, out: str, weights_format: str = "safetensors", 
         if tokenizer is not None and tokenizer["kind"] == "tokenizers":
             (staging / "tokenizer.json").write_text(tokenizer["json"], encoding="utf-8")
         (staging / EXPORT_CONFIG).write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
+        write_checksums(staging, {FORMATS[weights_format]: config["source"]["weights_sha256"]})
     return target
 
 
@@ -140,10 +150,11 @@ def _export_hf(checkpoint: dict, hparams: dict, target: Path, remote_code: bool)
         tokenizer = tokenizer_state(resolve_tokenizer(checkpoint, hparams, None))
     except UserError:
         tokenizer = None  # saved without one it can name: the model alone
-    with _staged(target) as staging:
+    with _staged(target, tensor_bytes(checkpoint["state_dict"])) as staging:
         weights = write_hf_files(staging, cfg, to_builtin(dict(hparams["arch"]), json_safe=True), checkpoint, form,
                                  tokenizer)
         _save_safetensors(untied(weights), staging / FORMATS["hf"])
+        write_checksums(staging)  # transformers ignores the file; diffexp's HF reader checks it
     return target
 
 
@@ -160,16 +171,23 @@ def _check_creatable(out: str, target: Path) -> None:
 
 
 @contextlib.contextmanager
-def _staged(target: Path):
-    """A directory to fill, renamed to `target` when the block succeeds and removed when it fails. Missing parents
-    are made here, after every check (an export refused writes nothing)."""
-    target.parent.mkdir(parents=True, exist_ok=True)
+def _staged(target: Path, needed: int):
+    """A directory to fill, renamed to `target` when the block succeeds and removed when it fails; a failure for
+    want of space (about `needed` bytes) is the one-paragraph no-space error. Missing parents are made here, after
+    every check (an export refused writes nothing)."""
     staging = target.with_name(f".{target.name}.{os.getpid()}.tmp")
     shutil.rmtree(staging, ignore_errors=True)
-    staging.mkdir()
     try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        staging.mkdir()
         yield staging
         os.replace(staging, target)
+    except Exception as err:
+        no_space = save_failed_for_space(err, staging, needed)  # asked before the partial files give space back
+        shutil.rmtree(staging, ignore_errors=True)
+        if no_space:
+            raise no_space_for_export(target, needed) from err
+        raise
     finally:
         shutil.rmtree(staging, ignore_errors=True)
 

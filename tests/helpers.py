@@ -33,9 +33,9 @@ def subprocess_env(**extra: str) -> dict[str, str]:
     return {**os.environ, "PYTHONPATH": path, **extra}
 
 
-def one_thread_env() -> dict[str, str]:
+def one_thread_env(**extra: str) -> dict[str, str]:
     """subprocess_env for a child that shares the machine with others: one OpenMP thread."""
-    return subprocess_env(OMP_NUM_THREADS="1")
+    return subprocess_env(OMP_NUM_THREADS="1", **extra)
 
 
 def run_cli(args: list[str], cwd: Path, check=True) -> subprocess.CompletedProcess:

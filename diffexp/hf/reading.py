@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from diffexp.checkpoint_io import fill_added_later
+from diffexp.checkpoint_io import fill_added_later, verify_checkpoint
 from diffexp.errors import UserError
 from diffexp.hf import diff_llama, remote_code
 from diffexp.hf.classes import read_as, written_as
@@ -110,10 +110,12 @@ def _hf_weights(path: Path, key: str) -> dict[str, torch.Tensor]:
 
 
 def read_hf_model(path: os.PathLike | str, key: str, weights: bool = True) -> dict:
-    """The directory in read_checkpoint's form: hyper_parameters.arch and (with weights) DiffexpLM's state dict."""
+    """The directory in read_checkpoint's form: hyper_parameters.arch and (with weights) DiffexpLM's state dict.
+    One `diffexp export --format hf` wrote is first checked against its SHA256SUMS."""
     from diffexp.model.config import ModelConfig
 
     path = Path(path)
+    verify_checkpoint(path, key)
     fields = json.loads((path / "config.json").read_text(encoding="utf-8"))
     if fields.get("model_type") == remote_code.MODEL_TYPE and isinstance(fields.get("arch"), dict):
         checkpoint = {"hyper_parameters": {"arch": dict(fields["arch"])}, "global_step": 0}

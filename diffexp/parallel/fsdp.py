@@ -14,16 +14,16 @@ from pathlib import Path
 from typing import Any, Literal, NoReturn
 
 import torch
-from lightning.pytorch.strategies import ModelParallelStrategy
 from torch import nn
 
-from diffexp.checkpoint_io import no_space_error, save_failed_for_space, tensor_bytes
+from diffexp.checkpoint_io import file_sha256, no_space_error, save_failed_for_space, tensor_bytes, write_checksums
 from diffexp.errors import UserError, invalid
+from diffexp.lightning_internals import StrategyInternals
 
 MIXED_PRECISION = ("auto", "bf16", "fp32")
 
 
-class FSDP2Strategy(ModelParallelStrategy):
+class FSDP2Strategy(StrategyInternals):
     """FSDP2 (per-parameter sharding, torch.distributed.fsdp.fully_shard) over every process of the run.
 
     Args:
@@ -49,6 +49,7 @@ class FSDP2Strategy(ModelParallelStrategy):
         super().__init__(save_distributed_checkpoint=save_distributed_checkpoint,
                          process_group_backend=process_group_backend, timeout=timeout)
         self.mixed_precision = mixed_precision
+        self.save_distributed_checkpoint = save_distributed_checkpoint
         self.activation_checkpointing = activation_checkpointing
         self.replicate_across_nodes = replicate_across_nodes
         self.estimated_memory: int | None = None  # bytes per rank, from check_memory
@@ -57,13 +58,12 @@ class FSDP2Strategy(ModelParallelStrategy):
     def setup_environment(self) -> None:
         from torch.distributed.device_mesh import init_device_mesh
 
-        self._setup_distributed()
+        self.setup_distributed()
         if self.replicate_across_nodes and self.num_nodes > 1:
             shape, names = (self.num_nodes, self.num_processes), ("replicate", "shard")
         else:
             shape, names = (self.world_size,), ("shard",)
-        self._device_mesh = init_device_mesh(self.root_device.type, shape, mesh_dim_names=names)
-        self.lightning_module._device_mesh = self._device_mesh
+        self.use_device_mesh(init_device_mesh(self.root_device.type, shape, mesh_dim_names=names))
 
     @property
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
@@ -81,8 +81,9 @@ class FSDP2Strategy(ModelParallelStrategy):
         in: a kill leaves the previous checkpoint or the new one, never a partial one (a kill between the two
         renames leaves the new one under its staging name). A save that fails on one rank (a full disk) fails on
         all of them, rather than leaving the others waiting at the next collective; the staging directory is
-        removed and the previous checkpoint stays as it was."""
-        if not self._save_distributed_checkpoint:  # one file, written by rank 0 (AtomicCheckpointIO)
+        removed and the previous checkpoint stays as it was. The directory holds SHA256SUMS, each file's SHA-256
+        (every rank hashes the shards it wrote), which diffexp.checkpoint_io checks before reading it."""
+        if not self.save_distributed_checkpoint:  # one file, written by rank 0 (AtomicCheckpointIO)
             failure = _save_error(super().save_checkpoint, checkpoint, filepath, storage_options)
             if self.reduce_boolean_decision(failure is not None, all=False):
                 _raise_on_every_rank(failure, Path(filepath))
@@ -91,16 +92,20 @@ class FSDP2Strategy(ModelParallelStrategy):
         token = self.broadcast(secrets.token_hex(4))
         staging = target.with_name(f".{target.name}.{token}.tmp")  # diffexp.training.runs removes orphans
         needed = tensor_bytes(checkpoint)  # before Lightning moves the tensors out of the dict
-        failure = _save_error(super().save_checkpoint, checkpoint, staging, storage_options)
-        no_space = failure is not None and save_failed_for_space(failure, staging, needed)  # before space is freed
-        if self.reduce_boolean_decision(failure is not None, all=False):
-            if self.is_global_zero:
-                shutil.rmtree(staging, ignore_errors=True)
-            self.barrier("diffexp-checkpoint-removed")  # so every rank reports the space left after it
-            if no_space:
-                raise no_space_error(target, needed) from failure
-            _raise_on_every_rank(failure, target)
+
+        def settle(failure: BaseException | None) -> None:  # every rank calls it: fails on all if one failed
+            no_space = failure is not None and save_failed_for_space(failure, staging, needed)  # before space is freed
+            if self.reduce_boolean_decision(failure is not None, all=False):
+                if self.is_global_zero:
+                    shutil.rmtree(staging, ignore_errors=True)
+                self.barrier("diffexp-checkpoint-removed")  # so every rank reports the space left after it
+                if no_space:
+                    raise no_space_error(target, needed) from failure
+                _raise_on_every_rank(failure, target)
+
+        settle(_save_error(super().save_checkpoint, checkpoint, staging, storage_options))
         self.barrier("diffexp-checkpoint-written")
+        settle(_save_error(_write_shard_sums, staging, self.global_rank, self.world_size))
         if self.is_global_zero:
             replaced = target.with_name(f".{target.name}.{token}-old.tmp")
             if target.is_dir():
@@ -152,6 +157,24 @@ def _raise_on_every_rank(failure: BaseException | None, target: Path) -> NoRetur
     if failure is None:  # this rank's part was written: the failing rank's error says why
         raise UserError(f"saving the checkpoint {target} failed on another process; its error says why")
     raise failure
+
+
+def _write_shard_sums(staging: Path, rank: int, world_size: int) -> None:
+    """SHA256SUMS of a sharded checkpoint's staging directory: each rank hashes the shards it wrote
+    (torch.distributed.checkpoint names them __<rank>_<n>.distcp), rank 0 gathers the sums, hashes the rest (the
+    index, Lightning's meta.pt, any shard a rank could not read) and writes the file. A collective."""
+    import torch.distributed as dist
+
+    try:
+        mine = {p.name: file_sha256(p) for p in staging.glob(f"__{rank}_*.distcp")}
+    except OSError:
+        mine = {}  # rank 0 hashes what is left
+    gathered: list[dict[str, str] | None] = [mine]
+    if world_size > 1 and dist.is_initialized():
+        gathered = [None] * world_size
+        dist.all_gather_object(gathered, mine)
+    if rank == 0:
+        write_checksums(staging, {name: digest for sums in gathered for name, digest in (sums or {}).items()})
 
 
 def is_sharded(module: nn.Module) -> bool:

@@ -15,10 +15,11 @@ from typing import Any
 
 import lightning as L
 from lightning.fabric.utilities.apply_func import convert_tensors_to_scalars
-from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.trainer.states import TrainerFn
 
+from diffexp import lightning_internals as internals
 from diffexp.errors import UserError, invalid
+from diffexp.lightning_internals import CheckpointInternals
 from diffexp.training.preemption import agree_now, agreed, stop, training_under_way
 from diffexp.training.runs import remove_orphan_temp_files
 
@@ -93,28 +94,21 @@ def unlogged_step_metrics(trainer: L.Trainer) -> dict[str, Any] | None:
     """The current training step's metrics that Lightning will send to the loggers after the callbacks'
     on_train_batch_end, with the step it will log them at; None when it logs nothing this step.
 
-    Reads Lightning's logger connector and epoch loop (private; checked against Lightning 2.6).
+    Reads Lightning's logger connector (diffexp.lightning_internals).
     """
-    connector = trainer._logger_connector
-    if not trainer.loggers or not connector.should_update_logs:
+    if not trainer.loggers or not internals.logs_this_step(trainer):
         return None
-    metrics = convert_tensors_to_scalars(dict(connector.metrics["log"]))
+    metrics = convert_tensors_to_scalars(internals.pending_step_metrics(trainer))
     if not metrics:
         return None
     step = metrics.pop("step", None)  # as Lightning's log_metrics reads it (DiffexpLM logs it: the steps done)
     if step is None:  # as Lightning's log_metrics falls back
         metrics.setdefault("epoch", trainer.current_epoch)
-        step = trainer.fit_loop.epoch_loop._batches_that_stepped
+        step = internals.batches_that_stepped(trainer)
     return {"step": int(step), "metrics": metrics}
 
 
-def validation_follows(trainer: L.Trainer) -> bool:
-    """Whether Lightning validates right after the training batch that just ended (its own test, private)."""
-    loop = trainer.fit_loop.epoch_loop
-    return not loop._skip_next_val and loop._should_check_val_fx(trainer.fit_loop._data_fetcher)
-
-
-class RunCheckpoint(ModelCheckpoint):
+class RunCheckpoint(CheckpointInternals):
     """ModelCheckpoint whose best files are saved at validation end and whose last.ckpt follows the
     step, epoch or time trigger. Takes ModelCheckpoint's arguments; `save_last="link"` is refused, since
     last.ckpt is mostly written at steps that have no best file."""
@@ -163,7 +157,7 @@ class RunCheckpoint(ModelCheckpoint):
             return
         if not (signalled or self._step_trigger(trainer)):
             return
-        if validation_follows(trainer):  # last.ckpt after it; a signal stops there (on_validation_end)
+        if internals.validation_follows(trainer):  # last.ckpt after it; a signal stops there (on_validation_end)
             self._last_after_validation = trainer.global_step
             return
         self._save_last_with_unlogged(trainer)
@@ -173,11 +167,11 @@ class RunCheckpoint(ModelCheckpoint):
     def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if bool(trainer.fast_dev_run) or trainer.state.fn != TrainerFn.FITTING or trainer.sanity_checking:
             return
-        candidates = self._monitor_candidates(trainer)
-        self._save_topk_checkpoint(trainer, candidates)  # this validation's value, these weights
+        candidates = self.monitor_candidates(trainer)
+        self.save_top_k_now(trainer, candidates)  # this validation's value, these weights
         if self._last_after_validation == trainer.global_step:
             self._last_after_validation = None
-            self._save_last_checkpoint(trainer, candidates)
+            self.save_last_now(trainer, candidates)
         if training_under_way() and agree_now(trainer):  # a signal before or during this validation
             self.stop_for_signal(trainer)
 
@@ -192,45 +186,43 @@ class RunCheckpoint(ModelCheckpoint):
     def _save_last_with_unlogged(self, trainer: L.Trainer) -> None:
         self._unlogged = unlogged_step_metrics(trainer)
         try:
-            self._save_last_checkpoint(trainer, self._monitor_candidates(trainer))
+            self.save_last_now(trainer, self.monitor_candidates(trainer))
         finally:
             self._unlogged = None
 
     def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         # runs after the epoch's validation and after the last step's metrics went to the loggers
-        if self._every_n_epochs >= 1 and (trainer.current_epoch + 1) % self._every_n_epochs == 0:
+        if self.every_n_epochs >= 1 and (trainer.current_epoch + 1) % self.every_n_epochs == 0:
             if not self._skip(trainer):
-                self._save_last_checkpoint(trainer, self._monitor_candidates(trainer))
+                self.save_last_now(trainer, self.monitor_candidates(trainer))
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if not self._skip(trainer):  # the final weights, whatever the trigger
-            self._save_last_checkpoint(trainer, self._monitor_candidates(trainer))
+            self.save_last_now(trainer, self.monitor_candidates(trainer))
 
     def _skip(self, trainer: L.Trainer) -> bool:
         return (bool(trainer.fast_dev_run) or trainer.state.fn != TrainerFn.FITTING or trainer.sanity_checking
                 or self._last_saved_step == trainer.global_step)
 
     def _step_trigger(self, trainer: L.Trainer) -> bool:
-        if self._every_n_train_steps >= 1 and trainer.global_step % self._every_n_train_steps == 0:
+        if self.every_n_train_steps >= 1 and trainer.global_step % self.every_n_train_steps == 0:
             return True
-        if self._train_time_interval is None or self._last_time_checked is None:
+        if self.train_time_interval is None or self.last_time_checked is None:
             return False
         now = time.monotonic()
         # one decision for all ranks: their clocks differ
-        due = trainer.strategy.broadcast(now - self._last_time_checked >= self._train_time_interval.total_seconds())
+        due = trainer.strategy.broadcast(now - self.last_time_checked >= self.train_time_interval.total_seconds())
         if due:
-            self._last_time_checked = now
+            self.last_time_checked = now
         return due
 
     # -- how ----------------------------------------------------------------------------------------------
-    def _save_last_checkpoint(self, trainer: L.Trainer, monitor_candidates: dict[str, Any]) -> None:
-        super()._save_last_checkpoint(trainer, monitor_candidates)
+    def after_save_last(self, trainer: L.Trainer) -> None:
         if self.save_last:
             self._last_saved_step = trainer.global_step
 
-    def _save_checkpoint(self, trainer: L.Trainer, filepath: str) -> None:
+    def before_save(self, trainer: L.Trainer) -> None:
         flush_loggers(trainer)  # what was logged so far is on disk before the checkpoint exists
-        super()._save_checkpoint(trainer, filepath)
 
     def state_dict(self) -> dict[str, Any]:
         return {**super().state_dict(), "unlogged_step_metrics": self._unlogged}

@@ -22,6 +22,7 @@ from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 
 from diffexp.checkpoint_io import read_checkpoint
 from diffexp.errors import UserError, dash_value_hint, debug_enabled
+from diffexp.lightning_internals import CLIInternals
 from diffexp.training.auto_batch import is_auto, resolve_auto_batch
 from diffexp.training.checkpointing import RunCheckpoint
 from diffexp.training.construction import check_buildable, trainer_build_errors
@@ -39,7 +40,7 @@ from diffexp.training.preflight import (
     validate_fit_config,
 )
 from diffexp.training.progress import use_step_progress_bar
-from diffexp.training.report import RunReport, print_summary
+from diffexp.training.report import RunReport, print_summary, progress_interval
 from diffexp.training.runs import AtomicCheckpointIO, resolve_resume, run_logger
 from diffexp.training.throughput import Throughput
 from diffexp.training.values import to_builtin
@@ -144,15 +145,19 @@ class DiffexpArgumentParser(LightningArgumentParser):
         return ("; " + "; ".join(hints)) if hints else ""
 
 
-class DiffexpCLI(LightningCLI):
+class DiffexpCLI(CLIInternals):
     @staticmethod
     def subcommands() -> dict[str, set[str]]:
         """fit, validate and test (predict has no meaning for a language-model run here)."""
         return {name: keys for name, keys in LightningCLI.subcommands().items() if name != "predict"}
 
-    def _parse_ckpt_path(self) -> None:
+    def load_checkpoint_hparams(self) -> None:
         """Lightning would silently replace the config's model with the checkpoint's; diffexp compares them
         instead (before_instantiate_classes) and refuses a mismatch."""
+
+    def setting(self, config: Namespace, key: str, default=None):
+        """A top-level key of the subcommand's config (`trainer`, `model`, `ckpt_path`)."""
+        return config.get(str(self.subcommand), config).get(key, default)
 
     def add_arguments_to_parser(self, parser) -> None:
         if self.subclass_mode_data:
@@ -181,8 +186,8 @@ class DiffexpCLI(LightningCLI):
     def instantiate_classes(self) -> None:
         """What this machine cannot build is refused first, before data and model exist (check_buildable).
         jsonargparse wraps a class's own UserError in a union error with a Namespace dump: unwrap it."""
-        trainer = to_builtin(self._get(self.config, "trainer", default={}))
-        check_buildable(trainer, to_builtin(self._get(self.config, "model", default={})))
+        trainer = to_builtin(self.setting(self.config, "trainer", default={}))
+        check_buildable(trainer, to_builtin(self.setting(self.config, "model", default={})))
         if self.subcommand == "fit":
             config = self.config[self.subcommand]
             check_cpu_memory(model_sections(config)[0], trainer, data_init_args(config)[1])
@@ -197,19 +202,19 @@ class DiffexpCLI(LightningCLI):
             raise cause from None
 
     def instantiate_trainer(self, **kwargs):
-        trainer_config = self._get(self.config, "trainer", default={})
+        trainer_config = self.setting(self.config, "trainer", default={})
         with trainer_build_errors(to_builtin(trainer_config)):
             trainer = super().instantiate_trainer(**kwargs)
         # a new run's own version_<k>, reserved once the trainer is built, so a refused build leaves no directory;
         # validate/test log into the evaluated run's eval/ (fast_dev_run logs nowhere)
         logger = None if trainer.fast_dev_run else run_logger(
-            self.subcommand, self._get(self.config_init, "trainer", default={}).get("logger"),
-            trainer_config.get("logger"), self._get(self.config, "ckpt_path"))
+            self.subcommand, self.setting(self.config_init, "trainer", default={}).get("logger"),
+            trainer_config.get("logger"), self.setting(self.config, "ckpt_path"))
         if logger is not None:
             trainer.logger = logger
         if type(trainer.strategy.checkpoint_io) is TorchCheckpointIO:  # FSDP's sharded IO is left alone
             trainer.strategy.checkpoint_io = AtomicCheckpointIO()
-        configured = self._get(self.config_init, "trainer", default={}).get("callbacks") or []
+        configured = self.setting(self.config_init, "trainer", default={}).get("callbacks") or []
         use_step_progress_bar(trainer, configured if isinstance(configured, list) else [configured])
         # before the checkpoint callback, which Lightning runs last and which stops a signalled run at a
         # validation's end: this validation's report line is printed first
@@ -220,10 +225,10 @@ class DiffexpCLI(LightningCLI):
             trainer.callbacks.insert(0, RunHParams())  # validation's end hold the val/loss it has just recorded
         return trainer
 
-    def _instantiate_trainer(self, config: dict, callbacks: list) -> L.Trainer:
+    def build_trainer(self, config: dict, callbacks: list) -> L.Trainer:
         if config.get("enable_checkpointing") is False:  # checkpoint.* is always configured: switched off, it goes
             callbacks = [callback for callback in callbacks if not isinstance(callback, RunCheckpoint)]
-        return super()._instantiate_trainer(config, callbacks)
+        return super().build_trainer(config, callbacks)
 
     def after_fit(self) -> None:
         """Every run ends validated at its last step, so its final val/loss belongs to its final weights."""
@@ -240,6 +245,7 @@ class DiffexpCLI(LightningCLI):
         subcommand = self.config.get("subcommand")
         if subcommand is None:
             return
+        progress_interval()  # a bad DIFFEXP_PROGRESS_EVERY_S is refused before any file is written
         config = self.config[subcommand]
         ckpt_path = config.get("ckpt_path")
         if not ckpt_path:  # data.batch_size auto: a number from the GPU's free memory (a resume: the checkpoint's)
@@ -377,7 +383,7 @@ class _ParseOnlyCLI(DiffexpCLI):
     def instantiate_classes(self) -> None:
         pass
 
-    def _run_subcommand(self, subcommand: str) -> None:
+    def run_subcommand(self, subcommand: str) -> None:
         pass
 
 

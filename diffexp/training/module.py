@@ -75,6 +75,14 @@ def _masked_mean(losses: torch.Tensor, mask: torch.Tensor | None) -> torch.Tenso
     return (losses * mask).sum() / mask.sum().clamp_min(1.0)
 
 
+def attached_trainer(module: L.LightningModule) -> L.Trainer | None:
+    """The trainer a module is attached to, or None (`module.trainer` raises when there is none)."""
+    try:
+        return module.trainer
+    except RuntimeError:
+        return None
+
+
 class DiffexpLM(L.LightningModule):
     """Causal language model around `Decoder`; batches are (B, T + 1) token ids.
 
@@ -141,7 +149,7 @@ class DiffexpLM(L.LightningModule):
             if reason is not None:
                 rank_zero_warn(f"model.compile: torch.compile cannot run here ({reason}); training without it")
             self._compiled = True
-        strategy = self._trainer.strategy if self._trainer is not None else None
+        strategy = attached_trainer(self).strategy if attached_trainer(self) is not None else None
         from lightning.pytorch.strategies import ModelParallelStrategy
 
         if isinstance(strategy, FSDP2Strategy):  # after compile, as torchtitan does
@@ -279,7 +287,7 @@ class DiffexpLM(L.LightningModule):
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         checkpoint["diffexp_validated_step"] = self.validated_step
         # what a resume must repeat to continue this run exactly (checked by diffexp.training.preflight.check_resume)
-        trainer = self._trainer
+        trainer = attached_trainer(self)
         if trainer is None:  # saved outside a Trainer: no run to continue
             return
         datamodule = getattr(trainer, "datamodule", None)
@@ -298,7 +306,7 @@ class DiffexpLM(L.LightningModule):
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         self.validated_step = checkpoint.get("diffexp_validated_step")
         scalar_moments_as_vectors(checkpoint)
-        trainer = self._trainer
+        trainer = attached_trainer(self)
         if trainer is not None and trainer.state.fn == "fit":
             # the preflight check of the global batch, for launches whose size only the machine knew (devices auto
             # or -1); another world size or data.batch_size with the same global batch moves the batch counters

@@ -14,6 +14,7 @@ from typing import NoReturn
 import lightning as L
 import torch
 
+from diffexp import lightning_internals as internals
 from diffexp.errors import UserError
 from diffexp.training.checkpointing import flush_loggers
 from diffexp.training.preemption import stop_requested_locally
@@ -70,7 +71,7 @@ def stop_with_last_finite(trainer: L.Trainer, module: L.LightningModule, quantit
     if weights_finite:
         # saved as a batch that ended without an optimizer step (the position of any checkpoint taken at a
         # batch end), so Lightning resumes at the next batch with consistent counters
-        trainer.fit_loop.epoch_loop.batch_progress.increment_processed()
+        internals.count_batch_as_processed(trainer)
         trainer.save_checkpoint(path)
         saved = (f"Saved {path}: the weights and optimizer state from before step {step} and the data position "
                  "after that step's batch, so a run resumed from it skips the batch that failed.")

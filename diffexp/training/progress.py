@@ -7,8 +7,10 @@ from time import monotonic
 
 from lightning.pytorch.callbacks import RichProgressBar
 
+from diffexp.lightning_internals import ProgressBarInternals, progress_bar_settings
 
-class StepProgressBar(RichProgressBar):
+
+class StepProgressBar(ProgressBarInternals):
     """Runs bounded by max_steps have max_epochs = -1, which Lightning's bar shows as "Epoch 0/-2".
 
     After a training batch, the metrics shown are gathered again only when the bar is due to redraw (every
@@ -28,13 +30,13 @@ class StepProgressBar(RichProgressBar):
         finally:
             self._after_train_batch = False
 
-    def _update_metrics(self, trainer, pl_module) -> None:
+    def gather_metrics(self, trainer, pl_module) -> None:
         now = monotonic()
         due = self.refresh_rate <= 0 or now - self._metrics_gathered_at >= 1 / self.refresh_rate
         if self._after_train_batch and not due:
             return  # the next redraw is not due yet; epoch and validation ends always gather
         self._metrics_gathered_at = now
-        super()._update_metrics(trainer, pl_module)
+        super().gather_metrics(trainer, pl_module)
 
     def get_metrics(self, trainer, pl_module):
         metrics = super().get_metrics(trainer, pl_module)
@@ -47,10 +49,10 @@ class StepProgressBar(RichProgressBar):
             metrics["train/loss"] = f"{loss:.3f}"
         return metrics
 
-    def _get_train_description(self, current_epoch: int) -> str:
+    def train_description(self, current_epoch: int) -> str:
         max_epochs = self.trainer.max_epochs
         if max_epochs is None or max_epochs >= 0:
-            return super()._get_train_description(current_epoch)
+            return super().train_description(current_epoch)
         width = len(self.validation_description)  # padded like Lightning's, so the bars do not flicker
         return f"{f'Epoch {current_epoch}':{width}}"
 
@@ -67,5 +69,4 @@ def use_step_progress_bar(trainer, configured_callbacks=()) -> None:
     for i, bar in enumerate(trainer.callbacks):
         if type(bar) is RichProgressBar:
             rate = bar.refresh_rate if id(bar) in configured else DEFAULT_REFRESH_RATE
-            trainer.callbacks[i] = StepProgressBar(refresh_rate=rate, leave=bar._leave, theme=bar.theme,
-                                                   console_kwargs=bar._console_kwargs)
+            trainer.callbacks[i] = StepProgressBar(refresh_rate=rate, theme=bar.theme, **progress_bar_settings(bar))

@@ -1,11 +1,13 @@
 """What a run tells the person who started it, in plain lines that survive logs without a TTY (CI, SLURM).
 
-`RunReport` prints `val/loss` at each validation when no live progress bar shows it, and collects what the
-closing summary needs; `print_summary` writes that one block at the end of `fit`.
+`RunReport` prints, when no live progress bar shows them (a log file, a SLURM job), a progress line every
+PROGRESS_EVERY_S seconds of training (step, loss, tokens/s, ETA) and `val/loss` at each validation; it collects
+what the closing summary needs; `print_summary` writes that one block at the end of `fit`.
 """
 
 from __future__ import annotations
 
+import os
 import statistics
 import sys
 import time
@@ -15,20 +17,64 @@ import lightning as L
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 
+from diffexp import lightning_internals as internals
+from diffexp.errors import UserError
 from diffexp.parallel.memory import peak_line
+
+#: seconds of training between two progress lines without a live bar (the first comes as soon as one has passed);
+#: the environment's DIFFEXP_PROGRESS_EVERY_S sets another (0: a line per step)
+PROGRESS_EVERY_S = 30.0
+PROGRESS_ENV = "DIFFEXP_PROGRESS_EVERY_S"
+
+
+def progress_interval() -> float:
+    text = os.environ.get(PROGRESS_ENV, "").strip()
+    if not text:
+        return PROGRESS_EVERY_S
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if value < 0:
+        raise UserError(f"{PROGRESS_ENV}={text!r} is invalid: expected a number of seconds, 0 or more")
+    return value
 
 
 def _shows_live_bar(trainer: L.Trainer) -> bool:
     return trainer.progress_bar_callback is not None and sys.stdout.isatty()
 
 
+def _duration(seconds: float) -> str:
+    if seconds < 90:
+        return f"{seconds:.0f} s"
+    if seconds < 90 * 60:
+        return f"{seconds / 60:.1f} min"
+    return f"{seconds / 3600:.1f} h"
+
+
+def progress_line(step: int, max_steps: int, loss: float | None, tokens_per_s: float | None,
+                  seconds_per_step: float | None) -> str:
+    """`step 191/400  train/loss 2.345  4,210 tokens/s  ETA 3.2 min` (the parts that are known)."""
+    parts = [f"step {step}/{max_steps}" if max_steps > 0 else f"step {step}"]
+    if loss is not None:
+        parts.append(f"train/loss {loss:.4f}")
+    if tokens_per_s:
+        parts.append(f"{tokens_per_s:,.0f} tokens/s")
+    if seconds_per_step and max_steps > 0:
+        parts.append(f"ETA {_duration(max(0, max_steps - step) * seconds_per_step)}")
+    return "  ".join(parts)
+
+
 class RunReport(L.Callback):
     """Per-validation lines without a TTY, and the numbers of the closing summary."""
 
-    def __init__(self) -> None:
+    def __init__(self, progress_every_s: float | None = None) -> None:
         self.started = time.time()
         self.tokens_per_s: list[float] = []
         self._train_loss: torch.Tensor | float | None = None
+        self.progress_every_s = progress_every_s if progress_every_s is not None else progress_interval()
+        self._window: tuple[float, int, int] | None = None  # (time, step, tokens) at the last progress line
+        self._tokens = 0  # tokens trained on by every rank since fit started
 
     @property
     def train_loss(self) -> float | None:
@@ -39,8 +85,11 @@ class RunReport(L.Callback):
         self.started = time.time()
         self.tokens_per_s = []
 
+    def on_train_start(self, trainer, pl_module) -> None:
+        self._window, self._tokens = (time.monotonic(), trainer.global_step, 0), 0
+
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        if trainer._logger_connector.should_update_logs:  # a fresh reading (callback_metrics rebuilds a dict)
+        if internals.logs_this_step(trainer):  # a fresh reading (callback_metrics rebuilds a dict)
             value = trainer.callback_metrics.get("vitals/throughput/tokens_per_s")
             if value is not None:
                 self.tokens_per_s.append(float(value))
@@ -51,6 +100,24 @@ class RunReport(L.Callback):
             loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
         if loss is not None:  # read as a float when the run ends (train_loss): no host sync per micro-batch
             self._train_loss = loss.detach() if isinstance(loss, torch.Tensor) else loss
+        self._progress(trainer, pl_module, batch)
+
+    def _progress(self, trainer, pl_module, batch) -> None:
+        """A progress line once progress_every_s has passed since the last (rank 0, no live bar). The loss is the one
+        the step already read to the host (no device read here); the rate and the ETA are over the lines' window."""
+        if self._window is None or not trainer.is_global_zero or _shows_live_bar(trainer):
+            return
+        tokens = batch["tokens"] if isinstance(batch, dict) else batch
+        if isinstance(tokens, torch.Tensor) and tokens.dim() == 2:
+            self._tokens += tokens[:, :-1].numel() * trainer.world_size
+        now = time.monotonic()
+        since, step_then, tokens_then = self._window
+        if now - since < self.progress_every_s or trainer.global_step == step_then:
+            return
+        steps = trainer.global_step - step_then
+        print(progress_line(trainer.global_step, trainer.max_steps, getattr(pl_module, "shown_train_loss", None),
+                            (self._tokens - tokens_then) / (now - since), (now - since) / steps), flush=True)
+        self._window = (now, trainer.global_step, self._tokens)
 
     def on_validation_end(self, trainer, pl_module) -> None:
         if trainer.sanity_checking or not trainer.is_global_zero or _shows_live_bar(trainer):

@@ -24,7 +24,7 @@ from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 from lightning.pytorch.loggers import TensorBoardLogger
 from lightning.pytorch.utilities import rank_zero_only
 
-from diffexp.checkpoint_io import no_space_error, save_failed_for_space, tensor_bytes
+from diffexp.checkpoint_io import no_space_error, save_failed_for_space, tensor_bytes, verify_checkpoint
 from diffexp.errors import UserError
 
 log = logging.getLogger(__name__)
@@ -71,8 +71,13 @@ class AtomicCheckpointIO(TorchCheckpointIO):
     A kill at any moment leaves either the previous checkpoint or the new one, never a partial file.
     (Lightning's default writes through a temporary file that may sit on another file system, where
     the final move is a copy.) A full disk removes the partial file and raises one UserError that says
-    how much space the checkpoint needs and how much is left.
+    how much space the checkpoint needs and how much is left. A load first verifies the file's CRC-32s
+    (diffexp.checkpoint_io.verify_checkpoint; done once per process, so the resume checks' read counts).
     """
+
+    def load_checkpoint(self, path, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        verify_checkpoint(path, "--ckpt_path")
+        return super().load_checkpoint(path, *args, **kwargs)
 
     def save_checkpoint(self, checkpoint: dict[str, Any], path, storage_options: Any | None = None) -> None:
         target = Path(path)

@@ -5,12 +5,14 @@ train loss and a validation after 10 steps both sit at step 10. TensorBoard list
 `train/` and `val/` hold what a person reads first; everything else a run watches is under VITALS, which sorts
 after them.
 
-Reads Lightning's logger connector and epoch loop (private; checked against Lightning 2.6).
+Lightning's logger schedule and its count of stepped batches come through diffexp.lightning_internals.
 """
 
 from __future__ import annotations
 
 import weakref
+
+from diffexp import lightning_internals as internals
 
 #: the prefix of the training diagnostics, lambda traces and throughput readings (after "train/" and "val/")
 VITALS = "vitals/"
@@ -23,20 +25,20 @@ _OFFSETS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 def note_fit_start(trainer) -> None:
     """At the start of fit (on_train_start), after a resume restored Lightning's loops: align the step axis."""
-    _OFFSETS[trainer] = trainer.global_step - trainer.fit_loop.epoch_loop._batches_that_stepped
+    _OFFSETS[trainer] = trainer.global_step - internals.batches_that_stepped(trainer)
 
 
 def logged_step(trainer) -> int:
     """The step axis value of the training step under way: the optimizer steps done once it is (Lightning counts
     the step only after its metrics are logged), the same before and after a resume."""
-    return trainer.fit_loop.epoch_loop._batches_that_stepped + 1 + _OFFSETS.get(trainer, 0)
+    return internals.batches_that_stepped(trainer) + 1 + _OFFSETS.get(trainer, 0)
 
 
 def logs_this_step(trainer) -> bool:
     """Whether this training step logs its per-step metrics: at the steps Lightning writes to the loggers (every
     trainer.log_every_n_steps), and at the run's last step (trainer.max_steps), so that `callback_metrics`, where
     sweeps read a run's results, ends with the last step's values and not those of an earlier logging step."""
-    if trainer._logger_connector.should_update_logs:
+    if internals.logs_this_step(trainer):
         return True
     # the same for every micro-batch of the step: Lightning counts the step after its metrics are logged
     return 0 < trainer.max_steps <= logged_step(trainer)

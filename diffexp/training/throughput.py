@@ -6,13 +6,13 @@ import time
 import warnings
 
 import torch
-from lightning.pytorch.callbacks import ThroughputMonitor
 from lightning.pytorch.trainer.states import RunningStage
 from lightning.pytorch.utilities import rank_zero_only
 
+from diffexp import lightning_internals as internals
 from diffexp.errors import UserError
 from diffexp.gpu_peaks import peak_flops
-from diffexp.training.step_logs import VITALS, logged_step
+from diffexp.training.step_logs import VITALS, write_to_loggers
 
 
 def _tokens(batch) -> int:
@@ -20,16 +20,24 @@ def _tokens(batch) -> int:
     return tokens[:, :-1].numel()
 
 
+def precision_dtype(precision: str) -> torch.dtype:
+    """The compute dtype of a Trainer's `precision` setting ("bf16-mixed", "16-true", "32-true", ...)."""
+    text = str(precision)
+    if text.startswith("bf16"):
+        return torch.bfloat16
+    if text.startswith("16"):
+        return torch.float16
+    if text.startswith("64"):
+        return torch.float64
+    return torch.float32
+
+
 def _rows(batch) -> int:
     tokens = batch["tokens"] if isinstance(batch, dict) else batch
     return tokens.shape[0]
 
 
-#: ThroughputMonitor's state that Throughput._update reads and updates
-LIGHTNING_STATE = ("_t0s", "_lengths", "_samples", "_batches", "_throughputs", "_module_has_flops")
-
-
-class Throughput(ThroughputMonitor):
+class Throughput(internals.ThroughputInternals):
     """ThroughputMonitor for diffexp batches; FLOPs come from DiffexpLM.flops_per_batch (per variant).
 
     Args:
@@ -54,11 +62,8 @@ class Throughput(ThroughputMonitor):
 
     @rank_zero_only
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, *args) -> None:
-        if trainer.fit_loop._should_accumulate():
-            stage = trainer.state.stage
-            self._samples[stage] += _rows(batch)
-            self._lengths[stage] += _tokens(batch)
-            self._batches[stage] += 1
+        if internals.should_accumulate(trainer):
+            self.count(trainer.state.stage, samples=_rows(batch), lengths=_tokens(batch))
             self._step_flops += getattr(pl_module, "flops_per_batch", 0.0)
             return
         flops, earlier, self._step_flops = getattr(pl_module, "flops_per_batch", None), self._step_flops, 0.0
@@ -71,25 +76,19 @@ class Throughput(ThroughputMonitor):
                 pl_module.flops_per_batch = flops
 
     @torch.inference_mode()
-    def _update(self, trainer, pl_module, batch, iter_num: int) -> None:
+    def read(self, trainer, pl_module, batch, iter_num: int) -> None:
         """Lightning's reading, which waits for the GPU at every reading; here only where the reading is logged
-        (every evaluation reading, the training steps Lightning logs). It reads Lightning's internals (checked
-        against 2.6); a Lightning without them gets its own reading."""
-        if not all(hasattr(self, name) for name in LIGHTNING_STATE) or not hasattr(trainer, "_logger_connector"):
-            return super()._update(trainer, pl_module, batch, iter_num)
+        (every evaluation reading, the training steps Lightning logs)."""
         stage = trainer.state.stage
-        logged = stage != RunningStage.TRAINING or trainer._logger_connector.should_update_logs
+        logged = stage != RunningStage.TRAINING or internals.logs_this_step(trainer)
         if logged and trainer.strategy.root_device.type == "cuda":
             torch.cuda.synchronize()
-        elapsed = time.perf_counter() - self._t0s[stage]
-        self._lengths[stage] += self.length_fn(batch)
-        if self._module_has_flops is None:
-            self._module_has_flops = hasattr(pl_module, "flops_per_batch")
-        self._samples[stage] += self.batch_size_fn(batch)
-        self._batches[stage] += 1
-        self._throughputs[stage].update(time=elapsed, batches=self._batches[stage], samples=self._samples[stage],
-                                        lengths=self._lengths[stage],
-                                        flops=pl_module.flops_per_batch if self._module_has_flops else None)
+        elapsed = time.perf_counter() - self.started_at(stage)
+        self.count(stage, samples=self.batch_size_fn(batch), lengths=self.length_fn(batch))
+        samples, lengths, batches = self.counts(stage)
+        has_flops = self.module_has_flops(pl_module)
+        self.stage_throughput(stage).update(time=elapsed, batches=batches, samples=samples, lengths=lengths,
+                                            flops=pl_module.flops_per_batch if has_flops else None)
 
     def setup(self, trainer, pl_module, stage: str) -> None:
         flops = self.peak_flops(trainer)
@@ -97,30 +96,27 @@ class Throughput(ThroughputMonitor):
             warnings.filterwarnings("ignore", message="FLOPs not found")
             super().setup(trainer, pl_module, stage)
         self.available_flops = flops
-        for throughput in self._throughputs.values():  # built by super().setup with Lightning's peak
+        for throughput in self.all_throughputs():  # built by super().setup with Lightning's peak
             throughput.available_flops = flops
 
     def peak_flops(self, trainer) -> float | None:
         """peak_tflops, else the device's dense FLOP/s at the compute dtype (FSDP2's bf16 under 32-true too)."""
         if self.peak_tflops is not None:
             return self.peak_tflops * 1e12
-        from lightning.pytorch.callbacks.throughput_monitor import _plugin_to_compute_dtype
-
-        dtype = getattr(trainer.strategy, "compute_dtype", None) or _plugin_to_compute_dtype(trainer.precision_plugin)
+        dtype = getattr(trainer.strategy, "compute_dtype", None) or precision_dtype(trainer.precision)
         return peak_flops(trainer.strategy.root_device, dtype)
 
     #: Lightning's running counts (the x-axis of a chart already): not written
     COUNTS = ("time", "batches", "samples", "lengths")
 
-    def _compute(self, trainer, iter_num: int | None = None) -> None:
+    def write(self, trainer, iter_num: int | None = None) -> None:
         """The training readings (the rates; no running counts) under vitals/throughput/, at the step axis every
         training metric shares. The rates without `device/` are summed over ranks: what one process with the whole
         batch logs. Validation and test are timed (a validation's time is taken out of the training rate) but not
         written: their x would count evaluation batches."""
         stage = trainer.state.stage
-        if stage != RunningStage.TRAINING or not trainer._logger_connector.should_update_logs:
+        if stage != RunningStage.TRAINING or not internals.logs_this_step(trainer):
             return
-        metrics = {k: v for k, v in self._throughputs[stage].compute().items() if k not in self.COUNTS}
+        metrics = {k: v for k, v in self.stage_throughput(stage).compute().items() if k not in self.COUNTS}
         if metrics:
-            trainer._logger_connector.log_metrics({f"{VITALS}throughput/{k}": v for k, v in metrics.items()},
-                                                  step=logged_step(trainer))
+            write_to_loggers(trainer, {f"{VITALS}throughput/{k}": v for k, v in metrics.items()})
