@@ -83,7 +83,8 @@ def run_workers(sweep_args: Sequence[str], devices: Sequence[str], log_dir: Path
         workers.append((device, proc, log_path))
         print(f"worker on GPU {device} ({DEVICES_ENV}={device}): pid {proc.pid}, log {log_path}", file=sys.stderr)
     forward = lambda signum, _frame: [proc.send_signal(signum) for _, proc, _ in workers]  # noqa: E731
-    previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGINT, signal.SIGTERM)}
+    # each worker passes the signal on to its trial, which saves its checkpoint (diffexp.sweep.interruptions)
+    previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)}
     try:
         codes = [proc.wait() for _, proc, _ in workers]
     finally:

@@ -28,7 +28,8 @@ KNOWN_METRICS = ("val/loss", "val/ppl", "val/loss_ar_hit", "val/loss_others", "v
 #: evaluation callbacks record these (e.g. needle/rank/N4R2, attention/noise, mqar/accuracy, icl/random/n16)
 EVAL_PREFIXES = ("needle/", "attention/", "mqar/", "icl/", "val/mqar")
 SPEC_KEYS = {"study", "base", "overrides", "cases", "grid", "seeds", "search", "n_trials", "objective", "pruner",
-             "storage", "runs_dir", "stale_after_s", "max_attempts", "description", "paper", "tune_lr"}
+             "storage", "runs_dir", "stale_after_s", "max_attempts", "grace_s", "storage_retry_s", "description",
+             "paper", "tune_lr"}
 SEARCH_TYPES = {"float", "int", "categorical"}
 PRUNERS = {"none", "median", "percentile", "hyperband"}
 #: top-level sections of a `diffexp fit` config that overrides, grid and search keys may name
@@ -102,7 +103,9 @@ class SweepSpec:
     storage: str | None = None
     runs_dir: Path = Path("runs")
     stale_after_s: float = 120.0
-    max_attempts: int = 2
+    max_attempts: int = 2  # failed runs of a point by itself (a crash, no result); interruptions are not counted
+    grace_s: float = 60.0  # a signalled worker waits this long for its trial to save its checkpoint and stop
+    storage_retry_s: float = 300.0  # how long a worker retries a storage that does not answer before it stops
     source: Path | None = None
     paper: dict[str, Any] | None = None  # the reproduced table's published numbers (sweep/paper.py)
     case_bases: dict[str, Recipe] = field(default_factory=dict)  # case -> its own recipe (CASE_BASE)
@@ -350,10 +353,19 @@ def parse_spec(raw: dict[str, Any], source: Path | None = None, repo_root: Path 
     max_attempts = typed("max_attempts", int, default=2)
     if max_attempts < 1:
         raise fail(f"max_attempts={max_attempts!r}: expected at least 1")
+    grace = typed("grace_s", (int, float), default=60.0)
+    if grace <= 0:
+        raise fail(f"grace_s={grace!r}: expected a positive number of seconds (how long a signalled worker waits "
+                   "for its trial to save its checkpoint)")
+    retry = typed("storage_retry_s", (int, float), default=300.0)
+    if retry < 0:
+        raise fail(f"storage_retry_s={retry!r}: expected a number of seconds, 0 or more (how long a worker retries "
+                   "a storage that does not answer)")
     spec = SweepSpec(study=study, base=base, cases=cases, grid=grid, seeds=seeds, overrides=overrides,
                      search=search, n_trials=n_trials, objective_metric=metric, direction=direction, pruner=pruner,
                      storage=typed("storage", str), runs_dir=Path(typed("runs_dir", str, default="runs")),
-                     stale_after_s=float(stale), max_attempts=max_attempts, source=source, case_bases=case_bases)
+                     stale_after_s=float(stale), max_attempts=max_attempts, grace_s=float(grace),
+                     storage_retry_s=float(retry), source=source, case_bases=case_bases)
     slugs = [slugify(label) for label, _ in spec.rows()]
     if len(set(slugs)) != len(slugs):
         raise fail(f"two table rows map to the same directory name: {sorted(slugs)}")

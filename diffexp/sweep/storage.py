@@ -119,13 +119,16 @@ def failure(url: str, what: str, exc: BaseException, doing: str = "cannot open t
 
 @contextlib.contextmanager
 def translated_errors(url: str, origin: str = "storage") -> Iterator[None]:
-    """Database errors while using an open storage (server gone, permission denied) become StorageErrors."""
+    """Database errors while using an open storage (server gone, permission denied) become StorageErrors; Optuna's
+    StorageInternalError is told by the error it wraps (its own hint, "e.g. exceeding max length", misleads)."""
     from sqlalchemy.exc import SQLAlchemyError
 
     try:
         yield
     except SQLAlchemyError as exc:
         raise failure(url, describe(url, origin), exc, doing="the storage failed") from None
+    except optuna.exceptions.StorageInternalError as exc:
+        raise failure(url, describe(url, origin), exc.__cause__ or exc, doing="the storage failed") from None
 
 
 @contextlib.contextmanager

@@ -1,7 +1,8 @@
 """The callback a sweep adds to each trial's `fit`: progress, pruning reports, HParams, trial.json.
 
 A diverged run is recorded with the state "diverged", a result the runner does not retry. The storage URL
-comes through the environment, so a password in it is written nowhere.
+comes through the environment, so a password in it is written nowhere. The callback needs the storage only for
+a pruner's reports: a report the storage cannot take (it is away) is skipped, and the run trains on.
 """
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import statistics
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -17,12 +19,13 @@ import lightning as L
 import optuna
 from lightning.pytorch.loggers import TensorBoardLogger
 
+from diffexp.errors import UserError
 from diffexp.sweep.layout import TRIAL_FILE
+from diffexp.sweep.records import STORAGE_ENV, NoSpaceError, no_space_message, write_json_atomic  # noqa: F401
 from diffexp.sweep.runs import CONFIG_FILE, saved_config_values
 from diffexp.training.diagnostics import diverged_at
 from diffexp.training.hparams import write_row
 
-STORAGE_ENV = "DIFFEXP_SWEEP_STORAGE"
 #: last values that say nothing about a run's result (tokens/s is recorded as a median instead)
 NOT_RESULTS = {"train/lr", "lr", "epoch", "step", "vitals/throughput/tokens_per_s",
                "vitals/grad_norm"}  # "step": where val logs
@@ -38,12 +41,6 @@ def build_pruner(spec: dict[str, Any]) -> optuna.pruners.BasePruner:
     if kind == "hyperband":
         return optuna.pruners.HyperbandPruner(**options)
     return optuna.pruners.NopPruner()
-
-
-def write_json_atomic(path: Path, payload: dict[str, Any]) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps(payload, indent=2, default=str))
-    os.replace(tmp, path)
 
 
 class SweepTrialCallback(L.Callback):
@@ -90,11 +87,19 @@ class SweepTrialCallback(L.Callback):
         if url is None or self.pruner_spec.get("type", "none") == "none":
             return None
         if self._trial is None:
+            from diffexp.sweep.outages import outage_of
             from diffexp.sweep.storage import open_storage
 
-            study = optuna.load_study(study_name=self.study_name, storage=open_storage(url),
-                                      pruner=build_pruner(self.pruner_spec))
-            self._trial = optuna.Trial(study, self.trial_id)
+            try:
+                study = optuna.load_study(study_name=self.study_name, storage=open_storage(url),
+                                          pruner=build_pruner(self.pruner_spec))
+                self._trial = optuna.Trial(study, self.trial_id)
+            except Exception as exc:
+                if outage_of(exc) is None and not isinstance(exc, UserError):
+                    raise
+                print(f"sweep: the storage cannot be reached for pruning reports ({type(exc).__name__}); "
+                      "trying again at the next validation, training goes on", file=sys.stderr, flush=True)
+                return None
         return self._trial
 
     def on_fit_start(self, trainer, pl_module) -> None:
@@ -124,8 +129,19 @@ class SweepTrialCallback(L.Callback):
         trial = self._optuna_trial()
         if value is None or trial is None:
             return
-        trial.report(float(value), step=trainer.global_step)  # by step: an epoch may hold many validations
-        if trial.should_prune():
+        try:
+            trial.report(float(value), step=trainer.global_step)  # by step: an epoch may hold many validations
+            prune = trial.should_prune()
+        except Exception as exc:
+            from diffexp.sweep.outages import outage_of
+
+            if outage_of(exc) is None:
+                raise
+            print(f"sweep: the storage did not take the report of step {trainer.global_step} "
+                  f"({type(exc).__name__}); no pruning decision at this validation, training goes on",
+                  file=sys.stderr, flush=True)
+            return
+        if prune:
             self.pruned = True
             trainer.should_stop = True
 
