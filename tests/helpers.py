@@ -303,6 +303,23 @@ class SignalAtStep(L.Callback):
             self._send(trainer, "validation")
 
 
+class SignalDuringSave(L.Callback):
+    """Send SIGTERM to this process while the checkpoint file of step `step` is being written (inside the save)."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def setup(self, trainer, pl_module, stage) -> None:
+        io, save = trainer.strategy.checkpoint_io, trainer.strategy.checkpoint_io.save_checkpoint
+
+        def signal_then_save(checkpoint, path, storage_options=None):
+            if checkpoint["global_step"] == self.step:
+                os.kill(os.getpid(), signal.SIGTERM)
+            save(checkpoint, path, storage_options)
+
+        io.save_checkpoint = signal_then_save
+
+
 class KillRankZeroAtStep(L.Callback):
     """SIGKILL the launching process (rank 0) once `step` steps are done; the other ranks lose their peer."""
 

@@ -97,6 +97,17 @@ def test_a_signal_during_validation_lets_it_finish_then_saves_after_it(root):
     assert "step 6: val/loss" in stopped.stdout
 
 
+def test_a_signal_during_a_save_lets_it_finish_then_stops_after_the_next_step(root):
+    """SIGTERM arriving while step 4's checkpoint is written: that file is written whole, the run stops after the
+    step under way next (5, saved), and the resumed run ends on the uninterrupted weights."""
+    recipe = str(write_recipe(root, "in_save", max_steps=STEPS))
+    stopped = fit(root, "--config", recipe, callback("SignalDuringSave", step=4), expect=143)
+    assert "stopped by SIGTERM at step 5, exit code 143" in stopped.stdout
+    assert last_step(root, "in_save") == 5
+    fit(root, "--config", "runs/in_save/version_0/config.yaml", "--ckpt_path", "last", weights_at_end("in_save"))
+    assert_bitwise_equal(root / "whole.pt", root / "in_save.pt")
+
+
 def test_sigterm_from_outside_while_training(root):
     """A real SIGTERM from another process at a moment the test does not choose: exit 143, last.ckpt at the step
     it stopped at, and resumable."""

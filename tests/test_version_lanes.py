@@ -72,3 +72,12 @@ def test_the_versions_page_states_pyprojects_floors():
         declared = floors[package]
         assert lowest == declared or lowest.startswith(declared + ".") and set(lowest[len(declared):]) <= set(".0"), (
             f"docs/versions.md: the lowest lane ran {package} {lowest}, pyproject's floor is {declared}")
+
+
+@pytest.mark.heavy  # a fresh environment per lane (several GB, minutes to install), then the whole default suite
+@pytest.mark.parametrize("lane", ["lowest", "newest"])
+def test_the_suite_passes_in_each_version_lane(lane):
+    """`bash .ci/lane LANE` as docs/versions.md gives it: the default suite, in that lane's own environment."""
+    done = subprocess.run(["bash", str(REPO / ".ci" / "lane"), lane], cwd=REPO, capture_output=True, text=True,
+                          timeout=4 * 3600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
