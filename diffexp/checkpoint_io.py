@@ -390,8 +390,10 @@ def checkpoint_hparams(path: os.PathLike | str, key: str = "--ckpt_path") -> dic
 NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
 #: torch's zip writer reports a failed write in these words, without the errno (a file opened by path)
 TORCH_WRITE_FAILED = re.compile(r"unexpected pos|file write failed|PytorchStreamWriter failed")
-#: safetensors reports the OS error in its message only: "I/O error: No space left on device (os error 28)"
-OS_ERROR_NO_SPACE = re.compile(rf"\(os error ({'|'.join(map(str, NO_SPACE))})\)")
+#: safetensors reports the OS error in its message only: "I/O error: No space left on device (os error 28)", or
+#: before 0.5 "Error while serializing: IoError(Os { code: 28, kind: StorageFull, ... })"
+OS_ERROR_NO_SPACE = re.compile(rf"\(os error ({'|'.join(map(str, NO_SPACE))})\)|"
+                               rf"Os {{ code: ({'|'.join(map(str, NO_SPACE))}),")
 
 
 def _errors_within(err: BaseException):
