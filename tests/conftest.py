@@ -10,7 +10,7 @@ import torch
 if not torch.cuda.is_available():  # Triton's CPU interpreter for test_triton_kernels.py; read as triton is
     os.environ.setdefault("TRITON_INTERPRET", "1")  # first imported (lightning imports it), so set it here
 
-from tests.helpers import DISTRIBUTED_ENV, PATTERN, bpe_text_checkpoint, save_checkpoint, small_model  # noqa: E402
+from tests.helpers import PATTERN, bpe_text_checkpoint, no_process_group_left, save_checkpoint, small_model  # noqa: E402
 
 
 def _share_the_cores_among_workers() -> None:
@@ -32,15 +32,8 @@ _share_the_cores_among_workers()
 @pytest.fixture(autouse=True)
 def no_process_group_outlives_its_test():
     """Each test starts without a default process group or a distributed environment of an earlier one."""
-    saved = {key: os.environ.get(key) for key in DISTRIBUTED_ENV}
-    yield
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        torch.distributed.destroy_process_group()
-    for key, value in saved.items():
-        if value is None:
-            os.environ.pop(key, None)
-        else:
-            os.environ[key] = value
+    with no_process_group_left():
+        yield
 
 
 @pytest.fixture(scope="session")

@@ -4,6 +4,7 @@ numerics cases with the checks that run them."""
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import os
@@ -30,6 +31,23 @@ REPO = Path(__file__).resolve().parents[1]
 # what an in-process fit on a distributed strategy leaves behind: later subprocess runs would inherit the port
 DISTRIBUTED_ENV = ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "LOCAL_RANK", "NODE_RANK", "RANK", "GROUP_RANK",
                    "LOCAL_WORLD_SIZE")
+
+
+@contextlib.contextmanager
+def no_process_group_left():
+    """Around an in-process fit on a distributed strategy: afterwards no default process group, and the rank
+    variables as they were before (a later subprocess run would inherit the port)."""
+    saved = {key: os.environ.get(key) for key in DISTRIBUTED_ENV}
+    try:
+        yield
+    finally:
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
 
 
 def subprocess_env(**extra: str) -> dict[str, str]:

@@ -10,7 +10,6 @@ torch.load itself checks nothing: the first test shows a flipped tensor loading 
 from __future__ import annotations
 
 import hashlib
-import os
 import shutil
 import struct
 import subprocess
@@ -24,7 +23,7 @@ import torch
 from diffexp.checkpoint_io import CHECKSUMS, read_checkpoint
 from diffexp.cli import main
 from diffexp.errors import UserError
-from tests.helpers import DISTRIBUTED_ENV, write_recipe
+from tests.helpers import no_process_group_left, write_recipe
 
 FSDP2 = ["--trainer.strategy.class_path", "diffexp.parallel.FSDP2Strategy"]
 FLIPPED = 64  # bytes changed, as in the finding that started this: the largest embedding weight became 2070
@@ -246,19 +245,9 @@ def test_a_flipped_hf_export_is_refused_by_name(workdir, capsys):
 def sharded(tmp_path_factory):
     root = tmp_path_factory.mktemp("sharded")
     recipe = write_recipe(root, attention="diff_v1", max_steps=4)
-    saved = {key: os.environ.get(key) for key in DISTRIBUTED_ENV}  # a later subprocess must not inherit the port
-    with pytest.MonkeyPatch.context() as patch:
+    with pytest.MonkeyPatch.context() as patch, no_process_group_left():
         patch.chdir(root)
-        try:
-            main(["fit", "--config", str(recipe), *FSDP2])
-        finally:
-            if torch.distributed.is_available() and torch.distributed.is_initialized():
-                torch.distributed.destroy_process_group()
-            for key, value in saved.items():
-                if value is None:
-                    os.environ.pop(key, None)
-                else:
-                    os.environ[key] = value
+        main(["fit", "--config", str(recipe), *FSDP2])
     return root, recipe
 
 
