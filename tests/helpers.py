@@ -497,6 +497,26 @@ def check_matches_naive_reference(case: str, backend: str) -> None:
     torch.testing.assert_close(maps.double(), ref_maps, rtol=1e-6, atol=1e-6)  # maps are fp32
 
 
+def check_gradients_match_naive_reference(case: str, backend: str) -> None:
+    """Every gradient of a case's attention module (the input's and each parameter's) against its float64
+    reference's, at 1e-9: the same weights, one upstream gradient."""
+    from diffexp.model.attention import build_attention
+
+    cfg = make_config(case, backend=backend)
+    attn = build_attention(cfg, layer_idx=2).double()
+    small_blocks(attn)
+    twin = copy.deepcopy(attn)
+    x = torch.randn(2, 13, cfg.d_model, dtype=torch.float64)
+    upstream = torch.randn(2, 13, cfg.d_model, dtype=torch.float64)
+    x_in, x_ref = x.clone().requires_grad_(), x.clone().requires_grad_()
+    attn(x_in)[0].backward(upstream)
+    reference_attention(twin, x_ref)[0].backward(upstream)
+    torch.testing.assert_close(x_in.grad, x_ref.grad, rtol=1e-9, atol=1e-9)
+    for (name, got), (_, wanted) in zip(attn.named_parameters(), twin.named_parameters(), strict=True):
+        assert wanted.grad is not None, f"the reference does not read {name}"
+        torch.testing.assert_close(got.grad, wanted.grad, rtol=1e-9, atol=1e-9, msg=lambda m, n=name: f"d{n}: {m}")
+
+
 def check_fast_path_equals_eager(case: str) -> None:
     """A case's Decoder on sdpa and on eager: the same logits and the same gradient for every parameter."""
     from diffexp.model import Decoder

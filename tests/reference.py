@@ -58,8 +58,9 @@ def baseline_reference(m, x: torch.Tensor):
     for bi in range(b):
         for i in range(h):
             g = i // (h // h_kv)
-            maps[bi, i] = causal_softmax_rows(q[bi, i], k[bi, g])
-            out[bi, i] = maps[bi, i] @ v[bi, g]
+            a = causal_softmax_rows(q[bi, i], k[bi, g])  # out from `a`, not a view of maps written later
+            maps[bi, i] = a
+            out[bi, i] = a @ v[bi, g]
     return output(out, m.o_proj), maps
 
 
@@ -96,6 +97,60 @@ def gated_reference(m, x: torch.Tensor):
     v = project(x, m.v_proj, h_kv).double()
     heads_out = torch.stack([maps[:, i] @ v[:, i // (h // h_kv)] for i in range(h)], dim=1)
     return output(gate * heads_out, m.o_proj), maps * gate.mean(-1, keepdim=True)
+
+
+def softpick_reference(m, x: torch.Tensor):
+    """a_ij = relu(exp(z_ij - m) - exp(-m)) / (sum_k |exp(z_ik - m) - exp(-m)| + 1e-6) row by row over keys 0..n,
+    m the row's largest logit (the authors' stable form of relu(e^z - 1) / sum |e^z - 1|)."""
+    cfg = m.cfg
+    h, h_kv = cfg.n_heads, cfg.kv_heads
+    q = m.rope.rotate(project(x, m.q_proj, h))
+    k = m.rope.rotate(project(x, m.k_proj, h_kv))
+    v = project(x, m.v_proj, h_kv).double()
+    b, t = x.shape[:2]
+    d = q.shape[-1]
+    maps = torch.zeros(b, h, t, t, dtype=torch.float64)
+    out = torch.zeros(b, h, t, v.shape[-1], dtype=torch.float64)
+    for bi in range(b):
+        for i in range(h):
+            g = i // (h // h_kv)
+            rows = []
+            for n in range(t):
+                z = (k[bi, g, : n + 1].double() @ q[bi, i, n].double()) / math.sqrt(d)
+                top = z.max()
+                e = torch.exp(z - top) - torch.exp(-top)
+                row = torch.relu(e) / (e.abs().sum() + 1e-6)
+                rows.append(torch.cat((row, z.new_zeros(t - n - 1))))
+            a = torch.stack(rows)
+            maps[bi, i] = a
+            out[bi, i] = a @ v[bi, g]
+    return output(out, m.o_proj), maps
+
+
+def ssmax_reference(m, x: torch.Tensor):
+    """softmax((s_i log n) q_n . k_j / sqrt(d)) over keys j = 1..n of the query at position n (1-based)."""
+    cfg = m.cfg
+    h, h_kv = cfg.n_heads, cfg.kv_heads
+    s = m.s.double()
+    q = m.rope.rotate(project(x, m.q_proj, h))
+    k = m.rope.rotate(project(x, m.k_proj, h_kv))
+    v = project(x, m.v_proj, h_kv).double()
+    b, t = x.shape[:2]
+    d = q.shape[-1]
+    maps = torch.zeros(b, h, t, t, dtype=torch.float64)
+    out = torch.zeros(b, h, t, v.shape[-1], dtype=torch.float64)
+    for bi in range(b):
+        for i in range(h):
+            g = i // (h // h_kv)
+            rows = []
+            for n in range(1, t + 1):
+                z = (k[bi, g, :n].double() @ q[bi, i, n - 1].double()) / math.sqrt(d)
+                scale = s[i] * torch.log(torch.tensor(float(n), dtype=torch.float64))
+                rows.append(torch.cat((torch.softmax(scale * z, dim=0), z.new_zeros(t - n))))
+            a = torch.stack(rows)
+            maps[bi, i] = a
+            out[bi, i] = a @ v[bi, g]
+    return output(out, m.o_proj), maps
 
 
 def plain_qk(m, x: torch.Tensor):
@@ -218,7 +273,7 @@ def dint_reference(m, x: torch.Tensor):
 
 REFERENCES = {"baseline": baseline_reference, "diff_v1": diff_v1_reference, "shared_diff": shared_diff_reference,
               "diff_v2": diff_v2_reference, "dint": dint_reference, "softmax_sink": softmax_sink_reference,
-              "gated": gated_reference}
+              "gated": gated_reference, "softpick": softpick_reference, "ssmax": ssmax_reference}
 
 TWO_MAP_CASES = {"": {}, "mha": {"n_kv_heads": None}, "nonorm": {"head_norm": False}}
 #: named config overrides per variant that exercise every flag ("" is the variant's defaults)
@@ -228,6 +283,9 @@ CASES = {
                      "learned-mha": {"sink": "learned", "n_kv_heads": None}},
     "gated": {"": {}, "mha": {"n_kv_heads": None}, "headwise": {"gate": "headwise"},
               "headwise-mha": {"gate": "headwise", "n_kv_heads": None}},
+    "softpick": {"": {}, "mha": {"n_kv_heads": None}},
+    "ssmax": {"": {}, "mha": {"n_kv_heads": None}, "init0.43": {"ssmax_init": 0.43},
+              "init2-mha": {"ssmax_init": 2.0, "n_kv_heads": None}},
     "diff_v1": {**TWO_MAP_CASES, "lam0.5": {"lambda_init": 0.5}, "lam0.8": {"lambda_init": 0.8}},
     "diff_v2": {"": {}, "mha": {"n_kv_heads": None}, "cross": {"pairing": "cross"}, "none": {"lambda_mode": "none"},
                "raw": {"lambda_mode": "raw"}, "cross-raw": {"pairing": "cross", "lambda_mode": "raw"},

@@ -17,6 +17,7 @@ from tests.helpers import (  # noqa: F401  make_config, small_blocks: test_kv_ca
     SMALL,
     check_causality,
     check_fast_path_equals_eager,
+    check_gradients_match_naive_reference,
     check_matches_naive_reference,
     make_config,
     small_blocks,
@@ -32,6 +33,12 @@ def _seed():
 @pytest.mark.parametrize("backend", ["sdpa", "eager"])
 def test_matches_naive_reference(case, backend):
     check_matches_naive_reference(case, backend)
+
+
+@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("backend", ["sdpa", "eager"])
+def test_every_gradient_matches_naive_reference(case, backend):
+    check_gradients_match_naive_reference(case, backend)
 
 
 @pytest.mark.parametrize("case", list(CASES))

@@ -1,0 +1,69 @@
+"""Softpick (Zuhri et al. 2025, "Softpick: No Attention Sink, No Massive Activations with Rectified Softmax",
+arXiv 2504.20966): the softmax of each causal row replaced by a rectified one,
+
+    a_ij = relu(exp(z_ij) - 1) / sum_k |exp(z_ik) - 1|          k over the row's visible keys 0..i
+
+computed in the authors' numerically stable form, m the row's largest logit:
+
+    a_ij = relu(exp(z_ij - m) - exp(-m)) / (sum_k |exp(z_ik - m) - exp(-m)| + EPS)
+
+A key with z <= 0 gets exactly 0, so a head can attend to nothing (a row of non-positive logits is all zeros) and
+needs no sink token; rows sum to at most 1. Masked positions count in neither sum. Everything else is the baseline:
+Q: d_model -> h*d, K, V: d_model -> h_kv*d (GQA), O: h*d -> d_model. The map is not a softmax, so no fused softmax
+kernel (SDPA) computes it: every path here writes the (T_q, T_k) map out in fp32 at least.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from diffexp.model.attention.base import merge_heads
+from diffexp.model.attention.baseline import BaselineAttention, attention_flops
+from diffexp.model.attention.registry import Variant, register
+from diffexp.model.heads.cached_step import key_mask
+from diffexp.model.heads.single_map import causal_logits, expand_kv
+
+#: added to the stable form's denominator, where it stands for EPS exp(m) in the unshifted one. It only matters for
+#: a row whose logits are all exactly 0 (then both sums are 0 and the row's weights are 0, not 0/0). 1e-6 is the
+#: value of the authors' FlashAttention kernel, the one their models were trained with (their naive code uses 1e-8).
+EPS = 1e-6
+
+
+def softpick(logits: torch.Tensor) -> torch.Tensor:
+    """The rows of `logits` (..., T_k), masked keys -inf, in the stable form; every row must see a key."""
+    m = logits.amax(dim=-1, keepdim=True)
+    shifted = torch.exp(logits - m) - torch.exp(-m)
+    visible = torch.isfinite(logits)
+    total = torch.where(visible, shifted.abs(), torch.zeros_like(shifted)).sum(dim=-1, keepdim=True)
+    return torch.relu(shifted) / (total + EPS)
+
+
+def softpick_attention(q, k, v, cache=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """q: (B, Hq, T_q, d); k, v: (B, Hk, T_k, d), the queries the last T_q positions (a chunk after a cache), or
+    in a decoding step one query per row against the cache, row b reading its first key_lengths[b] keys. Returns
+    the output (B, Hq, T_q, d) and the map (B, Hq, T_q, T_k), in fp32 at least."""
+    logits = causal_logits(q, k)
+    if cache is not None and cache.stepping:
+        mask = key_mask(cache.key_lengths(), k.shape[-2])
+        if mask is not None:
+            logits = logits.masked_fill(~mask, float("-inf"))
+    weights = softpick(logits)
+    return weights.to(v.dtype) @ expand_kv(v, q.shape[1]), weights
+
+
+@register
+class SoftpickAttention(BaselineAttention):
+    variant = Variant(
+        name="softpick",
+        summary="softmax replaced by relu(exp(z) - 1) / sum |exp(z) - 1|: a head can attend to nothing, no sink",
+        paper="Zuhri et al. 2025 (Softpick: No Attention Sink, No Massive Activations with Rectified Softmax)",
+        differential=False,
+        attention_flops=attention_flops,  # the baseline's maps; the rectified rows are elementwise work
+    )
+
+    def forward(self, x: torch.Tensor, need_weights: bool = False, cache=None):
+        q, k, v = self.qkv(x, cache)
+        self.record_logit_max(q, k)
+        out, weights = softpick_attention(q, k, v, cache)
+        keep = need_weights or self.backend == "eager"  # as `attend`: the eager backend returns its map
+        return self.o_proj(merge_heads(out)), weights if keep else None
