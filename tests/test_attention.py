@@ -286,6 +286,8 @@ def test_flags_change_the_built_module():
         (dict(attention="softmax_sink", sink="one"), "model.arch.sink='one'"),
         (dict(attention="softmax_sink", sink=None), "model.arch.sink=None"),
         (dict(attention="gated", gate="channel"), "model.arch.gate='channel'"),
+        (dict(attention="ssmax", ssmax_init=0), "model.arch.ssmax_init=0"),
+        (dict(attention="ssmax", ssmax_init="auto"), "model.arch.ssmax_init='auto'"),
         (dict(attention="dint", gamma="both"), "model.arch.gamma='both'"),
         (dict(attention="dint", gamma_init=0.5), "model.arch.gamma_init=0.5"),
         (dict(attention="dint", gamma="learned", gamma_init=float("nan")), "model.arch.gamma_init=nan"),

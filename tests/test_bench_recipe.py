@@ -24,7 +24,7 @@ def tiny_recipes(tmp_path) -> Path:
     shutil.copytree(REPO / "recipes/gpu", gpu)
     (gpu / "size/tiny.yaml").write_text("model:\n  arch:\n    d_model: 64\n    n_layers: 1\n    n_heads: 2\n"
                                         "    rank: 4\n    max_seq_len: 64\n")
-    for variant in ("baseline", "softmax_sink", "gated"):  # the single-map variants at 2h heads
+    for variant in ("baseline", "softmax_sink", "gated", "softpick", "ssmax"):  # the single-map variants at 2h heads
         (gpu / f"variant/{variant}/tiny.yaml").write_text("model:\n  arch:\n    n_heads: 4\n")
     (gpu / "variant/diff_v2/tiny.yaml").write_text("model:\n  arch:\n    n_heads: 4\n    n_kv_heads: 1\n")
     return gpu
@@ -48,7 +48,7 @@ def test_a_recipe_shape_is_each_variants_model_as_its_recipe_files_define_it():
     heads = {name: (cfg.n_heads, cfg.kv_heads, cfg.resolved_head_dim) for name, cfg in archs.items()}
     assert heads == {"baseline": (12, 12, 64), "diff_v1": (6, 6, 64), "diff_v2": (12, 3, 64),
                      "shared_diff": (6, 6, 64), "dint": (6, 6, 64), "softmax_sink": (12, 12, 64),
-                     "gated": (12, 12, 64)}
+                     "gated": (12, 12, 64), "softpick": (12, 12, 64), "ssmax": (12, 12, 64)}
     assert archs["shared_diff"].rank == 48
     assert args.seq_lens == [2048] and args.batch_size == 8
     assert recipe_shape.shapes(args)["diff_v2"]["n_kv_heads"] == 3

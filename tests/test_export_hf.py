@@ -24,16 +24,16 @@ from diffexp.errors import UserError
 from diffexp.export import export
 from diffexp.generate.decode import generate
 from diffexp.generate.sampling import Sampling
+from diffexp.model.attention import variant_names
 from diffexp.model.config import ModelConfig
 from diffexp.model.decoder import Decoder
 from tests.helpers import CASES, PROMPT, naive_logprob, tiny_decoder, write_checkpoint, write_local_task
 
 transformers = pytest.importorskip("transformers")
 
-#: one case per variant for the default run (and each value of the sink's and the gate's flag); every flag case of
-#: the registry runs under -m heavy
-DEFAULT_CASES = ["baseline", "diff_v1", "diff_v2", "shared_diff", "dint", "softmax_sink", "softmax_sink-learned",
-                 "gated", "gated-headwise"]
+#: one case per registered variant for the default run (and each value of the sink's and the gate's flag); every
+#: flag case of the registry runs under -m heavy
+DEFAULT_CASES = [*variant_names(), "softmax_sink-learned", "gated-headwise"]
 #: cases a plain transformers class represents: baseline -> Llama, diff_v1 -> DiffLlama
 PLAIN_CASES = ["baseline", "baseline-mha", "baseline-tied", "diff_v1", "diff_v1-mha"]
 def exported(tmp_path, case: str, remote: bool, **extra):

@@ -13,7 +13,7 @@ from diffexp.kernels import Integral
 from tests.kernel_check import LAM, head_inputs, relative_error
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (CI has none)")
-VARIANTS = ["baseline", "diff_v1", "diff_v2", "shared_diff", "dint", "softmax_sink", "gated"]
+VARIANTS = ["baseline", "diff_v1", "diff_v2", "shared_diff", "dint", "softmax_sink", "gated", "softpick", "ssmax"]
 
 
 def _pair(attention: str, backend: str):

@@ -114,8 +114,8 @@ def test_gpu_size_file_states_each_variants_whole_run(size):
     assert lines == expected, path.name
 
 
-#: the papers' five variants; the comparison deltas change the budget on purpose
-PAPER_VARIANTS = ("baseline", "diff_v1", "diff_v2", "shared_diff", "dint", "softmax_sink", "gated")
+#: the variants' own deltas (the papers' shapes); the comparison deltas change the budget on purpose
+PAPER_VARIANTS = ("baseline", "diff_v1", "diff_v2", "shared_diff", "dint", "softmax_sink", "gated", "softpick", "ssmax")
 ONE_GPU_SIZES = {"125m": 125e6, "350m": 350e6}
 
 

@@ -40,7 +40,7 @@ SCALE = {"m": 1e6, "b": 1e9}
 BEYOND_TOLERANCE = {
     ("3b", v): "the DIFF paper's 3B shape (d_model 3072, 28 layers) with the recipes' 32,768-token vocabulary: "
                "3.37B, 12.4% over its name (3.17B without embeddings)"
-    for v in ("baseline", "diff_v1", "dint", "softmax_sink", "gated")
+    for v in ("baseline", "diff_v1", "dint", "softmax_sink", "gated", "softpick", "ssmax")
 }
 
 

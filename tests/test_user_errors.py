@@ -98,6 +98,8 @@ CASES = [
      ["model.arch.sink", "one", "zero", "learned"]),
     ("gate", ["fit", "--config", RECIPE, "--model.arch.attention", "gated", "--model.arch.gate", "channel"],
      ["model.arch.gate", "channel", "elementwise", "headwise"]),
+    ("ssmax-init", ["fit", "--config", RECIPE, "--model.arch.attention", "ssmax", "--model.arch.ssmax_init", "0"],
+     ["model.arch.ssmax_init", "0", "'length'", "a positive number"]),
     ("backend", ["fit", "--config", RECIPE, "--model.arch.backend", "triton2"], ["model.arch.backend", "triton2"]),
     # launches: the global batch, FSDP2's precision, the strategy, the world size of a resume
     ("global-batch-divide", ["fit", "--config", RECIPE, "--trainer.accelerator", "cpu", "--trainer.devices", "3",
