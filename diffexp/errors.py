@@ -20,9 +20,17 @@ class UserError(ValueError):
     """A problem with what the user asked for. A ValueError, so callers that catch ValueError still work."""
 
 
+def as_written(value: Any) -> str:
+    """A value as a user writes it in a config or on the command line: null, true and false as YAML spells them
+    (not Python's None, True, False), anything else as its repr."""
+    if value is None:
+        return "null"
+    return ("true" if value else "false") if isinstance(value, bool) else repr(value)
+
+
 def invalid(key: str, value: Any, allowed: str) -> UserError:
     """`key=value is invalid: allowed`, the one shape of every bad-value message."""
-    return UserError(f"{key}={value!r} is invalid: {allowed}")
+    return UserError(f"{key}={as_written(value)} is invalid: {allowed}")
 
 
 def dash_value_hint(message: str, argv: list[str]) -> str:

@@ -237,10 +237,15 @@ def test_gpu_recipes_are_bf16_fsdp2():
         assert trainer.strategy.init_args.mixed_precision == "auto"  # bf16 on GPUs
 
 
-def test_no_gpu_recipe_sets_a_flag_its_variant_does_not_read():
-    """Such a flag changes nothing, and the run warns about it; a size-dependent flag of one variant (Shared DIFF's
-    rank) lives in that variant's size parts."""
-    unused = {(size, variant): gpu_arch(size, variant).unused_settings() for size, variant in GPU_COMBOS}
+def test_no_recipe_names_a_flag_its_variant_does_not_read():
+    """Such a flag would change nothing, and `diffexp fit` refuses it; no recipe names one, not even at its default.
+    A size-dependent flag of one variant (Shared DIFF's rank) lives in that variant's size parts."""
+    def named(files: list[Path]) -> set[str]:
+        return {key.split(".")[-1] for path in files for key in dotted_keys(path) if key.startswith("model.arch.")}
+
+    unused = {path.name: arch_of(path).unused_settings(named([path])) for path in RECIPES}
+    unused |= {(size, variant): gpu_arch(size, variant).unused_settings(named(gpu_files(size, variant)))
+               for size, variant in GPU_COMBOS}
     assert {combo: found for combo, found in unused.items() if found} == {}
     assert {gpu_arch(size, "shared_diff").rank for size in GPU_SIZES} != {ModelConfig.rank}
 

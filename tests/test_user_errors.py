@@ -45,6 +45,7 @@ def workspace(tmp_path_factory):
     (root / "notyaml.yaml").write_text("model: [unclosed\n")
     (root / "list.yaml").write_text("- 1\n- 2\n")
     (root / "afile").write_text("x")
+    (root / "unread.yaml").write_text("model:\n  arch:\n    gate: headwise\n")
     return root
 
 
@@ -101,6 +102,23 @@ CASES = [
     ("ssmax-init", ["fit", "--config", RECIPE, "--model.arch.attention", "ssmax", "--model.arch.ssmax_init", "0"],
      ["model.arch.ssmax_init", "0", "'length'", "a positive number"]),
     ("backend", ["fit", "--config", RECIPE, "--model.arch.backend", "triton2"], ["model.arch.backend", "triton2"]),
+    ("sink-null", ["fit", "--config", RECIPE, "--model.arch.attention", "softmax_sink", "--model.arch.sink", "null"],
+     ["model.arch.sink: null is not allowed", "zero or learned"]),
+    # a flag the chosen variant does not read: the flag as given, the variant, the flags it reads, who reads it
+    ("unread-sink", ["fit", "--config", RECIPE, "--model.arch.attention", "baseline", "--model.arch.sink", "learned"],
+     ["model.arch.attention='baseline' does not read --model.arch.sink learned (read by softmax_sink)",
+      "baseline reads no model.arch flag beyond the shared ones"]),
+    ("unread-gate", ["fit", "--config", RECIPE, "--model.arch.attention", "softmax_sink",
+                     "--model.arch.gate=headwise"],
+     ["'softmax_sink' does not read --model.arch.gate headwise (read by gated)",
+      "softmax_sink reads model.arch.sink beyond the shared flags"]),
+    ("unread-lambda", ["fit", "--config", RECIPE, "--model.arch.attention", "baseline", "--model.arch.lambda_init",
+                       "0.5"], ["does not read --model.arch.lambda_init 0.5 (read by diff_v1, dint, shared_diff)"]),
+    ("unread-at-default", ["fit", "--config", RECIPE, "--model.arch.sink", "zero", "--model.arch.rank", "8"],
+     ["'dint' does not read --model.arch.rank 8 (read by shared_diff); --model.arch.sink zero (read by "
+      "softmax_sink): the run would train without them", "dint reads model.arch.lambda_init"]),
+    ("unread-in-recipe", ["fit", "--config", RECIPE, "--config", "{root}/unread.yaml"],
+     ["'dint' does not read model.arch.gate: headwise in {root}/unread.yaml (read by gated)"]),
     # launches: the global batch, FSDP2's precision, the strategy, the world size of a resume
     ("global-batch-divide", ["fit", "--config", RECIPE, "--trainer.accelerator", "cpu", "--trainer.devices", "3",
                              "--global_batch.rows", "8"], ["global_batch.rows=8", "3 process(es)", "12 rows"]),
@@ -300,3 +318,36 @@ def test_a_value_that_starts_with_a_dash_is_named_with_the_key_value_form(argv, 
     err = " ".join(capsys.readouterr().err.split())
     assert f"argument {key}: expected one argument" in err and f"write it as {key}={value}" in err
     assert "Traceback" not in err and list(tmp_path.iterdir()) == []
+
+
+def test_a_flag_the_variant_does_not_read_is_refused_only_when_given(workspace, monkeypatch):
+    """A run's saved config.yaml names every model.arch flag, each other variant's at its default: it is no
+    refusal (`fit --config config.yaml --ckpt_path last` resumes); the same flag on the command line, or set away
+    from its default in a file, is."""
+    import yaml
+
+    from diffexp.errors import UserError
+    from diffexp.training.cli import parse_config
+    from diffexp.training.preflight import validate_fit_config
+
+    monkeypatch.chdir(workspace)
+    saved = workspace / "runs/run/version_0/config.yaml"
+    arch = yaml.safe_load(saved.read_text())["model"]["arch"]
+    assert arch["attention"] == "dint" and arch["sink"] == "zero" and arch["rank"] is not None  # every flag
+    words = ["--config", str(saved)]
+    assert validate_fit_config(parse_config(words), "fit", words).attention == "dint"
+    for given in (["--model.arch.sink", "zero"], ["--model.arch.sink=learned"]):
+        with pytest.raises(UserError, match="does not read --model.arch.sink"):
+            validate_fit_config(parse_config(words + given), "fit", words + given)
+
+
+def test_a_checkpoint_pins_only_the_flags_its_variant_reads():
+    """A checkpoint of a run that set another variant's flag (before such a flag was refused) is resumed without
+    it: the flag meant nothing to that run, so it is not compared."""
+    from diffexp.training.preflight import saved_run_values
+
+    checkpoint = {"hyper_parameters": {"arch": {"attention": "baseline", "d_model": 32, "lambda_init": 0.5,
+                                                "sink": "learned"}}}
+    values = saved_run_values(checkpoint, model_only=True)
+    assert values["model.arch.attention"] == "baseline" and values["model.arch.d_model"] == 32
+    assert "model.arch.lambda_init" not in values and "model.arch.sink" not in values

@@ -31,6 +31,7 @@ from diffexp.model.blocks import RMSNorm
 from diffexp.model.flags import Flag
 from diffexp.sweep.layout import TRIAL_FILE, trial_dir
 from diffexp.sweep.runs import load_curves
+from diffexp.training.preflight import check_read_flags
 from tests import reference as naive
 from tests.fixtures_compare import write_sweep
 from tests.helpers import check_causality, check_fast_path_equals_eager, check_matches_naive_reference
@@ -157,7 +158,7 @@ def test_shared_attention_cases(toy, case):
 
 
 def test_its_flag_is_one_declaration_plus_its_use(toy, capsys):
-    """ModelConfig, its validation, the CLI's help and the unused-flag warning all come from GATE_OFFSET."""
+    """ModelConfig, its validation, the CLI's help and the refusal of an unread flag all come from GATE_OFFSET."""
     assert ModelConfig(attention=TOY, gate_offset=0.5).gate_offset == 0.5 and ModelConfig().gate_offset == 0.0
     with pytest.raises(UserError, match=r"model.arch.gate_offset='high' is invalid: expected a finite number"):
         ModelConfig(attention=TOY, gate_offset="high")
@@ -165,6 +166,13 @@ def test_its_flag_is_one_declaration_plus_its_use(toy, capsys):
         ModelConfig(attention=TOY, gate_offset=float("inf"))
     assert ModelConfig(attention="baseline", gate_offset=0.5).unused_settings() == {"gate_offset": 0.5}
     assert ModelConfig(attention=TOY, gate_offset=0.5).unused_settings() == {}
+    assert ModelConfig(attention="baseline").unused_settings(named=["gate_offset"]) == {"gate_offset": 0.0}
+    with pytest.raises(UserError, match=rf"'baseline' does not read --model.arch.gate_offset 0.5 \(read by {TOY}\)"):
+        check_read_flags(ModelConfig(attention="baseline", gate_offset=0.5), ["--model.arch.gate_offset", "0.5"])
+    with pytest.raises(UserError, match=rf"'softmax_sink' does not read model.arch.gate_offset: 0.5 \(read by {TOY}\)"
+                                        r".*softmax_sink reads model.arch.sink beyond the shared flags"):
+        check_read_flags(ModelConfig(attention="softmax_sink", gate_offset=0.5))
+    check_read_flags(ModelConfig(attention=TOY, gate_offset=0.5), ["--model.arch.gate_offset", "0.5"])
     with pytest.raises(SystemExit):
         main(["fit", "--help"])
     help_text = " ".join(capsys.readouterr().out.split())  # wrapped at any terminal width

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Iterable
 from typing import Literal
 
 from diffexp.errors import invalid
@@ -102,10 +103,15 @@ class ModelConfig:
         """Fields set away from their defaults."""
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if getattr(self, f.name) != f.default}
 
-    def unused_settings(self) -> dict[str, object]:
-        """Fields set away from their default that the chosen variant does not read (they change nothing)."""
-        used = set(SHARED_FIELDS) | set(variant(self.attention).fields)
-        return {name: value for name, value in self.changed_settings().items() if name not in used}
+    def read_fields(self) -> tuple[str, ...]:
+        """The fields the chosen variant reads: the shared ones and its own."""
+        return (*SHARED_FIELDS, *variant(self.attention).fields)
+
+    def unused_settings(self, named: Iterable[str] = ()) -> dict[str, object]:
+        """Fields the chosen variant does not read (they would change nothing) that are set away from their default,
+        or are in `named` (the fields a command line names, whatever their value)."""
+        read, given = set(self.read_fields()), set(named) | set(self.changed_settings())
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name in given - read}
 
 
 def all_flags() -> tuple[Flag, ...]:

@@ -1,7 +1,7 @@
 """A `model.arch` flag, declared once: its name, type, default and a one-line doc.
 
-ModelConfig's fields, their validation, the CLI's help text and the "flag not read by this variant" warning are
-all derived from these declarations. A variant declares its own flags in its registry entry.
+ModelConfig's fields, their validation, the CLI's help text and the refusal of a flag the chosen variant does not
+read are all derived from these declarations. A variant declares its own flags in its registry entry.
 """
 
 from __future__ import annotations

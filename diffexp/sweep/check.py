@@ -44,7 +44,7 @@ def validate_fit_args(args: list[str]) -> None:
         with contextlib.redirect_stdout(output), contextlib.redirect_stderr(output), warnings.catch_warnings():
             warnings.simplefilter("ignore")
             config = parse_config(args)
-            validate_fit_config(config)
+            validate_fit_config(config, words=args)
     except SystemExit:  # a parse error jsonargparse printed itself (DIFFEXP_DEBUG=1)
         text = output.getvalue()
         message = " ".join(text[text.rfind("error:") + len("error:"):].split()) if "error:" in text else ""

@@ -25,6 +25,7 @@ from diffexp.errors import UserError, dash_value_hint, debug_enabled
 from diffexp.lightning_internals import CLIInternals
 from diffexp.training.auto_batch import is_auto, resolve_auto_batch
 from diffexp.training.checkpointing import RunCheckpoint
+from diffexp.training.command_line import given_keys
 from diffexp.training.construction import check_buildable, trainer_build_errors
 from diffexp.training.diagnostics import Diagnostics
 from diffexp.training.global_batch import GlobalBatch
@@ -79,20 +80,33 @@ def _readable_types(subtypes: str) -> str:
     return words[0] if len(words) == 1 else ", ".join(words[:-1]) + " or " + words[-1]
 
 
-def _clean_parser_message(message: str) -> str:
-    """jsonargparse's message as one paragraph with the key as the user writes it."""
+#: Python's spelling of a parsed value -> the YAML word a user writes for it
+_YAML_WORDS = {"None": "null", "True": "true", "False": "false"}
+
+
+def _as_written(key: str, parsed: str, words: list[str]) -> str:
+    """The value of `key` as the command line wrote it (`null`, not the parsed None), else the parsed value in YAML's
+    words; quoted unless a YAML word (null, true, false)."""
+    written = given_keys(words).get(key) or _YAML_WORDS.get(parsed, parsed)
+    return written if written.lower() in {"null", "~", "true", "false"} else repr(written)
+
+
+def _clean_parser_message(message: str, words: list[str] = ()) -> str:
+    """jsonargparse's message as one paragraph with the key and the value as the user writes them (`words`: the
+    command line parsed)."""
     message = re.sub(r"<class '([\w.]+)'>", r"\1", message)
     message = re.sub(r'Parser key "([^"]+)":\s*', r"\1: ", message)
     message = re.sub(r"\s*\n\s*", " ", message).strip().replace("Expected a ", "expected ")
     choice = re.match(r"([\w.]+): expected (?:typing\.)?Literal\[(.*?)\]\.? Got value: (.*)$", message)
     if choice:  # a choice flag: the value given and the values allowed, not the Python type
         key, allowed, value = choice.groups()
-        return f"{key}: {value!r} is not allowed; allowed: {_readable_types(f'Literal[{allowed}]')}"
+        allowed = _readable_types(f"Literal[{allowed}]")
+        return f"{key}: {_as_written(key, value, words)} is not allowed; allowed: {allowed}"
     union = re.match(r"([\w.]+): Does not validate against any of the Union subtypes Subtypes: \[(.*?)\] Errors:"
                      r".* Given value: (.*)$", message)
     if union:  # e.g. lambda_init: a word of a Literal or a number
         key, subtypes, value = union.groups()
-        return f"{key}: {value!r} is not allowed; allowed: {_readable_types(subtypes)}"
+        return f"{key}: {_as_written(key, value, words)} is not allowed; allowed: {_readable_types(subtypes)}"
     unknown = re.match(r"unrecognized arguments: (.*)", message)
     if unknown:
         keys = [arg.split("=", 1)[0] for arg in unknown.group(1).split() if arg.startswith("--")]
@@ -122,7 +136,7 @@ class DiffexpArgumentParser(LightningArgumentParser):
         if debug_enabled():
             return super().error(message, ex)
         prog = self.prog.replace(" [options]", "")
-        text = (_clean_parser_message(message) + dash_value_hint(message, DiffexpArgumentParser.parsed_words)
+        text = (_clean_parser_message(message, DiffexpArgumentParser.parsed_words) + dash_value_hint(message, DiffexpArgumentParser.parsed_words)
                 + self._nearest_keys(message))
         raise UserError(f"{text} (`{prog} --help` lists the accepted keys)") from None
 
@@ -250,7 +264,7 @@ class DiffexpCLI(CLIInternals):
         ckpt_path = config.get("ckpt_path")
         if not ckpt_path:  # data.batch_size auto: a number from the GPU's free memory (a resume: the checkpoint's)
             resolve_auto_batch(config)
-        arch = validate_fit_config(config, subcommand)
+        arch = validate_fit_config(config, subcommand, DiffexpArgumentParser.parsed_words)
         init_from = (to_builtin(config.get("model") or {})).get("init_from")
         if subcommand == "fit" and init_from and not ckpt_path:  # a resume takes its weights from ckpt_path
             data_class, data_args = data_init_args(config)

@@ -39,6 +39,7 @@ WORLD_SIZE = "world size (trainer.num_nodes x trainer.devices)"
 ACCUMULATE = "trainer.accumulate_grad_batches"
 # free on resume while their product, the global batch, stays: the training order is cut into global batches
 LAYOUT_KEYS = ("data.batch_size", WORLD_SIZE, ACCUMULATE)
+ARCH = "model.arch"
 # model.ar_hit settings that decide which tokens are AR-Hits (a resume must log the same metric)
 AR_HIT_RESUME_KEYS = ("exclude_frequent", "min_count", "top_percent")
 
@@ -122,8 +123,9 @@ def logger_save_dirs(trainer: dict[str, Any]) -> list[tuple[str, Any]]:
     return dirs
 
 
-def validate_fit_config(config, subcommand: str = "fit") -> ModelConfig:
-    """Check a parsed config of `subcommand` before anything is built. Returns the model config."""
+def validate_fit_config(config, subcommand: str = "fit", words: list[str] = ()) -> ModelConfig:
+    """Check a parsed config of `subcommand` before anything is built (`words`: the command line it was parsed
+    from, which names the keys the user gave). Returns the model config."""
     arch, _, _ = model_sections(config)
     _, data_args = data_init_args(config)
     seq_len = data_args.get("seq_len")
@@ -143,7 +145,7 @@ def validate_fit_config(config, subcommand: str = "fit") -> ModelConfig:
     check_writable("checkpoint.dirpath", checkpoint.get("dirpath"))
     check_checkpoint_settings(checkpoint, trainer, subcommand)
     check_data(config)
-    warn_unused_settings(arch)
+    check_read_flags(arch, words)
     return arch
 
 
@@ -218,14 +220,41 @@ def derived_accumulation(config) -> int | None:
     return accumulation_for(rows, micro_batch, world)
 
 
-def warn_unused_settings(arch: ModelConfig) -> None:
-    """A flag the chosen variant does not read changes nothing: say so rather than run silently without it."""
-    unused = arch.unused_settings()
-    if unused:
-        settings = ", ".join(f"model.arch.{key}={value!r}" for key, value in unused.items())
-        print(f"warning: model.arch.attention={arch.attention!r} does not read {settings}; "
-              "this run is the same as without them (`diffexp variants` lists each variant's flags)",
-              file=sys.stderr)
+def check_read_flags(arch: ModelConfig, words: list[str] = ()) -> None:
+    """A `model.arch` flag the chosen variant does not read would change nothing: refused, naming the flag as the
+    user gave it, the variant and the flags it reads. Refused when set away from its default (a command line or a
+    config file) or named on the command line at all; a config file that names it at its default value (a run's
+    saved config.yaml names every flag) is not refused."""
+    from diffexp.model.attention import variant, variants
+    from diffexp.training.command_line import config_files, file_setting, given_keys
+
+    given = given_keys(list(words))
+    named = [key[len(ARCH) + 1:] for key in given if key.startswith(ARCH + ".")]
+    unused = arch.unused_settings(named)
+    if not unused:
+        return
+    files = config_files(list(words))
+
+    def as_given(name: str, value: Any) -> str:
+        key = f"{ARCH}.{name}"
+        if key in given:
+            return f"--{key} {given[key]}".rstrip()
+        where = [path for path in files if file_setting(path, key)[0]]
+        return f"{key}: {_flag_value(value)}" + (f" in {where[-1]}" if where else "")
+
+    chosen = variant(arch.attention)
+    own = ", ".join(f"{ARCH}.{name}" for name in chosen.fields)
+    reads = (f"{chosen.name} reads {own} beyond the shared flags" if own else
+             f"{chosen.name} reads no {ARCH} flag beyond the shared ones (sizes, RoPE, backend, init)")
+    lines = []
+    for name, value in unused.items():
+        readers = [entry.name for entry in variants() if name in entry.fields]
+        read_by = f"read by {', '.join(readers)}" if readers else "read by no variant"
+        lines.append(f"{as_given(name, value)} ({read_by})")
+    them = "it" if len(lines) == 1 else "them"
+    raise UserError(f"{ARCH}.attention={arch.attention!r} does not read {'; '.join(lines)}: the run would train "
+                    f"without {them}. {reads}. Remove {them}, or choose a variant that reads {them} with "
+                    f"--{ARCH}.attention (`diffexp variants` lists each variant's flags)")
 
 
 # -- resume ------------------------------------------------------------------------------------------------
@@ -242,24 +271,26 @@ def _same_value(a: Any, b: Any) -> bool:
     return to_builtin(a) == to_builtin(b)
 
 
-def _filled_unread(checkpoint: dict[str, Any]) -> set[str]:
-    """Keys read_checkpoint filled in (added after the checkpoint was written) that its variant does not read:
-    they meant nothing to that run, so they pin nothing."""
+def _unread(checkpoint: dict[str, Any]) -> set[str]:
+    """The model.arch keys of a checkpoint that its variant does not read (saved with every flag, or filled in by
+    read_checkpoint when added after it was written): they meant nothing to that run, so they pin nothing."""
     from diffexp.model.attention import variant, variant_names
     from diffexp.model.config import SHARED_FIELDS
 
-    attention = ((checkpoint.get("hyper_parameters") or {}).get("arch") or {}).get("attention")
-    if attention not in variant_names():
+    arch = (checkpoint.get("hyper_parameters") or {}).get("arch") or {}
+    if arch.get("attention") not in variant_names():
         return set()
-    read = {f"model.arch.{name}" for name in (*SHARED_FIELDS, *variant(attention).fields)}
-    return {key for key in checkpoint.get(FILLED, {}) if key.startswith("model.arch.") and key not in read}
+    read = {*SHARED_FIELDS, *variant(arch["attention"]).fields}
+    filled = {key[len(ARCH) + 1:] for key in checkpoint.get(FILLED, {}) if key.startswith(ARCH + ".")}
+    return {f"{ARCH}.{name}" for name in {*arch, *filled} if name not in read}
 
 
 def saved_run_values(checkpoint: dict[str, Any], model_only: bool) -> dict[str, Any]:
     """The dotted keys a checkpoint pins, as the user writes them."""
     hparams = checkpoint.get("hyper_parameters") or {}
     arch = {k: v for k, v in (hparams.get("arch") or {}).items() if k != "vocab_size"}
-    values = {k: v for k, v in _dotted("model.arch", arch).items() if k not in _filled_unread(checkpoint)}
+    unread = _unread(checkpoint)
+    values = {k: v for k, v in _dotted("model.arch", arch).items() if k not in unread}
     data_hparams = checkpoint.get("datamodule_hyper_parameters") or {}
     if model_only:  # evaluating: the same network, and the tokenizer its embeddings were trained with
         return {**values, **_dotted("data", {k: v for k, v in data_hparams.items() if k in TOKENIZER_KEYS})}
