@@ -284,7 +284,7 @@ def test_flags_change_the_built_module():
         (dict(attention="diff_v2", pair_norm="yes"), "pair_norm='yes'"),
         (dict(backend="tensorrt"), "backend='tensorrt'"),
         (dict(attention="softmax_sink", sink="one"), "model.arch.sink='one'"),
-        (dict(attention="softmax_sink", sink=None), "model.arch.sink=None"),
+        (dict(attention="softmax_sink", sink=None), "model.arch.sink=null"),
         (dict(attention="gated", gate="channel"), "model.arch.gate='channel'"),
         (dict(attention="ssmax", ssmax_init=0), "model.arch.ssmax_init=0"),
         (dict(attention="ssmax", ssmax_init="auto"), "model.arch.ssmax_init='auto'"),
