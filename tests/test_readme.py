@@ -292,7 +292,8 @@ def test_readme_python_runs_as_shown(monkeypatch, tmp_path):
     assert model.num_parameters() == total - extra_token
     assert abs(loss.item() - math.log(256)) < 0.5
     assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in model.parameters())
-    assert out.getvalue().startswith(f"{model.num_parameters():,} parameters, loss {loss.item():.2f}, map (2, 4, 64, 64)")
+    printed = f"{model.num_parameters():,} parameters, loss {loss.item():.2f}, map (2, 4, 64, 64)"
+    assert out.getvalue().startswith(printed)
 
 
 def exercise(line: str) -> None:
