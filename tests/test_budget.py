@@ -120,24 +120,24 @@ def test_docs_state_the_times_the_size_files_state(monkeypatch):
         assert fit.commit in text and "bench/fits.json" in text and "35-42%" not in text and "42-35%" not in text
 
 
-def test_readme_and_base_recipe_state_the_125m_times(monkeypatch):
-    """The README's and base.yaml's 125m figures: the five variants' range on one H100 and the 125m sweep's."""
+def test_gpu_page_and_base_recipe_state_the_125m_times(monkeypatch):
+    """docs/gpu.md's and base.yaml's 125m figures: the five variants' range on one H100 and the 125m sweep's."""
     monkeypatch.chdir(REPO)
     size_file = (REPO / "recipes/gpu/size/125m.yaml").read_text().splitlines()
     hours = sorted(one_gpu_seconds(ln) / 3600 for ln in size_file
                    if re.match(r"# run\[(baseline|diff_v1|diff_v2|shared_diff|dint)\]:", ln))
     assert len(hours) == 5 and all(1 <= h < 10 for h in hours)
     span = f"{hours[0]:.1f}-{hours[-1]:.1f} h"
-    readme, base = (REPO / "README.md").read_text(), (REPO / "recipes/gpu/base.yaml").read_text()
-    assert f"takes {span} on one H100" in " ".join(readme.split())
+    gpu_md, base = (REPO / "docs/gpu.md").read_text(), (REPO / "recipes/gpu/base.yaml").read_text()
+    assert f"takes {span} on one H100" in " ".join(gpu_md.split())
     assert f"# time[125m]: {span} on one H100" in base
     sweep = next(ln for ln in (REPO / "sweeps/gpu_125m.yaml").read_text().splitlines() if ln.startswith("# time: "))
     wall, gpu_hours, node_hours = re.search(r"about (\S+ \S+) on .*, ([\d,]+) H100-hours of trials, ([\d,]+) of the "
                                             "node's", sweep).groups()
     assert (f"sweep about {wall} on an 8-H100 node, {gpu_hours} H100-hours of trials and {node_hours} of the node's"
-            in " ".join(readme.split()))
+            in " ".join(gpu_md.split()))
     measured = measured_fit()
-    for text in (readme, base):
+    for text in (gpu_md, base):
         assert measured.commit in text and f"{measured.tokens_per_s:,.0f} tokens/s" in text
 
 

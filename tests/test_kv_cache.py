@@ -73,7 +73,7 @@ def test_greedy_continuation_with_the_cache_is_the_full_forwards(case):
 
 
 def per_token_elements(cfg) -> int:
-    """Cached numbers per token and layer, from the variant's layout (README, "Decoding")."""
+    """Cached numbers per token and layer, from the variant's layout (docs/generation.md, "The KV cache")."""
     d, h, h_kv = cfg.resolved_head_dim, cfg.n_heads, cfg.kv_heads
     if cfg.attention in ("baseline", "diff_v2"):
         return 2 * h_kv * d  # K and V, d wide: DIFF V2's 2h query heads read the baseline's KV heads

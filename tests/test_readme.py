@@ -6,8 +6,9 @@ Each command line of README.md's shell blocks is one of:
   `diffexp ...` subcommand (LightningCLI for fit/validate/test, the subcommand's argparse parser otherwise),
   `torchrun ... -m diffexp ...`, `tensorboard ...`, and `export VAR=...` of a variable diffexp reads;
 - a command listed in ELSEWHERE with the test that runs it.
-Any other command fails the test. The pages the README links to for the details (docs/*.md, bench/README.md)
-hold the commands that moved out of it; theirs are checked the same way. Also: every relative link in these pages
+Any other command fails the test. The pages the README links to for the details (docs/*.md, docs/results/*.md,
+bench/README.md) hold the commands that moved out of it; theirs are checked the same way. Every Python block of
+the README runs as shown. Also: every relative link in these pages
 names a file that exists (and, with #anchor, one of its headings), as does every repository path they name in
 backquotes, and every pointer in a recipe's or sweep spec's comments (a file, a #heading, or `file, "Section"`).
 """
@@ -17,6 +18,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import io
+import math
 import re
 import shlex
 from pathlib import Path
@@ -27,7 +29,8 @@ REPO = Path(__file__).resolve().parents[1]
 README = REPO / "README.md"
 CI_RUN = REPO / ".ci" / "run"
 #: the pages whose links and paths are checked
-PAGES = [README, REPO / "bench" / "README.md", *sorted((REPO / "docs").glob("*.md"))]
+PAGES = [README, REPO / "bench" / "README.md", *sorted((REPO / "docs").glob("*.md")),
+         *sorted((REPO / "docs" / "results").glob("*.md"))]
 #: the files whose comments point at pages and sections
 COMMENTED = sorted([*(REPO / "recipes").rglob("*.yaml"), *(REPO / "sweeps").glob("*.yaml")])
 SHELL = {"bash", "sh", "shell", "console"}
@@ -244,6 +247,15 @@ def check_command(argv: list[str]) -> str:
 
 # --- the tests ---------------------------------------------------------------------------------------------
 
+def test_the_readme_is_a_front_page():
+    """About 150 lines, readable in five minutes; the figures' machines and commits are stated on the results
+    pages and in bench/README.md, once per table, not on the front page."""
+    text = README.read_text()
+    assert len(text.splitlines()) <= 180, len(text.splitlines())
+    commits = re.findall(r"\bcommit `?[0-9a-f]{7,40}\b|`[0-9a-f]{7,40}`", text)
+    assert not commits, commits
+
+
 def test_every_readme_code_block_names_its_language():
     """A command cannot hide in an unlabelled block: every block is a shell block or says what else it is."""
     for info, body in fenced_blocks(README.read_text()):
@@ -260,6 +272,28 @@ def test_quick_start_is_three_commands_and_ci_runs_its_set_up_and_tests():
     assert " ".join(set_up.split()) in ci, f"set-up command not in .ci/run: {set_up}"
     assert " ".join(test.split()) in ci, f"test command not in .ci/run: {test}"
     assert words(train)[:2] == ["diffexp", "fit"]
+
+
+def test_readme_python_runs_as_shown(monkeypatch, tmp_path):
+    """The README's Python block runs as written, from an empty directory: the tiny recipe's DIFF V1 (its
+    parameter count, but for the byte vocabulary's end-of-document token), its logits and maps of the shapes
+    the comments give, a loss near ln 256 at initialisation, and gradients in every weight."""
+    [code] = [("\n".join(body)) for info, body in fenced_blocks(README.read_text()) if info == "python"]
+    monkeypatch.chdir(tmp_path)
+    namespace, out = {"__name__": "__main__"}, io.StringIO()
+    with contextlib.redirect_stdout(out):
+        exec(compile(code, str(README), "exec"), namespace)
+    model, logits, maps, loss = (namespace[name] for name in ("model", "logits", "maps", "loss"))
+    assert model.cfg.attention == "diff_v1" and tuple(logits.shape) == (2, 64, 256)
+    assert len(maps) == 4 and all(tuple(m.shape) == (2, 4, 64, 64) for m in maps)
+    header = (REPO / "recipes/tiny/diff_v1.yaml").read_text()
+    total = int(re.search(r"# parameters: total=(\d+)", header).group(1))
+    extra_token = 2 * model.cfg.d_model  # the recipe's vocabulary is 257: one more embedding and lm_head row
+    assert model.num_parameters() == total - extra_token
+    assert abs(loss.item() - math.log(256)) < 0.5
+    assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in model.parameters())
+    printed = f"{model.num_parameters():,} parameters, loss {loss.item():.2f}, map (2, 4, 64, 64)"
+    assert out.getvalue().startswith(printed)
 
 
 def exercise(line: str) -> None:
@@ -387,7 +421,7 @@ def test_every_pointer_in_a_recipe_or_spec_comment_resolves(path):
 def test_the_pointer_check_finds_what_is_stale():
     """Each kind of stale pointer in a comment is caught: a missing file, heading or section."""
     assert _pointer_problem("README", None, "Data at paper scale") is not None
-    assert _pointer_problem("README", None, "Data preparation") is None
+    assert _pointer_problem("README", None, "Quick start") is None
     assert _pointer_problem("docs/gpu.md", "#no-such-section", None) is not None
     assert comment_pointers(REPO / "recipes/gpu/base.yaml")
 
@@ -397,6 +431,8 @@ def test_the_paired_tiny_sweep_takes_one_time_wherever_it_is_stated():
     stated = {re.search(r"about (\d+) min", spec).group(1)}
     readme = " ".join((REPO / "README.md").read_text().split())
     stated.add(re.search(r"`sweeps/paired_tiny.yaml`: [^)]*about (\d+) min", readme).group(1))
+    results = " ".join((REPO / "docs/results/paired_tiny.md").read_text().split())
+    stated.add(re.search(r"`sweeps/paired_tiny.yaml` \([^)]*about (\d+) min", results).group(1))
     table = (REPO / "docs/sweeps.md").read_text().splitlines()
     row = next(line for line in table if "`sweeps/paired_tiny.yaml`" in line)
     stated.add(re.search(r"about (\d+) min", row).group(1))

@@ -45,7 +45,7 @@ BEYOND_TOLERANCE = {
 
 
 def gpu_files(size: str, variant: str) -> list[Path]:
-    """The --config files of a GPU run, in the order README.md gives them: base, size, variant, and the
+    """The --config files of a GPU run, in the order README.md and docs/gpu.md give them: base, size, variant, and the
     variant's size part when it has one (variant/<variant>/<size>.yaml)."""
     files = [GPU / "base.yaml", GPU / "size" / f"{size}.yaml", GPU / "variant" / f"{variant}.yaml"]
     size_part = GPU / "variant" / variant / f"{size}.yaml"
@@ -160,7 +160,7 @@ def test_gpu_heads_follow_the_papers_at_every_size(size):
                                      else 2 * h // 4), (variant, arch.kv_heads)
 
 
-#: the GPU deltas that take DIFF V2's differences from the baseline apart (README, "Comparison recipes")
+#: the GPU deltas that take DIFF V2's differences from the baseline apart (docs/gpu.md, "Comparison recipes")
 V2_COMPARISONS = ("baseline-v2kv", "baseline-2x-heads", "baseline-1.5x-heads", "diff_v2-ffn")
 
 
@@ -252,7 +252,7 @@ def test_no_recipe_names_a_flag_its_variant_does_not_read():
 
 def test_documented_recipe_paths_exist():
     """Every recipes/... path the README and docs show (commands users copy) names a file."""
-    for doc in [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]:
+    for doc in [REPO / "README.md", *sorted((REPO / "docs").rglob("*.md"))]:
         for path in re.findall(r"recipes/[\w./-]+\.yaml", doc.read_text()):
             assert (REPO / path).is_file(), (doc.name, path)
 
