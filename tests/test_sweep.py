@@ -178,9 +178,10 @@ def test_every_bad_row_is_reported_before_anything_is_created(tmp_path, capsys):
 
 
 def test_search_bounds_and_choices_are_checked(tmp_path, capsys):
-    spec = write_spec(tmp_path, "bounds", grid={}, cases={"DIFF": {}}, n_trials=3, search={
-        "model.arch.n_layers": {"type": "int", "low": 0, "high": 2},
-        "model.arch.integral": {"type": "categorical", "choices": ["softmax", "mean", "sideways"]}})
+    search = {"model.arch.n_layers": {"type": "int", "low": 0, "high": 2},
+              "model.arch.integral": {"type": "categorical", "choices": ["softmax", "mean", "sideways"]}}
+    spec = write_spec(tmp_path, "bounds", grid={}, cases={"DINT": {"model.arch.attention": "dint"}}, n_trials=3,
+                      search=search)
     assert exit_code(["sweep", "--config", str(spec)]) == 2
     err = capsys.readouterr().err
     assert "2 of 3 trial configurations would be refused" in err
