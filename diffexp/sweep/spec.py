@@ -258,27 +258,28 @@ def load_spec(path: str | Path, repo_root: Path | None = None) -> SweepSpec:
 
 
 def read_spec_file(path: str | Path, repo_root: Path | None = None) -> tuple[SweepSpec | None, list[str]]:
-    """read_spec of the file at `path`; a file that is no YAML mapping raises SpecError at once."""
+    """read_spec of the file at `path`, its repeated keys first among the problems; a file that does not read as a
+    YAML mapping raises SpecError at once."""
     path = Path(path)
     if not path.is_file():
         raise SpecError(f"sweep spec {str(path)!r}: no such file")
-    raw = read_yaml(path) or {}
+    raw, duplicates = read_yaml(path)
+    raw = raw or {}
     if not isinstance(raw, dict):
         raise SpecError(f"{path}: expected a mapping of keys, got {type(raw).__name__}")
-    return read_spec(raw, source=path, repo_root=repo_root)
+    spec, problems = read_spec(raw, source=path, repo_root=repo_root)
+    return spec, duplicates + problems
 
 
-def read_yaml(path: Path) -> Any:
-    """The YAML document of `path`; a repeated mapping key (two cases of one name, say) is an error, since
-    YAML would keep only the last of them and a row of the table would silently disappear."""
+def read_yaml(path: Path) -> tuple[Any, list[str]]:
+    """(the YAML document of `path`, a problem per repeated mapping key): two cases of one name, say, since YAML
+    keeps only the last of them and a row of the table would silently disappear."""
     try:
         with open(path) as handle:
             root = yaml.compose(handle, Loader=yaml.SafeLoader)
         duplicates = _duplicate_keys(root, "") if root is not None else []
-        if duplicates:
-            raise SpecError(f"{path}: " + "; ".join(duplicates) + " (YAML keeps only the last one: rename or merge)")
         with open(path) as handle:
-            return yaml.safe_load(handle)
+            return yaml.safe_load(handle), [f"{d} (YAML keeps only the last one: rename or merge)" for d in duplicates]
     except yaml.YAMLError as exc:
         raise SpecError(f"{path}: not valid YAML: {' '.join(str(exc).split())}") from None
     except OSError as exc:
