@@ -20,7 +20,16 @@ from diffexp.secrets import mask_url
 from diffexp.sweep import SpecError, parse_spec
 from diffexp.sweep.runner import main as sweep_main
 from diffexp.sweep.spec import load_spec
-from tests.helpers import REPO, exit_code, run_cli, subprocess_env, trials_by_state, write_recipe, write_spec
+from tests.helpers import (
+    REPO,
+    TINY_OVERRIDES,
+    exit_code,
+    run_cli,
+    subprocess_env,
+    trials_by_state,
+    write_recipe,
+    write_spec,
+)
 
 
 def start_worker(spec: Path, cwd: Path) -> subprocess.Popen:
@@ -178,9 +187,10 @@ def test_every_bad_row_is_reported_before_anything_is_created(tmp_path, capsys):
 
 
 def test_search_bounds_and_choices_are_checked(tmp_path, capsys):
-    spec = write_spec(tmp_path, "bounds", grid={}, cases={"DIFF": {}}, n_trials=3, search={
-        "model.arch.n_layers": {"type": "int", "low": 0, "high": 2},
-        "model.arch.integral": {"type": "categorical", "choices": ["softmax", "mean", "sideways"]}})
+    search = {"model.arch.n_layers": {"type": "int", "low": 0, "high": 2},
+              "model.arch.integral": {"type": "categorical", "choices": ["softmax", "mean", "sideways"]}}
+    spec = write_spec(tmp_path, "bounds", grid={}, cases={"DINT": {"model.arch.attention": "dint"}}, n_trials=3,
+                      search=search)
     assert exit_code(["sweep", "--config", str(spec)]) == 2
     err = capsys.readouterr().err
     assert "2 of 3 trial configurations would be refused" in err
@@ -216,6 +226,91 @@ def test_duplicate_case_names_are_refused_with_their_lines(tmp_path, capsys):
     err = capsys.readouterr().err
     assert f"duplicate key 'DIFF' in cases at line {second} (first at line {first})" in err
     assert not (tmp_path / "runs").exists()
+
+
+def test_a_spec_with_several_kinds_of_error_reports_them_all_in_one_message(tmp_path, capsys):
+    """Repeated seeds, an objective no trial records, an unregistered variant, a clash and a row `diffexp fit`
+    refuses: one message names each, nothing is created."""
+    spec = write_spec(tmp_path, "many_errors", seeds=[0, 0], objective={"metric": "val/accuracy"},
+                      grid={"model.optim.lr": [1.0e-2]}, cases={
+                          "A": {"model.optim.lr": 3.0e-3},
+                          "V3": {"model.arch.attention": "diff_v3"},
+                          "no steps": {"trainer.max_steps": 0}})
+    assert exit_code(["sweep", "--config", str(spec)]) == 2
+    err = capsys.readouterr().err
+    head, *lines = err.split("\n(DIFFEXP_DEBUG")[0].splitlines()
+    assert head == (f"error: {spec}: 4 problem(s) in the spec and 1 of 2 trial configurations would be refused by "
+                    "`diffexp fit`; nothing was started or written:")
+    assert lines[0].startswith("  - seeds=[0, 0]: seed(s) 0 listed more than once")
+    assert lines[1].startswith("  - objective.metric='val/accuracy' is not a metric trials record")
+    assert lines[2].startswith("  - cases['V3']: model.arch.attention='diff_v3' is not a variant; known: baseline,")
+    assert lines[3].startswith("  - cases['A'] sets model.optim.lr=0.003 and grid sets it too (grid: [0.01])")
+    assert lines[4].startswith("  - case 'no steps', grid model.optim.lr=0.01: trainer.max_steps=0 is invalid")
+    assert len(lines) == 5  # the unregistered variant's rows are not refused a second time
+    assert not (tmp_path / "runs").exists()
+
+
+@pytest.mark.parametrize("where, variant", [
+    ({"cases": {"V3": {"model.arch.attention": "diff_v3"}}}, "cases['V3']"),
+    ({"grid": {"model.arch.attention": ["diff_v1", "diff_v3"]}}, "grid"),
+    ({"overrides": {"model.arch.attention": "diff_v3"}}, "overrides"),
+    ({"search": {"model.arch.attention": {"type": "categorical", "choices": ["diff_v3"]}}}, "search"),
+])
+def test_a_spec_naming_an_unregistered_variant_is_refused(tmp_path, where, variant):
+    raw = {"study": "v3", "base": str(REPO / "recipes/tiny/diff_v1.yaml"), "cases": {"A": {}}, **where}
+    with pytest.raises(SpecError) as err:
+        parse_spec(raw)
+    assert str(err.value).startswith(f"{variant}: model.arch.attention='diff_v3' is not a variant; known: baseline, "
+                                     "diff_v1, diff_v2")
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"cases": {"A": {"model.optim.lr": 3.0e-3}}, "grid": {"model.optim.lr": [1.0e-2]}},
+     "cases['A'] sets model.optim.lr=0.003 and grid sets it too (grid: [0.01]): the grid's value would replace the "
+     "one cases['A'] sets, in every row; set model.optim.lr in one place"),
+    ({"overrides": {"model.optim.lr": 3.0e-3}, "grid": {"model.optim.lr": [1.0e-2]}},
+     "overrides sets model.optim.lr=0.003 and grid sets it too"),
+    ({"cases": {"A": {"model.optim.lr": 3.0e-3}}, "n_trials": 2,
+      "search": {"model.optim.lr": {"type": "float", "low": 1.0e-4, "high": 1.0e-2}}},
+     "cases['A'] sets model.optim.lr=0.003 and search sets it too"),
+    ({"grid": {"model.optim.lr": [1.0e-2]}, "n_trials": 2,
+      "search": {"model.optim.lr": {"type": "float", "low": 1.0e-4, "high": 1.0e-2}}},
+     "grid sets model.optim.lr ([0.01]) and search draws it too"),
+])
+def test_a_key_one_place_of_the_spec_would_silently_replace_is_refused_naming_both(change, message):
+    raw = {"study": "clash", "base": str(REPO / "recipes/tiny/diff_v1.yaml"), "cases": {"A": {}}, **change}
+    with pytest.raises(SpecError) as err:
+        parse_spec(raw)
+    assert message in str(err.value)
+
+
+def test_a_shared_variant_flag_reaches_only_the_cases_whose_variant_reads_it(tmp_path):
+    """lambda_init (overrides) and head_norm (grid) are DIFF's: the Transformer's trials get neither, and it has one
+    row (not one per head_norm), which `compare` sets against DIFF at each grid point; `diffexp fit` accepts every
+    row. A shared flag no case reads is refused."""
+    from diffexp.sweep.check import check_trials, trial_configs
+
+    spec = load_spec(write_spec(tmp_path, "mixed", seeds=[0], cases={
+        "Transformer": {"model.arch.attention": "baseline"}, "DIFF": {}, "Sink": {
+            "base": str(REPO / "recipes/tiny/softmax_sink.yaml")}},
+        overrides={**TINY_OVERRIDES, "data.cache_dir": str(tmp_path / "cache"), "model.arch.lambda_init": 0.5},
+        search={"model.arch.sink": {"type": "categorical", "choices": ["zero", "learned"]}}, n_trials=2))
+    assert sorted(label for label, _ in spec.rows()) == ["DIFF, head_norm=false", "DIFF, head_norm=true", "Sink",
+                                                         "Transformer"]
+    assert spec.grid_views() == {f"head_norm={v}": {"Transformer": "Transformer", "DIFF": f"DIFF, head_norm={v}",
+                                                    "Sink": "Sink"} for v in ("true", "false")}
+    configs = {config.where: config.overrides for config in trial_configs(spec)}
+    assert "model.arch.lambda_init" not in configs["case 'Transformer'"]
+    assert "model.arch.sink" not in configs["case 'Transformer'"]
+    assert configs["case 'DIFF', grid model.arch.head_norm=true"]["model.arch.lambda_init"] == 0.5
+    assert configs["case 'Sink', search model.arch.sink choice learned"]["model.arch.sink"] == "learned"
+    assert "model.arch.lambda_init" not in configs["case 'Sink', search model.arch.sink choice learned"]
+    assert len(configs) == 5  # the Transformer once, not once per search corner
+    check_trials(spec)
+    with pytest.raises(SpecError, match=r"overrides: model.arch.sink is read by softmax_sink only, and no trial of "
+                                        r"this spec trains it \(they train baseline, diff_v1\)"):
+        parse_spec({"study": "s", "base": str(REPO / "recipes/tiny/diff_v1.yaml"), "overrides": {
+            "model.arch.sink": "learned"}, "cases": {"Transformer": {"model.arch.attention": "baseline"}, "DIFF": {}}})
 
 
 def test_storage_password_is_masked():

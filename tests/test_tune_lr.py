@@ -16,6 +16,7 @@ from rich.console import Console
 
 from diffexp import compare
 from diffexp.compare.paired import BETTER, NOISE, WORSE
+from diffexp.sweep import check
 from diffexp.sweep import runner as sweep_runner
 from diffexp.sweep.layout import SWEEP_FILE
 from diffexp.sweep.runs import load_study_runs
@@ -161,7 +162,7 @@ def test_one_spec_runs_both_stages_end_to_end_with_a_stand_in_for_fit(tmp_path, 
         return [sys.executable, "-c", FAKE_FIT, str(run_dir), point.case, str(point.seed), str(lr)]
 
     monkeypatch.setattr(sweep_runner.SweepRunner, "_command", command)
-    monkeypatch.setattr(sweep_runner, "check_trials", lambda spec: None)  # the real check: the heavy test below
+    monkeypatch.setattr(check, "refused_trials", lambda spec: check.Refused())  # the real check: the heavy test
     path = tmp_path / "fair.yaml"
     path.write_text(yaml.safe_dump({"study": "fair", "base": str(REPO / "recipes/tiny/baseline.yaml"),
                                     "runs_dir": str(tmp_path / "runs"), "cases": CASES, "seeds": [0, 1],

@@ -1,7 +1,8 @@
 """Every trial of a sweep spec, checked the way `diffexp fit` will check it, before anything is created.
 
 Each distinct set of overrides (search spaces at both bounds and at every choice) is parsed and preflighted
-without building a model; all the bad rows are reported together in one SpecError.
+without building a model; all the bad rows, and every problem of the spec's structure, are reported together in
+one SpecError.
 """
 
 from __future__ import annotations
@@ -13,11 +14,12 @@ import logging
 import os
 import warnings
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from diffexp.errors import UserError
 from diffexp.sweep.command import cli_value, fit_args
-from diffexp.sweep.spec import Point, SpecError, SweepSpec, slugify
+from diffexp.sweep.spec import Point, SweepSpec, read_spec_file, slugify, spec_error
 
 SEED_ENV = ("PL_GLOBAL_SEED", "PL_SEED_WORKERS")  # what Lightning's seed_everything leaves in os.environ
 
@@ -63,20 +65,29 @@ def validate_fit_args(args: list[str]) -> None:
 
 
 def trial_configs(spec: SweepSpec) -> list[TrialConfig]:
-    """Each row of the table, once per corner of the search spaces (every bound and choice appears)."""
+    """Each row of the table, once per corner of the search spaces (every bound and choice appears). A trial of a
+    variant that is not registered is left out: the spec's own check names it (read_spec)."""
+    from diffexp.model.attention import variant_names
+
     configs = []
     for label, case, assignment, row_overrides in spec.table():
         point = Point(label, slugify(label), spec.seeds[0], 0, row_overrides, spec.case_bases.get(case))
         for sampled, described in _search_corners(spec.search):
+            overrides = spec.trial_overrides(point.base, row_overrides, sampled)
+            if spec.variant_of(point.base, overrides) not in (*variant_names(), None):
+                continue
             parts = [f"case {case!r}"] if case else []
             parts += [f"grid {key}={cli_value(value)}" for key, value in assignment.items()]
-            parts += described
-            configs.append(TrialConfig(", ".join(parts), point, {**spec.overrides, **row_overrides, **sampled}))
+            parts += [text for text, key in described if key in overrides]
+            config = TrialConfig(", ".join(parts), point, overrides)
+            if config not in configs:  # a search key its variant does not read: the same trial at each corner
+                configs.append(config)
     return configs
 
 
-def _search_corners(search: dict[str, dict[str, Any]]) -> list[tuple[dict[str, Any], list[str]]]:
-    """Values for the search keys such that each key takes its low and high bound (or each choice) once."""
+def _search_corners(search: dict[str, dict[str, Any]]) -> list[tuple[dict[str, Any], list[tuple[str, str]]]]:
+    """Values for the search keys such that each key takes its low and high bound (or each choice) once, each with
+    its description and key."""
     if not search:
         return [({}, [])]
     count = max([2] + [len(space["choices"]) for space in search.values() if space["type"] == "categorical"])
@@ -86,20 +97,34 @@ def _search_corners(search: dict[str, dict[str, Any]]) -> list[tuple[dict[str, A
         for key, space in search.items():
             if space["type"] == "categorical":
                 value = space["choices"][i % len(space["choices"])]
-                described.append(f"search {key} choice {cli_value(value)}")
+                described.append((f"search {key} choice {cli_value(value)}", key))
             else:
                 bound = "low" if i % 2 == 0 else "high"
                 value = space[bound]
-                described.append(f"search {key} {bound}={cli_value(value)}")
+                described.append((f"search {key} {bound}={cli_value(value)}", key))
             values[key] = value
         corners.append((values, described))
     return corners
 
 
-def check_trials(spec: SweepSpec) -> None:
-    """Raise one SpecError naming every trial configuration of `spec` that `diffexp fit` would refuse."""
+@dataclass(frozen=True)
+class Refused:
+    """The trial configurations of a spec that `diffexp fit` would refuse: a line per row (one line when every row
+    is refused alike), how many, out of how many."""
+
+    lines: tuple[str, ...] = ()
+    count: int = 0
+    total: int = 0
+
+    def __add__(self, other: Refused) -> Refused:
+        return Refused(self.lines + other.lines, self.count + other.count, self.total + other.total)
+
+
+def refused_trials(spec: SweepSpec) -> Refused:
+    """Every trial configuration of `spec` that `diffexp fit` would refuse (each distinct one checked once)."""
     configs = trial_configs(spec)
     verdicts: dict[str, str | None] = {}
+
     def key_of(config: TrialConfig) -> str:  # what is checked: the recipe and the overrides
         return json.dumps([str(config.point.base or spec.base), config.overrides], sort_keys=True, default=str)
 
@@ -113,13 +138,32 @@ def check_trials(spec: SweepSpec) -> None:
                 verdicts[key] = " ".join(str(err).split())
     bad = [(config.where, verdicts[key_of(config)]) for config in configs]
     bad = [(where, message) for where, message in bad if message is not None]
-    if not bad:
-        return
-    where = f"{spec.source}: " if spec.source else ""
     messages = {message for _, message in bad}
-    if len(configs) > 1 and len(bad) == len(configs) and len(messages) == 1:
-        lines = [f"  - every row: {messages.pop()}"]
-    else:
-        lines = [f"  - {row or 'the table'}: {message}" for row, message in bad]
-    raise SpecError(f"{where}{len(bad)} of {len(configs)} trial configurations would be refused by `diffexp fit`; "
-                    "nothing was started or written:\n" + "\n".join(lines))
+    if len(configs) > 1 and bad and len(bad) == len(configs) and len(messages) == 1:
+        return Refused((f"every row: {messages.pop()}",), len(bad), len(configs))
+    return Refused(tuple(f"{row or 'the table'}: {message}" for row, message in bad), len(bad), len(configs))
+
+
+def check_trials(spec: SweepSpec) -> None:
+    """Raise one SpecError naming every trial configuration of `spec` that `diffexp fit` would refuse."""
+    refused = refused_trials(spec)
+    if refused.count:
+        raise spec_error(spec.source, [], refused.lines, refused.count, refused.total)
+
+
+def load_checked_spec(path: str | Path, repo_root: Path | None = None, runs_dir: str | None = None) -> SweepSpec:
+    """The spec at `path` (its runs under `runs_dir` when given), its structure and every trial (a tune_lr spec's
+    short runs too) checked as `diffexp fit` will check them; one SpecError lists every problem of both, before
+    any study, storage or file is made."""
+    from diffexp.sweep.tune import tuning_spec
+
+    spec, problems = read_spec_file(path, repo_root)
+    refused = Refused()
+    if spec is not None:
+        if runs_dir:
+            spec.runs_dir = Path(runs_dir)
+        for checked in ([tuning_spec(spec)] if spec.tune_lr is not None else []) + [spec]:
+            refused += refused_trials(checked)
+    if problems or refused.count:
+        raise spec_error(Path(path), problems, refused.lines, refused.count, refused.total)
+    return spec

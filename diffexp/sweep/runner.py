@@ -32,7 +32,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from diffexp.errors import UserError, print_error
 from diffexp.secrets import mask_secrets, mask_url
 from diffexp.sweep import layout
-from diffexp.sweep.check import check_trials
+from diffexp.sweep.check import load_checked_spec
 from diffexp.sweep.command import cli_value, fit_args
 from diffexp.sweep.gpus import DEVICES_ENV, chosen_devices, run_workers, visible_devices
 from diffexp.sweep.interruptions import (
@@ -50,7 +50,7 @@ from diffexp.sweep.interruptions import (
 )
 from diffexp.sweep.outages import RetryingStorage, StorageFull, StorageGaveUp
 from diffexp.sweep.records import STORAGE_ENV, NoSpaceError, no_space_message, write_json_atomic
-from diffexp.sweep.spec import Point, SpecError, SweepSpec, load_spec, recipe_record, slugify
+from diffexp.sweep.spec import Point, SpecError, SweepSpec, recipe_record, slugify
 from diffexp.sweep.storage import STORAGE_URL_ENV, local_lock, open_storage, resolve_url, translated_errors
 from diffexp.sweep.storage import describe as describe_storage
 from diffexp.sweep.tune import best_lrs, describe, final_spec, tuning_spec, views_of
@@ -252,7 +252,7 @@ class SweepRunner:
     def _command(self, trial: optuna.Trial, point: Point, run_dir: Path, resume: Path | None) -> list[str]:
         spec = self.spec
         sampled = {key: _suggest(trial, key, space) for key, space in spec.search.items()}
-        overrides = {**spec.overrides, **point.overrides, **sampled}
+        overrides = spec.trial_overrides(point.base, point.overrides, sampled)
         trial.set_user_attr("overrides", {k: cli_value(v) for k, v in overrides.items()})
         trial.set_user_attr("run_dir", str(run_dir))
         return [sys.executable, "-m", "diffexp", "fit", *fit_args(spec, point, overrides, trial._trial_id, resume)]
@@ -568,14 +568,12 @@ def main(argv: list[str] | None = None) -> int:
 
 def _main(args: argparse.Namespace, resume: str) -> int:
     devices = chosen_devices(args.gpus, visible_devices()) if args.gpus is not None else None
-    spec = load_spec(args.config, repo_root=Path(__file__).resolve().parents[2])
+    # the structure and every row as `diffexp fit` would see it (a tune_lr spec's short runs too), before any
+    # storage or file is made
+    spec = load_checked_spec(args.config, repo_root=Path(__file__).resolve().parents[2], runs_dir=args.runs_dir)
     spec.storage, origin = resolve_url(args.storage, spec.storage)
-    if args.runs_dir:
-        spec.runs_dir = Path(args.runs_dir)
+    # a fair lr per case (diffexp.sweep.tune): short runs at every lr, then the comparison
     tuning = tuning_spec(spec) if spec.tune_lr is not None else None
-    if tuning is not None:  # a fair lr per case (diffexp.sweep.tune): short runs at every lr, then the comparison
-        check_trials(tuning)
-    check_trials(spec)  # every row as `diffexp fit` would see it, before any storage or file is made
     if devices is not None:
         if tuning is None:
             SweepRunner(spec, storage_origin=origin or "storage", resume=resume)  # makes the study and its queue

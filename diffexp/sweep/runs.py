@@ -16,9 +16,9 @@ from diffexp.errors import UserError
 from diffexp.sweep import layout
 from diffexp.sweep.layout import SWEEP_FILE, TRIAL_FILE
 from diffexp.sweep.paper import parse_paper
+from diffexp.sweep.spec import ATTENTION_KEY
 
 CONFIG_FILE = "config.yaml"  # written into the trial directory by LightningCLI's SaveConfigCallback
-ATTENTION_KEY = "model.arch.attention"  # the dotted key naming a trial's attention variant
 METRIC_GROUPS = ("val", "test", "train")  # metric name prefixes, in column order
 DIVERGED_STEP = "vitals/diverged_step"  # a diverged trial's metric; its record's `diverged_step` as well
 #: names trials recorded before TensorBoard's first groups, train/ and val/, began with their losses (the

@@ -7,10 +7,12 @@ variant), as repeated --config flags.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import itertools
 import json
 import re
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -44,6 +46,22 @@ def recipe_files(recipe: Recipe) -> tuple[Path, ...]:
     return recipe if isinstance(recipe, tuple) else (recipe,)
 
 
+@functools.lru_cache(maxsize=256)
+def recipe_attention(recipe: Recipe) -> str | None:
+    """The model.arch.attention a recipe sets (its last file that sets one), None when none does or a file does
+    not read (the trial check reports such a file)."""
+    attention = None
+    for path in recipe_files(recipe):
+        try:
+            config = yaml.safe_load(Path(path).read_text()) or {}
+        except (OSError, yaml.YAMLError):
+            return None
+        arch = ((config.get("model") or {}) if isinstance(config, dict) else {}).get("arch")
+        if isinstance(arch, dict) and "attention" in arch:
+            attention = arch["attention"]
+    return attention
+
+
 def recipe_record(recipe: Recipe) -> str | list[str]:
     """A recipe as JSON (sweep.json, the fingerprint): its path, or the list of its files."""
     return [str(p) for p in recipe] if isinstance(recipe, tuple) else str(recipe)
@@ -54,6 +72,7 @@ class SpecError(UserError):
 
 
 LR_KEY = "model.optim.lr"
+ATTENTION_KEY = "model.arch.attention"  # the dotted key naming a trial's attention variant
 TUNE_LR_KEYS = {"values", "overrides", "seeds"}
 
 
@@ -112,6 +131,10 @@ class SweepSpec:
     tune_lr: LrTuning | None = None  # a fair lr per case: two stages from this spec (diffexp.sweep.tune)
     views: dict[str, dict[str, str]] | None = None  # view -> case -> its row, written to sweep.json for compare
     tuned: dict[str, Any] | None = None  # the lr tuning's result, written to sweep.json for compare
+    #: each variant's own flag (model.arch.rank) -> the variants that read it; a shared setting of such a flag only
+    #: reaches their trials (empty: every shared setting reaches every trial)
+    flag_readers: dict[str, frozenset[str]] = field(default_factory=dict)
+    default_variant: str | None = None  # what a recipe that names no model.arch.attention trains
 
     def base_of(self, case: str) -> Recipe:
         """The recipe a case's trials start from: its own `base`, else the spec's."""
@@ -125,17 +148,52 @@ class SweepSpec:
     def storage_url(self) -> str:
         return self.storage or f"sqlite:///{self.study_dir / 'study.db'}"
 
+    def grid_points(self) -> list[dict[str, Any]]:
+        """Every point of the grid, key -> value ([{}] without a grid)."""
+        return [dict(zip(self.grid, values)) for values in itertools.product(*self.grid.values())]
+
+    def variant_of(self, recipe: Recipe | None, overrides: dict[str, Any]) -> str | None:
+        """The attention variant a trial trains: its overrides' model.arch.attention, else its recipe's (None: the
+        spec's base), else the default."""
+        if ATTENTION_KEY in overrides:
+            return overrides[ATTENTION_KEY]
+        return recipe_attention(recipe or self.base) or self.default_variant
+
+    def applies(self, key: str, variant: str | None) -> bool:
+        """Whether a shared setting of `key` (overrides, grid, search) reaches a trial of `variant`: a variant's own
+        flag reaches only the variants that read it, so a spec may mix variants under one shared setting."""
+        readers = self.flag_readers.get(key)
+        return readers is None or variant in readers
+
+    def trial_overrides(self, recipe: Recipe | None, row: dict[str, Any], sampled: dict[str, Any]) -> dict[str, Any]:
+        """What one trial sets: the shared overrides, its row's (case and grid point) and its search draw, each
+        shared one only where the trial's variant reads it."""
+        variant = self.variant_of(recipe, {**self.overrides, **row, **sampled})
+        return {**{k: v for k, v in self.overrides.items() if self.applies(k, variant)}, **row,
+                **{k: v for k, v in sampled.items() if self.applies(k, variant)}}
+
+    def _assignment(self, case: str, point: dict[str, Any]) -> dict[str, Any]:
+        """The settings of a grid point that reach a case's trials (a flag its variant does not read does not)."""
+        variant = self.variant_of(self.case_bases.get(case), {**self.overrides, **self.cases[case], **point})
+        return {key: value for key, value in point.items() if self.applies(key, variant)}
+
+    @staticmethod
+    def _label(case: str, assignment: dict[str, Any]) -> str:
+        parts = [case] if case else []  # a grid-only spec has one unnamed case
+        return ", ".join(parts + [f"{k.split('.')[-1]}={_label_value(v)}" for k, v in assignment.items()])
+
     def table(self) -> list[tuple[str, str, dict[str, Any], dict[str, Any]]]:
-        """(label, case, grid assignment, overrides) per row: each case crossed with each grid point."""
-        keys = list(self.grid)
-        grid_points = list(itertools.product(*self.grid.values())) if keys else [()]
+        """(label, case, grid assignment, overrides) per row: each case crossed with each grid point. A case whose
+        variant does not read a grid key has one row per value of the keys it reads, not a copy per value."""
         table = []
         for case, case_overrides in self.cases.items():
-            for values in grid_points:
-                assignment = dict(zip(keys, values))
-                parts = [case] if case else []  # a grid-only spec has one unnamed case
-                label = ", ".join(parts + [f"{k.split('.')[-1]}={_label_value(v)}" for k, v in assignment.items()])
-                table.append((label, case, assignment, {**case_overrides, **assignment}))
+            seen = []
+            for point in self.grid_points():
+                assignment = self._assignment(case, point)
+                if assignment in seen:
+                    continue
+                seen.append(assignment)
+                table.append((self._label(case, assignment), case, assignment, {**case_overrides, **assignment}))
         return table
 
     def grid_views(self) -> dict[str, dict[str, str]] | None:
@@ -144,9 +202,10 @@ class SweepSpec:
         if not self.grid or len([case for case in self.cases if case]) < 2:
             return None
         views: dict[str, dict[str, str]] = {}
-        for label, case, assignment, _ in self.table():
-            point = ", ".join(f"{k.split('.')[-1]}={_label_value(v)}" for k, v in assignment.items())
-            views.setdefault(point, {})[case] = label
+        for point in self.grid_points():
+            name = ", ".join(f"{k.split('.')[-1]}={_label_value(v)}" for k, v in point.items())
+            for case in self.cases:
+                views.setdefault(name, {})[case] = self._label(case, self._assignment(case, point))
         return views
 
     def rows(self) -> list[tuple[str, dict[str, Any]]]:
@@ -192,26 +251,35 @@ def slugify(label: str) -> str:
 
 def load_spec(path: str | Path, repo_root: Path | None = None) -> SweepSpec:
     """Parse and check a spec's structure (diffexp.sweep.check then checks each trial's config)."""
+    spec, problems = read_spec_file(path, repo_root)
+    if problems:
+        raise spec_error(Path(path), problems)
+    return spec
+
+
+def read_spec_file(path: str | Path, repo_root: Path | None = None) -> tuple[SweepSpec | None, list[str]]:
+    """read_spec of the file at `path`, its repeated keys first among the problems; a file that does not read as a
+    YAML mapping raises SpecError at once."""
     path = Path(path)
     if not path.is_file():
         raise SpecError(f"sweep spec {str(path)!r}: no such file")
-    raw = read_yaml(path) or {}
+    raw, duplicates = read_yaml(path)
+    raw = raw or {}
     if not isinstance(raw, dict):
         raise SpecError(f"{path}: expected a mapping of keys, got {type(raw).__name__}")
-    return parse_spec(raw, source=path, repo_root=repo_root)
+    spec, problems = read_spec(raw, source=path, repo_root=repo_root)
+    return spec, duplicates + problems
 
 
-def read_yaml(path: Path) -> Any:
-    """The YAML document of `path`; a repeated mapping key (two cases of one name, say) is an error, since
-    YAML would keep only the last of them and a row of the table would silently disappear."""
+def read_yaml(path: Path) -> tuple[Any, list[str]]:
+    """(the YAML document of `path`, a problem per repeated mapping key): two cases of one name, say, since YAML
+    keeps only the last of them and a row of the table would silently disappear."""
     try:
         with open(path) as handle:
             root = yaml.compose(handle, Loader=yaml.SafeLoader)
         duplicates = _duplicate_keys(root, "") if root is not None else []
-        if duplicates:
-            raise SpecError(f"{path}: " + "; ".join(duplicates) + " (YAML keeps only the last one: rename or merge)")
         with open(path) as handle:
-            return yaml.safe_load(handle)
+            return yaml.safe_load(handle), [f"{d} (YAML keeps only the last one: rename or merge)" for d in duplicates]
     except yaml.YAMLError as exc:
         raise SpecError(f"{path}: not valid YAML: {' '.join(str(exc).split())}") from None
     except OSError as exc:
@@ -241,170 +309,296 @@ def _duplicate_keys(node: yaml.Node, where: str) -> list[str]:
 
 
 def parse_spec(raw: dict[str, Any], source: Path | None = None, repo_root: Path | None = None) -> SweepSpec:
-    where = f"{source}: " if source else ""
+    """The spec of `raw`; one SpecError naming every problem of its structure (read_spec)."""
+    spec, problems = read_spec(raw, source, repo_root)
+    if problems:
+        raise spec_error(source, problems)
+    return spec
 
-    def fail(message: str) -> SpecError:
-        return SpecError(where + message)
+
+def spec_error(source: Path | None, problems: list[str], refused: Sequence[str] = (), count: int = 0,
+               total: int = 0) -> SpecError:
+    """One SpecError for every problem of a spec's structure and the `count` of its `total` trial configurations
+    that `diffexp fit` would refuse (`refused`: their lines)."""
+    where = f"{source}: " if source else ""
+    if len(problems) == 1 and not count:
+        return SpecError(where + problems[0])
+    parts = [f"{len(problems)} problem(s) in the spec"] if problems else []
+    if count:
+        parts.append(f"{count} of {total} trial configurations would be refused by `diffexp fit`")
+    lines = [f"  - {line}" for line in [*problems, *refused]]
+    return SpecError(f"{where}{' and '.join(parts)}; nothing was started or written:\n" + "\n".join(lines))
+
+
+def read_spec(raw: dict[str, Any], source: Path | None = None,
+              repo_root: Path | None = None) -> tuple[SweepSpec | None, list[str]]:
+    """A spec's structure, checked whole: (the spec as far as it reads, every problem found, each naming its key).
+    A bad value is left out of the spec (or its default taken) so that the rest is still checked; the spec is None
+    when it has no recipe or no trials to check."""
+    problems: list[str] = []
+    problem = problems.append
 
     unknown = sorted(set(raw) - SPEC_KEYS)
     if unknown:
-        raise fail(f"unknown key(s) {', '.join(map(repr, unknown))}; allowed: {', '.join(sorted(SPEC_KEYS))}")
+        problem(f"unknown key(s) {', '.join(map(repr, unknown))}; allowed: {', '.join(sorted(SPEC_KEYS))}")
 
     def typed(key: str, types: type | tuple[type, ...], default: Any = None, required: bool = False) -> Any:
         if key not in raw or raw[key] is None:
             if required:
-                raise fail(f"missing required key {key!r}")
+                problem(f"missing required key {key!r}")
             return default
         value = raw[key]
         if not isinstance(value, types) or isinstance(value, bool) and bool not in _as_tuple(types):
             names = "/".join(t.__name__ for t in _as_tuple(types))
-            raise fail(f"{key}={value!r} has the wrong type: expected {names}")
+            problem(f"{key}={value!r} has the wrong type: expected {names}")
+            return default
         return value
 
     study = typed("study", str, required=True)
-    if not re.fullmatch(r"[A-Za-z0-9_.\-]+", study):
-        raise fail(f"study={study!r}: use letters, digits, '.', '_' and '-' only (it names a directory)")
-    def recipe(value: Any, where: str) -> Recipe:
+    if study is not None and not re.fullmatch(r"[A-Za-z0-9_.\-]+", study):
+        problem(f"study={study!r}: use letters, digits, '.', '_' and '-' only (it names a directory)")
+
+    def recipe(value: Any, where: str) -> Recipe | None:
         """A recipe path, or a non-empty list of them (applied in order), each resolved to a file."""
         if isinstance(value, list):
             if not value or not all(isinstance(item, str) for item in value):
-                raise fail(f"{where}={value!r}: expected a recipe path or a non-empty list of recipe paths")
-            return tuple(recipe_file(item, f"{where}[{i}]") for i, item in enumerate(value))
+                problem(f"{where}={value!r}: expected a recipe path or a non-empty list of recipe paths")
+                return None
+            files = tuple(recipe_file(item, f"{where}[{i}]") for i, item in enumerate(value))
+            return files if None not in files else None
         if not isinstance(value, str):
-            raise fail(f"{where}={value!r} has the wrong type: expected a recipe path or a list of them")
+            problem(f"{where}={value!r} has the wrong type: expected a recipe path or a list of them")
+            return None
         return recipe_file(value, where)
 
-    def recipe_file(value: str, where: str) -> Path:
+    def recipe_file(value: str, where: str) -> Path | None:
         path = Path(value)
         if not path.is_absolute():
             candidates = [Path.cwd() / path] + ([repo_root / path] if repo_root else []) + \
                 ([source.parent / path] if source else [])
             path = next((c for c in candidates if c.is_file()), candidates[0])
         if not path.is_file():
-            raise fail(f"{where}={value!r}: recipe not found")
+            problem(f"{where}={value!r}: recipe not found")
+            return None
         return path.resolve()
 
-    base = recipe(typed("base", (str, list), required=True), "base")
+    base_value = typed("base", (str, list), required=True)
+    base = recipe(base_value, "base") if base_value is not None else None
 
     cases = typed("cases", dict, default=None)
-    grid = typed("grid", dict, default={})
-    if not cases and not grid:
+    grid = dict(typed("grid", dict, default={}))
+    no_trials = not cases and not grid
+    if no_trials:
         given = "`cases` is empty and there is no `grid`" if cases is not None else "neither `cases` nor `grid`"
-        raise fail(f"no trials: {given}; give `cases` (named rows of overrides, `NAME: {{}}` for a row that "
-                   "changes nothing) and/or a non-empty `grid`")
+        problem(f"no trials: {given}; give `cases` (named rows of overrides, `NAME: {{}}` for a row that "
+                "changes nothing) and/or a non-empty `grid`")
     cases = dict(cases) if cases else {"": {}}
     case_bases = {}
-    for name, overrides in cases.items():
+    for name, overrides in list(cases.items()):
         if overrides is None:
             overrides = {}
         elif not isinstance(overrides, dict):
-            raise fail(f"cases[{name!r}]={overrides!r} has the wrong type: expected a mapping of dotted overrides")
+            problem(f"cases[{name!r}]={overrides!r} has the wrong type: expected a mapping of dotted overrides")
+            del cases[name]
+            continue
         overrides = dict(overrides)
         if CASE_BASE in overrides:
-            own = overrides.pop(CASE_BASE)
-            case_bases[name] = recipe(own, f"cases[{name!r}].{CASE_BASE}")
-        cases[name] = overrides
-        _check_dotted(overrides, f"cases[{name!r}]", fail)
-    for key, values in grid.items():
-        if not isinstance(values, list):
-            raise fail(f"grid[{key!r}]={values!r} has the wrong type: expected a list of values")
-        if not values:
-            raise fail(f"grid[{key!r}] is empty: the grid would have no points")
-    _check_dotted(grid, "grid", fail)
+            own = recipe(overrides.pop(CASE_BASE), f"cases[{name!r}].{CASE_BASE}")
+            if own is None:
+                del cases[name]
+                continue
+            case_bases[name] = own
+        cases[name] = _dotted_only(overrides, f"cases[{name!r}]", problem)
+    for key, values in list(grid.items()):
+        if not isinstance(values, list) or not values:
+            problem(f"grid[{key!r}]={values!r} has the wrong type: expected a list of values" if not
+                    isinstance(values, list) else f"grid[{key!r}] is empty: the grid would have no points")
+            del grid[key]
+    grid = _dotted_only(grid, "grid", problem)
 
-    seeds = typed("seeds", (list, int), default=[0])
-    seeds = list(range(seeds)) if isinstance(seeds, int) else seeds
-    if not seeds or not all(isinstance(s, int) and not isinstance(s, bool) for s in seeds):
-        raise fail(f"seeds={raw.get('seeds')!r}: expected a non-empty list of integers (or a count)")
-    repeated = sorted({s for s in seeds if seeds.count(s) > 1})
-    if repeated:
-        raise fail(f"seeds={seeds!r}: seed(s) {', '.join(map(str, repeated))} listed more than once; "
-                   "expected distinct seeds (each runs once per row)")
-    out_of_range = [s for s in seeds if not 0 <= s <= MAX_SEED]
-    if out_of_range:
-        raise fail(f"seeds={seeds!r}: {', '.join(map(str, out_of_range))} out of range; expected integers "
-                   f"from 0 to {MAX_SEED}")
+    seeds = _seeds(typed("seeds", (list, int), default=[0]), raw.get("seeds"), problem)
 
-    overrides = typed("overrides", dict, default={})
-    _check_dotted(overrides, "overrides", fail)
-    search = typed("search", dict, default={})
-    _check_dotted(search, "search", fail)
-    for key, space in search.items():
-        _check_search_space(key, space, fail)
+    overrides = _dotted_only(typed("overrides", dict, default={}), "overrides", problem)
+    search = _dotted_only(typed("search", dict, default={}), "search", problem)
+    for key, space in list(search.items()):
+        bad = _search_space_problem(key, space)
+        if bad:
+            problem(bad)
+            del search[key]
     n_trials = typed("n_trials", int, default=1)
     if n_trials < 1 or (n_trials > 1 and not search):
-        raise fail(f"n_trials={n_trials}: expected 1, or more than 1 together with `search` spaces")
+        problem(f"n_trials={n_trials}: expected 1, or more than 1 together with `search` spaces")
+        n_trials = 1
 
     objective = typed("objective", dict, default={"metric": "val/loss", "direction": "minimize"})
     metric = objective.get("metric", "val/loss")
     if not metric_known(metric):
-        raise fail(f"objective.metric={metric!r} is not a metric trials record; known: {', '.join(KNOWN_METRICS)}, "
-                   f"or an evaluation's {', '.join(p + '...' for p in EVAL_PREFIXES)}")
+        problem(f"objective.metric={metric!r} is not a metric trials record; known: {', '.join(KNOWN_METRICS)}, "
+                f"or an evaluation's {', '.join(p + '...' for p in EVAL_PREFIXES)}")
     direction = objective.get("direction", "minimize")
     if direction not in ("minimize", "maximize"):
-        raise fail(f"objective.direction={direction!r}: expected 'minimize' or 'maximize'")
+        problem(f"objective.direction={direction!r}: expected 'minimize' or 'maximize'")
+        direction = "minimize"
     pruner = typed("pruner", dict, default={"type": "none"})
     if pruner.get("type", "none") not in PRUNERS:
-        raise fail(f"pruner.type={pruner.get('type')!r}: expected one of {', '.join(sorted(PRUNERS))}")
+        problem(f"pruner.type={pruner.get('type')!r}: expected one of {', '.join(sorted(PRUNERS))}")
+        pruner = {"type": "none"}
 
-    stale = typed("stale_after_s", (int, float), default=120.0)
-    if stale <= 0:
-        raise fail(f"stale_after_s={stale!r}: expected a positive number of seconds")
+    def number(key: str, default: float, allowed: Callable[[float], bool], expected: str) -> float:
+        value = typed(key, (int, float), default=default)
+        if not allowed(value):
+            problem(f"{key}={value!r}: {expected}")
+            return default
+        return value
+
+    stale = number("stale_after_s", 120.0, lambda v: v > 0, "expected a positive number of seconds")
     max_attempts = typed("max_attempts", int, default=2)
     if max_attempts < 1:
-        raise fail(f"max_attempts={max_attempts!r}: expected at least 1")
-    grace = typed("grace_s", (int, float), default=60.0)
-    if grace <= 0:
-        raise fail(f"grace_s={grace!r}: expected a positive number of seconds (how long a signalled worker waits "
-                   "for its trial to save its checkpoint)")
-    retry = typed("storage_retry_s", (int, float), default=300.0)
-    if retry < 0:
-        raise fail(f"storage_retry_s={retry!r}: expected a number of seconds, 0 or more (how long a worker retries "
-                   "a storage that does not answer)")
-    spec = SweepSpec(study=study, base=base, cases=cases, grid=grid, seeds=seeds, overrides=overrides,
+        problem(f"max_attempts={max_attempts!r}: expected at least 1")
+        max_attempts = 2
+    grace = number("grace_s", 60.0, lambda v: v > 0, "expected a positive number of seconds (how long a signalled "
+                   "worker waits for its trial to save its checkpoint)")
+    retry = number("storage_retry_s", 300.0, lambda v: v >= 0, "expected a number of seconds, 0 or more (how long a "
+                   "worker retries a storage that does not answer)")
+    if base is None or no_trials or not cases:
+        return None, problems
+    spec = SweepSpec(study=study or "study", base=base, cases=cases, grid=grid, seeds=seeds, overrides=overrides,
                      search=search, n_trials=n_trials, objective_metric=metric, direction=direction, pruner=pruner,
                      storage=typed("storage", str), runs_dir=Path(typed("runs_dir", str, default="runs")),
                      stale_after_s=float(stale), max_attempts=max_attempts, grace_s=float(grace),
                      storage_retry_s=float(retry), source=source, case_bases=case_bases)
-    slugs = [slugify(label) for label, _ in spec.rows()]
-    if len(set(slugs)) != len(slugs):
-        raise fail(f"two table rows map to the same directory name: {sorted(slugs)}")
     if raw.get("tune_lr") is not None:
         if grid or search:
-            raise fail("tune_lr cannot be combined with `grid` or `search`: its first stage is a grid over "
-                       f"{LR_KEY} per case; put the other keys in `cases`")
-        spec.tune_lr = _parse_tune_lr(raw["tune_lr"], seeds, fail)
+            problem("tune_lr cannot be combined with `grid` or `search`: its first stage is a grid over "
+                    f"{LR_KEY} per case; put the other keys in `cases`")
+        else:
+            spec.tune_lr = _parse_tune_lr(raw["tune_lr"], seeds, problem)
+    _check_variants(spec, problem)  # after tune_lr: its overrides are shared settings too
+    problems += _clashes(spec)
+    slugs = [slugify(label) for label, _ in spec.rows()]
+    if len(set(slugs)) != len(slugs):
+        problem(f"two table rows map to the same directory name: {sorted(slugs)}")
     if raw.get("paper") is not None:
         try:
             spec.paper = parse_paper(raw["paper"], [label for label, _ in spec.rows()], metric_known)
         except ValueError as err:
-            raise fail(str(err)) from None
-    return spec
+            problem(str(err))
+    return spec, problems
 
 
-def _parse_tune_lr(raw: Any, seeds: list[int], fail) -> LrTuning:
+def _seeds(seeds: list | int, given: Any, problem: Callable[[str], None]) -> list[int]:
+    """The distinct seeds in range of `seeds: ...` (a count or a list); [0] when none is left."""
+    seeds = list(range(seeds)) if isinstance(seeds, int) else seeds
+    if not seeds or not all(isinstance(s, int) and not isinstance(s, bool) for s in seeds):
+        problem(f"seeds={given!r}: expected a non-empty list of integers (or a count)")
+        return [0]
+    repeated = sorted({s for s in seeds if seeds.count(s) > 1})
+    if repeated:
+        problem(f"seeds={seeds!r}: seed(s) {', '.join(map(str, repeated))} listed more than once; "
+                "expected distinct seeds (each runs once per row)")
+    out_of_range = [s for s in seeds if not 0 <= s <= MAX_SEED]
+    if out_of_range:
+        problem(f"seeds={seeds!r}: {', '.join(map(str, out_of_range))} out of range; expected integers "
+                f"from 0 to {MAX_SEED}")
+    return [s for s in dict.fromkeys(seeds) if 0 <= s <= MAX_SEED] or [0]
+
+
+def _check_variants(spec: SweepSpec, problem: Callable[[str], None]) -> None:
+    """Every variant a spec names is registered, and every variant's flag a shared setting (overrides, grid,
+    search, tune_lr.overrides) sets reaches a trial of a variant that reads it. Fills in what the spec needs to
+    give a variant's flag only to the trials that read it (SweepSpec.applies)."""
+    from diffexp.model.attention import variants
+    from diffexp.model.attention.registry import reference_variant
+
+    names = [entry.name for entry in variants()]
+    spec.default_variant = reference_variant().name
+    spec.flag_readers = {f"model.arch.{flag}": frozenset(e.name for e in variants() if flag in e.fields)
+                         for entry in variants() for flag in entry.fields}
+
+    def known(value: Any, where: str) -> bool:
+        if value in names:
+            return True
+        problem(f"{where}: {ATTENTION_KEY}={value!r} is not a variant; known: {', '.join(names)}")
+        return False
+
+    for where, recipe in [("base", spec.base), *((f"cases[{c}].base", r) for c, r in spec.case_bases.items())]:
+        attention = recipe_attention(recipe)
+        if attention is not None:
+            known(attention, f"{where} {', '.join(str(p) for p in recipe_files(recipe))}")
+    shared = {"overrides": spec.overrides, "grid": spec.grid, "search": spec.search,
+              **({"tune_lr.overrides": spec.tune_lr.overrides} if spec.tune_lr else {})}
+    named: list[tuple[str, Any]] = [(f"cases[{case!r}]", o[ATTENTION_KEY]) for case, o in spec.cases.items()
+                                    if ATTENTION_KEY in o]
+    named += [(where, values[ATTENTION_KEY]) for where, values in shared.items() if ATTENTION_KEY in values]
+    for where, value in named:
+        choices = value if where == "grid" else value.get("choices", []) if where == "search" else [value]
+        for choice in choices:
+            known(choice, where)
+    trained = {spec.variant_of(spec.case_bases.get(case), {**spec.overrides, **overrides, **point})
+               for case, overrides in spec.cases.items() for point in spec.grid_points()}
+    if ATTENTION_KEY in spec.search:
+        trained |= set(spec.search[ATTENTION_KEY].get("choices", []))
+    for where, values in shared.items():
+        for key in values:
+            readers = spec.flag_readers.get(key)
+            if readers is not None and not readers & trained:
+                problem(f"{where}: {key} is read by {', '.join(sorted(readers))} only, and no trial of this spec "
+                        f"trains {'it' if len(readers) == 1 else 'one of them'} (they train "
+                        f"{', '.join(sorted(str(v) for v in trained))}); set it in the case it is for, or drop it")
+
+
+def _clashes(spec: SweepSpec) -> list[str]:
+    """A key set in two places of which one silently replaces the other: a case's or the shared overrides' value
+    that the grid or a search replaces in every row, a grid key a search draws too. (A case's value replacing
+    the shared overrides' is what cases are for.)"""
+    found = []
+    replaced = [(f"cases[{case!r}]", overrides) for case, overrides in spec.cases.items()]
+    replaced.append(("overrides", spec.overrides))
+    for where, overrides in replaced:
+        for key, value in overrides.items():
+            for place, values in (("grid", spec.grid), ("search", spec.search)):
+                if key in values:
+                    found.append(f"{where} sets {key}={_label_value(value)} and {place} sets it too "
+                                 f"({place}: {_label_value(values[key])}): the {place}'s value would replace the "
+                                 f"one {where} sets, in every row; set {key} in one place")
+    for key in spec.grid:
+        if key in spec.search:
+            found.append(f"grid sets {key} ({_label_value(spec.grid[key])}) and search draws it too: the search's "
+                         f"value would replace the grid's in every trial; set {key} in one place")
+    return found
+
+
+def _parse_tune_lr(raw: Any, seeds: list[int], problem: Callable[[str], None]) -> LrTuning | None:
+    """The `tune_lr:` block, or None (with its problems) when it cannot be read."""
     if not isinstance(raw, dict):
-        raise fail(f"tune_lr={raw!r} has the wrong type: expected a mapping with `values` (the learning rates "
-                   "each case is tried at), optional `overrides` (the short budget) and `seeds`")
+        problem(f"tune_lr={raw!r} has the wrong type: expected a mapping with `values` (the learning rates "
+                "each case is tried at), optional `overrides` (the short budget) and `seeds`")
+        return None
+    found: list[str] = []
     unknown = sorted(set(raw) - TUNE_LR_KEYS)
     if unknown:
-        raise fail(f"tune_lr: unknown key(s) {', '.join(map(repr, unknown))}; allowed: "
-                   f"{', '.join(sorted(TUNE_LR_KEYS))}")
+        found.append(f"tune_lr: unknown key(s) {', '.join(map(repr, unknown))}; allowed: "
+                     f"{', '.join(sorted(TUNE_LR_KEYS))}")
     values = raw.get("values")
     if (not isinstance(values, list) or len(values) < 2
             or not all(isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0 for v in values)
             or len(set(values)) != len(values)):
-        raise fail(f"tune_lr.values={values!r}: expected a list of 2 or more distinct positive learning rates")
+        found.append(f"tune_lr.values={values!r}: expected a list of 2 or more distinct positive learning rates")
     overrides = raw.get("overrides") or {}
     if not isinstance(overrides, dict):
-        raise fail(f"tune_lr.overrides={overrides!r} has the wrong type: expected a mapping of dotted overrides")
-    _check_dotted(overrides, "tune_lr.overrides", fail)
+        found.append(f"tune_lr.overrides={overrides!r} has the wrong type: expected a mapping of dotted overrides")
+        overrides = {}
+    overrides = _dotted_only(overrides, "tune_lr.overrides", found.append)
     if LR_KEY in overrides:
-        raise fail(f"tune_lr.overrides: {LR_KEY!r} is what tune_lr.values sets; remove it")
+        found.append(f"tune_lr.overrides: {LR_KEY!r} is what tune_lr.values sets; remove it")
     tune_seeds = raw.get("seeds", seeds[:1])
     if (not isinstance(tune_seeds, list) or not tune_seeds or len(set(tune_seeds)) != len(tune_seeds)
             or not all(isinstance(s, int) and not isinstance(s, bool) and 0 <= s <= MAX_SEED for s in tune_seeds)):
-        raise fail(f"tune_lr.seeds={tune_seeds!r}: expected a non-empty list of distinct seeds from 0 to {MAX_SEED}")
+        found.append(f"tune_lr.seeds={tune_seeds!r}: expected a non-empty list of distinct seeds from 0 to {MAX_SEED}")
+    for line in found:
+        problem(line)
+    if found:
+        return None
     return LrTuning(tuple(float(v) for v in values), dict(overrides), tuple(tune_seeds))
 
 
@@ -417,28 +611,34 @@ def _as_tuple(types: type | tuple[type, ...]) -> tuple[type, ...]:
     return types if isinstance(types, tuple) else (types,)
 
 
-def _check_dotted(mapping: dict[str, Any], where: str, fail) -> None:
-    for key in mapping:
+def _dotted_only(mapping: dict[Any, Any], where: str, problem: Callable[[str], None]) -> dict[str, Any]:
+    """`mapping` without its keys that are no dotted key of the `diffexp fit` config, each one a problem."""
+    kept = {}
+    for key, value in mapping.items():
         if not isinstance(key, str) or not re.fullmatch(r"[A-Za-z_][\w]*(\.[A-Za-z_+][\w+]*)*", key):
-            raise fail(f"{where}: {key!r} is not a dotted config key such as model.arch.head_norm")
-        if key == "seed_everything":
-            raise fail(f"{where}: {key!r} is set per trial from `seeds`; list the seeds there instead")
-        if key.split(".")[0] not in CONFIG_SECTIONS:
-            raise fail(f"{where}: {key!r} must start with " + ", ".join(f"{s}." for s in CONFIG_SECTIONS[:-1])
-                       + f" or {CONFIG_SECTIONS[-1]}. (a dotted key of the `diffexp fit` config)")
+            problem(f"{where}: {key!r} is not a dotted config key such as model.arch.head_norm")
+        elif key == "seed_everything":
+            problem(f"{where}: {key!r} is set per trial from `seeds`; list the seeds there instead")
+        elif key.split(".")[0] not in CONFIG_SECTIONS:
+            problem(f"{where}: {key!r} must start with " + ", ".join(f"{s}." for s in CONFIG_SECTIONS[:-1])
+                    + f" or {CONFIG_SECTIONS[-1]}. (a dotted key of the `diffexp fit` config)")
+        else:
+            kept[key] = value
+    return kept
 
 
-def _check_search_space(key: str, space: Any, fail) -> None:
+def _search_space_problem(key: str, space: Any) -> str | None:
     if not isinstance(space, dict) or space.get("type") not in SEARCH_TYPES:
-        raise fail(f"search[{key!r}]={space!r}: expected {{type: float|int|categorical, ...}}")
+        return f"search[{key!r}]={space!r}: expected {{type: float|int|categorical, ...}}"
     if space["type"] == "categorical":
         if not isinstance(space.get("choices"), list) or not space["choices"]:
-            raise fail(f"search[{key!r}]: categorical needs a non-empty `choices` list")
-        return
+            return f"search[{key!r}]: categorical needs a non-empty `choices` list"
+        return None
     for bound in ("low", "high"):
         if not isinstance(space.get(bound), (int, float)) or isinstance(space.get(bound), bool):
-            raise fail(f"search[{key!r}].{bound}={space.get(bound)!r}: expected a number")
+            return f"search[{key!r}].{bound}={space.get(bound)!r}: expected a number"
     if space["low"] >= space["high"]:
-        raise fail(f"search[{key!r}]: low={space['low']} must be below high={space['high']}")
+        return f"search[{key!r}]: low={space['low']} must be below high={space['high']}"
     if space.get("log") and space["low"] <= 0:
-        raise fail(f"search[{key!r}]: log=true needs low > 0, got {space['low']}")
+        return f"search[{key!r}]: log=true needs low > 0, got {space['low']}"
+    return None

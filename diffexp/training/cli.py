@@ -136,8 +136,8 @@ class DiffexpArgumentParser(LightningArgumentParser):
         if debug_enabled():
             return super().error(message, ex)
         prog = self.prog.replace(" [options]", "")
-        text = (_clean_parser_message(message, DiffexpArgumentParser.parsed_words) + dash_value_hint(message, DiffexpArgumentParser.parsed_words)
-                + self._nearest_keys(message))
+        words = DiffexpArgumentParser.parsed_words
+        text = _clean_parser_message(message, words) + dash_value_hint(message, words) + self._nearest_keys(message)
         raise UserError(f"{text} (`{prog} --help` lists the accepted keys)") from None
 
     def _nearest_keys(self, message: str) -> str:
