@@ -86,7 +86,8 @@ class SoftpickAttention(BaselineAttention):
     variant = Variant(
         name="softpick",
         summary="softmax replaced by relu(exp(z) - 1) / sum |exp(z) - 1|: a head can attend to nothing, no sink",
-        paper="Zuhri et al. 2025 (Softpick: No Attention Sink, No Massive Activations with Rectified Softmax)",
+        paper="Zuhri et al. 2025 (Softpick: No Attention Sink, No Massive Activations with Rectified Softmax, "
+              "arXiv 2504.20966)",
         differential=False,
         attention_flops=attention_flops,  # the baseline's maps; the rectified rows are elementwise work
     )
