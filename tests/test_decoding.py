@@ -14,7 +14,7 @@ from diffexp.model.cache import DecoderCache
 from diffexp.model.compile import compile_unavailable
 from tests.helpers import CASES, make_config, small_blocks
 
-VARIANTS = ["baseline", "diff_v1", "diff_v2", "shared_diff", "dint"]
+VARIANTS = ["baseline", "diff_v1", "diff_v2", "shared_diff", "dint", "softpick", "ssmax"]
 COMPILE_MISSING = compile_unavailable(torch.device("cpu"))
 
 

@@ -30,12 +30,42 @@ EPS = 1e-6
 
 
 def softpick(logits: torch.Tensor) -> torch.Tensor:
-    """The rows of `logits` (..., T_k), masked keys -inf, in the stable form; every row must see a key."""
-    m = logits.amax(dim=-1, keepdim=True)
-    shifted = torch.exp(logits - m) - torch.exp(-m)
-    visible = torch.isfinite(logits)
-    total = torch.where(visible, shifted.abs(), torch.zeros_like(shifted)).sum(dim=-1, keepdim=True)
-    return torch.relu(shifted) / (total + EPS)
+    """The rows of `logits` (..., T_k), masked keys -inf, in the stable form; every row must see a key. Its backward
+    recomputes the rows from the saved logits: one (T_q, T_k) tensor kept for it, where autograd through the
+    elementwise steps keeps about four and a half."""
+    return _Softpick.apply(logits)
+
+
+class _Softpick(torch.autograd.Function):
+    """r = exp(z - m) - exp(-m), D = sum |r| + EPS over the visible keys, a = relu(r) / D. With delta = sum_j g_j a_j:
+
+        dL/dz_k = exp(z_k - m) / D * (1[r_k > 0] g_k - sign(r_k) delta)      (z's own path)
+        dL/dm   = -delta EPS / D                                              (m's, shared by the row's maxima)
+
+    m's path is what EPS makes of the shift (exactly 0 without EPS); it goes to the row's largest logits as amax's
+    gradient does (split evenly between ties). A masked key has exp(z - m) = 0 and gets 0."""
+
+    @staticmethod
+    def forward(ctx, logits):
+        m = logits.amax(dim=-1, keepdim=True)
+        shifted = torch.exp(logits - m) - torch.exp(-m)
+        visible = torch.isfinite(logits)
+        total = torch.where(visible, shifted.abs(), torch.zeros_like(shifted)).sum(dim=-1, keepdim=True) + EPS
+        ctx.save_for_backward(logits, m, total)
+        return torch.relu(shifted) / total
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad):
+        logits, m, total = ctx.saved_tensors
+        e = torch.exp(logits - m)
+        shifted = e - torch.exp(-m)
+        positive = shifted > 0
+        delta = (grad * torch.relu(shifted)).sum(dim=-1, keepdim=True) / total
+        own = torch.where(positive, grad, torch.zeros_like(grad)) - torch.sign(shifted) * delta
+        grad_logits = e / total * own
+        top = logits == m
+        return grad_logits + top * (-delta * EPS / total / top.sum(dim=-1, keepdim=True))
 
 
 def softpick_attention(q, k, v, cache=None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -56,7 +86,8 @@ class SoftpickAttention(BaselineAttention):
     variant = Variant(
         name="softpick",
         summary="softmax replaced by relu(exp(z) - 1) / sum |exp(z) - 1|: a head can attend to nothing, no sink",
-        paper="Zuhri et al. 2025 (Softpick: No Attention Sink, No Massive Activations with Rectified Softmax)",
+        paper="Zuhri et al. 2025 (Softpick: No Attention Sink, No Massive Activations with Rectified Softmax, "
+              "arXiv 2504.20966)",
         differential=False,
         attention_flops=attention_flops,  # the baseline's maps; the rectified rows are elementwise work
     )

@@ -54,7 +54,7 @@ def length_factor(start, t: int, s: torch.Tensor, like: torch.Tensor) -> torch.T
 class SsmaxAttention(BaselineAttention):
     variant = Variant(
         name="ssmax",
-        summary="softmax with the logits of position n times s log n, s learned per head: no fading in long rows",
+        summary="softmax with the logits of position n times s log n, s learned per head (against fading long rows)",
         paper="Nakanishi 2025 (Scalable-Softmax Is Superior for Attention, arXiv 2501.19399)",
         differential=False,
         flags=FLAGS,
