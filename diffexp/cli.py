@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import importlib
 import sys
-from pathlib import Path
 
 from diffexp.errors import UserError, guarded
 
@@ -80,31 +79,15 @@ def describe_variants() -> str:
 
 def check_config_files(argv: list[str]) -> None:
     """Each --config file exists and is a YAML mapping; jsonargparse's own messages do not name the file."""
-    import yaml
+    from diffexp.training.recipe import load_config_file
 
     example = "a sweep spec such as sweeps/table6.yaml" if argv[:1] == ["sweep"] else \
         "a YAML recipe such as recipes/tiny/<variant>.yaml"
     for i, arg in enumerate(argv):
         if arg in ("--config", "-c") and i + 1 < len(argv):
-            path = argv[i + 1]
+            load_config_file(argv[i + 1], "--config", example)
         elif arg.startswith("--config="):
-            path = arg.split("=", 1)[1]
-        else:
-            continue
-        file = Path(path)
-        if not file.is_file():
-            raise UserError(f"--config {path}: no such file" + (" (a directory)" if file.is_dir() else "") +
-                            f"; expected {example}")
-        try:
-            loaded = yaml.safe_load(file.read_text())
-        except (yaml.YAMLError, UnicodeDecodeError) as err:
-            where = getattr(err, "problem_mark", None)
-            line = f" at line {where.line + 1}" if where is not None else ""
-            raise UserError(f"--config {path}: not valid YAML{line} ({getattr(err, 'problem', None) or err}); "
-                            "expected a mapping of keys such as model:, data:, trainer:") from None
-        if loaded is not None and not isinstance(loaded, dict):
-            raise UserError(f"--config {path}: holds a {type(loaded).__name__}, expected a mapping of keys such as "
-                            "model:, data:, trainer:")
+            load_config_file(arg.split("=", 1)[1], "--config", example)
 
 
 def main(args: list[str] | None = None) -> None:

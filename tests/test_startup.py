@@ -61,9 +61,11 @@ def test_the_light_subcommands_never_import_lightning(tmp_path):
     helps = [["--help"], *([name, "--help"] for name in ("data", "sweep", "compare", "eval", "generate", "export",
                                                           "params", "bench")),
              ["data", "inspect", "--help"], ["eval", "mqar", "--help"], ["eval", "nll", "--help"]]
-    # `params RECIPE` is left out: it reads a recipe through the LightningCLI parser that `fit` uses
-    # (diffexp.training.cli.parse_config), so that its counts are those of the run the recipe makes
+    # params reads recipes without fit's parser (diffexp.training.recipe): a single file, a synthetic task's, and
+    # a GPU variant at every size with the memory per rank
     runs = [["variants"],
+            ["params", str(REPO / "recipes/tiny/diff_v1.yaml"), str(REPO / "recipes/needle/dint.yaml")],
+            ["params", str(REPO / "recipes/gpu/variant/diff_v1.yaml"), "--memory", "8"],
             ["compare", str(study), "--out", str(tmp_path / "compared"), "--no-plots"],
             ["data", "prepare", str(corpus), str(prepared), "--num-proc", "1", "--no-progress"],
             ["data", "inspect", str(prepared), "--samples", "1"],

@@ -33,7 +33,7 @@ def load(args: argparse.Namespace) -> None:
     micro-batch where --seq-lens / --batch-size were not given. Refuses an unknown size or a variant the recipe
     directory has no file for, before any model is built."""
     from diffexp.compare.params import Recipe, gpu_files, is_gpu_dir, model_config, parsed
-    from diffexp.training.preflight import data_init_args
+    from diffexp.training.values import data_init_args
 
     recipe_dir = Path(args.recipe_dir) if args.recipe_dir is not None else default_dir()
     if not is_gpu_dir(recipe_dir):

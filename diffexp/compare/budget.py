@@ -147,8 +147,7 @@ def run_budget(config, arch, model=None) -> RunBudget | None:
     import torch
 
     from diffexp.model import Decoder
-    from diffexp.training.preflight import data_init_args
-    from diffexp.training.values import to_builtin
+    from diffexp.training.values import data_init_args, to_builtin
 
     trainer = to_builtin(config.get("trainer") or {})
     steps = trainer.get("max_steps")

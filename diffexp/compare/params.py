@@ -2,9 +2,11 @@
 
 Models are built on the meta device (no memory, any size) with the vocabulary the data module links into the
 model at fit time (`linked_vocab_size`), so the counts are those of the trained model; each recipe states them
-in its header (`header_line`), checked by tests/test_recipe_params.py. A second table gives each run's tokens,
-FLOPs and wall time on 1 and 8 GPUs at the FLOP rate of the measured fit in bench/fits.json (diffexp.compare.budget),
-which the GPU size files state as `# run[<variant>]:` lines under `run_header`'s line naming that fit.
+in its header (`header_line`), checked by tests/test_recipe_params.py. Recipes are read as `diffexp fit` reads
+them, without Lightning (diffexp.training.recipe; one that only fit's parser can judge is read by it). A second
+table gives each run's tokens, FLOPs and wall time on 1 and 8 GPUs at the FLOP rate of the measured fit in
+bench/fits.json (diffexp.compare.budget), which the GPU size files state as `# run[<variant>]:` lines under
+`run_header`'s line naming that fit.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from pathlib import Path
 
 from diffexp.compare.budget import GPU_COUNTS, MeasuredFit, RunBudget, measured_fit, run_budget
 from diffexp.errors import UserError
+from diffexp.training.recipe import DEFAULT_DATA_CLASS, NeedsFitParser, read_recipe
 
 #: the recipes of a source checkout (diffexp/compare/params.py -> the repository's recipes/)
 PACKAGE_RECIPES = Path(__file__).resolve().parents[2] / "recipes"
@@ -125,24 +128,49 @@ def all_recipes(root: Path | None = None) -> list[Recipe]:
     return expand(root or recipes_root(), root or recipes_root())
 
 
+#: the vocabulary of diffexp's synthetic data modules that name no vocab_size, from their settings, without
+#: building them (which imports Lightning): their tokenizer's (tests/test_recipe_reader.py checks each against
+#: the built module)
+SYNTHETIC_VOCAB = {
+    "diffexp.data.needle.NeedleDataModule": lambda args: _tokenizer_vocab(args.get("tokenizer", "byte")),
+    "diffexp.data.icl.ICLDataModule": lambda args: _tokenizer_vocab("byte"),
+}
+#: the class paths of the text data module
+TEXT_DATA_CLASSES = (DEFAULT_DATA_CLASS, "diffexp.data.datamodule.TextDataModule")
+
+
+def _tokenizer_vocab(tokenizer: str) -> int:
+    """The vocabulary size of data.tokenizer: 'byte', or a tokenizer.json."""
+    from diffexp.data.tokenizer import ByteTokenizer, load_tokenizer_file
+
+    if tokenizer == "byte":
+        return ByteTokenizer.vocab_size
+    return load_tokenizer_file(Path(tokenizer), tokenizer).vocab_size
+
+
 def linked_vocab_size(config) -> int:
     """The vocabulary size the data module links into model.arch.vocab_size at fit time, without reading
     data: an explicit data.vocab_size (MQAR); for text, 257 with the byte tokenizer, data.bpe_vocab_size with
-    a BPE trained by diffexp, the file's size for a tokenizer file; otherwise the data module's own
-    vocab_size (the synthetic tasks' byte vocabulary)."""
+    a BPE trained by diffexp, the file's size for a tokenizer file; the tokenizer's for diffexp's other synthetic
+    tasks (SYNTHETIC_VOCAB); otherwise the data module's own vocab_size (another class is built for it)."""
     import importlib
 
-    from diffexp.data import TextDataModule
-    from diffexp.data.tokenizer import ByteTokenizer, load_tokenizer_file
-    from diffexp.training.preflight import data_init_args
-    from diffexp.training.values import to_builtin
+    from diffexp.training.values import data_init_args, to_builtin
 
     class_path, args = data_init_args(config)
+    class_path = class_path or DEFAULT_DATA_CLASS
     if args.get("vocab_size") is not None:
         return int(args["vocab_size"])
-    module, _, name = (class_path or "diffexp.data.TextDataModule").rpartition(".")
-    data_class = getattr(importlib.import_module(module), name)
-    if issubclass(data_class, TextDataModule):
+    if class_path in SYNTHETIC_VOCAB:
+        return SYNTHETIC_VOCAB[class_path](args)
+    data_class = None
+    if class_path not in TEXT_DATA_CLASSES:  # another class: built below, unless it is a TextDataModule
+        from diffexp.data import TextDataModule
+
+        module, _, name = class_path.rpartition(".")
+        data_class = getattr(importlib.import_module(module), name)
+        data_class = None if issubclass(data_class, TextDataModule) else data_class
+    if data_class is None:
         source = Path(str(args.get("source", "stdlib"))).expanduser()
         if (source / "manifest.json").is_file():  # a prepared directory: its tokenizer
             return int(json.loads((source / "manifest.json").read_text())["tokenizer"]["vocab_size"])
@@ -150,11 +178,9 @@ def linked_vocab_size(config) -> int:
             # a directory to prepare before training (the GPU recipes): the size the recipe states
             return int(to_builtin(config.get("model") or {}).get("arch", {}).get("vocab_size") or 32768)
         tokenizer = args.get("tokenizer", "byte")
-        if tokenizer == "byte":
-            return ByteTokenizer.vocab_size
         if tokenizer == "bpe":
             return int(args.get("bpe_vocab_size") or 4096)
-        return load_tokenizer_file(Path(tokenizer), tokenizer).vocab_size
+        return _tokenizer_vocab(tokenizer)
     return int(data_class(**args).vocab_size)
 
 
@@ -174,6 +200,16 @@ def _quiet_parse():
 
 @functools.cache  # within one `params` call, the two tables read each recipe once
 def parsed(recipe: Recipe):
+    """The recipe's config: read without Lightning (diffexp.training.recipe), or, where it holds what only fit's
+    parser can judge, by that parser (diffexp.training.cli.parse_config), which imports Lightning."""
+    try:
+        return read_recipe(recipe.configs)
+    except NeedsFitParser:
+        return fit_parsed(recipe)
+
+
+def fit_parsed(recipe: Recipe):
+    """The recipe's config as `diffexp fit` parses it."""
     from diffexp.training.cli import parse_config
 
     with _quiet_parse():
@@ -183,10 +219,22 @@ def parsed(recipe: Recipe):
 def model_config(recipe: Recipe, config=None):
     """The recipe's ModelConfig, with the vocabulary its data module links."""
     from diffexp.model.config import ModelConfig
+    from diffexp.training.values import to_builtin
 
     config = config or parsed(recipe)
-    arch = config.model.arch.as_dict()
+    arch = to_builtin(config.get("model"))["arch"]
     return ModelConfig(**{**arch, "vocab_size": linked_vocab_size(config)})
+
+
+def memory_settings(config, arch) -> tuple[int, int, bool]:
+    """(micro-batch, sequence length, activation checkpointing) of a parsed config's run whose model is `arch`."""
+    from diffexp.training.values import data_init_args, to_builtin
+
+    data = data_init_args(config)[1]
+    strategy = to_builtin(config.get("trainer") or {}).get("strategy")
+    init_args = (strategy.get("init_args") or {}) if isinstance(strategy, dict) else {}
+    return (int(data.get("batch_size") or 1), int(data.get("seq_len") or arch.max_seq_len),
+            bool(init_args.get("activation_checkpointing")))
 
 
 def memory(recipe: Recipe, gpus: int):
@@ -196,21 +244,16 @@ def memory(recipe: Recipe, gpus: int):
 
     from diffexp.parallel.memory import estimate_memory
     from diffexp.training.loss import token_losses
-    from diffexp.training.preflight import data_init_args
-    from diffexp.training.values import to_builtin
 
     config = parsed(recipe)
-    data = data_init_args(config)[1]
-    strategy = to_builtin(config.trainer.get("strategy"))
-    init_args = (strategy.get("init_args") or {}) if isinstance(strategy, dict) else {}
     arch = model_config(recipe, config)
-    return estimate_memory(arch, int(data.get("batch_size") or 1), int(data.get("seq_len") or arch.max_seq_len),
-                           gpus, torch.bfloat16, bool(init_args.get("activation_checkpointing")), loss=token_losses)
+    batch_size, seq_len, checkpointing = memory_settings(config, arch)
+    return estimate_memory(arch, batch_size, seq_len, gpus, torch.bfloat16, checkpointing, loss=token_losses)
 
 
-def budget(recipe: Recipe) -> RunBudget | None:
+def budget(recipe: Recipe, config=None) -> RunBudget | None:
     """The tokens and FLOPs of the recipe's whole run (None for a run not bounded by steps)."""
-    config = parsed(recipe)
+    config = config or parsed(recipe)
     return run_budget(config, replace(model_config(recipe, config), backend="sdpa"))
 
 
@@ -223,13 +266,13 @@ def run_header(fit: MeasuredFit | None) -> str:
             "variants that run slower than it (bench/README.md, GPU) take longer than stated:")
 
 
-def report(recipe: Recipe) -> dict[str, int]:
+def report(recipe: Recipe, config=None) -> dict[str, int]:
     """Decoder.parameter_report() of the model a recipe trains, built on the meta device."""
     import torch
 
     from diffexp.model import Decoder
 
-    arch = replace(model_config(recipe), backend="sdpa")  # the backend changes no count (and warns off-GPU)
+    arch = replace(model_config(recipe, config), backend="sdpa")  # the backend changes no count (and warns off-GPU)
     with torch.device("meta"):
         return {"attention_variant": arch.attention, **Decoder(arch).parameter_report()}
 

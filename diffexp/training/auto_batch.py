@@ -128,7 +128,7 @@ def _compute(trainer: dict[str, Any]) -> tuple[torch.dtype, bool]:
 
 
 def _data_args(config) -> dict[str, Any]:
-    from diffexp.training.preflight import data_init_args
+    from diffexp.training.values import data_init_args
 
     return data_init_args(config)[1]
 

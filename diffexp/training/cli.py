@@ -36,32 +36,16 @@ from diffexp.training.preflight import (
     check_cpu_memory,
     check_resume,
     check_same_data,
-    data_init_args,
     model_sections,
     validate_fit_config,
 )
 from diffexp.training.progress import use_step_progress_bar
+from diffexp.training.recipe import DEFAULT_DATA_CLASS, TRAINER_DEFAULTS
 from diffexp.training.report import RunReport, print_summary, progress_interval
 from diffexp.training.runs import AtomicCheckpointIO, resolve_resume, run_logger
 from diffexp.training.throughput import Throughput
-from diffexp.training.values import to_builtin
+from diffexp.training.values import data_init_args, to_builtin
 from diffexp.training.warm_start import check_init_from
-
-TRAINER_DEFAULTS = {
-    "max_steps": 300,
-    "val_check_interval": 100,
-    "check_val_every_n_epoch": None,
-    "limit_val_batches": 20,
-    "log_every_n_steps": 10,
-    "gradient_clip_val": 1.0,
-    "num_sanity_val_steps": 0,
-    "enable_model_summary": False,  # DiffexpLM prints its own parameter report (Lightning's shows "FLOPs 0")
-    "logger": {
-        "class_path": "lightning.pytorch.loggers.TensorBoardLogger",
-        "init_args": {"save_dir": "runs", "name": "default", "default_hp_metric": False},
-    },
-}
-
 
 _TYPE_WORDS = {"float": "a number", "int": "an integer", "str": "a string", "bool": "true or false",
                "NoneType": "null"}
@@ -175,7 +159,7 @@ class DiffexpCLI(CLIInternals):
 
     def add_arguments_to_parser(self, parser) -> None:
         if self.subclass_mode_data:
-            parser.set_defaults({"data": {"class_path": "diffexp.data.TextDataModule"}})
+            parser.set_defaults({"data": {"class_path": DEFAULT_DATA_CLASS}})
             if isinstance(parser, DiffexpArgumentParser):
                 parser.appended_help = data_options_help()
         parser.link_arguments("data.vocab_size", "model.vocab_size", apply_on="instantiate")

@@ -24,7 +24,7 @@ from diffexp.parallel.launch import check_launch, requested_world_size, strategy
 from diffexp.training.checkpointing import check_checkpoint_settings
 from diffexp.training.construction import check_build_config
 from diffexp.training.global_batch import GLOBAL_BATCH, accumulation_for
-from diffexp.training.values import to_builtin
+from diffexp.training.values import data_init_args, to_builtin
 
 # data module settings that do not change what is trained (where files live, how many loader processes)
 DATA_KEYS_FREE_ON_RESUME = {"num_workers", "cache_dir"}
@@ -53,14 +53,6 @@ def model_sections(config) -> tuple[ModelConfig, Any, Any]:
     optim = OptimConfig(**(model.get("optim") or {}))
     ar_hit = ARHitConfig(**(model.get("ar_hit") or {}))
     return arch, optim, ar_hit
-
-
-def data_init_args(config) -> tuple[str | None, dict[str, Any]]:
-    """(class path, init args) of the data module section."""
-    data = to_builtin(config.get("data") or {})
-    if "class_path" in data:
-        return data["class_path"], dict(data.get("init_args") or {})
-    return None, dict(data)
 
 
 def check_trainer(trainer: dict[str, Any], subcommand: str) -> None:

@@ -1,4 +1,5 @@
-"""Parsed configs and checkpoint hyperparameters as Python's built-in types (dicts, lists, scalars)."""
+"""Parsed configs and checkpoint hyperparameters as Python's built-in types (dicts, lists, scalars), and the
+sections of a parsed config read through them."""
 
 from __future__ import annotations
 
@@ -20,3 +21,11 @@ def to_builtin(value: Any, json_safe: bool = False) -> Any:
     if json_safe and not (value is None or isinstance(value, JSON_SCALARS)):
         return repr(value)
     return value
+
+
+def data_init_args(config) -> tuple[str | None, dict[str, Any]]:
+    """(class path, init args) of the data module section of a parsed config (fit's, or read_recipe's)."""
+    data = to_builtin(config.get("data") or {})
+    if "class_path" in data:
+        return data["class_path"], dict(data.get("init_args") or {})
+    return None, dict(data)
