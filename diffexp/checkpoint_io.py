@@ -379,12 +379,6 @@ def model_hparams(checkpoint: dict) -> dict:
     }
 
 
-def checkpoint_hparams(path: os.PathLike | str, key: str = "--ckpt_path") -> dict:
-    """``model_hparams`` of the checkpoint at ``path``, no tensors loaded (the bytes verified); for resume
-    checks."""
-    return model_hparams(read_checkpoint(path, key, weights=False))
-
-
 # -- writing -------------------------------------------------------------------------------------------------
 #: a write that found no room: the file system is full, or the user's quota is used up
 NO_SPACE = (errno.ENOSPC, errno.EDQUOT)

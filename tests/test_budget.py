@@ -3,15 +3,17 @@ tokens/s changes every time in proportion, and the size files, sweep specs and d
 
 from __future__ import annotations
 
+import heapq
 import json
 import re
+from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
 import yaml
 
 import diffexp.compare.budget as budget_module
-from diffexp.compare.budget import FITS, RunBudget, duration, measured_fit, node_seconds, sweep_estimate
+from diffexp.compare.budget import FITS, MeasuredFit, RunBudget, duration, measured_fit
 from diffexp.compare.params import Recipe, budget, run_header
 from tests.helpers import REPO, stdout_of
 
@@ -19,6 +21,29 @@ GPU_SWEEPS = sorted((REPO / "sweeps").glob("gpu_*.yaml"))
 #: every GPU spec that states its time: the five variants at each size, and the other studies at 125m
 TIMED_SWEEPS = GPU_SWEEPS + [REPO / "sweeps/softmax_constraint_125m.yaml"]
 UNIT = {"min": 60, "h": 3600, "d": 86400}
+
+
+# The `# time:` line of a GPU sweep spec's header, as its trials priced by the measured fit give it: what the spec
+# states (test_gpu_sweep_specs_state_their_time_from_the_measured_fit prints the line to write when it is stale).
+def node_seconds(trial_seconds: Sequence[float], workers: int) -> float:
+    """The wall time of trials run in order by `workers` workers, each taking the next trial when it is free."""
+    free = [0.0] * workers
+    for seconds in trial_seconds:
+        heapq.heappush(free, heapq.heappop(free) + seconds)
+    return max(free)
+
+
+def sweep_estimate(trials: Sequence[RunBudget], fit: MeasuredFit, per_gpu: bool, node_gpus: int = 8) -> str:
+    """A sweep's time on one node, in a spec's header: its trials in order, each on one GPU (`--gpus auto`, one
+    worker per GPU) or each on the whole node (FSDP2 over its GPUs, one worker); the GPU-hours its trials use, and
+    those of the node for that time (what is billed: GPUs idle once no trial is left for them)."""
+    gpus, workers = (1, node_gpus) if per_gpu else (node_gpus, 1)
+    wall = node_seconds([run.seconds(gpus, fit) for run in trials], workers)
+    gpu_hours = sum(run.seconds(1, fit) for run in trials) / 3600
+    how = "one trial per GPU" if per_gpu else "one trial at a time on all its GPUs"
+    return (f"# time: about {duration(wall)} on one {node_gpus}-{fit.gpu} node ({how}), {gpu_hours:,.0f} "
+            f"{fit.gpu}-hours of trials, {wall * node_gpus / 3600:,.0f} of the node's; every variant at the measured "
+            f"fit's rate (bench/fits.json: {fit.machine}, {fit.commit})")
 
 
 def params_stdout(args: list[str]) -> str:

@@ -79,7 +79,7 @@ def test_objective_comes_from_sweep_json(tmp_path):
     rows = compare.summarize(runs)
     assert compare.best_case(runs, rows).case.name == "B"
     md = compare.render_markdown(runs, rows, runs.metric_names())
-    assert "| Model | Params | Non-emb. params | Valid ppl ↑ | Valid loss |" in md
+    assert "| Case | Params | Non-emb. params | Valid ppl ↑ | Valid loss |" in md
     assert "**7.000 ± n/a**" in md
 
 
@@ -105,7 +105,8 @@ def test_main_writes_markdown_csv_and_plots(study, tmp_path, capsys):
     md = (out / "compare.md").read_text()
     assert len(markdown_tables(md)) == 1  # drawn by a Markdown renderer
     table = [line for line in md.splitlines() if line.startswith("| ")]
-    assert table[0].startswith("| Model | Params | Non-emb. params | Valid loss ↓ |")
+    assert table[0].startswith("| Case | Params | Non-emb. params | Valid loss ↓ |")  # the terminal's word too
+    assert header.split()[1] == "Case" and "Model" not in printed
     assert [line.split(" | ")[0][2:] for line in table[1:]] == [
         "Transformer", "DIFF", "DIFF -GroupNorm", "DIFF lambda 0.8"]
     assert "| DIFF | 0.99M | 0.92M | **1.860 ± 0.014** |" in md

@@ -147,7 +147,7 @@ def test_markdown_and_csv_columns(study, tmp_path):
     printed = _print(study, tmp_path / "out")
     md = (tmp_path / "out" / "compare.md").read_text()
     assert len(markdown_tables(md)) == 1
-    header = next(line for line in md.splitlines() if line.startswith("| Model"))
+    header = next(line for line in md.splitlines() if line.startswith("| Case"))
     assert "| Valid loss ↓ | Δ vs Baseline | 95% CI | Paired seeds | Verdict | Seeds |" in header
     far_line = next(line for line in md.splitlines() if line.startswith("| Far |"))
     mean, low, high = _by_hand(FAR, BASE)

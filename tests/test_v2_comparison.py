@@ -88,6 +88,6 @@ def test_sweep_runs_and_compares_one_row_per_case_with_parameter_counts(tmp_path
     for row in rows:  # the trials' own parameter reports, as the comment states them
         assert (int(row["params_total"]), int(row["params_non_embedding"])) == counts[row["case"]][:2], row["case"]
     table = (out / "compare.md").read_text().splitlines()
-    for case in CASES:  # compare.md: Model | Params | Non-emb. params | ...
+    for case in CASES:  # compare.md: Case | Params | Non-emb. params | ...
         cells = [c.strip() for c in next(line for line in table if line.startswith(f"| {case} |")).split("|")]
         assert cells[2:4] == [format_params(n) for n in counts[case][:2]], cells

@@ -175,7 +175,7 @@ class DecodeRunner:
         self.cache = self.model.new_cache(context + args.new_tokens if compiled else None, static=compiled)
         with torch.inference_mode():
             self.first = self.model(prompt, cache=self.cache)[:, -1:].argmax(-1)
-        self.cache_bytes_per_token = self.cache.bytes() / (batch * context)  # per sequence
+        self.cache_bytes_per_token = self.cache.bytes_per_token() / batch  # per sequence
         self.bytes_per_step = step_bytes(self.model, self.cache.bytes(), batch)
         self.prompt_mark = self.cache.mark()
         self.flops_per_token = batch * self.model.decode_flops_per_token(context)

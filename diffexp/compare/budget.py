@@ -11,9 +11,7 @@ ratio), and 8 GPUs at 8 times one GPU's rate (the global batch, so the FLOPs, st
 from __future__ import annotations
 
 import functools
-import heapq
 import json
-from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -117,27 +115,6 @@ def duration(seconds: float) -> str:
 
 def _number(value: float) -> str:
     return f"{value:.1f}" if value < 10 else f"{value:.0f}"
-
-
-def node_seconds(trial_seconds: Sequence[float], workers: int) -> float:
-    """The wall time of trials run in order by `workers` workers, each taking the next trial when it is free."""
-    free = [0.0] * workers
-    for seconds in trial_seconds:
-        heapq.heappush(free, heapq.heappop(free) + seconds)
-    return max(free)
-
-
-def sweep_estimate(trials: Sequence[RunBudget], fit: MeasuredFit, per_gpu: bool, node_gpus: int = 8) -> str:
-    """A sweep's time on one node, in a spec's header: its trials in order, each on one GPU (`--gpus auto`, one
-    worker per GPU) or each on the whole node (FSDP2 over its GPUs, one worker); the GPU-hours its trials use, and
-    those of the node for that time (what is billed: GPUs idle once no trial is left for them)."""
-    gpus, workers = (1, node_gpus) if per_gpu else (node_gpus, 1)
-    wall = node_seconds([run.seconds(gpus, fit) for run in trials], workers)
-    gpu_hours = sum(run.seconds(1, fit) for run in trials) / 3600
-    how = "one trial per GPU" if per_gpu else "one trial at a time on all its GPUs"
-    return (f"# time: about {duration(wall)} on one {node_gpus}-{fit.gpu} node ({how}), {gpu_hours:,.0f} "
-            f"{fit.gpu}-hours of trials, {wall * node_gpus / 3600:,.0f} of the node's; every variant at the measured "
-            f"fit's rate (bench/fits.json: {fit.machine}, {fit.commit})")
 
 
 def run_budget(config, arch, model=None) -> RunBudget | None:

@@ -179,7 +179,7 @@ def render_markdown(runs: StudyRuns, rows: Sequence[CaseSummary], metrics: Seque
     """The table (the paired columns after the objective's, with `paired`), its notes and the issue sections."""
     best = best_case(runs, rows)
     variant, divergence = shows_variant(rows), shows_divergence(rows)
-    header = ["Model", "Params", "Non-emb. params"]
+    header = ["Case", "Params", "Non-emb. params"]
     for m in metrics:
         header.append(f"{metric_label(m)} {arrow(runs.direction)}" if m == runs.objective else metric_label(m))
         if m == runs.objective and paired is not None:

@@ -131,10 +131,6 @@ class PieceWriter:
 
 
 # -- reading -----------------------------------------------------------------------------------------------
-def is_prepared(path: str | os.PathLike) -> bool:
-    return (Path(path) / MANIFEST).is_file()
-
-
 def read_manifest(directory: Path, rebuild: str) -> dict:
     """The manifest of a prepared directory; a missing or damaged one is a UserError saying how to rebuild."""
     path = directory / MANIFEST

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import hashlib
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Protocol
 
@@ -111,23 +111,6 @@ def train_bpe(texts: Sequence[str], vocab_size: int) -> Tokenizer:
     )
     tokenizer.train_from_iterator(texts, trainer=trainer, length=len(texts))
     return tokenizer
-
-
-def load_or_train_bpe(
-    path: Path, texts_fn: Callable[[], Sequence[str]], vocab_size: int, identity: str
-) -> tuple[HFTokenizer, bool]:
-    """Load the BPE cached at ``path``, or train it on ``texts_fn()`` and save it atomically.
-
-    Returns the tokenizer and whether it was trained now (False means it came from the cache).
-    """
-    if path.is_file():
-        return HFTokenizer(Tokenizer.from_file(str(path)), identity), False
-    tokenizer = train_bpe(texts_fn(), vocab_size)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
-    tokenizer.save(str(tmp))
-    os.replace(tmp, path)  # atomic: concurrent runs never see a half-written file
-    return HFTokenizer(tokenizer, identity), True
 
 
 def tokenizer_state(tokenizer: object) -> dict | None:

@@ -175,7 +175,8 @@ class StreamingIntegral(torch.autograd.Function):
 
 
 def streaming_integral(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_size: int = 32) -> torch.Tensor:
-    """A3 V (see the module docstring)."""
+    """A3 V (see the module docstring). Training calls fused_first_map_integral; tests/test_dint_streaming.py checks
+    the integral's own forward and backward through this one, apart from map 1's (gradcheck, naive maps)."""
     return StreamingIntegral.apply(q, k, v, None, block_size)
 
 
