@@ -237,6 +237,14 @@ def test_default_reference_without_the_reference_variant_is_the_first_case(tmp_p
     assert "the reference variant baseline (--reference CASE picks another)." in " ".join(printed.split())
 
 
+def test_the_reference_variant_read_from_source_is_the_registrys():
+    """compare names the registry's reference variant without importing the registry (torch)."""
+    from diffexp.compare.paired import reference_variant_name
+    from diffexp.model.attention.registry import reference_variant
+
+    assert reference_variant_name() == reference_variant().name
+
+
 def test_a_maximized_objective_reads_above_zero_as_better(tmp_path):
     acc = np.array([0.50, 0.55, 0.45])
     study = write_loss_table(tmp_path / "acc", {("A", "a"): dict(enumerate(acc)),

@@ -151,6 +151,21 @@ def test_the_startup_bench_times_and_tables_its_commands(tmp_path):
     assert rows_[1][2] == "1.00" and all(row[3] == "no" for row in rows_[1:])
 
 
+def test_compare_reads_a_study_without_torch_or_tensorboards_reader(tmp_path):
+    """compare reads numbers: no torch (the reference variant is read from the variants' source), no
+    tensorboard event processing and its TensorFlow stub (diffexp.sweep.events reads the files), with or without
+    plots."""
+    study = make_study(tmp_path / "runs")
+    runs = [["compare", str(study), "--out", str(tmp_path / "compared"), "--no-plots"],
+            ["compare", str(study), "--out", str(tmp_path / "plotted")]]
+    seen = run_in_turn(runs, heavy=("torch", "tensorboard.backend", "tensorboard.compat.tensorflow_stub",
+                                    *HEAVY))
+    last = seen[-1]
+    assert not last["heavy"], f"`diffexp {' '.join(last['argv'])}` imported {', '.join(last['heavy'][:5])}"
+    assert [s["argv"] for s in seen] == runs and all(s["code"] == 0 for s in seen), seen
+    assert (tmp_path / "plotted" / "paired_diffs.png").is_file()
+
+
 def test_the_model_subcommands_never_load_torchs_compiler_stack(tmp_path):
     """torch._dynamo (with sympy and Triton) costs about a second: the kernel door marks its trace-time functions
     without it (diffexp.kernels.registry.constant_result), so listing, generating and exporting never load it."""

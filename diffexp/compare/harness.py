@@ -43,7 +43,7 @@ class HarnessTable:
 
 def harness_table(runs: StudyRuns, metric: str = DEFAULT_METRIC) -> HarnessTable | None:
     """None when no trial of the study has been through `diffexp eval harness`."""
-    from diffexp.evals.harness import RESULTS_FILE  # here, not at the top: diffexp.evals imports torch
+    from diffexp.evals import HARNESS_RESULTS_FILE
 
     values: dict[str, dict[str, list[float]]] = {}
     tasks: list[str] = []
@@ -51,7 +51,7 @@ def harness_table(runs: StudyRuns, metric: str = DEFAULT_METRIC) -> HarnessTable
     for case in runs.cases:
         per_task: dict[str, list[float]] = {}
         for trial in runs.trials_of(case):
-            path = trial.path / "eval" / RESULTS_FILE
+            path = trial.path / "eval" / HARNESS_RESULTS_FILE
             if not path.is_file():
                 continue
             try:

@@ -225,8 +225,27 @@ class PairedReport:
         return self.diffs.get(row.case.name)
 
 
-def _reference_variant() -> str:
-    from diffexp.model.attention.registry import reference_variant  # the registry loads torch: only when needed
+def reference_variant_name() -> str:
+    """The registry's reference variant (diffexp.model.attention.registry.reference_variant), read from the
+    variants' source: importing the registry imports every variant, so torch, seconds that `compare` needs for
+    nothing else. The one `Variant(name=..., reference_variant=True)` in diffexp/model/attention/; the registry
+    itself where the source does not state exactly one (tests/test_compare_paired.py checks they agree)."""
+    import ast
+    import importlib.util
+    from pathlib import Path
+
+    folder = Path(importlib.util.find_spec("diffexp.model").submodule_search_locations[0]) / "attention"
+    names = []
+    for path in sorted(folder.glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "Variant":
+                given = {keyword.arg: keyword.value for keyword in node.keywords}
+                if isinstance(given.get("reference_variant"), ast.Constant) \
+                        and given["reference_variant"].value is True and isinstance(given.get("name"), ast.Constant):
+                    names.append(given["name"].value)
+    if len(names) == 1:
+        return names[0]
+    from diffexp.model.attention.registry import reference_variant
 
     return reference_variant().name
 
@@ -241,7 +260,7 @@ def reference_row(rows: Sequence[CaseSummary], name: str | None = None, study: s
             raise CompareError(f"--reference {name!r} is not a case of study {study!r}: give one of its cases "
                                f"by name or slug: {cases}")
         return found, "--reference"
-    variant = _reference_variant()
+    variant = reference_variant_name()
     found = next((r for r in rows if r.variant == variant), None)
     if found is not None:
         return found, f"the first case running the reference variant {variant}"

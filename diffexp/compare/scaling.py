@@ -16,6 +16,7 @@ from pathlib import Path
 import numpy as np
 
 from diffexp.compare import markdown
+from diffexp.compare.paired import reference_variant_name
 from diffexp.compare.plots import PLOT_DPI, new_figure, series_colors
 from diffexp.compare.render import format_params
 from diffexp.compare.stats import EMPTY, NA, Stat, format_number
@@ -248,12 +249,6 @@ def is_scaling_study(series: Sequence[Series]) -> bool:
     return any(s.spans() for s in series)
 
 
-def _reference_name() -> str:
-    from diffexp.model.attention.registry import reference_variant
-
-    return reference_variant().name
-
-
 def _ratio(fit: PowerLaw | None, target: float | None, n_ref: int) -> tuple[float | None, float | None]:
     if fit is None or target is None:
         return None, None
@@ -270,7 +265,7 @@ def scaling_report(runs: StudyRuns, metric: str = METRIC, reference: str | None 
     fitted = [s for s in series if fits[s.variant] is not None]
     if not fitted:
         return None
-    wanted = reference or _reference_name()
+    wanted = reference or reference_variant_name()
     ref = next((s for s in fitted if s.variant == wanted), fitted[0])
     n_ref = ref.sizes[-1]
     target = float(fits[ref.variant].loss(n_ref))

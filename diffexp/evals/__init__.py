@@ -2,6 +2,10 @@
 
 (The AR-Hit / Others split of the validation loss is logged by training: diffexp.training.loss_slices.)"""
 
+#: what `diffexp eval harness` writes into a run's eval/ (evals/harness.py) and `diffexp compare` reads back: here,
+#: where compare reads it without importing the evaluations (torch)
+HARNESS_RESULTS_FILE = "harness.json"
+
 
 def refuse_sharded_model(trainer, callback: str, command: str) -> None:
     """Evaluation callbacks call the model directly, outside Lightning's forward; FSDP keeps the weights sharded

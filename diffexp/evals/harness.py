@@ -17,12 +17,11 @@ from pathlib import Path
 import torch
 
 from diffexp.errors import UserError
-from diffexp.evals import common
+from diffexp.evals import HARNESS_RESULTS_FILE, common
 
 #: the papers' zero-shot LM-Eval table (Shared DIFF and DINT Table 2), as LM-Eval names the tasks
 TABLE2_TASKS = ("arc_challenge", "arc_easy", "boolq", "hellaswag", "openbookqa", "piqa", "winogrande")
 PRESETS = {"table2": TABLE2_TASKS}
-RESULTS_FILE = "harness.json"
 
 
 def _import_lm_eval():
@@ -55,7 +54,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--compile", action="store_true",
                         help="generate through the torch.compile'd decoding step (CUDA graphs on a GPU)")
-    parser.add_argument("--out", default=None, help=f"directory for {RESULTS_FILE} (default: <run>/eval/)")
+    parser.add_argument("--out", default=None, help=f"directory for {HARNESS_RESULTS_FILE} (default: <run>/eval/)")
     return parser
 
 
@@ -178,12 +177,12 @@ def harness_main(argv: list[str]) -> int:
     results = summarize(raw, args.checkpoint, hparams["global_step"], args)
     print(table(results))
     out, writer, step = common.eval_output(args.checkpoint, args.out, hparams["global_step"])
-    (out / RESULTS_FILE).write_text(json.dumps(results, indent=2) + "\n")
+    (out / HARNESS_RESULTS_FILE).write_text(json.dumps(results, indent=2) + "\n")
     if writer is not None:
         for task, metrics in results["tasks"].items():
             for name, value in metrics.items():
                 if value is not None and math.isfinite(value):
                     writer.add_scalar(f"harness/{task}/{name}", value, step)
         writer.close()
-    print(f"wrote {out / RESULTS_FILE}")
+    print(f"wrote {out / HARNESS_RESULTS_FILE}")
     return 0

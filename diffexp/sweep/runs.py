@@ -133,8 +133,9 @@ class StudyRuns:
 def load_curves(trial_dir: str | Path) -> dict[str, list[tuple[int, float]]]:
     """All scalar series of the event files of a trial: tag -> [(step, value)] sorted by step.
 
-    EventAccumulator on the directory reads every events file in it (a resumed run appends a new one);
-    events files in sub-directories (a logger with its own version folder) are merged in as well.
+    Each folder's events files are read as TensorBoard's EventAccumulator reads them (diffexp.sweep.events: every
+    events file in it, a resumed run appending a new one; simple values and 0-d tensors); events files in
+    sub-directories (a logger with its own version folder) are merged in as well.
     Where a step was logged more than once, the value written last (by wall time) is kept.
     """
     trial_dir = Path(trial_dir)
@@ -143,30 +144,12 @@ def load_curves(trial_dir: str | Path) -> dict[str, list[tuple[int, float]]]:
     folders = sorted({p.parent for p in trial_dir.rglob("events.out.tfevents*") if p.is_file()})
     if not folders:
         return {}
-    from tensorboard.backend.event_processing.event_accumulator import (
-        AUDIO,
-        COMPRESSED_HISTOGRAMS,
-        HISTOGRAMS,
-        IMAGES,
-        SCALARS,
-        TENSORS,
-        EventAccumulator,
-    )
-    from tensorboard.util import tensor_util
+    from diffexp.sweep.events import scalar_events
 
-    sizes = {SCALARS: 0, TENSORS: 0, HISTOGRAMS: 1, IMAGES: 1, AUDIO: 1, COMPRESSED_HISTOGRAMS: 1}
     raw: dict[str, list[tuple[float, int, float]]] = {}
     for folder in folders:
-        accumulator = EventAccumulator(str(folder), size_guidance=sizes)
-        accumulator.Reload()
-        tags = accumulator.Tags()
-        for tag in tags.get(SCALARS, []):
-            raw.setdefault(tag, []).extend((e.wall_time, e.step, float(e.value)) for e in accumulator.Scalars(tag))
-        for tag in tags.get(TENSORS, []):  # new-style scalar summaries: a 0-d tensor per event
-            for e in accumulator.Tensors(tag):
-                array = tensor_util.make_ndarray(e.tensor_proto)
-                if array.ndim == 0 and array.dtype.kind in "fiu":
-                    raw.setdefault(tag, []).append((e.wall_time, e.step, float(array)))
+        for tag, points in scalar_events(folder).items():
+            raw.setdefault(tag, []).extend(points)
     curves = {}
     for tag, points in raw.items():
         by_step: dict[int, float] = {}
