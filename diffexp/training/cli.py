@@ -153,6 +153,12 @@ class DiffexpCLI(CLIInternals):
         """Lightning would silently replace the config's model with the checkpoint's; diffexp compares them
         instead (before_instantiate_classes) and refuses a mismatch."""
 
+    def parse_arguments(self, parser, args) -> None:
+        """Also keeps the words parsed (`self.words`): they say which keys the user gave (validate_fit_config)."""
+        words = [] if isinstance(args, (dict, Namespace)) else sys.argv[1:] if args is None else args
+        self.words = [str(word) for word in words]
+        super().parse_arguments(parser, args)
+
     def setting(self, config: Namespace, key: str, default=None):
         """A top-level key of the subcommand's config (`trainer`, `model`, `ckpt_path`)."""
         return config.get(str(self.subcommand), config).get(key, default)
@@ -248,7 +254,7 @@ class DiffexpCLI(CLIInternals):
         ckpt_path = config.get("ckpt_path")
         if not ckpt_path:  # data.batch_size auto: a number from the GPU's free memory (a resume: the checkpoint's)
             resolve_auto_batch(config)
-        arch = validate_fit_config(config, subcommand, DiffexpArgumentParser.parsed_words)
+        arch = validate_fit_config(config, subcommand, self.words)
         init_from = (to_builtin(config.get("model") or {})).get("init_from")
         if subcommand == "fit" and init_from and not ckpt_path:  # a resume takes its weights from ckpt_path
             data_class, data_args = data_init_args(config)
