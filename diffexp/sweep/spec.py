@@ -534,17 +534,17 @@ def _check_variants(spec: SweepSpec, problem: Callable[[str], None]) -> None:
         choices = value if where == "grid" else value.get("choices", []) if where == "search" else [value]
         for choice in choices:
             known(choice, where)
-    trained = {spec.variant_of(spec.case_bases.get(case), {**spec.overrides, **overrides, **point})
+    trained = {str(spec.variant_of(spec.case_bases.get(case), {**spec.overrides, **overrides, **point}))
                for case, overrides in spec.cases.items() for point in spec.grid_points()}
     if ATTENTION_KEY in spec.search:
-        trained |= set(spec.search[ATTENTION_KEY].get("choices", []))
+        trained |= {str(choice) for choice in spec.search[ATTENTION_KEY].get("choices", [])}
     for where, values in shared.items():
         for key in values:
             readers = spec.flag_readers.get(key)
             if readers is not None and not readers & trained:
                 problem(f"{where}: {key} is read by {', '.join(sorted(readers))} only, and no trial of this spec "
                         f"trains {'it' if len(readers) == 1 else 'one of them'} (they train "
-                        f"{', '.join(sorted(str(v) for v in trained))}); set it in the case it is for, or drop it")
+                        f"{', '.join(sorted(trained))}); set it in the case it is for, or drop it")
 
 
 def _clashes(spec: SweepSpec) -> list[str]:
