@@ -13,7 +13,7 @@ does such arithmetic for its RoPE tables and its normal inits only. Under `build
 
 Only construction: a forward pass on meta (diffexp.parallel.memory's estimate) needs autograd and runs as it is.
 tests/test_recipe_params.py checks that every variant builds the same parameters and buffers (names, shapes,
-dtypes) and counts as under torch.device("meta"), and that it imports no torch._dynamo.
+dtypes) and counts as under torch.device("meta"); tests/test_startup.py that `params` imports no torch._dynamo.
 """
 
 from __future__ import annotations
