@@ -281,3 +281,27 @@ def test_diffexp_params_refuses_a_missing_recipe(capsys):
         main(["params", "recipes/tiny/nope.yaml"])
     assert done.value.code == 2
     assert "recipes/tiny/nope.yaml" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("extra", [{}, {"n_kv_heads": 1}, {"tie_embeddings": True}, {"head_dim": 16},
+                                   {"max_seq_len": 4096, "rope_theta": 640000.0}],
+                         ids=["default", "gqa", "tied", "head_dim", "long"])
+def test_params_builds_on_meta_what_torch_device_meta_builds(extra):
+    """params and the budget build on the meta device without the arithmetic that imports torch._dynamo
+    (diffexp.model.meta): every variant gets the same parameters and buffers (names, shapes, dtypes, whether
+    they train), parameter report and FLOPs as under torch.device("meta")."""
+    from diffexp.model.attention import variant_names
+    from diffexp.model.meta import building_on_meta
+
+    for attention in variant_names():
+        cfg = ModelConfig(attention=attention, d_model=64, n_layers=2, n_heads=2, **extra)
+        with building_on_meta():
+            ours = Decoder(cfg)
+        with torch.device("meta"):
+            theirs = Decoder(cfg)
+        for name, (a, b) in {"parameters": (ours.named_parameters(), theirs.named_parameters()),
+                             "buffers": (ours.named_buffers(), theirs.named_buffers())}.items():
+            layout = lambda tensors: {n: (t.shape, t.dtype, t.requires_grad, t.is_meta) for n, t in tensors}  # noqa: E731
+            assert layout(a) == layout(b), (attention, name)
+        assert ours.parameter_report() == theirs.parameter_report(), attention
+        assert ours.flops_per_token(256, training=True) == theirs.flops_per_token(256, training=True), attention

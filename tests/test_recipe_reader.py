@@ -9,12 +9,14 @@ fit's words (the key as written, the file, what is allowed).
 from __future__ import annotations
 
 import inspect
+from dataclasses import replace
 
 import pytest
 import yaml
 
 from diffexp.compare import params
-from diffexp.compare.params import Recipe, all_recipes, fit_parsed
+from diffexp.compare.budget import run_budget
+from diffexp.compare.params import Recipe, all_recipes, fit_parsed, gpu_files
 from diffexp.errors import UserError
 from diffexp.training.recipe import (
     READ_SECTIONS,
@@ -26,7 +28,12 @@ from diffexp.training.recipe import (
 from diffexp.training.values import data_init_args, to_builtin
 from tests.helpers import REPO, stdout_of
 
-RECIPES = sorted(all_recipes(REPO / "recipes"), key=lambda r: r.name)
+GPU = REPO / "recipes/gpu"
+#: every recipe `params` counts, then each GPU extension delta given last after the run it extends (the 3B DIFF V1
+#: one its header names)
+RECIPES = sorted(all_recipes(REPO / "recipes"), key=lambda r: r.name) + [
+    Recipe(f"gpu/3b + diff_v1 + extend/{path.stem}", (*gpu_files(GPU, "3b", "diff_v1"), path))
+    for path in sorted((GPU / "extend").glob("*.yaml"))]
 
 
 def leaves(value, path: str = "") -> dict:
@@ -48,10 +55,26 @@ def same(a, b) -> bool:
 
 
 def figures(recipe: Recipe, config) -> dict:
-    """What `params` prints of a recipe, from a config: model config, counts, budget, memory settings."""
+    """What `params` prints of a recipe, from a config, as params computes it: model config, counts, budget,
+    memory settings."""
     arch = params.model_config(recipe, config)
     return {"arch": arch, "counts": params.report(recipe, config), "budget": params.budget(recipe, config),
             "memory": params.memory_settings(config, arch), "vocab": params.linked_vocab_size(config)}
+
+
+def fits_figures(recipe: Recipe, config) -> dict:
+    """The same from fit's parsed config, the model built under plain torch.device("meta")."""
+    import torch
+
+    from diffexp.model import Decoder
+
+    arch = params.model_config(recipe, config)
+    sdpa = replace(arch, backend="sdpa")
+    with torch.device("meta"):
+        model = Decoder(sdpa)
+    return {"arch": arch, "counts": {"attention_variant": arch.attention, **model.parameter_report()},
+            "budget": run_budget(config, sdpa, model), "memory": params.memory_settings(config, arch),
+            "vocab": params.linked_vocab_size(config)}
 
 
 def write(tmp_path, name: str, content: dict):
@@ -72,7 +95,12 @@ def test_every_recipe_reads_as_fits_parser_reads_it(recipe, monkeypatch):
     assert to_builtin(light["model"]).keys() == to_builtin(fit_config["model"]).keys()
     # every data argument, defaults included (as params reads them: to_builtin makes a dict's tuples lists)
     assert same(to_builtin(data_init_args(light)), to_builtin(data_init_args(fit_config)))
-    assert figures(recipe, light) == figures(recipe, fit_config)
+    assert figures(recipe, light) == fits_figures(recipe, fit_config)
+
+
+def test_every_recipe_file_is_read_above():
+    read = {path.resolve() for recipe in RECIPES for path in recipe.configs}
+    assert set((REPO / "recipes").rglob("*.yaml")) <= read
 
 
 def test_the_reader_knows_only_what_fit_accepts():
@@ -119,7 +147,7 @@ def test_values_the_reader_converts_are_fits(tmp_path):
     assert not differ
     assert light["model"]["arch"]["rope_theta"] == 80000.0 and light["data"]["init_args"]["batch_size"] == 4
     assert params.linked_vocab_size(light) == 257
-    assert figures(recipe, light) == figures(recipe, fit_config)
+    assert figures(recipe, light) == fits_figures(recipe, fit_config)
 
 
 @pytest.mark.parametrize("content, reason", [

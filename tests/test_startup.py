@@ -168,9 +168,11 @@ def test_compare_reads_a_study_without_torch_or_tensorboards_reader(tmp_path):
 
 def test_the_model_subcommands_never_load_torchs_compiler_stack(tmp_path):
     """torch._dynamo (with sympy and Triton) costs about a second: the kernel door marks its trace-time functions
-    without it (diffexp.kernels.registry.constant_result), so listing, generating and exporting never load it."""
+    without it (diffexp.kernels.registry.constant_result), so listing, generating and exporting never load it, and
+    params builds its models on the meta device without the arithmetic that loads it (diffexp.model.meta)."""
     checkpoint = write_checkpoint(tiny_decoder("diff_v1"), tmp_path / "tiny.ckpt")
     runs = [["--help"], ["bench", "--help"], ["variants"],
+            ["params", str(REPO / "recipes/tiny/diff_v1.yaml"), str(REPO / "recipes/gpu/size/125m.yaml")],
             ["generate", str(checkpoint), "--prompt", "the", "--max-new-tokens", "4", "--device", "cpu"],
             ["export", str(checkpoint), str(tmp_path / "exported")]]
     seen = run_in_turn(runs, heavy=("torch._dynamo", "torch._inductor"))

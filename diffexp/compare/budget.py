@@ -53,12 +53,12 @@ class MeasuredFit:
 
 @functools.cache
 def _training_flops_per_token(model: tuple[tuple[str, object], ...], seq_len: int) -> float:
-    import torch
 
     from diffexp.model import Decoder
     from diffexp.model.config import ModelConfig
+    from diffexp.model.meta import building_on_meta
 
-    with torch.device("meta"):
+    with building_on_meta():
         return Decoder(ModelConfig(**dict(model), backend="sdpa")).flops_per_token(seq_len, training=True)
 
 
@@ -121,9 +121,9 @@ def run_budget(config, arch, model=None) -> RunBudget | None:
     """The budget of a parsed fit config whose model is `arch` (a ModelConfig; `model`: its Decoder when one
     is built already); None when the run is not bounded by steps (trainer.max_steps unset or -1). Without
     global_batch.rows a step is data.batch_size x trainer.accumulate_grad_batches rows of one process."""
-    import torch
 
     from diffexp.model import Decoder
+    from diffexp.model.meta import building_on_meta
     from diffexp.training.values import data_init_args, to_builtin
 
     trainer = to_builtin(config.get("trainer") or {})
@@ -136,7 +136,7 @@ def run_budget(config, arch, model=None) -> RunBudget | None:
         rows = int(data.get("batch_size") or 1) * int(trainer.get("accumulate_grad_batches") or 1)
     seq_len = int(data.get("seq_len") or arch.max_seq_len)
     if model is None:
-        with torch.device("meta"):
+        with building_on_meta():
             model = Decoder(arch)
     flops_per_token = model.flops_per_token(seq_len, training=True)
     return RunBudget(int(steps), int(rows), seq_len, flops_per_token)

@@ -268,12 +268,12 @@ def run_header(fit: MeasuredFit | None) -> str:
 
 def report(recipe: Recipe, config=None) -> dict[str, int]:
     """Decoder.parameter_report() of the model a recipe trains, built on the meta device."""
-    import torch
 
     from diffexp.model import Decoder
+    from diffexp.model.meta import building_on_meta
 
     arch = replace(model_config(recipe, config), backend="sdpa")  # the backend changes no count (and warns off-GPU)
-    with torch.device("meta"):
+    with building_on_meta():
         return {"attention_variant": arch.attention, **Decoder(arch).parameter_report()}
 
 
