@@ -64,11 +64,11 @@ def baseline_reference(m, x: torch.Tensor):
     return output(out, m.o_proj), maps
 
 
-def softmax_sink_reference(m, x: torch.Tensor):
-    """a_ij = exp(z_ij) / (exp(s_h) + sum_k exp(z_ik)) row by row, s_h = 0 ("zero") or the head's learned logit."""
+def row_by_row(m, x: torch.Tensor, weights):
+    """A plain-projection variant's attention one query row at a time: ``weights(z, head)`` gives row n's weights
+    over keys 0..n from its logits ``z_j = q_n . k_j / sqrt(d)`` (float64, n + 1 of them: position n + 1, 1-based)."""
     cfg = m.cfg
     h, h_kv = cfg.n_heads, cfg.kv_heads
-    sinks = m.sinks.double() if cfg.sink == "learned" else torch.zeros(h, dtype=torch.float64)
     q = m.rope.rotate(project(x, m.q_proj, h))
     k = m.rope.rotate(project(x, m.k_proj, h_kv))
     v = project(x, m.v_proj, h_kv).double()
@@ -79,13 +79,20 @@ def softmax_sink_reference(m, x: torch.Tensor):
     for bi in range(b):
         for i in range(h):
             g = i // (h // h_kv)
-            a = torch.zeros(t, t, dtype=torch.float64)
+            rows = []
             for n in range(t):
-                e = torch.exp((k[bi, g, : n + 1].double() @ q[bi, i, n].double()) / math.sqrt(d))
-                a[n, : n + 1] = e / (torch.exp(sinks[i]) + e.sum())
+                z = (k[bi, g, : n + 1].double() @ q[bi, i, n].double()) / math.sqrt(d)
+                rows.append(torch.cat((weights(z, i), z.new_zeros(t - n - 1))))
+            a = torch.stack(rows)
             maps[bi, i] = a
             out[bi, i] = a @ v[bi, g]
     return output(out, m.o_proj), maps
+
+
+def softmax_sink_reference(m, x: torch.Tensor):
+    """a_ij = exp(z_ij) / (exp(s_h) + sum_k exp(z_ik)) row by row, s_h = 0 ("zero") or the head's learned logit."""
+    sinks = m.sinks.double() if m.cfg.sink == "learned" else torch.zeros(m.cfg.n_heads, dtype=torch.float64)
+    return row_by_row(m, x, lambda z, i: torch.exp(z) / (torch.exp(sinks[i]) + torch.exp(z).sum()))
 
 
 def gated_reference(m, x: torch.Tensor):
@@ -102,55 +109,23 @@ def gated_reference(m, x: torch.Tensor):
 def softpick_reference(m, x: torch.Tensor):
     """a_ij = relu(exp(z_ij - m) - exp(-m)) / (sum_k |exp(z_ik - m) - exp(-m)| + 1e-6) row by row over keys 0..n,
     m the row's largest logit (the authors' stable form of relu(e^z - 1) / sum |e^z - 1|)."""
-    cfg = m.cfg
-    h, h_kv = cfg.n_heads, cfg.kv_heads
-    q = m.rope.rotate(project(x, m.q_proj, h))
-    k = m.rope.rotate(project(x, m.k_proj, h_kv))
-    v = project(x, m.v_proj, h_kv).double()
-    b, t = x.shape[:2]
-    d = q.shape[-1]
-    maps = torch.zeros(b, h, t, t, dtype=torch.float64)
-    out = torch.zeros(b, h, t, v.shape[-1], dtype=torch.float64)
-    for bi in range(b):
-        for i in range(h):
-            g = i // (h // h_kv)
-            rows = []
-            for n in range(t):
-                z = (k[bi, g, : n + 1].double() @ q[bi, i, n].double()) / math.sqrt(d)
-                top = z.max()
-                e = torch.exp(z - top) - torch.exp(-top)
-                row = torch.relu(e) / (e.abs().sum() + 1e-6)
-                rows.append(torch.cat((row, z.new_zeros(t - n - 1))))
-            a = torch.stack(rows)
-            maps[bi, i] = a
-            out[bi, i] = a @ v[bi, g]
-    return output(out, m.o_proj), maps
+    def weights(z, head):
+        top = z.max()
+        e = torch.exp(z - top) - torch.exp(-top)
+        return torch.relu(e) / (e.abs().sum() + 1e-6)
+
+    return row_by_row(m, x, weights)
 
 
 def ssmax_reference(m, x: torch.Tensor):
     """softmax((s_i log n) q_n . k_j / sqrt(d)) over keys j = 1..n of the query at position n (1-based)."""
-    cfg = m.cfg
-    h, h_kv = cfg.n_heads, cfg.kv_heads
     s = m.s.double()
-    q = m.rope.rotate(project(x, m.q_proj, h))
-    k = m.rope.rotate(project(x, m.k_proj, h_kv))
-    v = project(x, m.v_proj, h_kv).double()
-    b, t = x.shape[:2]
-    d = q.shape[-1]
-    maps = torch.zeros(b, h, t, t, dtype=torch.float64)
-    out = torch.zeros(b, h, t, v.shape[-1], dtype=torch.float64)
-    for bi in range(b):
-        for i in range(h):
-            g = i // (h // h_kv)
-            rows = []
-            for n in range(1, t + 1):
-                z = (k[bi, g, :n].double() @ q[bi, i, n - 1].double()) / math.sqrt(d)
-                scale = s[i] * torch.log(torch.tensor(float(n), dtype=torch.float64))
-                rows.append(torch.cat((torch.softmax(scale * z, dim=0), z.new_zeros(t - n))))
-            a = torch.stack(rows)
-            maps[bi, i] = a
-            out[bi, i] = a @ v[bi, g]
-    return output(out, m.o_proj), maps
+
+    def weights(z, head):
+        scale = s[head] * torch.log(torch.tensor(float(len(z)), dtype=torch.float64))
+        return torch.softmax(scale * z, dim=0)
+
+    return row_by_row(m, x, weights)
 
 
 def plain_qk(m, x: torch.Tensor):
