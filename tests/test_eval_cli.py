@@ -68,11 +68,9 @@ def test_eval_callbacks_refuse_fsdp_before_training(name):
 
     from lightning.pytorch.strategies import DDPStrategy, FSDPStrategy
 
-    from diffexp.evals.icl import ICLEval
-    from diffexp.evals.mqar import MQARAccuracy
-    from diffexp.evals.needle import NeedleEvalCallback
+    from diffexp.evals import Evaluate
 
-    callback = {"needle": NeedleEvalCallback, "icl": ICLEval, "mqar": MQARAccuracy}[name]()
-    callback.setup(SimpleNamespace(strategy=DDPStrategy()), None, "fit")  # fine
+    callback = Evaluate(name)
+    callback.setup(SimpleNamespace(strategy=DDPStrategy()), None, "test")  # fine (inputs are made for fit)
     with pytest.raises(ValueError, match=f"cannot run under FSDPStrategy.*diffexp eval {name} "):
         callback.setup(SimpleNamespace(strategy=FSDPStrategy()), None, "fit")

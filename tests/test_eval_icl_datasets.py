@@ -227,7 +227,7 @@ def test_bad_dataset_input_is_refused_before_anything_is_built(uniform_run, tabl
     monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True)  # as on a machine without network
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
     built = []
-    monkeypatch.setattr("diffexp.evals.cli.load_model", lambda *a: built.append(a))
+    monkeypatch.setattr("diffexp.training.loading.load_model", lambda *a: built.append(a))
     before = snapshot(uniform_run)
     code, out = run_eval(["icl", str(uniform_run / "checkpoints" / "last.ckpt"), "--device", "cpu",
                           *[f.format(d=tables) for f in flags]], capsys)

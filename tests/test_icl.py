@@ -12,9 +12,9 @@ import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from torch.utils.tensorboard import SummaryWriter
 
+from diffexp.evals import Evaluate
 from diffexp.data.icl import ICLDataModule, ICLTask
 from diffexp.evals.icl import (
-    ICLEval,
     evaluate_icl,
     oracle_scorer,
     order_demonstrations,
@@ -193,7 +193,8 @@ def test_icl_datamodule_masks_labels_and_trains(tmp_path):
         ICLDataModule(seq_len=0)
 
     model = DiffexpLM(arch=ModelConfig(d_model=32, n_layers=1, n_heads=2, max_seq_len=128), vocab_size=dm.vocab_size)
-    callback = ICLEval(k_classes=3, task_seed=11, n_demos_list=[1, 2, 64], n_orderings=1, n_tests=3)
+    callback = Evaluate("icl", {"k_classes": 3, "seed": 11, "n_demos": [1, 2, 64], "n_orderings": 1, "n_tests": 3},
+                        every_n_validations=None, at_fit_end=True)
     trainer = L.Trainer(max_steps=2, limit_val_batches=1, logger=False, enable_checkpointing=False,
                         enable_progress_bar=False, enable_model_summary=False, callbacks=[callback],
                         default_root_dir=tmp_path, num_sanity_val_steps=0)

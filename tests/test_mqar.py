@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from diffexp.data.mqar import MQARDataModule, power_law_gap_probs
-from diffexp.evals.mqar import MQARAccuracy, evaluate_mqar, mqar_accuracy
+from diffexp.evals import Evaluate
+from diffexp.evals.mqar import evaluate_mqar, mqar_accuracy
 from diffexp.model import Decoder
 from diffexp.model.config import ModelConfig
 from diffexp.training import DiffexpLM
@@ -122,14 +123,18 @@ def test_bad_values_are_named():
 
 
 def test_trains_with_diffexp_lm(tmp_path):
-    """Dict batches with loss_mask go through DiffexpLM and the resumable loader; the callback logs accuracy."""
+    """Dict batches with loss_mask go through DiffexpLM and the resumable loader; the callback scores the
+    validation sequences."""
     dm = small_dm(train_size=32, val_size=16)
     model = DiffexpLM(arch=ModelConfig(attention="diff_v1", d_model=32, n_layers=1, n_heads=2, max_seq_len=64),
                       vocab_size=dm.vocab_size)
+    callback = Evaluate("mqar", {"samples": 16})
     trainer = L.Trainer(max_steps=3, limit_val_batches=1, val_check_interval=3, logger=False,
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                        callbacks=[MQARAccuracy()], default_root_dir=tmp_path, num_sanity_val_steps=0)
+                        callbacks=[callback], default_root_dir=tmp_path, num_sanity_val_steps=0)
     trainer.fit(model, datamodule=dm)
-    acc = float(trainer.callback_metrics["val/mqar_accuracy"])
+    acc = float(trainer.callback_metrics["mqar/accuracy"])
     assert 0.0 <= acc <= 1.0
+    assert acc == pytest.approx(evaluate_mqar(model, dm)["mqar/accuracy"])  # the data module's own validation sequences
+    assert float(trainer.callback_metrics[f"mqar/accuracy_seq{dm.seq_len}_kv{dm.num_kv_pairs}"]) == pytest.approx(acc)
     assert "val/loss" in trainer.callback_metrics

@@ -258,15 +258,16 @@ def test_callback_logs_during_fit_and_the_command_line_evaluates_a_checkpoint(tm
     from lightning.pytorch.loggers import TensorBoardLogger
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    from diffexp.evals.needle import NeedleEvalCallback, main
+    from diffexp.evals import Evaluate
+    from diffexp.evals.cli import main as eval_main
     from diffexp.training.module import DiffexpLM
 
     dm = NeedleDataModule(context_len=256, n_needles=2, n_queries=2, haystack="synthetic", batch_size=2,
                           train_size=8, val_size=2)
     model = DiffexpLM(ModelConfig(attention="baseline", d_model=32, n_layers=1, n_heads=2, max_seq_len=256),
                       vocab_size=dm.vocab_size)
-    callback = NeedleEvalCallback(context_lens=[256], depths=[0.5], nr=[(1, 1), (2, 2)], samples=2,
-                                  haystack="synthetic", methods=["rank", "greedy"])
+    callback = Evaluate("needle", {"context_lens": [256], "depths": [0.5], "nr": ["1,1", "2,2"], "samples": 2,
+                                   "haystack": "synthetic", "methods": ["rank", "greedy"]})
     logger = TensorBoardLogger(str(tmp_path), name="run", default_hp_metric=False)
     trainer = L.Trainer(max_steps=2, val_check_interval=2, limit_val_batches=1, num_sanity_val_steps=0,
                         logger=logger, callbacks=[callback], enable_checkpointing=False, enable_progress_bar=False,
@@ -274,7 +275,7 @@ def test_callback_logs_during_fit_and_the_command_line_evaluates_a_checkpoint(tm
                         enable_model_summary=False)
     trainer.fit(model, dm)
     run_dir = tmp_path / "run" / "version_0"
-    assert (run_dir / "needles-step000002.csv").is_file()
+    assert (run_dir / "needles" / "step000002" / "needles.csv").is_file()
     events = EventAccumulator(str(run_dir))
     events.Reload()
     scalars = set(events.Tags()["scalars"])
@@ -282,7 +283,7 @@ def test_callback_logs_during_fit_and_the_command_line_evaluates_a_checkpoint(tm
             "attention/negative_fraction"} <= scalars
     ckpt = tmp_path / "model.ckpt"
     trainer.save_checkpoint(ckpt)
-    assert main([str(ckpt), "--context-lens", "256", "--depths", "0", "1", "--nr", "2,1", "--samples", "2",
+    assert eval_main(["needle", str(ckpt), "--context-lens", "256", "--depths", "0", "1", "--nr", "2,1", "--samples", "2",
                  "--haystack", "synthetic", "--device", "cpu", "--out", str(tmp_path / "eval")]) == 0
     out = capsys.readouterr().out
     assert "| rank |" in out and "| baseline | 0% answer" in out

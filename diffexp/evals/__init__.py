@@ -7,12 +7,10 @@
 HARNESS_RESULTS_FILE = "harness.json"
 
 
-def refuse_sharded_model(trainer, callback: str, command: str) -> None:
-    """Evaluation callbacks call the model directly, outside Lightning's forward; FSDP keeps the weights sharded
-    there. Stop at setup, before any training, and name the checkpoint command that does the same job."""
-    from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy
+def __getattr__(name: str):
+    """`diffexp.evals.Evaluate` (a recipe's class_path), imported on first use: it imports Lightning."""
+    if name == "Evaluate":
+        from diffexp.evals.callback import Evaluate
 
-    if isinstance(trainer.strategy, (FSDPStrategy, ModelParallelStrategy)):
-        raise ValueError(f"{callback} cannot run under {type(trainer.strategy).__name__}: the weights are sharded "
-                         f"outside the training forward. Remove it from trainer.callbacks and evaluate a "
-                         f"checkpoint instead: {command}")
+        return Evaluate
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

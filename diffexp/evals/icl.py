@@ -17,14 +17,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import lightning as L
 import numpy as np
 import torch
 from torch import nn
 
 # ICLDataModule is re-exported: runs saved before it moved to diffexp.data.icl name it diffexp.evals.icl.ICLDataModule
 from diffexp.data.icl import ClassPools, ICLDataModule, ICLTask  # noqa: F401
-from diffexp.evals import plots, refuse_sharded_model
+from diffexp.evals import plots
 from diffexp.evals.scoring import as_logits_fn, best_candidates, candidate_logprobs, evaluating, model_max_seq_len
 
 log = logging.getLogger(__name__)
@@ -266,58 +265,6 @@ def oracle_scorer(task: ICLTask) -> Scorer:
         return scores
 
     return score
-
-
-# -- training-time hook ---------------------------------------------------------------------------
-class ICLEval(L.Callback):
-    """Run ``evaluate_icl`` on a held-out task and log ``icl/<ordering>/n<n>`` (and spreads) to the logger;
-    files go to ``<log_dir>/icl/step<step>/``. Rank 0 only; under FSDP it refuses at setup.
-
-    Args:
-        k_classes: classes of the evaluation task.
-        task_seed: seed of the evaluation task (an int: never a training task of ``ICLDataModule``).
-        n_demos_list: numbers of demonstrations.
-        orderings: ordering schemes (random, alternating, grouped).
-        n_orderings: orders per scheme.
-        n_tests: held-out test inputs.
-        group_size: words per class (match the training data).
-        words_per_input: words per input (match the training data).
-        random_label_names: label names drawn per task (match the training data).
-        every_validation: also evaluate after every validation (else only when fit ends).
-    """
-
-    def __init__(self, k_classes: int = 4, task_seed: int = 0, n_demos_list: list[int] = (1, 4, 16, 64),
-                 orderings: list[str] = ("random", "alternating"), n_orderings: int = 5, n_tests: int = 50,
-                 group_size: int = 10, words_per_input: int = 3, random_label_names: bool = False,
-                 every_validation: bool = False) -> None:
-        self.task = ICLTask(k_classes, seed=task_seed, group_size=group_size, words_per_input=words_per_input,
-                            random_label_names=random_label_names)
-        self.kwargs = dict(n_demos_list=tuple(n_demos_list), orderings=tuple(orderings), n_orderings=n_orderings,
-                           n_tests=n_tests)
-        self.every_validation = every_validation
-        self.last: ICLResults | None = None
-
-    def setup(self, trainer, pl_module, stage: str) -> None:
-        refuse_sharded_model(trainer, "ICLEval", "diffexp eval icl <run>/checkpoints/last.ckpt")
-
-    def _run(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        if not trainer.is_global_zero:
-            return
-        results = evaluate_icl(pl_module, self.task, device=pl_module.device, **self.kwargs)
-        self.last = results
-        step = trainer.global_step
-        for logger in trainer.loggers:
-            results.log_to_tensorboard(logger, step)
-        if trainer.log_dir is not None:
-            results.save(Path(trainer.log_dir) / "icl" / f"step{step:06d}")
-        log.info("%s", results.summary())
-
-    def on_validation_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        if self.every_validation and not trainer.sanity_checking:
-            self._run(trainer, pl_module)
-
-    def on_fit_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        self._run(trainer, pl_module)
 
 
 def chance_interval(k_classes: int, n: int, z: float = 3.0) -> tuple[float, float]:

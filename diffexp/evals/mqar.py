@@ -6,11 +6,9 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-import lightning as L
 import torch
 from torch import nn
 
-from diffexp.evals import refuse_sharded_model
 from diffexp.evals.scoring import argmax_matches, evaluating
 
 
@@ -42,7 +40,7 @@ def mqar_accuracy(logits: torch.Tensor, batch) -> float:
 
 
 def _val_batches(data) -> Iterable:
-    if isinstance(data, L.LightningDataModule):
+    if hasattr(data, "val_dataloader"):  # a data module
         return data.val_dataloader()
     return data
 
@@ -65,30 +63,3 @@ def evaluate_mqar(model: nn.Module, data, device: str | torch.device | None = No
             c, t = mqar_counts(logits, {"tokens": tokens, "loss_mask": mask})
             correct, total = correct + c, total + t
     return {"mqar/accuracy": correct / total if total else float("nan"), "mqar/n": total}
-
-
-class MQARAccuracy(L.Callback):
-    """Log ``val/mqar_accuracy`` (argmax recall over the validation loader) after every validation.
-
-    Args:
-        max_batches: cap on validation batches scored (None: as many as the trainer's validation ran).
-    """
-
-    def __init__(self, max_batches: int | None = None) -> None:
-        self.max_batches = max_batches
-
-    def setup(self, trainer, pl_module, stage: str) -> None:
-        refuse_sharded_model(trainer, "MQARAccuracy", "diffexp eval mqar <run>/checkpoints/last.ckpt")
-
-    def on_validation_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        if trainer.sanity_checking:
-            return
-        loaders = trainer.val_dataloaders
-        loader = loaders[0] if isinstance(loaders, (list, tuple)) else loaders
-        if loader is None:
-            return
-        limit = self.max_batches
-        if limit is None and isinstance(trainer.num_val_batches, list) and trainer.num_val_batches:
-            limit = int(trainer.num_val_batches[0]) if trainer.num_val_batches[0] != float("inf") else None
-        result = evaluate_mqar(pl_module, loader, device=pl_module.device, max_batches=limit)
-        pl_module.log("val/mqar_accuracy", result["mqar/accuracy"], sync_dist=True)

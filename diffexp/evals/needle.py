@@ -6,25 +6,21 @@ by greedy decoding and by ranking the numbers in the context; its results, the t
 
 from __future__ import annotations
 
-import argparse
 import bisect
 import csv
 import itertools
 import math
 import random
 import re
-import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import lightning as L
 import torch
 
 from diffexp.data.needle import NeedleSample, make_sample, min_context_len
 from diffexp.data.tokenizer import ByteTokenizer, TextTokenizer
-from diffexp.errors import UserError, guarded
-from diffexp.evals import common, plots, refuse_sharded_model
+from diffexp.evals import plots
 from diffexp.evals.scoring import (
     as_logits_fn,
     best_candidates,
@@ -33,7 +29,6 @@ from diffexp.evals.scoring import (
     greedy_continuations,
     model_max_seq_len,
 )
-from diffexp.generate.cli import check_vocab, resolve_tokenizer
 
 METHODS = ("greedy", "rank")  # exact match of the greedy answer; the best-ranked number in the context
 DEFAULT_DEPTHS = (0.0, 0.25, 0.5, 0.75, 1.0)
@@ -335,182 +330,3 @@ def evaluate_needles(
                                      "chance": 1.0 / n if method == "rank" else 0.0})
             results.records.extend({**cell, **rec} for rec in records)
     return results
-
-
-# ----------------------------------------------------------------------------- training-time hook
-
-
-def _tensorboard_writer(trainer):
-    for logger in getattr(trainer, "loggers", []) or []:
-        experiment = getattr(logger, "experiment", None)
-        if hasattr(experiment, "add_figure"):
-            return experiment
-    return None
-
-
-class NeedleEvalCallback(L.Callback):
-    """The retrieval grid (and the attention-noise table) at the end of validation, logged as needle/<method>/N<n>R<r>,
-    heatmaps and attention/* and written as needles-step<N>.csv; rank 0 only, with the data module's tokenizer.
-
-    Args:
-        context_lens: context lengths of the grid (each <= model.arch.max_seq_len).
-        depths: answer depths.
-        nr: (N needles, R queries) pairs.
-        samples: sequences per cell (50, as the papers; the CPU recipes use 10).
-        haystack: "corpus" or "synthetic".
-        every_n_validations: evaluate at every n-th validation (1: each one).
-        attention: also log the attention-to-answer / noise shares and the negative fraction.
-        methods: "greedy" and/or "rank".
-        batch_size: rows per forward pass.
-        seed: seeds the evaluation samples (the same at every evaluation).
-    """
-
-    def __init__(self, context_lens: list[int] = [512], depths: list[float] = list(DEFAULT_DEPTHS),  # noqa: B006
-                 nr: list[tuple[int, int]] = list(DEFAULT_NR), samples: int = 50,  # noqa: B006
-                 haystack: str = "corpus", every_n_validations: int = 1, attention: bool = True,
-                 methods: list[str] = list(METHODS), batch_size: int = 16, seed: int = 0) -> None:  # noqa: B006
-        super().__init__()
-        if every_n_validations < 1:
-            raise ValueError(f"every_n_validations={every_n_validations!r} is invalid: expected >= 1")
-        for context_len, (n, r) in itertools.product(context_lens, nr):
-            if context_len < min_context_len(n, r):
-                raise ValueError(f"context_lens: {context_len} is too short for N={n}, R={r}: "
-                                 f"expected >= {min_context_len(n, r)}")
-        self.context_lens, self.depths, self.nr = list(context_lens), list(depths), [tuple(p) for p in nr]
-        self.samples, self.haystack, self.every = samples, haystack, every_n_validations
-        self.attention, self.methods, self.batch_size, self.seed = attention, list(methods), batch_size, seed
-        self._validations = 0
-
-    def setup(self, trainer, pl_module, stage: str) -> None:
-        refuse_sharded_model(trainer, "NeedleEvalCallback", "diffexp eval needle <run>/checkpoints/last.ckpt")
-
-    def on_validation_end(self, trainer, pl_module) -> None:
-        if trainer.sanity_checking:
-            return
-        self._validations += 1
-        if (self._validations - 1) % self.every or trainer.global_rank != 0:
-            return
-        step = trainer.global_step
-        tokenizer = getattr(getattr(trainer, "datamodule", None), "tokenizer", None) or ByteTokenizer()
-        results = evaluate_needles(pl_module, self.context_lens, self.depths, self.nr, self.samples,
-                                   self.haystack, self.seed, pl_module.device, self.methods, self.batch_size,
-                                   progress=False, tokenizer=tokenizer)
-        writer = _tensorboard_writer(trainer)
-        if writer is not None:
-            results.log_to_tensorboard(writer, step)
-        # also in callback_metrics, so sweeps can use them as objective or compare column
-        scalars = {f"needle/{method}/N{n}R{r}": value for (method, n, r), value in results.mean_by_nr().items()}
-        report = [f"## Retrieval at step {step}\n", results.table()]
-        if trainer.log_dir is not None:
-            results.to_csv(Path(trainer.log_dir) / f"needles-step{step:06d}.csv")
-        if self.attention:
-            from diffexp.evals.attention import attention_by_depth, attention_table, negative_fraction
-
-            n, r = self.nr[-1]
-            by_depth = samples_by_depth(self.context_lens[-1], self.depths, n, r, min(self.samples, 8), self.haystack,
-                                        self.seed, tokenizer)
-            all_rows = attention_by_depth(pl_module, by_depth, device=pl_module.device,
-                                          batch_size=max(1, self.batch_size // 4))
-            rows = [row for row in all_rows if row["layer"] == "all"]
-            decoder = getattr(pl_module, "model", pl_module)
-            with torch.no_grad():
-                _, maps = decoder(by_depth[self.depths[0]][0].tokens[None, :-1].to(pl_module.device),
-                                  need_weights=True)
-            scalars["attention/answer"] = sum(x["answer"] for x in rows) / len(rows)
-            scalars["attention/noise"] = sum(x["noise"] for x in rows) / len(rows)
-            scalars["attention/negative_fraction"] = negative_fraction(maps)
-            report += [f"\n## Attention to answer vs noise (N={n}, R={r}), step {step}\n",
-                       attention_table(all_rows, getattr(getattr(pl_module, "arch", None), "attention", None))]
-        for name, value in scalars.items():
-            trainer.callback_metrics[name] = torch.tensor(float(value))
-            if writer is not None and name.startswith("attention/"):
-                writer.add_scalar(name, value, step)
-        text = "\n".join(report)
-        print(text)
-        if trainer.log_dir is not None:
-            (Path(trainer.log_dir) / f"needles-step{step:06d}.md").write_text(text + "\n")
-
-# ----------------------------------------------------------------------------- diffexp eval needle CKPT
-
-
-def _parse_nr(pairs: Sequence[str]) -> list[tuple[int, int]]:
-    nr = []
-    for pair in pairs:
-        try:
-            n, r = (int(x) for x in pair.split(","))
-        except ValueError:
-            raise UserError(f"--nr={pair!r} is invalid: expected N,R pairs such as 4,2") from None
-        if not 1 <= r <= n:
-            raise UserError(f"--nr={pair!r} is invalid: expected 1 <= R <= N")
-        nr.append((n, r))
-    return nr
-
-
-def needle_main(argv: list[str]) -> int:
-    """Multi-needle retrieval grid (context length x depth x N,R) and the attention-to-answer table."""
-    parser = argparse.ArgumentParser(allow_abbrev=False, prog="diffexp eval needle", description=needle_main.__doc__)
-    parser.add_argument("checkpoint", metavar=common.CKPT_KEY,
-                        help="a .ckpt file, a sharded checkpoint directory or a `diffexp export` directory")
-    parser.add_argument("--context-lens", type=int, nargs="+", default=[512],
-                        help="context lengths in the model's tokens (default 512)")
-    parser.add_argument("--depths", type=float, nargs="+", default=list(DEFAULT_DEPTHS))
-    parser.add_argument("--nr", nargs="+", default=[f"{n},{r}" for n, r in DEFAULT_NR], help="N,R pairs")
-    parser.add_argument("--samples", type=int, default=50)
-    parser.add_argument("--haystack", choices=("corpus", "synthetic"), default="corpus")
-    parser.add_argument("--batch-size", type=int, default=16)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--tokenizer", default=None,
-                        help="'byte' or a tokenizer.json, for checkpoints saved without their tokenizer")
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--out", default=None, help="directory for needles.csv, heatmaps and attention.md "
-                        "(default: <run>/eval/ beside the checkpoint's checkpoints/)")
-    args = parser.parse_args(argv)
-    # everything is checked before the model is built and before any output exists
-    checkpoint, hparams = common.load_checkpoint(args.checkpoint)
-    nr = _parse_nr(args.nr)
-    common.positive("--samples", args.samples)
-    common.positive("--batch-size", args.batch_size)
-    common.positive("--context-lens", args.context_lens)
-    common.at_most_max_seq_len("--context-lens", args.context_lens, hparams["arch"])
-    for context_len, (n, r) in itertools.product(args.context_lens, nr):
-        if context_len < min_context_len(n, r):
-            raise UserError(f"--context-lens={context_len} is invalid: too short for N={n}, R={r} (--nr); "
-                            f"expected >= {min_context_len(n, r)}")
-    for depth in args.depths:
-        if not 0.0 <= depth <= 1.0:
-            raise UserError(f"--depths={depth} is invalid: expected fractions in [0, 1]")
-    tokenizer = resolve_tokenizer(checkpoint, hparams, args.tokenizer)
-    check_vocab(tokenizer, hparams["arch"])
-    common.check_device(args.device)
-    common.check_out(args.out)
-    from diffexp.evals.attention import attention_by_depth, attention_table
-
-    model = common.load_model(checkpoint, args.checkpoint, args.device)
-    print(f"tokenizer: {tokenizer.identity} ({tokenizer.vocab_size} ids); --context-lens count its tokens")
-    results = evaluate_needles(model, args.context_lens, args.depths, nr, args.samples, args.haystack, args.seed,
-                               args.device, batch_size=args.batch_size, tokenizer=tokenizer)
-    print(results.table())
-    n, r = nr[-1]
-    by_depth = samples_by_depth(args.context_lens[-1], args.depths, n, r, min(args.samples, 16), args.haystack,
-                                args.seed, tokenizer)
-    table = attention_table(attention_by_depth(model, by_depth, device=args.device), model.arch.attention)
-    print(f"\nattention from the query (context {args.context_lens[-1]}, N={n}, R={r}):\n{table}")
-    out, writer, step = common.eval_output(args.checkpoint, args.out, hparams["global_step"])
-    results.to_csv(out / "needles.csv")
-    results.heatmaps(out / "needles")
-    (out / "attention.md").write_text(table + "\n")
-    (out / "needles.md").write_text(results.table() + "\n")
-    if writer is not None:  # into the run's own TensorBoard, at the checkpoint's step
-        results.log_to_tensorboard(writer, step)
-        writer.close()
-    print(f"wrote {out}/needles.csv, needles.md, needles_*.png, attention.md")
-    return 0
-
-
-def main(argv: list[str] | None = None) -> int:
-    """``python -m diffexp.evals.needle CKPT ...``: the same as ``diffexp eval needle CKPT ...``."""
-    return guarded(needle_main, sys.argv[1:] if argv is None else argv)
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())
