@@ -12,8 +12,8 @@ import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from torch.utils.tensorboard import SummaryWriter
 
-from diffexp.evals import Evaluate
 from diffexp.data.icl import ICLDataModule, ICLTask
+from diffexp.evals import Evaluate
 from diffexp.evals.icl import (
     evaluate_icl,
     oracle_scorer,

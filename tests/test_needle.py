@@ -283,8 +283,9 @@ def test_callback_logs_during_fit_and_the_command_line_evaluates_a_checkpoint(tm
             "attention/negative_fraction"} <= scalars
     ckpt = tmp_path / "model.ckpt"
     trainer.save_checkpoint(ckpt)
-    assert eval_main(["needle", str(ckpt), "--context-lens", "256", "--depths", "0", "1", "--nr", "2,1", "--samples", "2",
-                 "--haystack", "synthetic", "--device", "cpu", "--out", str(tmp_path / "eval")]) == 0
+    assert eval_main(["needle", str(ckpt), "--context-lens", "256", "--depths", "0", "1", "--nr", "2,1",
+                      "--samples", "2", "--haystack", "synthetic", "--device", "cpu",
+                      "--out", str(tmp_path / "eval")]) == 0
     out = capsys.readouterr().out
     assert "| rank |" in out and "| baseline | 0% answer" in out
     assert (tmp_path / "eval" / "needles.csv").is_file() and (tmp_path / "eval" / "attention.md").is_file()

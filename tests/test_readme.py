@@ -133,17 +133,24 @@ class Parsed(BaseException):
 
 @contextlib.contextmanager
 def stop_after_parsing():
-    original = argparse.ArgumentParser.parse_args
+    """argparse's parsers and jsonargparse's (`diffexp eval NAME`'s options) stop once they have parsed."""
+    import jsonargparse
 
-    def parse_then_stop(self, args=None, namespace=None):
-        original(self, args, namespace)
-        raise Parsed()
+    originals = {cls: cls.__dict__["parse_args"] for cls in (argparse.ArgumentParser, jsonargparse.ArgumentParser)}
 
-    argparse.ArgumentParser.parse_args = parse_then_stop
+    def stopping(original):
+        def parse_then_stop(self, *args, **kwargs):
+            original(self, *args, **kwargs)
+            raise Parsed()
+        return parse_then_stop
+
+    for cls, original in originals.items():
+        cls.parse_args = stopping(original)
     try:
         yield
     finally:
-        argparse.ArgumentParser.parse_args = original
+        for cls, original in originals.items():
+            cls.parse_args = original
 
 
 def parse_lightning(subcommand: str, args: list[str]) -> None:

@@ -62,7 +62,10 @@ class Evaluate(L.Callback):
             raise ValueError("every_n_validations=null with at_fit_end=false never scores; set one of them")
         self.values = dict(options or {})
         self.every, self.at_fit_end = every_n_validations, at_fit_end
-        self.options = self.entry.make_options(self.values, Context({}, {}, 0, command="fit"))
+        try:
+            self.options = self.entry.make_options(self.values, Context({}, {}, 0, command="fit"))
+        except UserError as err:
+            raise ValueError(f"diffexp.evals.Evaluate(evaluation={evaluation!r}): {err}") from None
         self.inputs = None
         self.last = None
         self._validations = 0

@@ -1,5 +1,5 @@
 """MQAR recall accuracy (zoology): argmax accuracy over the queried values of ``MQARDataModule`` batches, per batch
-(``mqar_accuracy``), over a loader (``evaluate_mqar``) or after every validation (the ``MQARAccuracy`` callback).
+(``mqar_accuracy``) or over a loader (``evaluate_mqar``); the ``mqar`` evaluation (diffexp/evals/tasks/mqar.py) runs it.
 """
 
 from __future__ import annotations

@@ -23,11 +23,45 @@ The results are any object with:
 from __future__ import annotations
 
 import dataclasses
+import types
+import typing
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
-from diffexp.errors import UserError
+from diffexp.errors import UserError, as_written
+
+
+def _allowed(hint: Any) -> str:
+    """A type as a user reads it: `an integer`, `random or alternating`, `a list of numbers`, `... or null`."""
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin is Literal:
+        words = [str(arg) for arg in args]
+        return words[0] if len(words) == 1 else ", ".join(words[:-1]) + " or " + words[-1]
+    if origin in (list, tuple):
+        return f"a list, each {_allowed(args[0])}"
+    if origin in (typing.Union, types.UnionType):
+        return " or ".join(_allowed(arg) for arg in args)
+    return {int: "an integer", float: "a number", str: "a string", bool: "true or false",
+            type(None): "null"}.get(hint, getattr(hint, "__name__", str(hint)))
+
+
+def _fits(hint: Any, value: Any) -> bool:
+    """Whether `value` (from YAML or the command line) is of the options field's type."""
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin is Literal:
+        return value in args
+    if origin in (list, tuple):
+        return isinstance(value, (list, tuple)) and all(_fits(args[0], item) for item in value)
+    if origin in (typing.Union, types.UnionType):
+        return any(_fits(arg, value) for arg in args)
+    if hint is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if hint is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if hint is type(None):
+        return value is None
+    return isinstance(value, hint) if isinstance(hint, type) else True
 
 
 def option(default: Any, help: str, minimum: float | None = None, flag: str | None = None) -> Any:  # noqa: A002
@@ -80,7 +114,11 @@ class Evaluation:
         if unknown:
             raise UserError(f"{context.flag(unknown[0])}: not an option of evaluation {self.name!r}; allowed: "
                             f"{', '.join(context.flag(name) for name in fields)}")
+        hints = typing.get_type_hints(self.options)
         for name, value in values.items():
+            if not _fits(hints[name], value):
+                raise UserError(f"{context.flag(name)}={as_written(value)} is invalid: expected "
+                                f"{_allowed(hints[name])}")
             minimum = fields[name].metadata.get("minimum")
             if minimum is None or value is None:
                 continue
@@ -158,8 +196,30 @@ def unregister(name: str) -> None:
     _ENTRIES.pop(name, None)
 
 
+#: evaluations kept outside diffexp: `module:ATTRIBUTE` of an `Evaluation`, comma-separated; registered wherever
+#: diffexp runs with it set (sweep trials and torchrun ranks inherit it)
+EXTERNAL = "DIFFEXP_EVALUATIONS"
+_external_loaded: set[str] = set()
+
+
 def _load() -> None:
+    import importlib
+    import os
+
     from diffexp.evals import tasks  # noqa: F401  (importing the package registers every file in it)
+
+    for spec in filter(None, (part.strip() for part in os.environ.get(EXTERNAL, "").split(","))):
+        if spec in _external_loaded:
+            continue
+        module, _, attribute = spec.partition(":")
+        try:
+            entry = getattr(importlib.import_module(module), attribute or "EVALUATION")
+        except (ImportError, AttributeError) as err:
+            raise UserError(f"{EXTERNAL}={spec!r} is invalid: {err}; expected module:ATTRIBUTE naming an "
+                            "Evaluation") from None
+        if _ENTRIES.get(getattr(entry, "name", None)) is not entry:
+            register(entry)
+        _external_loaded.add(spec)
 
 
 def evaluation_names() -> tuple[str, ...]:

@@ -16,7 +16,7 @@ from typing import Any
 
 from diffexp.errors import UserError, debug_enabled
 from diffexp.evals.registry import Context, Evaluation
-from diffexp.parser_messages import clean_parser_message
+from diffexp.training.parser_messages import clean_parser_message
 
 CKPT_KEY = "CKPT"
 COMMON = ("checkpoint", "device", "out", "tokenizer", "config")

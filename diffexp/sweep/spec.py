@@ -27,8 +27,8 @@ from diffexp.sweep.paper import parse_paper
 KNOWN_METRICS = ("val/loss", "val/ppl", "val/loss_ar_hit", "val/loss_others", "val/share_ar_hit", "train/loss",
                  "vitals/grad_spikes", "vitals/act_max_abs", "vitals/attn_logit_max", "vitals/loss_spikes",
                  "vitals/grad_norm_max", "vitals/context_rms", "vitals/attn_sink")
-#: evaluation callbacks record these (e.g. needle/rank/N4R2, attention/noise, mqar/accuracy, icl/random/n16)
-EVAL_PREFIXES = ("needle/", "attention/", "mqar/", "icl/", "val/mqar")
+#: what MQAR's callback recorded before MQAR was a registered evaluation (older studies' objective)
+LEGACY_EVAL_PREFIXES = ("val/mqar",)
 SPEC_KEYS = {"study", "base", "overrides", "cases", "grid", "seeds", "search", "n_trials", "objective", "pruner",
              "storage", "runs_dir", "stale_after_s", "max_attempts", "grace_s", "storage_retry_s", "description",
              "paper", "tune_lr"}
@@ -434,7 +434,7 @@ def read_spec(raw: dict[str, Any], source: Path | None = None,
     metric = objective.get("metric", "val/loss")
     if not metric_known(metric):
         problem(f"objective.metric={metric!r} is not a metric trials record; known: {', '.join(KNOWN_METRICS)}, "
-                f"or an evaluation's {', '.join(p + '...' for p in EVAL_PREFIXES)}")
+                f"or an evaluation's {', '.join(p + '...' for p in eval_prefixes())}")
     direction = objective.get("direction", "minimize")
     if direction not in ("minimize", "maximize"):
         problem(f"objective.direction={direction!r}: expected 'minimize' or 'maximize'")
@@ -602,9 +602,17 @@ def _parse_tune_lr(raw: Any, seeds: list[int], problem: Callable[[str], None]) -
     return LrTuning(tuple(float(v) for v in values), dict(overrides), tuple(tune_seeds))
 
 
+def eval_prefixes() -> tuple[str, ...]:
+    """The tag prefixes of every registered evaluation (diffexp.evals.registry): what its fit-time callback
+    records (e.g. needle/rank/N4R2, attention/noise, mqar/accuracy, icl/random/n16)."""
+    from diffexp.evals.registry import scalar_prefixes
+
+    return tuple(dict.fromkeys(scalar_prefixes() + LEGACY_EVAL_PREFIXES))
+
+
 def metric_known(name: str) -> bool:
     """A metric trials record at the end of fit, or one an evaluation callback records."""
-    return name in KNOWN_METRICS or name.startswith(EVAL_PREFIXES)
+    return name in KNOWN_METRICS or name.startswith(eval_prefixes())
 
 
 def _as_tuple(types: type | tuple[type, ...]) -> tuple[type, ...]:

@@ -23,7 +23,6 @@ from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from diffexp.checkpoint_io import read_checkpoint
 from diffexp.errors import UserError, dash_value_hint, debug_enabled
 from diffexp.lightning_internals import CLIInternals
-from diffexp.parser_messages import clean_parser_message
 from diffexp.training.auto_batch import is_auto, resolve_auto_batch
 from diffexp.training.checkpointing import RunCheckpoint
 from diffexp.training.construction import check_buildable, trainer_build_errors
@@ -31,6 +30,7 @@ from diffexp.training.diagnostics import Diagnostics
 from diffexp.training.global_batch import GlobalBatch
 from diffexp.training.hparams import RunHParams
 from diffexp.training.module import DiffexpLM
+from diffexp.training.parser_messages import clean_parser_message
 from diffexp.training.preemption import Preemption, handling_signals
 from diffexp.training.preflight import (
     check_cpu_memory,

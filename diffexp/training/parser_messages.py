@@ -1,6 +1,6 @@
 """jsonargparse's error messages in diffexp's words: one paragraph naming the key, the value as the user wrote
 it (`null`, not None) and what is allowed. `fit`'s parser and `diffexp eval`'s options share it; it imports
-neither Lightning nor torch.
+neither Lightning nor torch (diffexp.training's plain modules load without them).
 """
 
 from __future__ import annotations
