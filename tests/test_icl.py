@@ -16,14 +16,13 @@ from diffexp.data.icl import ICLDataModule, ICLTask
 from diffexp.evals import Evaluate
 from diffexp.evals.icl import (
     evaluate_icl,
-    oracle_scorer,
     order_demonstrations,
-    predict_labels,
 )
 from diffexp.evals.scoring import best_candidates as choose_labels
 from diffexp.model import Decoder
 from diffexp.model.config import ModelConfig
 from diffexp.training import DiffexpLM
+from tests.oracles import oracle_scorer, predict_labels
 
 
 def tiny_decoder(max_seq_len: int = 256) -> Decoder:

@@ -11,7 +11,6 @@ import torch
 
 from diffexp.data.needle import MAX_SNAP, NeedleDataModule, is_held_out, make_sample, min_context_len
 from diffexp.evals.needle import (
-    NeedleOracle,
     eval_samples,
     evaluate_needles,
     greedy_answers,
@@ -19,6 +18,7 @@ from diffexp.evals.needle import (
 )
 from diffexp.model import Decoder
 from diffexp.model.config import ModelConfig
+from tests.oracles import NeedleOracle
 
 DEPTHS = (0.0, 0.25, 0.5, 0.75, 1.0)
 

@@ -19,8 +19,9 @@ from diffexp.data.needle import (
     random_number,
 )
 from diffexp.data.tokenizer import HFTokenizer, train_bpe
-from diffexp.evals.needle import NeedleOracle, evaluate_needles
+from diffexp.evals.needle import evaluate_needles
 from tests.helpers import save_checkpoint, small_model
+from tests.oracles import NeedleOracle
 
 
 @pytest.fixture(scope="module")

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import csv
 import logging
-import math
 import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -67,14 +66,6 @@ def _as_scorer(model: nn.Module | Scorer, device, batch_size: int) -> Scorer:
     if callable(model):
         return model
     raise TypeError(f"expected an nn.Module (idx -> logits) or a scorer callable, got {type(model).__name__}")
-
-
-def predict_labels(model: nn.Module | Scorer, task: ClassPools, prompts: Sequence[str], device="cpu",
-                   batch_size: int = 16) -> list[str]:
-    """The label string chosen for each text prompt, among ``task.labels`` only."""
-    scorer = _as_scorer(model, device, batch_size)
-    scores = scorer([task.scored_prompt_ids(p) for p in prompts], task.scored_candidate_ids())
-    return [task.labels[i] for i in best_candidates(scores)]
 
 
 # -- results ---------------------------------------------------------------------------------------
@@ -253,22 +244,3 @@ def evaluate_icl(model: nn.Module | Scorer, task: ClassPools, n_demos_list: Sequ
                     float((np.array(best_candidates(scorer(prompts[ordering, j], candidates))) == truth).mean())
                     for j in range(n_orderings)]
     return results
-
-
-def oracle_scorer(task: ICLTask) -> Scorer:
-    """Knows the hidden rule: scores 1 for the true label of the prompt's last input, 0 for the others."""
-    def score(prompts, candidates):
-        scores = np.zeros((len(prompts), len(candidates)))
-        for i, p in enumerate(prompts):
-            x = task.decode(p).rsplit("input: ", 1)[1].split(" label:")[0]
-            scores[i, task.label_of(x)] = 1.0
-        return scores
-
-    return score
-
-
-def chance_interval(k_classes: int, n: int, z: float = 3.0) -> tuple[float, float]:
-    """A z-sigma interval around chance 1/K for an accuracy over n independent guesses."""
-    p = 1.0 / k_classes
-    half = z * math.sqrt(p * (1 - p) / n)
-    return max(0.0, p - half), min(1.0, p + half)
