@@ -153,3 +153,24 @@ def test_no_other_file_names_the_toy():
     found = subprocess.run(["grep", "-rl", TOY, str(REPO / "diffexp"), str(REPO / "recipes"), str(REPO / "sweeps"),
                             str(REPO / "docs")], capture_output=True, text=True)
     assert found.stdout == ""
+
+
+def test_scored_on_a_finished_trial_it_becomes_a_compare_column(toy, tmp_path, capsys):
+    """`diffexp eval NAME` on a trial's checkpoint after the sweep: compare reads the trial's TensorBoard."""
+    from diffexp.compare import main as compare_main
+    from tests.fixtures_compare import write_sweep, write_trial
+
+    study = tmp_path / "runs" / "study"
+    write_sweep(study, [("Transformer", "baseline")], [0, 1])
+    values = []
+    for seed in (0, 1):
+        trial = write_trial(study, "Transformer", "baseline", seed, {"val/loss": 2.0 + seed / 10})
+        torch.manual_seed(seed)
+        save_untrained_checkpoint(ModelConfig(attention="baseline", vocab_size=64, d_model=32, n_layers=1,
+                                              n_heads=2, max_seq_len=32), trial / "checkpoints" / "last.ckpt")
+        code, out = run([TOY, str(trial / "checkpoints" / "last.ckpt"), "--device", "cpu"], capsys)
+        assert code == 0
+        values.append(json.loads((trial / "eval" / f"{TOY}.json").read_text())["toy_probe/confidence"])
+    assert compare_main([str(study), "--out", str(tmp_path / "cmp"), "--no-plots"]) == 0
+    (row,) = csv.DictReader((tmp_path / "cmp/compare.csv").open())
+    assert float(row["toy_probe/confidence_mean"]) == pytest.approx(sum(values) / 2)

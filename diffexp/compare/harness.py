@@ -43,7 +43,7 @@ class HarnessTable:
 
 def harness_table(runs: StudyRuns, metric: str = DEFAULT_METRIC) -> HarnessTable | None:
     """None when no trial of the study has been through `diffexp eval harness`."""
-    from diffexp.evals import HARNESS_RESULTS_FILE
+    from diffexp.evals.layout import HARNESS_RESULTS_FILE
 
     values: dict[str, dict[str, list[float]]] = {}
     tasks: list[str] = []

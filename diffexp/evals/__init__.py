@@ -2,10 +2,6 @@
 
 (The AR-Hit / Others split of the validation loss is logged by training: diffexp.training.loss_slices.)"""
 
-#: what `diffexp eval harness` writes into a run's eval/ (evals/harness.py) and `diffexp compare` reads back: here,
-#: where compare reads it without importing the evaluations (torch)
-HARNESS_RESULTS_FILE = "harness.json"
-
 
 def __getattr__(name: str):
     """`diffexp.evals.Evaluate` (a recipe's class_path), imported on first use: it imports Lightning."""

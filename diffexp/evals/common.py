@@ -12,6 +12,7 @@ from collections.abc import Iterable
 from pathlib import Path
 
 from diffexp.errors import UserError
+from diffexp.evals.layout import EVAL_DIR
 from diffexp.training.loading import CKPT_KEY, check_compile, check_device, load_checkpoint, load_model
 
 # loading lives in diffexp.training.loading (generate uses it too); the tasks import it from here
@@ -76,7 +77,7 @@ def eval_output(checkpoint: str, out: str | None, step: int):
     if out:
         directory = Path(out)
     else:
-        directory = run_dir / "eval" if run_dir else ckpt.with_name(ckpt.stem + "-eval")
+        directory = run_dir / EVAL_DIR if run_dir else ckpt.with_name(ckpt.stem + "-eval")
     directory.mkdir(parents=True, exist_ok=True)
     writer = None
     if run_dir is not None:

@@ -9,12 +9,14 @@ open the outputs (<run>/eval/ or --out, and the run's TensorBoard at the checkpo
 from __future__ import annotations
 
 import dataclasses
+import json
 import re
 import types
 import typing
 from typing import Any
 
 from diffexp.errors import UserError, debug_enabled
+from diffexp.evals.layout import EVAL_SCALARS_SUFFIX
 from diffexp.evals.registry import Context, Evaluation
 from diffexp.training.parser_messages import clean_parser_message
 
@@ -134,6 +136,8 @@ def run(entry: Evaluation, argv: list[str]) -> int:
     print(results.summary())
     out, writer, step = eval_output(shared["checkpoint"], shared["out"], context.step)
     results.save(out)
+    scalars = {"step": step, "evaluation": entry.name, "scalars": results.scalars()}
+    (out / f"{results.name}{EVAL_SCALARS_SUFFIX}").write_text(json.dumps(scalars, indent=2) + "\n")
     if writer is not None:
         publish(results, writer, step)
         writer.close()

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from diffexp.errors import UserError
+from diffexp.evals.layout import EVAL_DIR, EVAL_SCALARS_SUFFIX
 from diffexp.sweep import layout
 from diffexp.sweep.layout import SWEEP_FILE, TRIAL_FILE
 from diffexp.sweep.paper import parse_paper
@@ -59,6 +60,8 @@ class TrialRun:
     error: str | None = None  # trial.json exists but could not be read
     draw: int = 0  # search draw (0 without search spaces)
     variant: str | None = None  # the attention variant the trial ran, when its run records it
+    #: scalars `diffexp eval NAME <trial>/checkpoints/CKPT` wrote into <trial>/eval/ (read_eval_scalars)
+    evaluated: dict[str, float] = field(default_factory=dict)
 
     @property
     def label(self) -> str:
@@ -76,12 +79,15 @@ class TrialRun:
 
     @property
     def metrics(self) -> dict[str, float]:
-        """The numeric values under trial.json's "metrics" (bools and non-numbers left out)."""
+        """The numeric values under trial.json's "metrics" (bools and non-numbers left out), and the latest value
+        of each evaluation's scalar that `diffexp eval NAME <trial>/checkpoints/...` wrote into the trial's
+        eval/ after it finished (`evaluated`)."""
         raw = (self.record or {}).get("metrics") or {}
         if not isinstance(raw, dict):
             return {}
-        return {current_name(str(k)): float(v) for k, v in raw.items()
-                if isinstance(v, (int, float)) and not isinstance(v, bool)}
+        metrics = {current_name(str(k)): float(v) for k, v in raw.items()
+                   if isinstance(v, (int, float)) and not isinstance(v, bool)}
+        return metrics | {tag: value for tag, value in self.evaluated.items() if tag not in metrics}
 
     @property
     def last_step(self) -> int | None:
@@ -281,6 +287,22 @@ def _read_trial(case: Case, seed: int, draw: int, path: Path) -> TrialRun:
     return trial
 
 
+def read_eval_scalars(run_dir: Path) -> dict[str, float]:
+    """Every scalar of the `<name>.scalars.json` files `diffexp eval` writes into <run>/eval/ (the latest
+    step's where two files give one tag); unreadable files are skipped."""
+    found: dict[str, tuple[int, float]] = {}
+    for path in sorted((run_dir / EVAL_DIR).glob(f"*{EVAL_SCALARS_SUFFIX}")):
+        try:
+            saved = json.loads(path.read_text())
+            step, scalars = int(saved["step"]), dict(saved["scalars"])
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+        for tag, value in scalars.items():
+            if isinstance(value, (int, float)) and not isinstance(value, bool) and step >= found.get(tag, (-1, 0))[0]:
+                found[tag] = (step, float(value))
+    return {tag: value for tag, (_, value) in found.items()}
+
+
 def load_study_runs(study_dir: str | Path, *, curves: bool = True) -> StudyRuns:
     """Read sweep.json, every trial.json of the (case, seed, draw) grid and (with `curves`) their event files.
 
@@ -304,6 +326,7 @@ def load_study_runs(study_dir: str | Path, *, curves: bool = True) -> StudyRuns:
         for seed in table.seeds:
             for draw in range(table.draws):
                 trial = _read_trial(case, seed, draw, layout.trial_dir(study_dir, case.slug, seed, draw))
+                trial.evaluated = read_eval_scalars(trial.path)
                 # events of an unfinished trial tell how far it got; a trial.json without the objective
                 # falls back on them
                 if curves or trial.record is None or table.objective not in trial.metrics:

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from diffexp.errors import UserError
-from diffexp.evals import HARNESS_RESULTS_FILE
+from diffexp.evals.layout import HARNESS_RESULTS_FILE
 from diffexp.evals.registry import Context, Evaluation, option, register
 
 
