@@ -371,3 +371,23 @@ def test_the_diagnostics_columns_render_as_a_markdown_table(tmp_path):
     assert {"Max |act|", "Max attn logit", "Grad spikes"} <= set(header)
     assert [row[0] for row in rows] == ["Transformer", "DIFF | V1"]
     assert rows[1][header.index("Max |act|")] == "13.000 ± 0.707"
+
+
+def test_a_metric_at_several_bit_widths_is_drawn_against_the_width(tmp_path):
+    """quantize/loss_b16 ... _b4 (diffexp eval quantize): compare writes bit_widths.png, one line per case."""
+    import io
+
+    from rich.console import Console
+
+    from diffexp.compare import compare as run_compare
+    from diffexp.compare.plots import bit_width_families
+
+    study = tmp_path / "bits"
+    write_sweep(study, [("Transformer", "transformer"), ("DIFF", "diff")], [0, 1])
+    for slug, name, worse in (("transformer", "Transformer", 1.0), ("diff", "DIFF", 0.2)):
+        for seed in (0, 1):
+            write_trial(study, name, slug, seed, {"val/loss": 2.0, **{f"quantize/loss_b{bits}": 2.0 + worse / bits
+                                                                      for bits in (16, 8, 6, 4)}})
+    rows = run_compare(study, out=tmp_path / "out", console=Console(file=io.StringIO(), width=200))
+    assert [bits for bits, _ in bit_width_families(rows)["quantize/loss"]] == [16, 8, 6, 4]
+    assert (tmp_path / "out" / "bit_widths.png").stat().st_size > 10_000

@@ -14,6 +14,7 @@ from diffexp.compare.paper import paper_checks, paper_markdown, paper_metrics, p
 from diffexp.compare.plots import (
     CURVE_TAG,
     case_colors,
+    plot_bit_widths,
     plot_grid,
     plot_objective_bars,
     plot_paired_diffs,
@@ -117,6 +118,8 @@ def compare(study_dir: str | Path, out: str | Path | None = None, metrics: Seque
                 written.append(path)
         if plot_grid(runs, rows, out / "grid.png"):
             written.append(out / "grid.png")
+        if plot_bit_widths(runs, rows, out / "bit_widths.png", colors=colors):
+            written.append(out / "bit_widths.png")
         if scaling is not None:
             plot_scaling(scaling, runs.study, out / "scaling.png")
             written.append(out / "scaling.png")

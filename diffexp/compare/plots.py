@@ -1,5 +1,5 @@
-"""The comparison's figures: validation loss vs step per case, the objective per case as bars, and each case's
-paired difference to the reference case with its interval.
+"""The comparison's figures: validation loss vs step per case, the objective per case as bars, each case's
+paired difference to the reference case with its interval, and metrics measured at several bit widths.
 
 matplotlib is imported inside the functions (compare --no-plots never loads it) and drawn on Agg
 figures, without touching pyplot's global backend.
@@ -8,6 +8,7 @@ figures, without touching pyplot's global backend.
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -272,5 +273,48 @@ def plot_grid(runs: StudyRuns, rows: Sequence[CaseSummary], path: str | Path) ->
     ax.legend(fontsize=9, loc="lower right")
     ax.set_title(f"{runs.study}: {runs.objective} by grid point, mean over complete seeds (dots: seeds)\n"
                  "x: seeds diverged (k/n), on the dotted line when all did", fontsize=10)
+    fig.savefig(path, dpi=PLOT_DPI)
+    return True
+
+
+#: a metric measured at several bit widths (diffexp eval quantize): <family>_b<bits>
+BITS_METRIC = re.compile(r"^(?P<family>.+)_b(?P<bits>\d+)$")
+
+
+def bit_width_families(rows: Sequence[CaseSummary]) -> dict[str, list[tuple[int, str]]]:
+    """family -> [(bits, metric)] for each metric family recorded at two or more widths, widest first."""
+    families: dict[str, list[tuple[int, str]]] = {}
+    for metric in dict.fromkeys(name for row in rows for name in row.stats):
+        found = BITS_METRIC.match(metric)
+        if found:
+            families.setdefault(found["family"], []).append((int(found["bits"]), metric))
+    return {family: sorted(points, reverse=True) for family, points in families.items() if len(points) > 1}
+
+
+def plot_bit_widths(runs: StudyRuns, rows: Sequence[CaseSummary], path: str | Path,
+                    colors: dict[str, tuple] | None = None) -> bool:
+    """Each bit-width family (e.g. quantize/loss at 16, 8, 6 and 4 bits) against the width, one line per case:
+    the mean over complete seeds with sample-std bars, widest width left. False (nothing written) without one."""
+    families = bit_width_families(rows)
+    if not families:
+        return False
+    colors = colors or case_colors(runs, rows)
+    fig = new_figure(6.5 * len(families), 4.2)
+    axes = fig.subplots(1, len(families), squeeze=False)[0]
+    for ax, (family, points) in zip(axes, families.items()):
+        widths = [bits for bits, _ in points]
+        for row in rows:
+            stats = [row.stats.get(metric) for _, metric in points]
+            shown = [(i, s) for i, s in enumerate(stats) if s is not None and s.mean is not None]
+            if not shown:
+                continue
+            ax.errorbar([i for i, _ in shown], [s.mean for _, s in shown], yerr=[s.std or 0.0 for _, s in shown],
+                        marker="o", capsize=3, color=colors[row.case.slug], label=row.case.name)
+        ax.set_xticks(range(len(widths)), [str(bits) for bits in widths])
+        ax.set_xlabel("bits")
+        ax.set_ylabel(family)
+        ax.grid(True, alpha=0.3)
+        ax.set_title(f"{runs.study}: {family} by bit width (mean ± std over seeds)", fontsize=10)
+        ax.legend(fontsize=8)
     fig.savefig(path, dpi=PLOT_DPI)
     return True
