@@ -105,13 +105,10 @@ def min_context_len(n_needles: int, n_queries: int) -> int:
 @cache
 def haystack_bytes(haystack: str, split: str) -> bytes:
     """The text haystack windows are cut from (cached per process); the corpus's first CORPUS_TRAIN_FRACTION
-    is the training split's, the rest validation's and test's."""
-    check_split(split)
+    is the training split's, the rest validation's and test's. Its callers have checked both arguments."""
     if haystack == "synthetic":
         rng = random.Random("needle-filler")  # same filler for both splits: it holds no needle
         return " ".join(rng.choice(FILLER_SENTENCES) for _ in range(20_000)).encode() + b" "
-    if haystack != "corpus":
-        raise UserError(f"haystack={haystack!r} is invalid: expected one of {', '.join(HAYSTACKS)}")
     from diffexp.data.corpus import load_stdlib_corpus
 
     text = "\n".join(load_stdlib_corpus(CORPUS_CHARS)).encode("utf-8")
@@ -150,7 +147,7 @@ def encode(tokenizer: TextTokenizer, text: str) -> Encoded:
         raise TypeError(f"{type(tokenizer).__name__} gives no token offsets: expected a ByteTokenizer or an "
                         "HFTokenizer")
     encoding = inner.encode(text, add_special_tokens=False)
-    return Encoded(list(encoding.ids), [s for s, _ in encoding.offsets], [e for _, e in encoding.offsets])
+    return Encoded(list(encoding.ids), [start for start, _ in encoding.offsets], [end for _, end in encoding.offsets])
 
 
 def separator_first(tokenizer: TextTokenizer) -> bool:
@@ -177,9 +174,10 @@ class TokenHaystack:
 
     def boundaries_within(self, start: int, length: int) -> set[int]:
         """Boundaries of the window ``ids[start : start + length]``, relative to it, whose marker lies inside it."""
-        lo, hi = np.searchsorted(self.boundaries, [start + 1, start + length])
-        first = self.cut_offsets[start]
-        return {int(b) - start for b, m in zip(self.boundaries[lo:hi], self.markers[lo:hi]) if m >= first}
+        first, stop = np.searchsorted(self.boundaries, [start + 1, start + length])
+        window_offset = self.cut_offsets[start]
+        return {int(boundary) - start for boundary, marker in zip(self.boundaries[first:stop], self.markers[first:stop])
+                if marker >= window_offset}
 
 
 _token_haystacks: dict[tuple[str, str, str], TokenHaystack] = {}
@@ -205,7 +203,7 @@ def token_haystack(haystack: str, split: str, tokenizer: TextTokenizer) -> Token
             # offsets of tokens that split a character may step back: keep the cut points sorted
             cut_offsets = np.maximum.accumulate(np.asarray([0] + encoded.ends, dtype=np.int64))
             pattern = re.escape(marker)
-        marker_starts = np.asarray([m.start() for m in re.finditer(pattern, text)], dtype=np.int64)
+        marker_starts = np.asarray([match.start() for match in re.finditer(pattern, text)], dtype=np.int64)
         cuts = marker_starts + len(marker) - shift
         index = np.searchsorted(cut_offsets, cuts).clip(max=len(cut_offsets) - 1)
         at_token = (cut_offsets[index] == cuts) & (index > 0) & (index < len(ids))
