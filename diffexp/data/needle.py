@@ -7,11 +7,12 @@ haystack and R of the cities are asked for at the end (``what is the magic numbe
 
 from __future__ import annotations
 
+import itertools
 import random
 import re
 import zlib
-from collections.abc import Iterator
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
 from typing import Literal
@@ -104,13 +105,10 @@ def min_context_len(n_needles: int, n_queries: int) -> int:
 @cache
 def haystack_bytes(haystack: str, split: str) -> bytes:
     """The text haystack windows are cut from (cached per process); the corpus's first CORPUS_TRAIN_FRACTION
-    is the training split's, the rest validation's and test's."""
-    check_split(split)
+    is the training split's, the rest validation's and test's. Its callers have checked both arguments."""
     if haystack == "synthetic":
         rng = random.Random("needle-filler")  # same filler for both splits: it holds no needle
         return " ".join(rng.choice(FILLER_SENTENCES) for _ in range(20_000)).encode() + b" "
-    if haystack != "corpus":
-        raise UserError(f"haystack={haystack!r} is invalid: expected one of {', '.join(HAYSTACKS)}")
     from diffexp.data.corpus import load_stdlib_corpus
 
     text = "\n".join(load_stdlib_corpus(CORPUS_CHARS)).encode("utf-8")
@@ -131,7 +129,8 @@ class Encoded:
 
     def overlapping(self, start: int, end: int) -> tuple[int, int]:
         """The token span ``[first, last + 1)`` of the tokens that overlap the text ``[start, end)``."""
-        inside = [i for i, (s, e) in enumerate(zip(self.starts, self.ends)) if s < end and e > start]
+        inside = [index for index, (token_start, token_end) in enumerate(zip(self.starts, self.ends))
+                  if token_start < end and token_end > start]
         if not inside:
             raise ValueError(f"no token overlaps the text [{start}, {end})")
         return inside[0], inside[-1] + 1
@@ -148,7 +147,7 @@ def encode(tokenizer: TextTokenizer, text: str) -> Encoded:
         raise TypeError(f"{type(tokenizer).__name__} gives no token offsets: expected a ByteTokenizer or an "
                         "HFTokenizer")
     encoding = inner.encode(text, add_special_tokens=False)
-    return Encoded(list(encoding.ids), [s for s, _ in encoding.offsets], [e for _, e in encoding.offsets])
+    return Encoded(list(encoding.ids), [start for start, _ in encoding.offsets], [end for _, end in encoding.offsets])
 
 
 def separator_first(tokenizer: TextTokenizer) -> bool:
@@ -175,9 +174,10 @@ class TokenHaystack:
 
     def boundaries_within(self, start: int, length: int) -> set[int]:
         """Boundaries of the window ``ids[start : start + length]``, relative to it, whose marker lies inside it."""
-        lo, hi = np.searchsorted(self.boundaries, [start + 1, start + length])
-        first = self.cut_offsets[start]
-        return {int(b) - start for b, m in zip(self.boundaries[lo:hi], self.markers[lo:hi]) if m >= first}
+        first, stop = np.searchsorted(self.boundaries, [start + 1, start + length])
+        window_offset = self.cut_offsets[start]
+        return {int(boundary) - start for boundary, marker in zip(self.boundaries[first:stop], self.markers[first:stop])
+                if marker >= window_offset}
 
 
 _token_haystacks: dict[tuple[str, str, str], TokenHaystack] = {}
@@ -203,28 +203,24 @@ def token_haystack(haystack: str, split: str, tokenizer: TextTokenizer) -> Token
             # offsets of tokens that split a character may step back: keep the cut points sorted
             cut_offsets = np.maximum.accumulate(np.asarray([0] + encoded.ends, dtype=np.int64))
             pattern = re.escape(marker)
-        marker_starts = np.asarray([m.start() for m in re.finditer(pattern, text)], dtype=np.int64)
+        marker_starts = np.asarray([match.start() for match in re.finditer(pattern, text)], dtype=np.int64)
         cuts = marker_starts + len(marker) - shift
         index = np.searchsorted(cut_offsets, cuts).clip(max=len(cut_offsets) - 1)
         at_token = (cut_offsets[index] == cuts) & (index > 0) & (index < len(ids))
         _token_haystacks[key] = TokenHaystack(ids, index[at_token], marker_starts[at_token], cut_offsets)
     return _token_haystacks[key]
 
+
 # ----------------------------------------------------------------------------- one sample
-# Layout, context_len + 1 tokens: tokens[0] is the end-of-document id, tokens[1 : 1 + H] the haystack region
-# holding every needle, tokens[1 + H :] one "\nwhat is the magic number of <city>? <number>." per query. The
-# model reads tokens[:-1]; the loss mask selects each answer's tokens (its digits and the "."). Every piece is
-# tokenized on its own, so lengths and spans are exact in tokens and a needle is the same tokens at any depth.
-# Depth: the answer needles (one block) start at round(depth * (H - block length)) of the haystack region; the
-# other needles go to random places before or after; cut points snap to a line or sentence start (MAX_SNAP).
 
 Span = tuple[int, int]
 
 
 @dataclass
 class NeedleSample:
-    """One generated sequence and where everything is. Spans are ``[start, end)`` indices into ``tokens``; lists
-    in "query order" follow the questions, those in "order of position" the needles in the haystack."""
+    """One generated sequence and where everything is (the layout: ``_try_sample``). Spans are ``[start, end)``
+    indices into ``tokens``; lists in "query order" follow the questions, those in "order of position" the
+    needles in the haystack."""
 
     tokens: torch.Tensor  # (context_len + 1,) long token ids; the model reads tokens[:-1]
     answer_spans: list[Span]  # the number inside each answer needle (the tokens overlapping it), query order
@@ -244,8 +240,6 @@ class NeedleSample:
     answer_prefixes: list[str]
     depth: float  # the answer depth used (drawn uniformly when None was asked)
     haystack_len: int  # H: the haystack region is tokens[1 : 1 + H]
-    split: str = "train"
-    meta: dict = field(default_factory=dict)
 
     @property
     def context_len(self) -> int:
@@ -262,51 +256,6 @@ class NeedleSample:
         for positions in self.answer_target_positions:
             mask[torch.tensor(positions) - 1] = 1.0
         return mask
-
-    def text(self, tokenizer: TextTokenizer | None = None) -> str:
-        """The sequence as text (the end-of-document id shown as ``<eos>``); bytes unless told otherwise."""
-        return "<eos>" + (tokenizer or ByteTokenizer()).decode(self.tokens[1:].tolist())
-
-
-@dataclass
-class _Needle:
-    """A needle with its separator, tokenized; spans relative to its first token."""
-
-    ids: list[int]
-    sentence: Span
-    number: Span
-
-
-@dataclass
-class _Query:
-    """A question with its answer, tokenized; spans relative to its first token."""
-
-    ids: list[int]
-    question: Span
-    answer: Span
-    prefix: str
-    text: str
-
-
-def _tokenized_needle(tokenizer: TextTokenizer, city: str, number: str, sep: str) -> _Needle:
-    sentence = NEEDLE_TEMPLATE.format(city=city, number=number)
-    first = separator_first(tokenizer)
-    at = len(sep) if first else 0
-    encoded = encode(tokenizer, sep + sentence if first else sentence + sep)
-    number_at = at + len(sentence) - len(number) - 1  # the sentence ends with "<number>."
-    return _Needle(encoded.ids, encoded.overlapping(at, at + len(sentence)),
-                   encoded.overlapping(number_at, number_at + len(number)))
-
-
-def _tokenized_query(tokenizer: TextTokenizer, city: str, number: str) -> _Query:
-    question = "\n" + QUESTION_TEMPLATE.format(city=city)
-    text = question + number + "."
-    encoded = encode(tokenizer, text)  # one piece: "? 48213" tokenized as in running text
-    first, end = encoded.overlapping(len(question), len(text))
-    if first == 0 or end != len(encoded.ids):
-        raise ValueError(f"the tokenizer merges the question {question!r} into its answer {number!r}.")
-    prefix = text[encoded.ends[first - 1] : len(question)]  # what the answer's tokens add before the digits
-    return _Query(encoded.ids, (encoded.overlapping(1, len(question))[0], first), (first, end), prefix, question)
 
 
 def make_sample(
@@ -352,6 +301,163 @@ def make_sample(
     raise RuntimeError(f"could not generate a leak-free needle sample in {max_tries} tries")
 
 
+def _try_sample(rng: random.Random, source: TokenHaystack, tokenizer: TextTokenizer, context_len: int,
+                n_needles: int, n_queries: int, depth: float | None, haystack: str,
+                split: str) -> NeedleSample | None:
+    """One attempt at a sample: None when the needles do not fit or a leak check fails (make_sample retries).
+
+    The layout, ``context_len + 1`` tokens::
+
+        tokens[0]   tokens[1 : 1 + H]                  tokens[1 + H :], from query_start = 1 + H
+        <eos>       the haystack region: filler and    R x "\\nwhat is the magic number of <city>? <number>."
+                    the N needles, H tokens
+
+    In the haystack region the R answer needles form one block that starts at ``round(depth * (H - block
+    length))``; the N - R distractor needles go to random places before and after it; every insertion point
+    then snaps to a line (corpus) or sentence (synthetic) start if one is within MAX_SNAP tokens. The questions
+    ask for the answer needles in a shuffled order; the model reads ``tokens[:-1]`` and the loss mask selects
+    each answer's tokens (its digits and the "."). Every needle and question is tokenized on its own, so lengths
+    and spans are exact in tokens and a needle is the same tokens at any depth.
+    """
+    cities = _distinct(lambda: random_city(rng, split), n_needles)
+    numbers = _distinct(lambda: random_number(rng, split), n_needles)
+    # needles 0..R-1 are the answers (in block order); the questions ask for them in a shuffled order
+    separator = SEPARATORS[haystack]
+    needles = [_tokenized_needle(tokenizer, city, number, separator) for city, number in zip(cities, numbers)]
+    query_order = list(range(n_queries))
+    rng.shuffle(query_order)
+    queries = [_tokenized_query(tokenizer, cities[k], numbers[k]) for k in query_order]
+    haystack_len = context_len - sum(len(query.ids) for query in queries)
+
+    placement = _place_needles(rng, needles, n_queries, haystack_len, depth)
+    if placement is None:
+        return None
+    filler, boundaries = _filler_window(rng, source, placement.filler_len, haystack)
+    cuts = _snap_to_boundaries(placement.cuts, boundaries, placement.filler_len)
+    tokens, needle_spans, number_spans = _fill_haystack(tokenizer.eos_id, filler, placement.groups, cuts, needles)
+    assert len(tokens) == 1 + haystack_len, (len(tokens), haystack_len)
+    if _leaks(tokenizer.decode(tokens[1:]), cities, numbers, queries):
+        return None
+
+    query_start = len(tokens)
+    query_ids, question_spans, target_positions = _query_region(queries, query_start)
+    tokens += query_ids
+    assert len(tokens) == context_len + 1
+    by_position = sorted(range(n_needles), key=lambda i: needle_spans[i][0])
+    return NeedleSample(
+        tokens=torch.tensor(tokens, dtype=torch.long),
+        answer_spans=[number_spans[k] for k in query_order],
+        answer_needle_spans=[needle_spans[k] for k in query_order],
+        needle_spans=[needle_spans[i] for i in by_position],
+        query_start=query_start,
+        query_spans=question_spans,
+        answers=[numbers[k] for k in query_order],
+        cities=[cities[k] for k in query_order],
+        needle_cities=[cities[i] for i in by_position],
+        needle_numbers=[numbers[i] for i in by_position],
+        candidates=[numbers[i] for i in by_position],
+        answer_target_positions=target_positions,
+        answer_prefixes=[query.prefix for query in queries],
+        depth=placement.depth,
+        haystack_len=haystack_len,
+    )
+
+
+def _distinct(draw: Callable[[], str], count: int) -> list[str]:
+    """``count`` results of ``draw()``, none inside another (so each is found exactly once in a text)."""
+    chosen: list[str] = []
+    while len(chosen) < count:
+        candidate = draw()
+        if all(candidate not in other and other not in candidate for other in chosen):
+            chosen.append(candidate)
+    return chosen
+
+
+@dataclass
+class _Needle:
+    """A needle sentence with its separator, tokenized; spans relative to its first token."""
+
+    ids: list[int]
+    sentence: Span
+    number: Span
+
+
+def _tokenized_needle(tokenizer: TextTokenizer, city: str, number: str, separator: str) -> _Needle:
+    sentence = NEEDLE_TEMPLATE.format(city=city, number=number)
+    if separator_first(tokenizer):
+        sentence_at, text = len(separator), separator + sentence
+    else:
+        sentence_at, text = 0, sentence + separator
+    encoded = encode(tokenizer, text)
+    number_at = sentence_at + len(sentence) - len(number) - 1  # the sentence ends with "<number>."
+    return _Needle(encoded.ids, encoded.overlapping(sentence_at, sentence_at + len(sentence)),
+                   encoded.overlapping(number_at, number_at + len(number)))
+
+
+@dataclass
+class _Query:
+    """A question with its answer, tokenized as one piece; spans relative to its first token."""
+
+    ids: list[int]
+    question: Span  # "what is the magic number of <city>? " (after the leading "\n")
+    answer: Span  # the answer's tokens: its digits and the "."
+    prefix: str  # what the answer's tokens hold before the digits ("" or " ")
+    question_text: str  # "\nwhat is the magic number of <city>? "
+
+
+def _tokenized_query(tokenizer: TextTokenizer, city: str, number: str) -> _Query:
+    question = "\n" + QUESTION_TEMPLATE.format(city=city)
+    text = question + number + "."
+    encoded = encode(tokenizer, text)  # one piece: "? 48213" tokenized as in running text
+    answer_first, answer_end = encoded.overlapping(len(question), len(text))
+    if answer_first == 0 or answer_end != len(encoded.ids):
+        raise ValueError(f"the tokenizer merges the question {question!r} into its answer {number!r}.")
+    prefix = text[encoded.ends[answer_first - 1] : len(question)]  # what the answer's tokens add before the digits
+    question_span = (encoded.overlapping(1, len(question))[0], answer_first)
+    return _Query(encoded.ids, question_span, (answer_first, answer_end), prefix, question)
+
+
+@dataclass
+class _Placement:
+    """Where the needles go into ``filler_len`` filler tokens: the needles ``groups[i]`` (the answer block, or one
+    distractor) right before filler token ``cuts[i]``."""
+
+    depth: float
+    groups: list[list[int]]
+    cuts: list[int]
+    filler_len: int
+
+
+def _place_needles(rng: random.Random, needles: list[_Needle], n_queries: int, haystack_len: int,
+                   depth: float | None) -> _Placement | None:
+    """The answer block (needles 0..R-1) at ``depth`` of the haystack region, the other needles (the
+    distractors, shuffled) at random before and after it; None when they do not fit."""
+    distractors = list(range(n_queries, len(needles)))
+    rng.shuffle(distractors)
+    block_len = sum(len(needle.ids) for needle in needles[:n_queries])
+    distractor_lens = [len(needles[i].ids) for i in distractors]
+    filler_len = haystack_len - block_len - sum(distractor_lens)
+    if filler_len < 0 or (distractors and filler_len < MAX_NEEDLE_PIECE):
+        return None
+    used_depth = rng.random() if depth is None else float(depth)
+    block_start = round(used_depth * (haystack_len - block_len))  # in the haystack region
+    # the distractors before the block: the first k of the shuffled list, where they fit before block_start and
+    # the rest fit after the block (some k does, since filler_len >= the longest needle)
+    room_after = haystack_len - block_len - block_start
+    len_before = list(itertools.accumulate(distractor_lens, initial=0))  # len_before[k]: of the first k
+    fitting = [k for k, length in enumerate(len_before)
+               if length <= block_start and sum(distractor_lens) - length <= room_after]
+    if not fitting:
+        return None
+    n_before = rng.choice(fitting)
+    before, after = distractors[:n_before], distractors[n_before:]
+    block_cut = block_start - len_before[n_before]  # filler tokens before the block
+    cuts_before = sorted(rng.randint(0, block_cut) for _ in before)
+    cuts_after = sorted(rng.randint(block_cut, filler_len) for _ in after)
+    groups = [[i] for i in before] + [list(range(n_queries))] + [[i] for i in after]
+    return _Placement(used_depth, groups, cuts_before + [block_cut] + cuts_after, filler_len)
+
+
 def _filler_window(rng: random.Random, source: TokenHaystack, length: int, haystack: str) -> tuple[list[int], set]:
     """``length`` haystack tokens and the boundaries inside them (relative indices)."""
     if length == 0:
@@ -360,9 +466,9 @@ def _filler_window(rng: random.Random, source: TokenHaystack, length: int, hayst
         raise ValueError(f"the {haystack} haystack has {len(source)} tokens, fewer than the {length} needed")
     start = rng.randrange(0, len(source) - length)
     # start at a line (corpus) or sentence (synthetic) boundary when one is close
-    k = int(np.searchsorted(source.markers, source.cut_offsets[start]))
-    if k < len(source.boundaries):
-        boundary = int(source.boundaries[k])
+    next_marker = int(np.searchsorted(source.markers, source.cut_offsets[start]))
+    if next_marker < len(source.boundaries):
+        boundary = int(source.boundaries[next_marker])
         if boundary <= start + WINDOW_SEARCH and boundary + length <= len(source):
             start = boundary
     return source.ids[start : start + length].tolist(), source.boundaries_within(start, length)
@@ -370,124 +476,66 @@ def _filler_window(rng: random.Random, source: TokenHaystack, length: int, hayst
 
 def _snap_to_boundaries(cuts: list[int], boundaries: set, length: int) -> list[int]:
     """Move each cut point to the nearest boundary within MAX_SNAP tokens, keeping them non-decreasing."""
-    out: list[int] = []
-    for c in cuts:
-        lo = out[-1] if out else 0
+    snapped: list[int] = []
+    for cut in cuts:
+        lowest = snapped[-1] if snapped else 0
         best = None
         for delta in range(MAX_SNAP + 1):
-            for cand in (c - delta, c + delta):
-                if lo <= cand <= length and (cand <= 0 or cand >= length or cand in boundaries):
-                    best = cand
+            for candidate in (cut - delta, cut + delta):
+                if lowest <= candidate <= length and (candidate <= 0 or candidate >= length or candidate in boundaries):
+                    best = candidate
                     break
             if best is not None:
                 break
-        out.append(best if best is not None else max(c, lo))
-    return out
+        snapped.append(best if best is not None else max(cut, lowest))
+    return snapped
 
 
-def _try_sample(rng, source, tokenizer, context_len, n_needles, n_queries, depth, haystack,
-                split) -> NeedleSample | None:
-    cities: list[str] = []
-    while len(cities) < n_needles:
-        city = random_city(rng, split)
-        if all(city not in c and c not in city for c in cities):
-            cities.append(city)
-    numbers: list[str] = []
-    while len(numbers) < n_needles:
-        number = random_number(rng, split)
-        if all(number not in n and n not in number for n in numbers):
-            numbers.append(number)
-    # needles 0..R-1 are the answers (in block order); query order is a separate shuffle
-    pieces = [_tokenized_needle(tokenizer, c, n, SEPARATORS[haystack]) for c, n in zip(cities, numbers)]
-    query_order = list(range(n_queries))
-    rng.shuffle(query_order)
-
-    queries = [_tokenized_query(tokenizer, cities[k], numbers[k]) for k in query_order]
-    H = context_len - sum(len(q.ids) for q in queries)  # haystack region: tokens[1 : 1 + H]
-    answer_len = sum(len(p.ids) for p in pieces[:n_queries])
-    distractors = list(range(n_queries, n_needles))
-    rng.shuffle(distractors)
-    distractor_len = sum(len(pieces[i].ids) for i in distractors)
-    F = H - answer_len - distractor_len  # filler tokens
-    if F < 0 or (distractors and F < MAX_NEEDLE_PIECE):
-        return None
-    used_depth = rng.random() if depth is None else float(depth)
-    P = round(used_depth * (H - answer_len))  # target start of the answer block in the haystack region
-    # distractors before the block: a prefix of the shuffled list whose length fits in P and leaves
-    # the rest fitting after the block (one exists because F >= the longest piece)
-    after_room = H - answer_len - P
-    prefix = [0]
-    for i in distractors:
-        prefix.append(prefix[-1] + len(pieces[i].ids))
-    feasible = [k for k, s in enumerate(prefix) if s <= P and distractor_len - s <= after_room]
-    if not feasible:
-        return None
-    k_before = rng.choice(feasible)
-    before, after = distractors[:k_before], distractors[k_before:]
-    filler_before = P - prefix[k_before]  # filler tokens before the block
-    # random filler cut points for the distractors on each side
-    cuts_before = sorted(rng.randint(0, filler_before) for _ in before)
-    cuts_after = sorted(rng.randint(filler_before, F) for _ in after)
-    order = before + ["block"] + after
-    cuts = cuts_before + [filler_before] + cuts_after
-    filler, boundaries = _filler_window(rng, source, F, haystack)
-    cuts = _snap_to_boundaries(cuts, boundaries, F)
-
-    # assemble
-    tokens: list[int] = [tokenizer.eos_id]
+def _fill_haystack(eos_id: int, filler: list[int], groups: list[list[int]], cuts: list[int],
+                   needles: list[_Needle]) -> tuple[list[int], dict[int, Span], dict[int, Span]]:
+    """``[eos_id]`` + the filler with each group of needles inserted at its cut, and each needle's sentence and
+    number spans in it."""
+    tokens = [eos_id]
     needle_spans: dict[int, Span] = {}
     number_spans: dict[int, Span] = {}
-    prev = 0
-    for item, cut in zip(order, cuts):
-        tokens.extend(filler[prev:cut])
-        prev = cut
-        for i in (range(n_queries) if item == "block" else [item]):
+    filler_at = 0
+    for group, cut in zip(groups, cuts):
+        tokens.extend(filler[filler_at:cut])
+        filler_at = cut
+        for i in group:
             start = len(tokens)
-            tokens.extend(pieces[i].ids)
-            needle_spans[i] = (start + pieces[i].sentence[0], start + pieces[i].sentence[1])
-            number_spans[i] = (start + pieces[i].number[0], start + pieces[i].number[1])
-    tokens.extend(filler[prev:])
-    assert len(tokens) == 1 + H, (len(tokens), H)
-    haystack_text = tokenizer.decode(tokens[1:])
-    query_start = len(tokens)
-    query_spans, target_positions = [], []
+            tokens.extend(needles[i].ids)
+            needle_spans[i] = (start + needles[i].sentence[0], start + needles[i].sentence[1])
+            number_spans[i] = (start + needles[i].number[0], start + needles[i].number[1])
+    tokens.extend(filler[filler_at:])
+    return tokens, needle_spans, number_spans
+
+
+def _leaks(haystack_text: str, cities: list[str], numbers: list[str], queries: list[_Query]) -> bool:
+    """Whether the haystack holds a stray "magic number", a city or number anywhere but once (in its needle), or
+    a question holds a digit."""
+    if haystack_text.count("magic number") != len(cities):
+        return True
+    if any(haystack_text.count(city) != 1 or haystack_text.count(number) != 1
+           for city, number in zip(cities, numbers)):
+        return True
+    return any(char.isdigit() for query in queries for char in query.question_text)
+
+
+def _query_region(queries: list[_Query], start: int) -> tuple[list[int], list[Span], list[list[int]]]:
+    """The questions and answers' tokens from index ``start`` on, each question's span, each answer's indices."""
+    ids: list[int] = []
+    question_spans, target_positions = [], []
     for query in queries:
-        start = len(tokens)
-        query_spans.append((start + query.question[0], start + query.question[1]))
-        target_positions.append(list(range(start + query.answer[0], start + query.answer[1])))
-        tokens.extend(query.ids)
-    assert len(tokens) == context_len + 1
+        at = start + len(ids)
+        question_spans.append((at + query.question[0], at + query.question[1]))
+        target_positions.append(list(range(at + query.answer[0], at + query.answer[1])))
+        ids.extend(query.ids)
+    return ids, question_spans, target_positions
 
-    # leak checks: each city / number once in the haystack region, no stray "magic number"
-    if haystack_text.count("magic number") != n_needles:
-        return None
-    for c, n in zip(cities, numbers):
-        if haystack_text.count(c) != 1 or haystack_text.count(n) != 1:
-            return None
-    if any(ch.isdigit() for query in queries for ch in query.text):
-        return None
-
-    by_position = sorted(range(n_needles), key=lambda i: needle_spans[i][0])
-    return NeedleSample(
-        tokens=torch.tensor(tokens, dtype=torch.long),
-        answer_spans=[number_spans[k] for k in query_order],
-        answer_needle_spans=[needle_spans[k] for k in query_order],
-        needle_spans=[needle_spans[i] for i in by_position],
-        query_start=query_start,
-        query_spans=query_spans,
-        answers=[numbers[k] for k in query_order],
-        cities=[cities[k] for k in query_order],
-        needle_cities=[cities[i] for i in by_position],
-        needle_numbers=[numbers[i] for i in by_position],
-        candidates=[numbers[i] for i in by_position],
-        answer_target_positions=target_positions,
-        answer_prefixes=[query.prefix for query in queries],
-        depth=used_depth,
-        haystack_len=H,
-        split=split,
-    )
 
 # ----------------------------------------------------------------------------- the data module
+
 
 class NeedleDataset(Dataset):
     """``size`` needle samples of one split, each generated on demand from (seed, split, index).
