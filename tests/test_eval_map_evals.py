@@ -38,3 +38,26 @@ def test_map_evaluations_on_every_variant(tmp_path, capsys, attention):
     rounding = json.loads((run / "eval" / "rounding.json").read_text())["scalars"]
     assert 1e-5 < rounding["rounding/bf16_rel_error"] < 2e-2
     assert rounding["rounding/fp16_rel_error"] < rounding["rounding/bf16_rel_error"]
+
+
+@pytest.mark.parametrize("name", ["outliers", "quantize", "rounding"])
+def test_map_evaluations_score_during_a_fit(tmp_path, name):
+    """Through diffexp.evals.Evaluate, on the validation documents of the fit's own data module."""
+    import lightning as L
+
+    from diffexp.data import TextDataModule
+    from diffexp.evals import Evaluate
+    from diffexp.model.config import ModelConfig
+    from diffexp.training import DiffexpLM
+
+    data = TextDataModule(tokenizer="byte", seq_len=8, batch_size=2, max_chars=20_000, val_fraction=0.4,
+                          cache_dir=str(tmp_path / "cache"))
+    model = DiffexpLM(ModelConfig(attention="diff_v1", vocab_size=257, d_model=32, n_layers=1, n_heads=2,
+                                  max_seq_len=16))
+    callback = Evaluate(name, {"documents": 2, "context_len": 8, **({"bits": [8]} if name == "quantize" else {})})
+    trainer = L.Trainer(max_steps=2, limit_val_batches=1, val_check_interval=2, logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                        callbacks=[callback], default_root_dir=tmp_path, num_sanity_val_steps=0)
+    trainer.fit(model, datamodule=data)
+    tag = {"outliers": "outliers/logits_top1", "quantize": "quantize/loss_b8", "rounding": "rounding/bf16_rel_error"}
+    assert math.isfinite(float(trainer.callback_metrics[tag[name]]))

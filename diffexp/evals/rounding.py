@@ -114,7 +114,8 @@ def measure(model, rows: list[list[int]], batch_size: int, device) -> dict[tuple
     with evaluating(model, device):
         decoder = copy.deepcopy(decoder_of(model)).double()
         tap = RoundingTap()
-        with taps.tapping(tap):
+        kind = torch.device(device).type
+        with torch.autocast(kind, enabled=False), taps.tapping(tap):  # float64 also inside a mixed-precision fit
             for batch in batches(rows, batch_size, device):
                 decoder(batch[:, :-1])
     return tap.sums
