@@ -98,3 +98,17 @@ def test_outliers_refuses_bad_options_before_loading(tmp_path, capsys):
     code, out = run_eval(["outliers", str(checkpoint), "--text-file", *files, "--documents", "0"], capsys)
     assert code == 2 and "--documents=0 is invalid: expected a positive integer" in out
     assert not (tmp_path / "never").exists()
+
+
+def test_past_its_sample_a_pool_keeps_the_exact_top_and_a_sampled_median():
+    from diffexp.evals.outliers import Pool, summary_row
+
+    pool = Pool(per_batch=2000, generator=torch.Generator().manual_seed(0))
+    batches = [torch.rand(10_000, generator=torch.Generator().manual_seed(i)) ** 2 for i in range(4)]
+    for values in batches:
+        pool.add(values)
+    everything = torch.cat(batches).double()
+    row = summary_row(pool.top, pool.sample(), pool.count)
+    assert [row["top1"], row["top2"], row["top3"]] == everything.topk(3).values.tolist()
+    assert pool.sample().numel() == 8000 and row["count"] == 40_000
+    assert row["median"] == pytest.approx(float(everything.median()), abs=0.02)  # 0.25 for uniform squared

@@ -24,7 +24,7 @@ from diffexp.model.heads import taps
 KINDS = ("logits", "hidden")
 TOP = 3
 #: values per layer and kind the median reads at most
-SAMPLE = 1 << 21
+SAMPLE = 1 << 20
 
 
 class Pool:
