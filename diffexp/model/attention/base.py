@@ -107,7 +107,7 @@ class AttentionBase(nn.Module):
         return sink_attention(q, k, v, sink, self.backend, need_weights, cache)
 
     def attend_normalised(self, q, k, v, normalise, name: str, cache=None):
-        """Causal attention whose rows are `normalise(logits)` (softpick's rectified softmax), always written out:
+        """Causal attention whose rows are `normalise(logits)` (a rectified softmax, say), always written out:
         (output, the map in fp32 at least). `name` names the map for the taps."""
         self.record_logit_max(q, k)
         if taps.ACTIVE is not None:

@@ -36,10 +36,10 @@ def attention(q, k, v, backend: str = "sdpa", need_weights: bool = False, cache=
 
 
 def normalised_attention(q, k, v, normalise, cache=None):
-    """Causal attention whose rows are `normalise(logits)` (logits (..., T_k), masked keys -inf): softpick's. q:
-    (B, Hq, T_q, d); k, v: (B, Hk, T_k, d), the queries the last T_q positions, or in a decoding step one query per
-    row against the cache, row b reading its first key_lengths[b] keys. Returns the output and the map (B, Hq, T_q,
-    T_k), in fp32 at least."""
+    """Causal attention whose rows are `normalise(logits)` (logits (..., T_k), masked keys -inf), a row rule other
+    than softmax. q: (B, Hq, T_q, d); k, v: (B, Hk, T_k, d), the queries the last T_q positions, or in a decoding
+    step one query per row against the cache, row b reading its first key_lengths[b] keys. Returns the output and
+    the map (B, Hq, T_q, T_k), in fp32 at least."""
     logits = causal_logits(q, k)
     if cache is not None and cache.stepping:
         mask = key_mask(cache.key_lengths(), k.shape[-2])

@@ -29,9 +29,9 @@ ACTIVE: Tap | None = None
 class Site:
     """Where a map comes from: its layer (0-based) and its name in the layer's head.
 
-    map: "softmax" (one map per head), "sink" (softmax with a sink logit: column 0 of the logits), "softpick"
-    (softpick's rectified rows), "paired" (DIFF V2's one call over both heads of every pair), "map1" / "map2" (the
-    two maps of DIFF V1, Shared DIFF and DINT).
+    map: "softmax" (one map per head), "sink" (softmax with a sink logit: column 0 of the logits), the name a
+    variant gives its own normalisation (attend_normalised), "paired" (DIFF V2's one call over both heads of every
+    pair), "map1" / "map2" (the two maps of DIFF V1, Shared DIFF and DINT).
     """
 
     layer: int
@@ -119,7 +119,7 @@ def attend_with_sink(layer: int, q, k, v, sink: torch.Tensor, need_weights: bool
 
 
 def attend_normalised(layer: int, q, k, v, normalise: Callable[[torch.Tensor], torch.Tensor], name: str, cache=None):
-    """Rows `normalise(logits)` (softpick's), times V; returns the map as the untapped call does."""
+    """Rows `normalise(logits)` (a variant's own row rule), times V; returns the map as the untapped call does."""
     _whole(cache)
     weights = normalise(_logits(layer, name, q, k))
     return _output(layer, name, (Term(1.0, weights, expand_kv(v, q.shape[1]), name),), v.dtype), weights
