@@ -2,6 +2,8 @@
 
 The calls themselves live in diffexp.model.heads: `attend` here is one softmax attention per query head,
 `two_map_head` the differential head of the two-map variants (on a registered fast kernel where one applies).
+Inside `diffexp.model.heads.taps.tapping(tap)` each call runs through the tap instead (an evaluation's view of
+every map's logits, probabilities and V); outside it a call costs one check more.
 """
 
 from __future__ import annotations
@@ -9,7 +11,15 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from diffexp.model.heads import Integral, attention, paired_heads, sink_attention, two_map_head
+from diffexp.model.heads import (
+    Integral,
+    attention,
+    normalised_attention,
+    paired_heads,
+    sink_attention,
+    taps,
+    two_map_head,
+)
 from diffexp.model.heads.single_map import causal_logits
 from diffexp.model.rope import RotaryEmbedding
 
@@ -84,18 +94,32 @@ class AttentionBase(nn.Module):
     def attend(self, q, k, v, need_weights: bool = False, cache=None):
         """Causal softmax attention per query head on this layer's backend (RoPE already applied)."""
         self.record_logit_max(q, k)
+        if taps.ACTIVE is not None:
+            return taps.attend(self.layer_idx, q, k, v, need_weights, cache)
         return attention(q, k, v, self.backend, need_weights, cache)
 
     def attend_with_sink(self, q, k, v, sink: torch.Tensor, need_weights: bool = False, cache=None):
         """Causal softmax attention per query head with a sink logit per query head, sink: (h,) (heads/sink.py);
         the map returned leaves the sink's mass out."""
         self.record_logit_max(q, k)
+        if taps.ACTIVE is not None:
+            return taps.attend_with_sink(self.layer_idx, q, k, v, sink, need_weights, cache)
         return sink_attention(q, k, v, sink, self.backend, need_weights, cache)
+
+    def attend_normalised(self, q, k, v, normalise, name: str, cache=None):
+        """Causal attention whose rows are `normalise(logits)` (a rectified softmax, say), always written out:
+        (output, the map in fp32 at least). `name` names the map for the taps."""
+        self.record_logit_max(q, k)
+        if taps.ACTIVE is not None:
+            return taps.attend_normalised(self.layer_idx, q, k, v, normalise, name, cache)
+        return normalised_attention(q, k, v, normalise, cache)
 
     def paired_heads(self, q, k, v, lam, first: slice, second: slice, shared_kv: bool, need_weights: bool = False,
                      cache=None):
         """attn[first] - lambda attn[second], attn one causal attention call over every query head of q."""
         self.record_logit_max(q, k)
+        if taps.ACTIVE is not None:
+            return taps.paired_heads(self.layer_idx, q, k, v, lam, first, second, need_weights, cache)
         return paired_heads(q, k, v, lam, first, second, shared_kv=shared_kv, backend=self.backend, cache=cache,
                             need_weights=need_weights)
 
@@ -104,6 +128,8 @@ class AttentionBase(nn.Module):
         """(A1 - lambda A2 [+ gamma A3]) V and the effective map (when computed), on this layer's backend."""
         self.record_logit_max(q1, k1)
         self.record_logit_max(q2, k2)
+        if taps.ACTIVE is not None:
+            return taps.two_map_head(self.layer_idx, q1, q2, k1, k2, v, lam, need_weights, cache, integral)
         return two_map_head(q1, q2, k1, k2, v, lam, backend=self.backend, integral=integral, cache=cache,
                             need_weights=need_weights)
 

@@ -20,8 +20,7 @@ import torch
 from diffexp.model.attention.base import merge_heads
 from diffexp.model.attention.baseline import BaselineAttention, attention_flops
 from diffexp.model.attention.registry import Variant, register
-from diffexp.model.heads.cached_step import key_mask
-from diffexp.model.heads.single_map import causal_logits, expand_kv
+from diffexp.model.heads import normalised_attention
 
 #: added to the stable form's denominator, where it stands for EPS exp(m) in the unshifted one. It only matters for
 #: a row whose logits are all exactly 0 (then both sums are 0 and the row's weights are 0, not 0/0). 1e-6 is the
@@ -72,13 +71,7 @@ def softpick_attention(q, k, v, cache=None) -> tuple[torch.Tensor, torch.Tensor]
     """q: (B, Hq, T_q, d); k, v: (B, Hk, T_k, d), the queries the last T_q positions (a chunk after a cache), or
     in a decoding step one query per row against the cache, row b reading its first key_lengths[b] keys. Returns
     the output (B, Hq, T_q, d) and the map (B, Hq, T_q, T_k), in fp32 at least."""
-    logits = causal_logits(q, k)
-    if cache is not None and cache.stepping:
-        mask = key_mask(cache.key_lengths(), k.shape[-2])
-        if mask is not None:
-            logits = logits.masked_fill(~mask, float("-inf"))
-    weights = softpick(logits)
-    return weights.to(v.dtype) @ expand_kv(v, q.shape[1]), weights
+    return normalised_attention(q, k, v, softpick, cache)
 
 
 @register
@@ -94,7 +87,6 @@ class SoftpickAttention(BaselineAttention):
 
     def forward(self, x: torch.Tensor, need_weights: bool = False, cache=None):
         q, k, v = self.qkv(x, cache)
-        self.record_logit_max(q, k)
-        out, weights = softpick_attention(q, k, v, cache)
+        out, weights = self.attend_normalised(q, k, v, softpick, "softpick", cache)
         keep = need_weights or self.backend == "eager"  # as `attend`: the eager backend returns its map
         return self.o_proj(merge_heads(out)), weights if keep else None

@@ -12,6 +12,7 @@ and for maps requested, eager attention and decoding, the plain path:
     cached_step.py   one decoding step: both maps against the cache, V read once
     dint_integral.py DINT's softmax integral without a T x T tensor, and decoding's rows from column sums
     sink.py          softmax with a sink logit per head (off by one, gpt-oss): the sink as one more key slot
+    taps.py          the door of evaluations: every call above, eager, with each map's logits and terms seen
 """
 
 from __future__ import annotations
@@ -19,9 +20,10 @@ from __future__ import annotations
 import torch
 
 from diffexp.kernels.registry import Integral, resolve
-from diffexp.model.heads.cached_step import single_map_step, two_map_step
+from diffexp.model.heads import taps
+from diffexp.model.heads.cached_step import key_mask, single_map_step, two_map_step
 from diffexp.model.heads.per_map import per_map_head
-from diffexp.model.heads.single_map import attend
+from diffexp.model.heads.single_map import attend, causal_logits, expand_kv
 from diffexp.model.heads.sink import sink_attention
 
 
@@ -31,6 +33,20 @@ def attention(q, k, v, backend: str = "sdpa", need_weights: bool = False, cache=
     if cache is not None and cache.stepping:
         return single_map_step(q, k, v, cache.key_lengths()), None
     return attend(q, k, v, backend, need_weights)
+
+
+def normalised_attention(q, k, v, normalise, cache=None):
+    """Causal attention whose rows are `normalise(logits)` (logits (..., T_k), masked keys -inf), a row rule other
+    than softmax. q: (B, Hq, T_q, d); k, v: (B, Hk, T_k, d), the queries the last T_q positions, or in a decoding
+    step one query per row against the cache, row b reading its first key_lengths[b] keys. Returns the output and
+    the map (B, Hq, T_q, T_k), in fp32 at least."""
+    logits = causal_logits(q, k)
+    if cache is not None and cache.stepping:
+        mask = key_mask(cache.key_lengths(), k.shape[-2])
+        if mask is not None:
+            logits = logits.masked_fill(~mask, float("-inf"))
+    weights = normalise(logits)
+    return weights.to(v.dtype) @ expand_kv(v, q.shape[1]), weights
 
 
 def two_map_head(q1, q2, k1, k2, v, lam, *, backend: str = "sdpa", integral: Integral | None = None,
@@ -74,4 +90,4 @@ def paired_heads(q, k, v, lam, first: slice, second: slice, *, shared_kv: bool, 
     return out, weights[:, first] - lam_maps * weights[:, second]
 
 
-__all__ = ["Integral", "attention", "paired_heads", "sink_attention", "two_map_head"]
+__all__ = ["Integral", "attention", "normalised_attention", "paired_heads", "sink_attention", "taps", "two_map_head"]

@@ -1,0 +1,99 @@
+"""`diffexp eval quantize`: the absmax quantizer against a hand computation, 16 bits reproducing the unquantized
+loss, fewer bits changing it, LM-Eval tasks at each width, and clear refusals before the model loads."""
+
+from __future__ import annotations
+
+import csv
+import json
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from diffexp.evals.quantize import absmax_quantize
+from tests.helpers import PATTERN, save_checkpoint, small_model, write_local_task
+from tests.test_eval_outliers import TEXTS, run_eval, write_texts
+
+INF = float("inf")
+
+
+def test_absmax_quantize_matches_a_hand_computation():
+    z = torch.tensor([[[[1.0, -INF, -INF], [-2.0, 0.5, -INF], [0.3, 4.0, -1.1]],    # head 0: a = 4
+                       [[0.2, -INF, -INF], [-0.1, 0.05, -INF], [0.0, 0.1, 0.15]]]],  # head 1: a = 0.2
+                     dtype=torch.float64)
+    # 3 bits: Q = 3 levels either side of 0, steps of a / 3; round half to even (-1.5 -> -2)
+    step0, step1 = 4 / 3, 0.2 / 3
+    want = torch.tensor([[[[1 * step0, -INF, -INF], [-2 * step0, 0.0, -INF], [0.0, 3 * step0, -1 * step0]],
+                          [[3 * step1, -INF, -INF], [-2 * step1, 1 * step1, -INF], [0.0, 2 * step1, 2 * step1]]]],
+                        dtype=torch.float64)
+    got = absmax_quantize(z, 3)
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    # each batch row has its own a: scaling one row leaves the other's rounding alone
+    both = absmax_quantize(torch.cat((z, z * 10)), 3)
+    torch.testing.assert_close(both[0], want[0], rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(both[1], want[0] * 10, rtol=1e-12, atol=1e-12)
+    assert torch.equal(absmax_quantize(torch.zeros(1, 1, 2, 2), 4), torch.zeros(1, 1, 2, 2))
+
+
+def naive_loss(module, rows) -> float:
+    with torch.no_grad():
+        batch = torch.tensor(rows)
+        logits = module.model.eval()(batch[:, :-1])
+        return float(F.cross_entropy(logits.transpose(1, 2), batch[:, 1:]))
+
+
+@pytest.mark.parametrize("attention", ["baseline", "diff_v1"])
+def test_sixteen_bits_reproduce_the_loss_and_fewer_change_it(tmp_path, capsys, attention):
+    module = small_model(attention, max_seq_len=32)
+    run = tmp_path / "run"
+    checkpoint = save_checkpoint(module, run / "checkpoints" / "last.ckpt")
+    code, out = run_eval(["quantize", str(checkpoint), "--text-file", *write_texts(tmp_path), "--documents", "3",
+                          "--context-len", "12", "--bits", "16", "8", "3", "--device", "cpu"], capsys)
+    assert code == 0, out
+    scalars = json.loads((run / "eval" / "quantize.json").read_text())["scalars"]
+    rows = [list(text.encode())[:13] for text in TEXTS.values()]
+    assert scalars["quantize/loss_unquantized"] == pytest.approx(naive_loss(module, rows), rel=1e-6)
+    full = scalars["quantize/loss_unquantized"]
+    assert scalars["quantize/loss_b16"] == pytest.approx(full, rel=1e-6)
+    # an untrained model's loss barely reads its attention (a trained one: test_tasks_are_scored_at_each_width)
+    assert scalars["quantize/loss_b3"] != full
+    with open(run / "eval" / "quantize.csv") as f:
+        assert [row["bits"] for row in csv.DictReader(f)] == ["unquantized", "16", "8", "3"]
+
+
+def test_tasks_are_scored_at_each_width(memorised, tmp_path, capsys):
+    tasks = write_local_task(tmp_path)
+    code, out = run_eval(["harness", str(memorised), "--tasks", "diffexp_toy", "--include-path", str(tasks),
+                          "--device", "cpu", "--out", str(tmp_path / "plain"), "--bootstrap-iters", "0"], capsys)
+    assert code == 0, out
+    plain = json.loads((tmp_path / "plain" / "harness.json").read_text())["tasks"]["diffexp_toy"]["acc"]
+    (tmp_path / "doc.txt").write_text(PATTERN * 2)
+    code, out = run_eval(["quantize", str(memorised), "--text-file", str(tmp_path / "doc.txt"), "--documents", "1",
+                          "--context-len", "16", "--bits", "16", "2", "--tasks", "diffexp_toy", "--include-path",
+                          str(tasks), "--bootstrap-iters", "0", "--device", "cpu", "--out", str(tmp_path / "q")],
+                         capsys)
+    assert code == 0, out
+    scalars = json.loads((tmp_path / "q" / "quantize.json").read_text())["scalars"]
+    assert scalars["quantize/b16/diffexp_toy/acc"] == pytest.approx(plain)
+    assert "quantize/b2/diffexp_toy/acc" in scalars
+    # the model learned PATTERN through its attention: 2-bit logits (3 levels) cost it loss
+    assert scalars["quantize/loss_b16"] == pytest.approx(scalars["quantize/loss_unquantized"], rel=1e-5)
+    assert scalars["quantize/loss_b2"] > scalars["quantize/loss_unquantized"] + 0.05
+
+
+@pytest.fixture(scope="module")
+def baseline_checkpoint(tmp_path_factory):
+    return save_checkpoint(small_model("baseline", max_seq_len=32), tmp_path_factory.mktemp("run") / "a.ckpt")
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--bits", "1"], "--bits=1 is invalid: expected a value >= 2"),
+    (["--bits", "8", "32"], "--bits=32 is invalid: expected widths from 2 to 24 bits"),
+    (["--limit", "3"], "give --tasks too"),
+])
+def test_bad_options_are_refused_before_the_model_loads(baseline_checkpoint, tmp_path, capsys, args, message):
+    checkpoint = baseline_checkpoint
+    code, out = run_eval(["quantize", str(checkpoint), "--text-file", *write_texts(tmp_path), *args,
+                          "--out", str(tmp_path / "never")], capsys)
+    assert code == 2 and message in out, out
+    assert not (tmp_path / "never").exists()
