@@ -817,3 +817,29 @@ def slurm_cluster(directory: Path) -> Slurm | str:
     if proc.returncode != 0:
         raise AssertionError(f".ci/slurm-up {directory} failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
     return Slurm(directory / "slurm.conf")
+
+
+# ----------------------------------------------------------------------------- diffexp eval
+
+#: three short documents: held-out text for `diffexp eval ... --text-file`
+EVAL_TEXTS = {"a.txt": "the first document is long enough to read", "b.txt": "a second document, also long enough",
+              "c.txt": "and a third one holds even more text"}
+
+
+def run_eval(args, capsys) -> tuple[int, str]:
+    """`diffexp eval ARGS` in this process: (exit code, stdout and stderr)."""
+    import pytest
+
+    from diffexp.cli import main
+
+    with pytest.raises(SystemExit) as done:
+        main(["eval", *args])
+    captured = capsys.readouterr()
+    return done.value.code, captured.out + captured.err
+
+
+def write_texts(tmp_path) -> list[str]:
+    """EVAL_TEXTS as files in tmp_path; their paths."""
+    for name, text in EVAL_TEXTS.items():
+        (tmp_path / name).write_text(text)
+    return [str(tmp_path / name) for name in EVAL_TEXTS]

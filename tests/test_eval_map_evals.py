@@ -11,8 +11,7 @@ import pytest
 
 from diffexp.model.attention import variant_names
 from diffexp.model.attention.registry import variant
-from tests.helpers import save_checkpoint, small_model
-from tests.test_eval_outliers import run_eval, write_texts
+from tests.helpers import run_eval, save_checkpoint, small_model, write_texts
 
 CONTEXT, ROWS = 6, 2
 

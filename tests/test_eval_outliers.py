@@ -10,26 +10,10 @@ import math
 import pytest
 import torch
 
-from diffexp.cli import main
-from tests.helpers import save_checkpoint, small_model
+from tests.helpers import EVAL_TEXTS, run_eval, save_checkpoint, small_model, write_texts
 from tests.reference import heads
 
-TEXTS = {"a.txt": "the first document is long enough to read", "b.txt": "a second document, also long enough",
-         "c.txt": "and a third one holds even more text"}
 CONTEXT = 8
-
-
-def run_eval(args, capsys) -> tuple[int, str]:
-    with pytest.raises(SystemExit) as done:
-        main(["eval", *args])
-    captured = capsys.readouterr()
-    return done.value.code, captured.out + captured.err
-
-
-def write_texts(tmp_path) -> list[str]:
-    for name, text in TEXTS.items():
-        (tmp_path / name).write_text(text)
-    return [str(tmp_path / name) for name in TEXTS]
 
 
 def hand_logits(attn, x: torch.Tensor) -> list[float]:
@@ -62,7 +46,7 @@ def test_outliers_match_a_hand_computation(tmp_path, capsys, attention):
     code, out = run_eval(["outliers", str(checkpoint), "--text-file", *write_texts(tmp_path), "--documents", "3",
                           "--context-len", str(CONTEXT), "--batch-size", "2", "--device", "cpu"], capsys)
     assert code == 0, out
-    tokens = torch.tensor([list(text.encode())[:CONTEXT] for text in TEXTS.values()])
+    tokens = torch.tensor([list(text.encode())[:CONTEXT] for text in EVAL_TEXTS.values()])
     decoder = module.model.eval()
     inputs, outputs = [], []
     x = decoder.embed(tokens)

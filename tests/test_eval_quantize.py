@@ -11,8 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from diffexp.evals.quantize import absmax_quantize
-from tests.helpers import PATTERN, save_checkpoint, small_model, write_local_task
-from tests.test_eval_outliers import TEXTS, run_eval, write_texts
+from tests.helpers import EVAL_TEXTS, PATTERN, run_eval, save_checkpoint, small_model, write_local_task, write_texts
 
 INF = float("inf")
 
@@ -51,7 +50,7 @@ def test_sixteen_bits_reproduce_the_loss_and_fewer_change_it(tmp_path, capsys, a
                           "--context-len", "12", "--bits", "16", "8", "3", "--device", "cpu"], capsys)
     assert code == 0, out
     scalars = json.loads((run / "eval" / "quantize.json").read_text())["scalars"]
-    rows = [list(text.encode())[:13] for text in TEXTS.values()]
+    rows = [list(text.encode())[:13] for text in EVAL_TEXTS.values()]
     assert scalars["quantize/loss_unquantized"] == pytest.approx(naive_loss(module, rows), rel=1e-6)
     full = scalars["quantize/loss_unquantized"]
     assert scalars["quantize/loss_b16"] == pytest.approx(full, rel=1e-6)

@@ -11,8 +11,7 @@ import torch
 
 from diffexp.evals.rounding import Sums, flash_product, low_precision_output
 from diffexp.model.heads.taps import Term
-from tests.helpers import save_checkpoint, small_model
-from tests.test_eval_outliers import run_eval, write_texts
+from tests.helpers import run_eval, save_checkpoint, small_model, write_texts
 
 # one head, two keys, one channel: row 0 reads key 0 only, row 1 weighs 1/4 and 3/4
 P = torch.tensor([[[[1.0, 0.0], [0.25, 0.75]]]], dtype=torch.float64)
