@@ -83,6 +83,18 @@ def test_each_variants_section_of_variants_md_names_every_flag_it_reads():
     assert not problems, "\n".join(problems)
 
 
+def test_evaluations_md_gives_every_registered_evaluation_its_command():
+    """Each entry of the evaluation registry is described with its `diffexp eval NAME` command, and every such
+    command the page names is a registered evaluation."""
+    from diffexp.evals.registry import evaluation_names
+
+    text = (DOCS / "evaluations.md").read_text()
+    named = set(re.findall(r"diffexp eval (\w+) ", text)) - {"NAME"}
+    problems = differences("docs/evaluations.md, the `diffexp eval NAME` commands", sorted(named),
+                           sorted(evaluation_names()))
+    assert not problems, "\n".join(problems)
+
+
 def test_a_flag_missing_from_a_list_is_named():
     """The checks above can fail, and say what is wrong."""
     text = "- shared: `d_model` (`sdpa`, or `eager`), `n_layers`\n- `gated`: `gate`,\n  `sink`\n"
