@@ -20,7 +20,7 @@ CONTEXT, ROWS = 6, 2
 def test_map_evaluations_on_every_variant(tmp_path, capsys, attention):
     run = tmp_path / "run"
     checkpoint = save_checkpoint(small_model(attention, max_seq_len=16), run / "checkpoints" / "last.ckpt")
-    common = ["--text-file", *write_texts(tmp_path), "--documents", str(ROWS), "--context-len", str(CONTEXT),
+    common = ["--text-file", *write_texts(tmp_path), "--rows", str(ROWS), "--context-len", str(CONTEXT),
               "--device", "cpu"]
     for name, extra in (("outliers", []), ("quantize", ["--bits", "16", "4"]), ("rounding", [])):
         code, out = run_eval([name, str(checkpoint), *common, *extra], capsys)
@@ -53,7 +53,7 @@ def test_map_evaluations_score_during_a_fit(tmp_path, name):
                           cache_dir=str(tmp_path / "cache"))
     model = DiffexpLM(ModelConfig(attention="diff_v1", vocab_size=257, d_model=32, n_layers=1, n_heads=2,
                                   max_seq_len=16))
-    callback = Evaluate(name, {"documents": 2, "context_len": 8, **({"bits": [8]} if name == "quantize" else {})})
+    callback = Evaluate(name, {"rows": 2, "context_len": 8, **({"bits": [8]} if name == "quantize" else {})})
     trainer = L.Trainer(max_steps=2, limit_val_batches=1, val_check_interval=2, logger=False,
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                         callbacks=[callback], default_root_dir=tmp_path, num_sanity_val_steps=0)

@@ -43,7 +43,7 @@ def test_outliers_match_a_hand_computation(tmp_path, capsys, attention):
     module = small_model(attention, max_seq_len=32)
     run = tmp_path / "run"
     checkpoint = save_checkpoint(module, run / "checkpoints" / "last.ckpt")
-    code, out = run_eval(["outliers", str(checkpoint), "--text-file", *write_texts(tmp_path), "--documents", "3",
+    code, out = run_eval(["outliers", str(checkpoint), "--text-file", *write_texts(tmp_path), "--rows", "3",
                           "--context-len", str(CONTEXT), "--batch-size", "2", "--device", "cpu"], capsys)
     assert code == 0, out
     tokens = torch.tensor([list(text.encode())[:CONTEXT] for text in EVAL_TEXTS.values()])
@@ -79,8 +79,8 @@ def test_outliers_refuses_bad_options_before_loading(tmp_path, capsys):
     code, out = run_eval(["outliers", str(checkpoint), "--text-file", *files, "--context-len", "64",
                           "--out", str(tmp_path / "never")], capsys)
     assert code == 2 and "--context-len=64 is invalid" in out and "max_seq_len=32" in out
-    code, out = run_eval(["outliers", str(checkpoint), "--text-file", *files, "--documents", "0"], capsys)
-    assert code == 2 and "--documents=0 is invalid: expected a positive integer" in out
+    code, out = run_eval(["outliers", str(checkpoint), "--text-file", *files, "--rows", "0"], capsys)
+    assert code == 2 and "--rows=0 is invalid: expected a positive integer" in out
     assert not (tmp_path / "never").exists()
 
 

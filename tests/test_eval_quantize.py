@@ -46,7 +46,7 @@ def test_sixteen_bits_reproduce_the_loss_and_fewer_change_it(tmp_path, capsys, a
     module = small_model(attention, max_seq_len=32)
     run = tmp_path / "run"
     checkpoint = save_checkpoint(module, run / "checkpoints" / "last.ckpt")
-    code, out = run_eval(["quantize", str(checkpoint), "--text-file", *write_texts(tmp_path), "--documents", "3",
+    code, out = run_eval(["quantize", str(checkpoint), "--text-file", *write_texts(tmp_path), "--rows", "3",
                           "--context-len", "12", "--bits", "16", "8", "3", "--device", "cpu"], capsys)
     assert code == 0, out
     scalars = json.loads((run / "eval" / "quantize.json").read_text())["scalars"]
@@ -67,7 +67,7 @@ def test_tasks_are_scored_at_each_width(memorised, tmp_path, capsys):
     assert code == 0, out
     plain = json.loads((tmp_path / "plain" / "harness.json").read_text())["tasks"]["diffexp_toy"]["acc"]
     (tmp_path / "doc.txt").write_text(PATTERN * 2)
-    code, out = run_eval(["quantize", str(memorised), "--text-file", str(tmp_path / "doc.txt"), "--documents", "1",
+    code, out = run_eval(["quantize", str(memorised), "--text-file", str(tmp_path / "doc.txt"), "--rows", "1",
                           "--context-len", "16", "--bits", "16", "2", "--tasks", "diffexp_toy", "--include-path",
                           str(tasks), "--bootstrap-iters", "0", "--device", "cpu", "--out", str(tmp_path / "q")],
                          capsys)

@@ -59,7 +59,7 @@ def test_rounding_command(tmp_path, capsys, attention):
     module = small_model(attention, max_seq_len=32)
     run = tmp_path / "run"
     checkpoint = save_checkpoint(module, run / "checkpoints" / "last.ckpt")
-    code, out = run_eval(["rounding", str(checkpoint), "--text-file", *write_texts(tmp_path), "--documents", "2",
+    code, out = run_eval(["rounding", str(checkpoint), "--text-file", *write_texts(tmp_path), "--rows", "2",
                           "--context-len", "12", "--device", "cpu"], capsys)
     assert code == 0, out
     scalars = json.loads((run / "eval" / "rounding.json").read_text())["scalars"]

@@ -1,6 +1,8 @@
-"""Held-out token rows for the evaluations that read the model's own maps (outliers, quantize, rounding): the first
-documents long enough of the checkpoint's validation documents (as `diffexp eval nll` finds them) or of
---text-file, each cut to context_len + 1 tokens (the inputs and, one position on, the targets).
+"""Held-out token rows for the evaluations that read the model's own maps (outliers, quantize, rounding): windows of
+context_len + 1 tokens (the inputs and, one position on, the targets) of the checkpoint's validation documents (as
+`diffexp eval nll` finds them) or of --text-file. Each document is cut into consecutive windows, and the rows are
+taken from the documents in turn (the first window of each, then the second of each, ...), so a few long
+documents still give many rows, and many documents give rows from as many of them.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ class HeldOutOptions:
     context_len: int | None = option(None, "tokens per row (default: the length the model was trained at, "
                                            "data.seq_len, else its max_seq_len); a document needs one more",
                                      minimum=1)
-    documents: int = option(8, "held-out rows: the first documents long enough, in order", minimum=1)
+    rows: int = option(32, "held-out rows: windows of context_len + 1 tokens, from the documents in turn", minimum=1)
     batch_size: int = option(4, "rows per forward", minimum=1)
 
 
@@ -41,7 +43,33 @@ def held_out_rows(options: HeldOutOptions, context: Context) -> tuple[list[list[
 
             saved = ResumableDataLoader.saved_identity(context.checkpoint)
         texts, source = documents.validation_texts(context.data, saved)
-    return documents.long_token_rows(texts, tokenizer, context_len + 1, options.documents, source), source
+    return windows(texts, tokenizer, context_len + 1, options.rows, source, context.flag("rows")), source
+
+
+def windows(texts, tokenizer, n_tokens: int, count: int, source: str, flag: str) -> list[list[int]]:
+    """`count` windows of `n_tokens` ids, from the documents in turn; documents are read until there are at least
+    `count` windows from at least `count` documents (or no more documents)."""
+    from diffexp.errors import UserError
+
+    per_document, total = [], 0
+    for text in texts:
+        ids = list(tokenizer.encode(text))
+        cut = [ids[start:start + n_tokens] for start in range(0, len(ids) - n_tokens + 1, n_tokens)]
+        if cut:
+            per_document.append(cut)
+            total += len(cut)
+        if total >= count and len(per_document) >= count:
+            break
+    if total < count:
+        raise UserError(f"{flag}={count} is invalid: the documents of {source} give {total} windows of {n_tokens} "
+                        f"tokens (the context and the token after it); lower {flag} or the context length, or give "
+                        "longer documents")
+    rows = []
+    for turn in range(max(len(cut) for cut in per_document)):
+        rows += [cut[turn] for cut in per_document if turn < len(cut)][:count - len(rows)]
+        if len(rows) == count:
+            return rows
+    return rows
 
 
 def batches(rows: list[list[int]], batch_size: int, device) -> Iterator:

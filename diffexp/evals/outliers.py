@@ -159,6 +159,6 @@ class OutlierResults:
         directory.mkdir(parents=True, exist_ok=True)
         (directory / f"{self.name}.md").write_text(self.table() + "\n")
         (directory / f"{self.name}.json").write_text(json.dumps(
-            {"variant": self.variant, "source": self.source, "documents": self.documents,
+            {"variant": self.variant, "source": self.source, "rows": self.documents,
              "context_len": self.context_len, "pooled": self.pooled}, indent=2) + "\n")
         return {"csv": self.to_csv(directory / f"{self.name}.csv"), "md": directory / f"{self.name}.md"}

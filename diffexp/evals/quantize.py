@@ -116,7 +116,7 @@ class QuantizeResults:
             writer.writeheader()
             writer.writerows(rows)
         (directory / f"{self.name}.json").write_text(json.dumps(
-            {"variant": self.variant, "source": self.source, "documents": self.documents,
+            {"variant": self.variant, "source": self.source, "rows": self.documents,
              "context_len": self.context_len, "scalars": self.scalars()}, indent=2) + "\n")
         (directory / f"{self.name}.md").write_text(self.table() + "\n")
         return {"csv": directory / f"{self.name}.csv", "json": directory / f"{self.name}.json"}
