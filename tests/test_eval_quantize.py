@@ -54,6 +54,8 @@ def test_sixteen_bits_reproduce_the_loss_and_fewer_change_it(tmp_path, capsys, a
     assert scalars["quantize/loss_unquantized"] == pytest.approx(naive_loss(module, rows), rel=1e-6)
     full = scalars["quantize/loss_unquantized"]
     assert scalars["quantize/loss_b16"] == pytest.approx(full, rel=1e-6)
+    for bits in (16, 8, 3):  # the cost of each width, beside the loss
+        assert scalars[f"quantize/loss_increase_b{bits}"] == pytest.approx(scalars[f"quantize/loss_b{bits}"] - full)
     # an untrained model's loss barely reads its attention (a trained one: test_tasks_are_scored_at_each_width)
     assert scalars["quantize/loss_b3"] != full
     with open(run / "eval" / "quantize.csv") as f:

@@ -77,6 +77,8 @@ class QuantizeResults:
     def scalars(self) -> dict[str, float]:
         out = {"quantize/loss_unquantized": self.unquantized}
         out.update({f"quantize/loss_b{bits}": loss for bits, loss in self.losses.items()})
+        # what the width costs, apart from the model's own loss: designs compare on it whatever their loss
+        out.update({f"quantize/loss_increase_b{bits}": loss - self.unquantized for bits, loss in self.losses.items()})
         for bits, tasks in self.harness.items():
             out.update({f"quantize/b{bits}/{task}/{metric}": value for task, metrics in tasks.items()
                         for metric, value in metrics.items() if value is not None and math.isfinite(value)})
