@@ -99,10 +99,13 @@ def level_text(level: float) -> str:
 
 
 def format_diff(x: float | None) -> str:
-    """A signed difference: '+0.0612', '-0.0040'; EMPTY for none."""
+    """A signed difference: '+0.0612', '-0.0040'; below 0.001 in three significant digits ('-4.21e-05'), so that
+    a small quantity (a rounding error) does not read as '-0.0000'; EMPTY for none."""
     if x is None:
         return EMPTY
-    return f"{x:+,.1f}" if abs(x) >= 1000 else f"{x:+.4f}"
+    if abs(x) >= 1000:
+        return f"{x:+,.1f}"
+    return f"{x:+.2e}" if 0 < abs(x) < 1e-3 else f"{x:+.4f}"
 
 
 def paired_headers(paired: PairedReport) -> list[str]:
