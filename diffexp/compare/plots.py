@@ -314,7 +314,8 @@ def plot_bit_widths(runs: StudyRuns, rows: Sequence[CaseSummary], path: str | Pa
         ax.set_xlabel("bits")
         ax.set_ylabel(family)
         ax.grid(True, alpha=0.3)
-        ax.set_title(f"{runs.study}: {family} by bit width (mean ± std over seeds)", fontsize=10)
+        ax.set_title(f"{family} by bit width", fontsize=10)
         ax.legend(fontsize=8)
+    fig.suptitle(f"{runs.study}: mean ± sample std over complete seeds", fontsize=10)
     fig.savefig(path, dpi=PLOT_DPI)
     return True
