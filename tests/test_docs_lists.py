@@ -95,6 +95,17 @@ def test_evaluations_md_gives_every_registered_evaluation_its_command():
     assert not problems, "\n".join(problems)
 
 
+def test_the_readmes_tested_versions_start_at_pyprojects_floors():
+    """README's "Tested with ..." line names each key dependency's floor as pyproject declares it."""
+    pyproject = (REPO / "pyproject.toml").read_text()
+    readme = (REPO / "README.md").read_text()
+    line = next(line for line in readme.split("\n\n") if line.startswith("Tested with"))
+    for name, written in (("torch", "torch"), ("lightning", "Lightning"), ("jsonargparse", "jsonargparse"),
+                          ("optuna", "Optuna")):
+        floor = re.search(rf'"{name}(?:\[\w+\])?>=([\d.]+)', pyproject).group(1)
+        assert re.search(rf"{written} {re.escape(floor)}\b", " ".join(line.split())), (name, floor, line)
+
+
 def test_a_flag_missing_from_a_list_is_named():
     """The checks above can fail, and say what is wrong."""
     text = "- shared: `d_model` (`sdpa`, or `eager`), `n_layers`\n- `gated`: `gate`,\n  `sink`\n"
