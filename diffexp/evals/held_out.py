@@ -27,23 +27,39 @@ class HeldOutOptions:
 def held_out_rows(options: HeldOutOptions, context: Context) -> tuple[list[list[int]], str]:
     """(rows of context_len + 1 token ids, where they come from); a UserError naming the flag otherwise."""
     from diffexp.data import documents
-    from diffexp.evals.common import at_most_max_seq_len
 
-    arch = context.arch
-    trained = min(context.data.get("seq_len") or arch["max_seq_len"], arch["max_seq_len"])
-    context_len = options.context_len if options.context_len is not None else trained
-    at_most_max_seq_len(context.flag("context_len"), context_len, arch)
+    context_len = checked_context_len(options.context_len, context)
     tokenizer = context.tokenizer()
     if options.text_file:
         texts, source = documents.file_texts(options.text_file), "the --text-file files"
     else:
-        saved = None
-        if context.checkpoint is not None:
-            from diffexp.data.loader import ResumableDataLoader
-
-            saved = ResumableDataLoader.saved_identity(context.checkpoint)
-        texts, source = documents.validation_texts(context.data, saved)
+        texts, source = validation_texts(context)
     return windows(texts, tokenizer, context_len + 1, options.rows, source, context.flag("rows")), source
+
+
+def checked_context_len(given: int | None, context: Context) -> int:
+    """The tokens of context per row: `given`, else the length the model was trained at (data.seq_len, else its
+    max_seq_len); a UserError naming context_len when longer than the model's max_seq_len."""
+    from diffexp.evals.common import at_most_max_seq_len
+
+    arch = context.arch
+    trained = min(context.data.get("seq_len") or arch["max_seq_len"], arch["max_seq_len"])
+    context_len = given if given is not None else trained
+    at_most_max_seq_len(context.flag("context_len"), context_len, arch)
+    return context_len
+
+
+def validation_texts(context: Context):
+    """(the validation documents of the model's own training data, a description of them); a checkpoint's data
+    prepared again since it was saved is refused."""
+    from diffexp.data import documents
+
+    saved = None
+    if context.checkpoint is not None:
+        from diffexp.data.loader import ResumableDataLoader
+
+        saved = ResumableDataLoader.saved_identity(context.checkpoint)
+    return documents.validation_texts(context.data, saved)
 
 
 def windows(texts, tokenizer, n_tokens: int, count: int, source: str, flag: str) -> list[list[int]]:

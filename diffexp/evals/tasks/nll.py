@@ -29,7 +29,7 @@ class NLLOptions:
 
 def inputs(options: NLLOptions, context: Context):
     from diffexp.data import documents
-    from diffexp.evals.common import at_most_max_seq_len
+    from diffexp.evals.held_out import checked_context_len, validation_texts
 
     if options.text_file and options.dataset:
         raise UserError(f"{context.flag('text_file')} and {context.flag('dataset')} are exclusive: give the "
@@ -37,10 +37,7 @@ def inputs(options: NLLOptions, context: Context):
     if options.split is not None and options.dataset is None:
         raise UserError(f"{context.flag('split')}={options.split!r} is invalid without {context.flag('dataset')}: "
                         "it selects a Hub dataset's split")
-    arch = context.arch
-    trained = min(context.data.get("seq_len") or arch["max_seq_len"], arch["max_seq_len"])
-    context_len = options.context_len if options.context_len is not None else trained
-    at_most_max_seq_len(context.flag("context_len"), context_len, arch)
+    context_len = checked_context_len(options.context_len, context)
     tokenizer = context.tokenizer()
     if options.text_file:
         texts, source = documents.file_texts(options.text_file), "the --text-file files"
@@ -48,12 +45,7 @@ def inputs(options: NLLOptions, context: Context):
         texts = documents.table_texts(options.dataset, options.text_column, options.split)
         source = repr(options.dataset)
     else:
-        saved = None
-        if context.checkpoint is not None:
-            from diffexp.data.loader import ResumableDataLoader
-
-            saved = ResumableDataLoader.saved_identity(context.checkpoint)
-        texts, source = documents.validation_texts(context.data, saved)
+        texts, source = validation_texts(context)
     return documents.long_token_rows(texts, tokenizer, context_len + 1, options.documents, source), source
 
 
