@@ -12,6 +12,7 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 from collections import Counter
 from pathlib import Path
 
@@ -193,6 +194,24 @@ def assert_same_weights(a: dict, b: dict, atol: float = WEIGHTS_ATOL) -> None:
         torch.testing.assert_close(a[key], b[key], rtol=0, atol=atol, msg=key)
 
 
+def callback(class_name: str, **init_args) -> str:
+    """A fit argument adding the callback tests.helpers.<class_name>(**init_args)."""
+    return "--trainer.callbacks+=" + json.dumps({"class_path": f"tests.helpers.{class_name}", "init_args": init_args})
+
+
+def weights_at_end(name: str) -> str:
+    """A fit argument saving the trained weights, whole, as <name>.pt in the fit's directory."""
+    return callback("SaveFullWeights", path=f"{name}.pt")
+
+
+def assert_bitwise_equal(a: Path, b: Path) -> None:
+    """Two weight files (SaveFullWeights) hold the same tensors, bit for bit."""
+    first, second = torch.load(a, weights_only=True), torch.load(b, weights_only=True)
+    assert first.keys() == second.keys()
+    for key in first:
+        assert torch.equal(first[key], second[key]), key
+
+
 def encode_documents(documents, tokenizer) -> np.ndarray:
     """The reference token stream: each document's ids, then the end-of-document id."""
     return np.array([i for text in documents for i in [*tokenizer.encode(text), tokenizer.eos_id]], dtype=np.int64)
@@ -319,6 +338,24 @@ class SignalAtStep(L.Callback):
     def on_validation_batch_start(self, trainer, pl_module, batch, batch_idx, dataloader_idx=0) -> None:
         if not trainer.sanity_checking:
             self._send(trainer, "validation")
+
+
+class SignalAtSetup(L.Callback):
+    """Send SIGTERM to this process at the fit's setup, before anything is trained or saved: a job stopped during
+    its data preparation or start-up."""
+
+    def setup(self, trainer, pl_module, stage) -> None:
+        os.kill(os.getpid(), signal.SIGTERM)
+
+
+class HoldFirstAttempt(L.Callback):
+    """Wait at the fit's setup (nothing trained or saved yet) on a SLURM job's first attempt, until a signal stops
+    it: a job preempted during its data preparation or start-up. A requeued attempt (SLURM_RESTART_COUNT >= 1)
+    goes on."""
+
+    def setup(self, trainer, pl_module, stage) -> None:
+        if int(os.environ.get("SLURM_RESTART_COUNT") or 0) == 0:
+            time.sleep(600)
 
 
 class SignalDuringSave(L.Callback):

@@ -6,7 +6,6 @@ fit` processes.
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
@@ -19,7 +18,7 @@ import torch
 
 from diffexp.checkpoint_io import read_checkpoint
 from diffexp.training import preemption
-from tests.helpers import one_thread_env, scalars, write_recipe
+from tests.helpers import assert_bitwise_equal, callback, one_thread_env, scalars, weights_at_end, write_recipe
 
 STEPS = 12  # the tiny recipe: checkpoints every 4 steps, validation every 6, logs every 2
 
@@ -29,14 +28,6 @@ def fit(root: Path, *args: str, expect: int = 0, timeout: int = 300) -> subproce
                           capture_output=True, timeout=timeout)
     assert proc.returncode == expect, f"exit {proc.returncode}, expected {expect}\n{proc.stderr[-3000:]}"
     return proc
-
-
-def callback(class_name: str, **init_args) -> str:
-    return "--trainer.callbacks+=" + json.dumps({"class_path": f"tests.helpers.{class_name}", "init_args": init_args})
-
-
-def weights_at_end(name: str) -> str:
-    return callback("SaveFullWeights", path=f"{name}.pt")
 
 
 @pytest.fixture(scope="module")
@@ -49,13 +40,6 @@ def root(tmp_path_factory) -> Path:
 
 def last_step(root: Path, name: str) -> int:
     return read_checkpoint(root / f"runs/{name}/version_0/checkpoints/last.ckpt", weights=False)["global_step"]
-
-
-def assert_bitwise_equal(a: Path, b: Path) -> None:
-    first, second = torch.load(a, weights_only=True), torch.load(b, weights_only=True)
-    assert first.keys() == second.keys()
-    for key in first:
-        assert torch.equal(first[key], second[key]), key
 
 
 def test_sigterm_mid_step_saves_that_step_and_the_resumed_run_ends_on_the_uninterrupted_weights(root):

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import json
 import re
 import shlex
 import time
@@ -29,6 +30,7 @@ import torch
 
 from diffexp.checkpoint_io import read_checkpoint
 from diffexp.sweep.storage import open_storage
+from diffexp.training.slurm_jobs import jobs_of
 from tests.helpers import FSDP2, REPO, TINY_OVERRIDES, trials_by_state, write_fsdp_recipe, write_spec
 
 #: what the GPU scripts ask for that this CPU node has not, given on the sbatch line (it overrides #SBATCH)
@@ -81,14 +83,15 @@ def job_log(directory: Path, job: str) -> str:
     return "".join(p.read_text(errors="replace") for p in sorted(directory.glob(f"slurm-*{job}*.out")))
 
 
-def fit_job(slurm, tmp_path: Path, name: str, steps: int) -> str:
-    """gpu.md's fit.sbatch submitted as the page says, on a tiny 2-rank FSDP2 CPU recipe named `name`."""
+def fit_job(slurm, tmp_path: Path, name: str, steps: int, *extra: str) -> str:
+    """gpu.md's fit.sbatch submitted as the page says, on a tiny 2-rank FSDP2 CPU recipe named `name` (and `extra`
+    fit arguments)."""
     [command] = save_scripts(REPO / "docs/gpu.md", tmp_path)
     argv = shlex.split(command)
     assert argv[:2] == ["sbatch", "fit.sbatch"], command
     fit_args_parse(argv[2:])  # the page's GPU recipes: a valid fit
     recipe = write_fsdp_recipe(tmp_path, name, devices=2, batch=2, strategy=FSDP2 % "false", steps=steps)
-    return slurm.sbatch(tmp_path / "fit.sbatch", *CPU_NODE, args=("--config", recipe.name))
+    return slurm.sbatch(tmp_path / "fit.sbatch", *CPU_NODE, args=("--config", recipe.name, *extra))
 
 
 def test_the_fit_script_of_gpu_md_trains_one_fsdp2_run_over_its_two_srun_tasks(slurm, tmp_path):
@@ -172,6 +175,43 @@ def test_a_preempted_fit_job_resumes_to_the_weights_of_the_uninterrupted_job(slu
         assert resumed.keys() == uninterrupted.keys()
         for key in uninterrupted:
             assert torch.equal(resumed[key], uninterrupted[key]), (name, key)
+
+
+@pytest.mark.heavy  # one 2-task job of 8 steps, then a second one requeued before its first save (about 3 min)
+def test_a_fit_job_requeued_before_its_first_save_starts_a_new_run_and_resumes_no_other(slurm, tmp_path):
+    """A job preempted while it prepares its data (here: held at setup on its first attempt) has a run directory
+    but no checkpoint. Its requeue's `--ckpt_path last` starts a new run, trained from scratch to the weights of the
+    job before it, instead of refusing or resuming that earlier job's finished run of the same name."""
+    steps = 8
+    earlier = fit_job(slurm, tmp_path, "early", steps)  # version_0
+    [done] = slurm.wait(earlier, timeout=400)
+    assert done["JobState"] == "COMPLETED", job_log(tmp_path, earlier)[-3000:]
+    finished = torch.load(tmp_path / "early.pt", weights_only=True)
+    saved_at = (tmp_path / "runs/early/version_0/checkpoints/last.ckpt").stat().st_mtime_ns
+    hold = "--trainer.callbacks+=" + json.dumps({"class_path": "tests.helpers.HoldFirstAttempt"})
+    job = fit_job(slurm, tmp_path, "early", steps, hold)
+    held = tmp_path / "runs/early/version_1"
+    deadline = time.monotonic() + 300
+    while not jobs_of(held):  # the run directory exists and lists the job: the fit is at its setup
+        assert time.monotonic() < deadline, job_log(tmp_path, job)[-3000:]
+        time.sleep(0.2)
+    slurm.run("scontrol", "requeue", job)
+    slurm.wait(job, until=lambda j: j[0]["Restarts"] == "1" and j[0]["JobState"] == "PENDING", timeout=180)
+    slurm.release(job)
+    [done] = slurm.wait(job, timeout=600)
+    log = job_log(tmp_path, job)
+    assert (done["JobState"], done["ExitCode"], done["Restarts"]) == ("COMPLETED", "0:0", "1"), log[-3000:]
+    assert not list(held.glob("checkpoints/*")), log[-3000:]
+    assert (f"SLURM job {job} started runs/early/version_1 before and saved no checkpoint there: starting a new run"
+            in log), log[-3000:]
+    assert "resuming from" not in log
+    rerun = tmp_path / "runs/early/version_2"
+    assert jobs_of(rerun) == {job} and read_checkpoint(rerun / "checkpoints/last.ckpt")["global_step"] == steps
+    rerun_weights = torch.load(tmp_path / "early.pt", weights_only=True)  # from scratch: the earlier job's, bit for bit
+    assert rerun_weights.keys() == finished.keys()
+    assert all(torch.equal(rerun_weights[k], finished[k]) for k in finished)
+    assert (tmp_path / "runs/early/version_0/checkpoints/last.ckpt").stat().st_mtime_ns == saved_at
+    assert not list((tmp_path / "runs/early/version_0").glob("config.resumed-*.yaml"))
 
 
 @pytest.mark.heavy  # four tiny trials of 40 steps on a 2-task array, one task requeued (a few minutes)

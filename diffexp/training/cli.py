@@ -19,6 +19,8 @@ from jsonargparse import Namespace
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
+from lightning.pytorch.loggers import TensorBoardLogger
+from lightning.pytorch.utilities import rank_zero_only
 
 from diffexp.checkpoint_io import read_checkpoint
 from diffexp.errors import UserError, dash_value_hint, debug_enabled
@@ -43,6 +45,7 @@ from diffexp.training.progress import use_step_progress_bar
 from diffexp.training.recipe import DEFAULT_DATA_CLASS, TRAINER_DEFAULTS
 from diffexp.training.report import RunReport, print_summary, progress_interval
 from diffexp.training.runs import AtomicCheckpointIO, resolve_resume, run_logger
+from diffexp.training.slurm_jobs import current_job, record_job
 from diffexp.training.throughput import Throughput
 from diffexp.training.values import data_init_args, to_builtin
 from diffexp.training.warm_start import check_init_from
@@ -166,6 +169,10 @@ class DiffexpCLI(CLIInternals):
             trainer_config.get("logger"), self.setting(self.config, "ckpt_path"))
         if logger is not None:
             trainer.logger = logger
+        job = current_job()
+        if self.subcommand == "fit" and job and isinstance(trainer.logger, TensorBoardLogger) \
+                and rank_zero_only.rank == 0:  # the run this SLURM job trains, for its requeue's --ckpt_path last
+            record_job(Path(trainer.logger.log_dir), job)
         if type(trainer.strategy.checkpoint_io) is TorchCheckpointIO:  # FSDP's sharded IO is left alone
             trainer.strategy.checkpoint_io = AtomicCheckpointIO()
         configured = self.setting(self.config_init, "trainer", default={}).get("callbacks") or []
@@ -201,7 +208,12 @@ class DiffexpCLI(CLIInternals):
             return
         progress_interval()  # a bad DIFFEXP_PROGRESS_EVERY_S is refused before any file is written
         config = self.config[subcommand]
-        ckpt_path = config.get("ckpt_path")
+        ckpt_path, resumed = config.get("ckpt_path"), None
+        logger = config.trainer.get("logger")
+        if subcommand == "fit" and ckpt_path and _is_tensorboard(logger):
+            resumed = resolve_resume(ckpt_path, logger.init_args.save_dir, logger.init_args.name)
+            if resumed[0] is None:  # --ckpt_path last of a requeued SLURM job whose run saved nothing: a new run
+                config.ckpt_path = ckpt_path = None
         if not ckpt_path:  # data.batch_size auto: a number from the GPU's free memory (a resume: the checkpoint's)
             resolve_auto_batch(config)
         arch = validate_fit_config(config, subcommand, self.words)
@@ -211,12 +223,7 @@ class DiffexpCLI(CLIInternals):
             check_init_from(init_from, asdict(arch), data_args, data_class)
         if not ckpt_path:
             return
-        logger = config.trainer.get("logger")
-        if subcommand == "fit" and _is_tensorboard(logger):
-            init_args = logger.init_args
-            path, version = resolve_resume(ckpt_path, init_args.save_dir, init_args.name)
-        else:
-            path, version = Path(ckpt_path), None
+        path, version = resumed or (Path(ckpt_path), None)
         checkpoint = read_checkpoint(path, weights=False)
         if is_auto(config):
             resolve_auto_batch(config, checkpoint)
@@ -226,7 +233,7 @@ class DiffexpCLI(CLIInternals):
         if subcommand != "fit":
             return
         if version is not None:  # append to the run being resumed, keep its first config.yaml
-            init_args.version = version
+            logger.init_args.version = version
             self.save_config_kwargs["config_filename"] = time.strftime("config.resumed-%Y%m%d-%H%M%S.yaml")
         print(f"resuming from {path}", file=sys.stderr)
 

@@ -1,6 +1,7 @@
 """Run directories: where a run logs, and which run `--ckpt_path last` resumes.
 
-Layout: <save_dir>/<name>/<version>/ holds the TensorBoard events, config.yaml and checkpoints/.
+Layout: <save_dir>/<name>/<version>/ holds the TensorBoard events, config.yaml and checkpoints/ (and, for a
+run trained inside SLURM jobs, slurm-jobs.txt: diffexp.training.slurm_jobs).
 A new run always gets a new version, reserved with an atomic mkdir; a resumed run appends to the
 version it resumes. `diffexp validate` / `test` log into <run>/eval/<subcommand>-<time>/ of the run
 whose checkpoint they evaluate (<save_dir>/<name>/eval/... for other checkpoints), never into a new
@@ -14,6 +15,7 @@ import logging
 import os
 import re
 import shutil
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -26,6 +28,7 @@ from lightning.pytorch.utilities import rank_zero_only
 
 from diffexp.checkpoint_io import no_space_error, save_failed_for_space, tensor_bytes, verify_checkpoint
 from diffexp.errors import UserError
+from diffexp.training.slurm_jobs import current_job, run_of_job
 
 log = logging.getLogger(__name__)
 
@@ -41,14 +44,40 @@ def find_last_checkpoint(experiment_dir: Path) -> Path | None:
     return max(candidates, key=lambda p: p.stat().st_mtime) if candidates else None
 
 
-def resolve_resume(ckpt_path: str, save_dir: str, name: str) -> tuple[Path, str | None]:
+def runs_newest_first(experiment_dir: Path) -> list[Path]:
+    """The version_<k> run directories of an experiment, highest k first."""
+    if not experiment_dir.is_dir():
+        return []
+    runs = [(int(m.group(1)), p) for p in experiment_dir.iterdir() if (m := VERSION_DIR.fullmatch(p.name))]
+    return [run for _, run in sorted(runs, reverse=True)]
+
+
+def resolve_resume(ckpt_path: str, save_dir: str, name: str) -> tuple[Path | None, str | None]:
     """Map --ckpt_path (a file or "last") to (checkpoint file, version of the run it belongs to).
 
     The version is None when the checkpoint lies outside <save_dir>/<name>: the resumed run then
-    starts a new version rather than writing into someone else's directory.
+    starts a new version rather than writing into someone else's directory. Inside a SLURM job, "last" is
+    the run this job trained (diffexp.training.slurm_jobs); (None, None) when that run saved nothing yet,
+    and the fit starts a new run.
     """
     experiment_dir = Path(save_dir) / name
     if ckpt_path == "last":
+        job = current_job()
+        own = run_of_job(runs_newest_first(experiment_dir), job) if job else None
+        if own is not None:
+            last = own / "checkpoints" / "last.ckpt"
+            if not last.exists():
+                saved = sorted(p.name for p in (own / "checkpoints").glob("*.ckpt")) if (
+                    own / "checkpoints").is_dir() else []
+                if saved:  # checkpoint.save_last=false: the run's own checkpoints are not thrown away
+                    raise UserError(
+                        f"--ckpt_path last: SLURM job {job}'s run {own} has no checkpoints/last.ckpt but saved "
+                        f"{', '.join(saved)}; pass one of them as --ckpt_path")
+                if rank_zero_only.rank == 0:
+                    print(f"SLURM job {job} started {own} before and saved no checkpoint there: starting a new run",
+                          file=sys.stderr)
+                return None, None
+            return last, own.name
         found = find_last_checkpoint(experiment_dir)
         if found is None:
             raise UserError(
