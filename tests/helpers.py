@@ -181,6 +181,27 @@ def trials_by_state(url: str, study: str) -> dict[str, Counter]:
     return states
 
 
+# ----------------------------------------------------------------------------- a real full disk: a small tmpfs
+
+
+@contextlib.contextmanager
+def mounted_tmpfs(mount: Path, size: str):
+    """A tmpfs of `size` (mount's `-o size=`: "64k", "64m") mounted at `mount` (created here), unmounted afterwards
+    (lazily: a process the test started may still hold a file on it); skips the test where mounting is not
+    permitted (root only)."""
+    import pytest
+
+    mount.mkdir()
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(mount)], capture_output=True,
+                          text=True)
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here ({done.stderr.strip() or done.returncode}): needs root")
+    try:
+        yield mount
+    finally:
+        subprocess.run(["umount", "-l", str(mount)], check=True)
+
+
 # ----------------------------------------------------------------------------- weights and data
 
 # runs on several CPU processes sum fp32 in another order: logged values agree to about 1e-6, weights after a few

@@ -291,3 +291,42 @@ def steps(trainer):
         "trainer.fit_loop.epoch_loop._batches_that_stepped"]
     assert private_lightning_uses("import lightning as L\n\nclass Own:\n    def _x(self):\n        self._trainer = 1\n",
                                   "toy") == []
+
+
+def _tensorboard_private_names() -> set[str]:
+    """Every private name torch.utils.tensorboard's source defines or assigns (`def _x`, `self._x`): the
+    SummaryWriter's `_get_file_writer` and the like, which a torch release may rename without notice."""
+    import re
+
+    import torch.utils.tensorboard
+
+    root = Path(torch.utils.tensorboard.__file__).parent
+    found: set[str] = set()
+    for path in root.rglob("*.py"):
+        found |= set(re.findall(r"(?:def |self\.)(_[A-Za-z]\w*)", path.read_text(errors="ignore")))
+    return found
+
+
+def private_tensorboard_uses(source: str, names: set[str]) -> list[str]:
+    """Each `obj._x` a module reads or calls, on anything but `self`/`cls`, where torch.utils.tensorboard has a
+    private member `_x` (`logger.experiment._get_file_writer()`)."""
+    return [f"line {node.lineno}: {ast.unparse(node)}" for node in ast.walk(ast.parse(source))
+            if isinstance(node, ast.Attribute) and node.attr in names
+            and not (isinstance(node.value, ast.Name) and node.value.id in ("self", "cls"))]
+
+
+def test_no_private_tensorboard_writer_member_is_used():
+    """TensorBoard's writers are used through their public members (SummaryWriter, its `file_writer` and
+    `get_logdir`, FileWriter): diffexp/training/hparams.py's write_summaries writes the HParams row that way."""
+    names = _tensorboard_private_names()
+    assert "_get_file_writer" in names  # the scan reads torch's source
+    uses = [f"{path.relative_to(PACKAGE.parent)} {use}" for path in MODULES.values()
+            for use in private_tensorboard_uses(path.read_text(), names)]
+    assert uses == [], "private torch.utils.tensorboard members used:\n" + "\n".join(uses)
+
+
+def test_private_tensorboard_uses_are_found():
+    source = ("writer = logger.experiment._get_file_writer()\nself._get_file_writer()\n"
+              "logger.experiment.file_writer.add_summary(summary)\n")
+    assert private_tensorboard_uses(source, {"_get_file_writer"}) == [
+        "line 1: logger.experiment._get_file_writer"]

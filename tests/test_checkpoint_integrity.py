@@ -23,7 +23,7 @@ import torch
 from diffexp.checkpoint_io import CHECKSUMS, read_checkpoint
 from diffexp.cli import main
 from diffexp.errors import UserError
-from tests.helpers import no_process_group_left, write_recipe
+from tests.helpers import mounted_tmpfs, no_process_group_left, write_recipe
 
 FSDP2 = ["--trainer.strategy.class_path", "diffexp.parallel.FSDP2Strategy"]
 FLIPPED = 64  # bytes changed, as in the finding that started this: the largest embedding weight became 2070
@@ -330,17 +330,9 @@ def test_two_ranks_hash_their_own_shards_and_a_flipped_one_stops_every_rank(tmp_
 
 @pytest.fixture
 def small_disk(tmp_path):
-    """A 64 KiB tmpfs mounted at tmp_path/disk, unmounted afterwards; skipped where mounting is not permitted."""
-    mount = tmp_path / "disk"
-    mount.mkdir()
-    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(mount)], capture_output=True,
-                          text=True)
-    if done.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here ({done.stderr.strip() or done.returncode}): needs root")
-    try:
+    """A 64 KiB tmpfs at tmp_path/disk, unmounted afterwards; skipped where mounting is not permitted."""
+    with mounted_tmpfs(tmp_path / "disk", "64k") as mount:
         yield mount
-    finally:
-        subprocess.run(["umount", str(mount)], check=True)
 
 
 @pytest.mark.parametrize("weights_format", ["safetensors", "torch", "hf"])

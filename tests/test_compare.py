@@ -391,3 +391,27 @@ def test_a_metric_at_several_bit_widths_is_drawn_against_the_width(tmp_path):
     rows = run_compare(study, out=tmp_path / "out", console=Console(file=io.StringIO(), width=200))
     assert [bits for bits, _ in bit_width_families(rows)["quantize/loss"]] == [16, 8, 6, 4]
     assert (tmp_path / "out" / "bit_widths.png").stat().st_size > 10_000
+
+
+def test_small_metrics_keep_their_significant_digits(tmp_path, capsys):
+    """A rounding error (~1e-3 .. 1e-6) reads in significant digits in the main table, not as '0.002 ± 0.000',
+    while the loss beside it keeps three decimals and compare.csv keeps the full values."""
+    study = tmp_path / "small"
+    write_sweep(study, [("Transformer", "transformer")], [0, 1, 2])
+    errors, biases = [0.00209, 0.00213, 0.00217], [-2e-6, -3e-6, -4e-6]
+    for seed in (0, 1, 2):
+        write_trial(study, "Transformer", "transformer", seed,
+                    {"val/loss": 1.90 + 0.02 * seed, "rounding/bf16_rel_error": errors[seed],
+                     "rounding/bf16_bias": biases[seed]})
+    assert compare.main([str(study), "--out", str(tmp_path / "out"), "--no-plots"]) == 0
+    printed = capsys.readouterr().out
+    header, row = markdown_tables((tmp_path / "out" / "compare.md").read_text())[0]
+    cells = dict(zip(header, row))
+    assert cells["Valid loss ↓"] == "**1.920 ± 0.020**"
+    assert cells["rounding/bf16_rel_error"] == "0.00213 ± 0.00004"
+    assert cells["rounding/bf16_bias"] == "-3.00e-06 ± 1.00e-06"
+    assert "0.00213 ± 0.00004" in printed and "-3.00e-06 ± 1.00e-06" in printed
+    with open(tmp_path / "out" / "compare.csv", newline="") as f:
+        record = next(csv.DictReader(f))
+    assert float(record["rounding/bf16_rel_error_mean"]) == pytest.approx(statistics.mean(errors), rel=1e-12)
+    assert float(record["rounding/bf16_bias_std"]) == pytest.approx(statistics.stdev(biases), rel=1e-12)

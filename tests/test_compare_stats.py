@@ -33,6 +33,22 @@ def test_ci95_half_width():
     assert stat.format() == "1.920 ± 0.020"  # the table keeps mean ± std
 
 
+@pytest.mark.parametrize("values, text", [
+    ([1.90, 1.92, 1.94], "1.920 ± 0.020"),  # a loss: three decimals, its std too, however small
+    ([6.35, 6.3504], "6.350 ± 0.000"),
+    ([0.041, 0.045], "0.043 ± 0.003"),  # from 0.01 up, as before
+    ([1234.5, 1300.0], "1,267.2 ± 46.315"),
+    ([0.0, 0.0], "0.000 ± 0.000"),
+    ([0.0001, 0.5], "0.250 ± 0.353"),  # the std sets the digits when it is the larger
+    ([0.00209, 0.00213, 0.00217], "0.00213 ± 0.00004"),  # small: three significant digits, the std alike
+    ([0.009, 0.0095], "0.00925 ± 0.00035"),
+    ([-2e-6, -3e-6, -4e-6], "-3.00e-06 ± 1.00e-06"),  # below 0.001 an exponent, as the paired differences
+    ([0.002], "0.00200 ± n/a"),
+])
+def test_format_gives_small_values_significant_digits(values, text):
+    assert Stat(values).format() == text
+
+
 def test_csv_holds_the_ci(tmp_path):
     study = make_study(tmp_path)
     compare.compare(study, out=tmp_path / "out", plots=False, console=_quiet())

@@ -71,6 +71,38 @@ def test_outliers_match_a_hand_computation(tmp_path, capsys, attention):
         for stat, value in stats(values).items():
             assert scalars[kind][stat] == pytest.approx(value, rel=1e-4, abs=1e-6)
     assert "| attention logits |" in out and "| hidden states |" in out
+    check_printed_table(out, scalars)
+
+
+def check_printed_table(out: str, pooled: dict[str, dict[str, float]]) -> None:
+    """The printed table's cells are the pooled values, each column in one number of decimals that gives its
+    smallest value 4 significant digits (zeros kept)."""
+    rows = {"attention logits": "logits", "hidden states": "hidden"}
+    cells = {rows[parts[2]]: parts[3:7] for line in out.splitlines()
+             if len(parts := [p.strip() for p in line.split("|")]) > 7 and parts[2] in rows}
+    assert set(cells) == {"logits", "hidden"}
+    for i, stat in enumerate(("top1", "top2", "top3", "median")):
+        column = [cells[kind][i] for kind in ("logits", "hidden")]
+        decimals = {len(text.partition(".")[2]) for text in column}
+        assert len(decimals) == 1, column
+        (places,) = decimals
+        smallest = min(pooled[kind][stat] for kind in ("logits", "hidden"))
+        assert places == max(0, 3 - math.floor(math.log10(smallest))), column
+        for kind, text in zip(("logits", "hidden"), column, strict=True):
+            assert float(text) == pytest.approx(pooled[kind][stat], abs=0.51 * 10**-places), (kind, stat)
+
+
+def test_a_column_of_the_printed_table_keeps_one_number_of_decimals():
+    """'6.200' above '6.167', not '6.2' above '6.167'; the csv keeps its own precision."""
+    from diffexp.evals.outliers import OutlierResults
+
+    pooled = {"logits": {"top1": 21.3512, "top2": 6.2, "top3": 6.1, "median": 1.2, "count": 10},
+              "hidden": {"top1": 4.78123, "top2": 6.167, "top3": 0.05, "median": 0.000346123, "count": 10}}
+    results = OutlierResults([], pooled, "baseline", "text", documents=1, context_len=CONTEXT)
+    table = results.table()
+    assert "| baseline | attention logits | 21.351 | 6.200 | 6.10000 | 1.2000000 |" in table
+    assert "| baseline | hidden states | 4.781 | 6.167 | 0.05000 | 0.0003461 |" in table
+    check_printed_table(table, pooled)
 
 
 def test_outliers_refuses_bad_options_before_loading(tmp_path, capsys):

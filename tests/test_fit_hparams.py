@@ -13,7 +13,15 @@ from diffexp.cli import main
 from diffexp.model import Decoder
 from diffexp.model.attention.registry import variant
 from diffexp.model.config import SHARED_FIELDS, ModelConfig
-from diffexp.training.hparams import BEST_VAL_LOSS, FINAL_VAL_LOSS, METRICS, TOKENS_PER_S, TRAIN_LOSS, hparam_value
+from diffexp.training.hparams import (
+    BEST_VAL_LOSS,
+    FINAL_VAL_LOSS,
+    METRICS,
+    TOKENS_PER_S,
+    TRAIN_LOSS,
+    hparam_value,
+    write_row,
+)
 from tests.helpers import scalars, write_recipe
 
 
@@ -164,6 +172,33 @@ def test_fits_without_a_logger_or_with_autolog_off_write_no_row(tmp_path, monkey
     fit(tmp_path, "--trainer.enable_autolog_hparams", "false", max_steps=2)  # as a sweep's trials (their own row)
     assert hparams_summaries(tmp_path / "runs/cmp/version_0") == {}
     assert not ({BEST_VAL_LOSS, TOKENS_PER_S} & set(scalars(tmp_path / "runs/cmp/version_0")))
+
+
+@pytest.mark.parametrize("closed", [False, True], ids=["open", "after-fit"])
+def test_a_row_is_written_into_the_run_directory_itself(tmp_path, closed):
+    """write_row goes through TensorBoard's public writer into the run's own directory (no subdirectory, a run of
+    its own, as SummaryWriter.add_hparams makes), where the HParams tab shows it as that run's row with its latest
+    values; also once the logger has closed its writer (the validation after fit)."""
+    from lightning.pytorch.loggers import TensorBoardLogger
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    from tensorboard.plugins.hparams import metadata
+
+    logger = TensorBoardLogger(tmp_path / "runs", name="cmp", version=0)
+    logger.log_metrics({FINAL_VAL_LOSS: 2.5}, step=4)
+    if closed:
+        logger.finalize("success")
+    columns = {"model.arch.attention": "diff_v1", "model.arch.depth": 2, "params/total": 1000}
+    write_row(logger, columns, metrics=(FINAL_VAL_LOSS,), leading=1)
+    logger.log_metrics({FINAL_VAL_LOSS: 2.25}, step=8)
+    logger.finalize("success")
+    run_dir = tmp_path / "runs/cmp/version_0"
+    assert not [path for path in run_dir.rglob("*") if path.is_dir()]
+    assert hparams_summaries(run_dir) == {metadata.EXPERIMENT_TAG: 1, metadata.SESSION_START_INFO_TAG: 1}
+    metrics, rows = hparams_tab(tmp_path / "runs/cmp")
+    assert metrics == [FINAL_VAL_LOSS]
+    assert rows == {"version_0": {"hparams": columns, "metrics": {FINAL_VAL_LOSS: 2.25}}}
+    content = EventAccumulator(str(run_dir)).Reload().PluginTagToContent(metadata.PLUGIN_NAME)
+    assert experiment_order(content) == [(name, name == "model.arch.attention") for name in columns]
 
 
 def test_values_become_what_tensorboard_accepts_and_passwords_never_reach_it():

@@ -31,7 +31,7 @@ import pytest
 from diffexp.checkpoint_io import read_checkpoint
 from diffexp.sweep.interruptions import MARKER
 from diffexp.sweep.storage import STORAGE_URL_ENV, open_storage
-from tests.helpers import free_port, subprocess_env, write_spec
+from tests.helpers import free_port, mounted_tmpfs, subprocess_env, write_spec
 
 #: a trial long enough to be caught in flight: 24 steps, a checkpoint every 4, a validation at 12 and 24
 LONGER = {"trainer.max_steps": 24, "trainer.val_check_interval": 12, "checkpoint.every_n_train_steps": 4}
@@ -400,17 +400,9 @@ def test_a_worker_gives_up_on_a_storage_gone_too_long_in_one_paragraph_and_the_r
 
 @pytest.fixture
 def tmpfs(tmp_path):
-    """A 64 MiB tmpfs mounted at tmp_path/disk (root only), unmounted afterwards."""
-    mount = tmp_path / "disk"
-    mount.mkdir()
-    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64m", "tmpfs", str(mount)], capture_output=True,
-                          text=True)
-    if done.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {done.stderr.strip() or done.returncode}")
-    try:
+    """A 64 MiB tmpfs at tmp_path/disk (root only), unmounted afterwards."""
+    with mounted_tmpfs(tmp_path / "disk", "64m") as mount:
         yield mount
-    finally:
-        subprocess.run(["umount", "-l", str(mount)], capture_output=True)
 
 
 def fill(disk: Path) -> Path:

@@ -42,10 +42,27 @@ def t_quantile_975(df: int) -> float:
     return t_quantile(0.975, df)
 
 
-def format_number(x: float) -> str:
+#: below this a number's three decimals keep one significant digit or none ('0.002', '0.000'): it gets three
+SMALL = 1e-2
+#: below this three significant digits are written as an exponent, as the paired tables' differences are
+TINY = 1e-3
+
+
+def format_number(x: float, scale: float | None = None) -> str:
+    """'1,234.5' from 1000 up, '1.920' down to 0.01, then three significant digits of `scale` (default |x|):
+    '0.00213', and below 0.001 '2.13e-05', so that a small metric (a rounding error) does not read as '0.000'.
+
+    A mean and its std share the mean's scale (see Stat.format), so the std gets the mean's decimals."""
     if not math.isfinite(x):
         return str(x)
-    return f"{x:,.1f}" if abs(x) >= 1000 else f"{x:.3f}"
+    scale = abs(x) if scale is None or not math.isfinite(scale) else scale
+    if abs(x) >= 1000:
+        return f"{x:,.1f}"
+    if scale == 0 or scale >= SMALL:
+        return f"{x:.3f}"
+    if scale < TINY:
+        return f"{x:.2e}"
+    return f"{x:.{2 - math.floor(math.log10(scale))}f}"
 
 
 @dataclass
@@ -80,7 +97,10 @@ class Stat:
     def format(self) -> str:
         if self.mean is None:
             return EMPTY
-        return f"{format_number(self.mean)} ± {NA if self.std is None else format_number(self.std)}"
+        # the larger of the two sets the digits: '0.00213 ± 0.00004', and '0.000 ± 0.500' for a mean lost in noise
+        scale = max(abs(self.mean), self.std or 0.0)
+        return (f"{format_number(self.mean, scale)} ± "
+                f"{NA if self.std is None else format_number(self.std, scale)}")
 
 
 @dataclass

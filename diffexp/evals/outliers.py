@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import csv
 import json
+import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -25,6 +26,8 @@ KINDS = ("logits", "hidden")
 TOP = 3
 #: values per layer and kind the median reads at most
 SAMPLE = 1 << 20
+#: significant digits the printed table gives the smallest value of a column
+DIGITS = 4
 
 
 class Pool:
@@ -100,6 +103,17 @@ def measure(model, rows: list[list[int]], batch_size: int, device) -> dict[tuple
     return found
 
 
+STATS = ("top1", "top2", "top3", "median")
+
+
+def column_texts(values: list[float], digits: int = DIGITS) -> list[str]:
+    """A table column's cells, all with the decimals that give its smallest nonzero value `digits` significant
+    digits, zeros kept: ['6.200', '6.167'], not '6.2' beside '6.167'; ['21.351', '4.781']."""
+    finite = [abs(v) for v in values if math.isfinite(v) and v != 0]
+    decimals = max(0, digits - 1 - math.floor(math.log10(min(finite)))) if finite else digits - 1
+    return [f"{v:.{decimals}f}" if math.isfinite(v) else str(v) for v in values]
+
+
 @dataclass
 class OutlierResults:
     """Per layer and pooled over layers: top-1..3 and median of |logits| and |hidden states|."""
@@ -127,16 +141,14 @@ class OutlierResults:
         return cls(per_layer, pooled, variant, source, documents, context_len)
 
     def scalars(self) -> dict[str, float]:
-        return {f"outliers/{kind}_{stat}": self.pooled[kind][stat] for kind in KINDS
-                for stat in ("top1", "top2", "top3", "median")}
+        return {f"outliers/{kind}_{stat}": self.pooled[kind][stat] for kind in KINDS for stat in STATS}
 
     def table(self) -> str:
         lines = ["| variant | values | top-1 | top-2 | top-3 | median |", "|---|---|---:|---:|---:|---:|"]
         names = {"logits": "attention logits", "hidden": "hidden states"}
-        for kind in KINDS:
-            row = self.pooled[kind]
-            lines.append(f"| {self.variant} | {names[kind]} | {row['top1']:.4g} | {row['top2']:.4g} | "
-                         f"{row['top3']:.4g} | {row['median']:.4g} |")
+        columns = [column_texts([self.pooled[kind][stat] for kind in KINDS]) for stat in STATS]
+        for i, kind in enumerate(KINDS):
+            lines.append(f"| {self.variant} | {names[kind]} | " + " | ".join(texts[i] for texts in columns) + " |")
         return "\n".join(lines)
 
     def summary(self) -> str:
@@ -150,8 +162,7 @@ class OutlierResults:
             writer.writerow(["kind", "layer", "top1", "top2", "top3", "median", "count"])
             rows = [*self.per_layer, *({"kind": kind, "layer": "all", **self.pooled[kind]} for kind in KINDS)]
             for row in rows:
-                writer.writerow([row["kind"], row["layer"], *(f"{row[s]:.6g}" for s in ("top1", "top2", "top3",
-                                                                                        "median")), row["count"]])
+                writer.writerow([row["kind"], row["layer"], *(f"{row[s]:.6g}" for s in STATS), row["count"]])
         return path
 
     def save(self, directory: str | os.PathLike) -> dict[str, Path]:

@@ -81,9 +81,25 @@ def write_row(logger: TensorBoardLogger, columns: dict[str, int | float | str], 
     for info in data.experiment.hparam_infos:
         info.differs = info.name in shown
     value.metadata.plugin_data.content = data.SerializeToString()
-    writer = logger.experiment._get_file_writer()
-    writer.add_summary(experiment)
-    writer.add_summary(session_start)
+    write_summaries(logger.experiment, [experiment, session_start])
+
+
+def write_summaries(experiment, summaries: list) -> None:
+    """`summaries` (Summary protos) into an event file in the run directory of the SummaryWriter `experiment`, where
+    the HParams tab reads a run's row (its add_hparams would write them to a subdirectory, a run of their own, with
+    placeholder metric values). Through the writer's `file_writer`, the FileWriter of its open event file (the
+    attribute add_hparams itself writes through), or, once the logger closed it (a validation after fit), a
+    FileWriter of their own in that directory: a new event file, as the SummaryWriter opens for its next value."""
+    from torch.utils.tensorboard.writer import FileWriter
+
+    writer = experiment.file_writer
+    own = writer is None
+    if own:
+        writer = FileWriter(experiment.get_logdir())
+    for summary in summaries:
+        writer.add_summary(summary)
+    if own:
+        writer.close()
 
 
 class RunHParams(L.Callback):
