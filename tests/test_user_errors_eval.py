@@ -151,14 +151,24 @@ def fit_setup(name: str, options: dict):
      "give documents with options.text_file FILE ... or options.dataset PATH"),
     ("quantize", {}, "so it has no validation documents; give documents with --text-file FILE ...",
      "so it has no validation documents; give documents with options.text_file FILE ..."),
+    ("nll", {"dataset": "/nonexistent/rows.jsonl"}, "--dataset='/nonexistent/rows.jsonl' is invalid: no such file",
+     "options.dataset='/nonexistent/rows.jsonl' is invalid: no such file"),
+    ("nll", {"dataset": "ROWS", "split": "validation"}, "--split='validation' is invalid: a local file is one table",
+     "options.split='validation' is invalid: a local file is one table"),
+    ("nll", {"dataset": "ROWS", "text_column": "body"}, "--text-column='body' is invalid: --dataset=",
+     "options.text_column='body' is invalid: options.dataset="),
+    ("icl", {"dataset": "ROWS", "label_column": "kind"}, "--label-column='kind' is invalid: --dataset=",
+     "options.label_column='kind' is invalid: options.dataset="),
 ])
-def test_document_errors_name_the_option_as_written_on_the_command_line_and_in_a_fit(
+def test_document_and_table_errors_name_the_option_as_written_on_the_command_line_and_in_a_fit(
         run_dir, tmp_path, capsys, task, options, cli, fit):
-    """One check of the documents, worded by where it runs: `diffexp eval`'s flag, or the key under the fit
-    callback's options (and that callback)."""
-    short = tmp_path / "short.txt"
+    """One check of the documents (files, or a table's rows), worded by where it runs: `diffexp eval`'s flag, or
+    the key under the fit callback's options (and that callback)."""
+    short, rows = tmp_path / "short.txt", tmp_path / "rows.jsonl"
     short.write_text("too short")
-    options = {key: [str(short) if path == "SHORT" else path for path in value] if key == "text_file" else value
+    rows.write_text("".join(f'{{"text": "row {i}", "label": "{i % 2}"}}\n' for i in range(8)))
+    given = {"SHORT": str(short), "ROWS": str(rows)}
+    options = {key: [given.get(v, v) for v in value] if isinstance(value, list) else given.get(value, value)
                for key, value in options.items()}
     flags = [word for key, value in options.items()
              for word in ("--" + key.replace("_", "-"), *(value if isinstance(value, list) else [str(value)]))]

@@ -9,15 +9,11 @@ document per file) or from a table's text column (one document per row; ``diffex
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 from diffexp.data.tables import open_table
-from diffexp.errors import UserError
-
-#: an option's name (`text_file`) as the user writes it where the evaluation runs: `--text-file` on the command
-#: line, `options.text_file` in a fit's callback (diffexp.evals.registry.Context.flag)
-Flag = Callable[[str], str]
+from diffexp.errors import Flag, UserError
 
 
 def validation_texts(data: dict, flag: Flag, saved_identity: str | None = None,
@@ -71,7 +67,7 @@ def file_texts(paths: Sequence[str], flag: Flag) -> list[str]:
 
 def table_texts(spec: str, text_column: str, split: str | None, flag: Flag) -> list[str]:
     """Each row's text one document (empty rows dropped): option `text_column` of the table `spec`."""
-    column = open_table(spec, split).column(text_column, flag("text_column"))
+    column = open_table(spec, split, flag).column(text_column, "text_column")
     return [str(text) for text in column if text is not None and str(text).strip()]
 
 

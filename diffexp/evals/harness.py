@@ -13,7 +13,7 @@ import functools
 import math
 from pathlib import Path
 
-from diffexp.errors import UserError
+from diffexp.errors import Flag, UserError, cli_flag
 
 #: the papers' zero-shot LM-Eval table (Shared DIFF and DINT Table 2), as LM-Eval names the tasks
 TABLE2_TASKS = ("arc_challenge", "arc_easy", "boolq", "hellaswag", "openbookqa", "piqa", "winogrande")
@@ -42,10 +42,6 @@ def task_manager(include_paths: tuple[str, ...] = ()):
     from lm_eval.tasks import TaskManager
 
     return TaskManager(include_path=list(include_paths) or None)
-
-
-def _cli_flag(name: str) -> str:
-    return f"--{name.replace('_', '-')}"
 
 
 #: what a model's whole-sequence forward answers; generate_until decodes token by token on the KV cache instead
@@ -117,7 +113,7 @@ def _refuse_generation(requested: str, types: dict[str, str | None], flag, why: 
                     f"{', '.join(LIKELIHOOD_OUTPUTS)}), e.g. hellaswag")
 
 
-def check_tasks(tasks: list[str], include_paths: list[str], flag=_cli_flag, likelihood_only: str | None = None):
+def check_tasks(tasks: list[str], include_paths: list[str], flag: Flag = cli_flag, likelihood_only: str | None = None):
     """The TaskManager that knows every task, once each name and local task has been checked (datasets
     loaded) - before the model is built. `flag`: an option's name as the user writes it (Context.flag).
     `likelihood_only`: why generation tasks cannot be scored here, if they cannot; they are refused from their
