@@ -53,7 +53,7 @@ class Table:
 def open_table(spec: str, split: str | None = None, flag: Flag = cli_flag) -> Table:
     """The table ``spec`` (option ``dataset``) names; ``split`` (option ``split``) selects a Hub dataset's split
     (default: train). ``flag``: the options as the user writes them."""
-    dataset = f"{flag('dataset')}={spec!r}"
+    given = f"{flag('dataset')}={spec!r}"
     hub = spec.startswith("hf:")
     path = Path(spec).expanduser()
     if not hub and path.exists():
@@ -61,19 +61,19 @@ def open_table(spec: str, split: str | None = None, flag: Flag = cli_flag) -> Ta
             raise UserError(f"{flag('split')}={split!r} is invalid: a local file is one table; {flag('split')} "
                             f"selects a split of a Hub dataset ({flag('dataset')}=hf:<name>)")
         if not path.is_file():
-            raise UserError(f"{dataset} is invalid: it is a directory; {EXPECTED}")
+            raise UserError(f"{given} is invalid: it is a directory; {EXPECTED}")
         if path.suffix.lower() not in TABLE_SUFFIXES:
-            raise UserError(f"{dataset} is invalid: unknown extension {path.suffix!r}; {EXPECTED}")
-        table = _read_local(spec, path, dataset)
+            raise UserError(f"{given} is invalid: unknown extension {path.suffix!r}; {EXPECTED}")
+        table = _read_local(spec, path, given)
     elif not hub and (path.suffix or spec.startswith((".", "/", "~"))):
-        raise UserError(f"{dataset} is invalid: no such file; {EXPECTED}")
+        raise UserError(f"{given} is invalid: no such file; {EXPECTED}")
     else:
-        table = _read_hub(spec, split or "train", dataset)
+        table = _read_hub(spec, split or "train", given)
     table.flag = flag
     return table
 
 
-def _read_local(spec: str, path: Path, dataset: str) -> Table:
+def _read_local(spec: str, path: Path, given: str) -> Table:
     import pyarrow.csv
     import pyarrow.json
     import pyarrow.parquet
@@ -84,7 +84,7 @@ def _read_local(spec: str, path: Path, dataset: str) -> Table:
     try:
         table = reader(str(path))
     except Exception as err:  # pyarrow raises ArrowInvalid, OSError, ... for a file it cannot parse
-        raise UserError(f"{dataset} is invalid: could not read it as {path.suffix.lower()[1:]}: "
+        raise UserError(f"{given} is invalid: could not read it as {path.suffix.lower()[1:]}: "
                         f"{root_cause(err)}") from None
     return Table(spec, {name: table.column(name).to_pylist() for name in table.column_names},
                  _class_names(table.schema))
@@ -100,17 +100,17 @@ def _class_names(schema) -> dict[str, list[str]]:
     return {name: list(f.names) for name, f in features.items() if isinstance(f, ClassLabel)}
 
 
-def _read_hub(spec: str, split: str, dataset: str) -> Table:
+def _read_hub(spec: str, split: str, given: str) -> Table:
     from datasets import ClassLabel, load_dataset
 
     name, _, config = spec.removeprefix("hf:").partition(":")
     if not name:
-        raise UserError(f"{dataset} is invalid: no dataset name after 'hf:'; {EXPECTED}")
+        raise UserError(f"{given} is invalid: no dataset name after 'hf:'; {EXPECTED}")
     local = "" if spec.startswith("hf:") else "it is not a local file, and "
     try:
         dataset = load_dataset(name, config or None, split=split)
     except Exception as err:  # offline, no such dataset, config or split: `datasets` raises many types
-        raise UserError(f"{dataset} is invalid: {local}the Hugging Face Hub dataset could not be "
+        raise UserError(f"{given} is invalid: {local}the Hugging Face Hub dataset could not be "
                         f"loaded (split {split!r}; offline, only datasets already in the local Hub cache load): "
                         f"{root_cause(err)}; {EXPECTED}") from None
     names = {c: list(f.names) for c, f in dataset.features.items() if isinstance(f, ClassLabel)}

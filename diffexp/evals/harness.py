@@ -99,7 +99,8 @@ def output_types(manager, name: str) -> dict[str, str | None]:
     return found
 
 
-def _refuse_generation(requested: str, types: dict[str, str | None], flag, why: str) -> None:
+def _refuse_generation(requested: str, types: dict[str, str | None], flag: Flag, why: str) -> None:
+    """A UserError naming the generation tasks among `types` (what `requested` runs -> its output_type), if any."""
     generating = sorted(task for task, kind in types.items() if kind is not None and kind not in LIKELIHOOD_OUTPUTS)
     if not generating:
         return
@@ -113,7 +114,8 @@ def _refuse_generation(requested: str, types: dict[str, str | None], flag, why: 
                     f"{', '.join(LIKELIHOOD_OUTPUTS)}), e.g. hellaswag")
 
 
-def check_tasks(tasks: list[str], include_paths: list[str], flag: Flag = cli_flag, likelihood_only: str | None = None):
+def check_tasks(tasks: list[str], include_paths: list[str], flag: Flag = cli_flag,
+                likelihood_only: str | None = None):
     """The TaskManager that knows every task, once each name and local task has been checked (datasets
     loaded) - before the model is built. `flag`: an option's name as the user writes it (Context.flag).
     `likelihood_only`: why generation tasks cannot be scored here, if they cannot; they are refused from their
