@@ -20,6 +20,16 @@ class UserError(ValueError):
     """A problem with what the user asked for. A ValueError, so callers that catch ValueError still work."""
 
 
+#: an option's name (`text_file`) as the user writes it where the code runs: `--text-file` on the command line
+#: (`cli_flag`), `options.text_file` under an evaluation's callback in a fit (diffexp.evals.registry.Context.flag)
+Flag = Callable[[str], str]
+
+
+def cli_flag(name: str) -> str:
+    """An option's name as a command-line flag: `--text-file` for `text_file`."""
+    return f"--{name.replace('_', '-')}"
+
+
 def as_written(value: Any) -> str:
     """A value as a user writes it in a config or on the command line: null, true and false as YAML spells them
     (not Python's None, True, False), anything else as its repr."""

@@ -98,3 +98,107 @@ def test_bad_options_are_refused_before_the_model_loads(baseline_checkpoint, tmp
                           "--out", str(tmp_path / "never")], capsys)
     assert code == 2 and message in out, out
     assert not (tmp_path / "never").exists()
+
+
+GENERATION_TASK = """task: {name}
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    test: {data}
+{output_type}test_split: test
+doc_to_text: "{{{{question}}}}"
+doc_to_target: "{{{{answer}}}}"
+generation_kwargs:
+  until: ["."]
+metric_list:
+  - metric: exact_match
+    aggregation: mean
+    higher_is_better: true
+metadata:
+  version: 1.0
+"""
+
+
+@pytest.mark.parametrize("requested, refusal", [
+    ("diffexp_toy_gen", "--tasks: 'diffexp_toy_gen' is a generation task (output_type: generate_until)"),
+    # a task that names no output_type has LM-Eval's default, generate_until
+    ("diffexp_toy_mixed", "--tasks: 'diffexp_toy_mixed' holds generation tasks (output_type: generate_until: "
+                          "diffexp_toy_gen, diffexp_toy_gen_default)"),
+])
+def test_generation_tasks_are_refused_from_their_configs_before_any_dataset_or_the_model(
+        baseline_checkpoint, tmp_path, capsys, monkeypatch, requested, refusal):
+    tasks = write_local_task(tmp_path, "missing.jsonl", write_data=False)  # no data: reading any fails
+    missing = tmp_path / "missing.jsonl"
+    (tasks / "gen.yaml").write_text(GENERATION_TASK.format(name="diffexp_toy_gen", data=missing,
+                                                           output_type="output_type: generate_until\n"))
+    (tasks / "gen_default.yaml").write_text(GENERATION_TASK.format(name="diffexp_toy_gen_default", data=missing,
+                                                                   output_type=""))
+    (tasks / "mixed.yaml").write_text("group: diffexp_toy_mixed\ntask: [diffexp_toy, diffexp_toy_gen, "
+                                      "diffexp_toy_gen_default]\n")
+    loaded = []
+    monkeypatch.setattr("diffexp.training.loading.load_model", lambda *args: loaded.append(args))
+    code, out = run_eval(["quantize", str(baseline_checkpoint), "--text-file", *write_texts(tmp_path), "--tasks",
+                          requested, "--include-path", str(tasks), "--device", "cpu", "--out", str(tmp_path / "never")],
+                         capsys)
+    assert code == 2 and refusal in out, out
+    assert "the quantized logits do not reach; expected log-likelihood tasks (output_type: multiple_choice, " \
+           "loglikelihood, loglikelihood_rolling), e.g. hellaswag" in out, out
+    assert not loaded and not (tmp_path / "never").exists()
+    # the log-likelihood task of the same directory passes that check, and only then is its data read
+    code, out = run_eval(["quantize", str(baseline_checkpoint), "--text-file", *write_texts(tmp_path), "--tasks",
+                          "diffexp_toy", "--include-path", str(tasks), "--device", "cpu"], capsys)
+    assert code == 2 and "a task's dataset could not be loaded" in out, out
+
+
+PYTHON_TASK = '''from lm_eval.api.task import ConfigurableTask
+
+
+class GenerationTask(ConfigurableTask):
+    """A Python task: only its class knows its output type."""
+
+    def __init__(self, config=None):
+        super().__init__(config={"task": "diffexp_toy_python", "dataset_path": "json",
+                                 "dataset_kwargs": {"data_files": {"test": %r}}, "test_split": "test",
+                                 "output_type": "generate_until", "doc_to_text": "{{question}}",
+                                 "doc_to_target": "{{answer}}", "generation_kwargs": {"until": ["."]},
+                                 "metric_list": [{"metric": "exact_match"}]})
+'''
+
+
+def test_a_python_generation_task_is_refused_once_built_before_the_model(baseline_checkpoint, tmp_path, capsys,
+                                                                          monkeypatch):
+    tasks = write_local_task(tmp_path)
+    (tasks / "python_task.py").write_text(PYTHON_TASK % str(tmp_path / "toy.jsonl"))
+    (tasks / "python.yaml").write_text("task: diffexp_toy_python\nclass: !function python_task.GenerationTask\n")
+    loaded = []
+    monkeypatch.setattr("diffexp.training.loading.load_model", lambda *args: loaded.append(args))
+    code, out = run_eval(["quantize", str(baseline_checkpoint), "--text-file", *write_texts(tmp_path), "--tasks",
+                          "diffexp_toy_python", "--include-path", str(tasks), "--device", "cpu"], capsys)
+    assert code == 2 and "--tasks: 'diffexp_toy_python' is a generation task (output_type: generate_until)" in out, out
+    assert not loaded
+
+
+@pytest.mark.parametrize("flag, values", [("--bits", ["16", "8"]), ("--text-file", None)])
+def test_a_checkpoint_after_a_list_option_is_named_with_the_orders_that_parse(baseline_checkpoint, tmp_path, capsys,
+                                                                             flag, values):
+    from diffexp.evals.registry import evaluation
+    from diffexp.evals.run import parse
+
+    values = values or write_texts(tmp_path)
+    checkpoint = str(baseline_checkpoint)
+    code, out = run_eval(["quantize", flag, *values, checkpoint], capsys)
+    assert code == 2 and f"{checkpoint!r} looks like CKPT but was read as one of {flag}'s values" in out, out
+    # --bits refuses the word as an integer; --text-file takes it as a file, and CKPT is missing
+    assert out.startswith("error: --bits=" if flag == "--bits" else "error: CKPT is required"), out
+    listed = " ".join(values)
+    assert f"(diffexp eval quantize CKPT {flag} {listed})" in out and f"({flag} {listed} -- CKPT," in out, out
+    # the two orders it names parse, CKPT and the list apart
+    for argv in ([checkpoint, flag, *values], [flag, *values, "--", checkpoint]):
+        options, shared = parse(evaluation("quantize"), argv)
+        assert shared["checkpoint"] == checkpoint
+        assert [str(value) for value in options[flag[2:].replace("-", "_")]] == values
+    # a .ckpt that is not there yet reads the same; another bad value is only itself
+    code, out = run_eval(["quantize", "--bits", "16", "8", "gone.ckpt"], capsys)
+    assert code == 2 and "'gone.ckpt' looks like CKPT" in out, out
+    code, out = run_eval(["quantize", "--bits", "16", "eight", checkpoint], capsys)
+    assert code == 2 and "--bits='eight' is invalid: expected an integer" in out and "looks like" not in out, out

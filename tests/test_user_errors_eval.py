@@ -7,6 +7,7 @@ import os
 import pytest
 
 from diffexp.cli import main
+from diffexp.errors import UserError
 from diffexp.model.config import ModelConfig
 from tests.helpers import save_untrained_checkpoint
 
@@ -121,3 +122,62 @@ def test_evals_cli_and_needle_do_not_import_each_other():
     imported = {node.module for node in ast.walk(ast.parse(inspect.getsource(needle)))
                 if isinstance(node, ast.ImportFrom)}
     assert "diffexp.evals.cli" not in imported
+
+
+def fit_setup(name: str, options: dict):
+    """diffexp.evals.Evaluate(name, options) set up for a fit of a byte model (max_seq_len 32), as a recipe's
+    trainer.callbacks makes it: its inputs are made there, before the first step."""
+    from types import SimpleNamespace
+
+    from lightning.pytorch.strategies import SingleDeviceStrategy
+
+    from diffexp.evals import Evaluate
+
+    arch = ModelConfig(attention="baseline", vocab_size=257, d_model=32, n_layers=1, n_heads=2, max_seq_len=32)
+    trainer = SimpleNamespace(strategy=SingleDeviceStrategy("cpu"), datamodule=None, global_step=0)
+    Evaluate(name, options).setup(trainer, SimpleNamespace(arch=arch, device="cpu"), "fit")
+
+
+@pytest.mark.parametrize(("task", "options", "cli", "fit"), [
+    ("nll", {"text_file": ["/nonexistent/a.txt"]}, "--text-file='/nonexistent/a.txt' is invalid: no such file",
+     "options.text_file='/nonexistent/a.txt' is invalid: no such file"),
+    ("quantize", {"text_file": ["/nonexistent/a.txt"]}, "--text-file='/nonexistent/a.txt' is invalid: no such file",
+     "options.text_file='/nonexistent/a.txt' is invalid: no such file"),
+    ("nll", {"text_file": ["SHORT"], "documents": 2, "context_len": 16},
+     "--documents=2 is invalid: only 0 of the 1 documents of the --text-file files have at least 17 tokens "
+     "(--context-len + 1", "options.documents=2 is invalid: only 0 of the 1 documents of the options.text_file "
+     "files have at least 17 tokens (options.context_len + 1"),
+    ("nll", {}, "give documents with --text-file FILE ... or --dataset PATH",
+     "give documents with options.text_file FILE ... or options.dataset PATH"),
+    ("quantize", {}, "so it has no validation documents; give documents with --text-file FILE ...",
+     "so it has no validation documents; give documents with options.text_file FILE ..."),
+    ("nll", {"dataset": "/nonexistent/rows.jsonl"}, "--dataset='/nonexistent/rows.jsonl' is invalid: no such file",
+     "options.dataset='/nonexistent/rows.jsonl' is invalid: no such file"),
+    ("nll", {"dataset": "ROWS", "split": "validation"}, "--split='validation' is invalid: a local file is one table",
+     "options.split='validation' is invalid: a local file is one table"),
+    ("nll", {"dataset": "ROWS", "text_column": "body"}, "--text-column='body' is invalid: --dataset=",
+     "options.text_column='body' is invalid: options.dataset="),
+    ("icl", {"dataset": "ROWS", "label_column": "kind"}, "--label-column='kind' is invalid: --dataset=",
+     "options.label_column='kind' is invalid: options.dataset="),
+])
+def test_document_and_table_errors_name_the_option_as_written_on_the_command_line_and_in_a_fit(
+        run_dir, tmp_path, capsys, task, options, cli, fit):
+    """One check of the documents (files, or a table's rows), worded by where it runs: `diffexp eval`'s flag, or
+    the key under the fit callback's options (and that callback)."""
+    short, rows = tmp_path / "short.txt", tmp_path / "rows.jsonl"
+    short.write_text("too short")
+    rows.write_text("".join(f'{{"text": "row {i}", "label": "{i % 2}"}}\n' for i in range(8)))
+    given = {"SHORT": str(short), "ROWS": str(rows)}
+    options = {key: [given.get(v, v) for v in value] if isinstance(value, list) else given.get(value, value)
+               for key, value in options.items()}
+    flags = [word for key, value in options.items()
+             for word in ("--" + key.replace("_", "-"), *(value if isinstance(value, list) else [str(value)]))]
+    code, out = run_eval([task, str(run_dir / "checkpoints" / "last.ckpt"), "--device", "cpu", *flags], capsys)
+    assert code == 2 and cli in out, out
+    with pytest.raises(UserError) as refused:
+        fit_setup(task, options)
+    message = str(refused.value)
+    assert message.startswith(f"diffexp.evals.Evaluate(evaluation={task!r}): ") and fit in message, message
+    assert "--" not in message, message
+    if task == "quantize":  # it reads no table: the way out offers none
+        assert "dataset" not in out and "dataset" not in message, (out, message)

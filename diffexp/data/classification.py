@@ -13,9 +13,9 @@ from typing import Any
 import numpy as np
 
 from diffexp.data.icl import ClassPools
-from diffexp.data.tables import DATASET_FLAG, open_table
+from diffexp.data.tables import open_table
 from diffexp.data.tokenizer import ByteTokenizer
-from diffexp.errors import UserError
+from diffexp.errors import Flag, UserError, cli_flag
 
 
 @dataclass
@@ -33,40 +33,41 @@ def one_line(text: str) -> str:
 
 
 def labelled_rows(spec: str, text_column: str = "text", label_column: str = "label",
-                  split: str | None = None) -> LabelledRows:
-    """The (text, label) rows of a local file or Hub dataset; every problem is a UserError naming its flag.
+                  split: str | None = None, flag: Flag = cli_flag) -> LabelledRows:
+    """The (text, label) rows of a local file or Hub dataset; every problem is a UserError naming its option as
+    ``flag`` writes it (``--label-column``, or ``options.label_column`` in a fit).
 
     Each text becomes one line and is kept once (its first row), so a test input is never also a demonstration;
     integer labels take a ``ClassLabel`` column's names where there are some."""
-    table = open_table(spec, split)
-    texts = table.column(text_column, "--text-column")
-    labels = table.column(label_column, "--label-column")
+    table = open_table(spec, split, flag)
+    texts = table.column(text_column, "text_column")
+    labels = table.column(label_column, "label_column")
     class_names = table.class_names.get(label_column)
-    where = f"{DATASET_FLAG}={spec!r}"
+    where, text_key, label_key = table.where, flag("text_column"), flag("label_column")
     rows: dict[str, Any] = {}
     for i, (text, label) in enumerate(zip(texts, labels)):
         if label is None or isinstance(label, bool) or not isinstance(label, (int, str)):
-            raise UserError(f"--label-column={label_column!r} is invalid: row {i} of {where} holds {label!r}; "
+            raise UserError(f"{label_key}={label_column!r} is invalid: row {i} of {where} holds {label!r}; "
                             "expected a class name (text) or an integer class id in every row")
         text = one_line(str(text)) if text is not None else ""
         if not text:
-            raise UserError(f"--text-column={text_column!r} is invalid: row {i} of {where} has no text; "
+            raise UserError(f"{text_key}={text_column!r} is invalid: row {i} of {where} has no text; "
                             "expected text in every row")
         rows.setdefault(text, label)
     values = sorted(set(rows.values()), key=lambda v: (isinstance(v, str), v))
     if len(values) < 2:
-        raise UserError(f"{where} is invalid: its --label-column={label_column!r} has {len(values)} class(es) "
+        raise UserError(f"{where} is invalid: its {label_key}={label_column!r} has {len(values)} class(es) "
                         f"({', '.join(map(repr, values))}); expected at least 2")
     if class_names is not None:
         bad = [v for v in values if not isinstance(v, int) or not 0 <= v < len(class_names)]
         if bad:
-            raise UserError(f"--label-column={label_column!r} is invalid: {where} holds {bad[0]!r}, not one of "
+            raise UserError(f"{label_key}={label_column!r} is invalid: {where} holds {bad[0]!r}, not one of "
                             f"its {len(class_names)} class ids")
         names = [one_line(class_names[v]) for v in values]
     else:
         names = [one_line(str(v)) for v in values]
     if len(set(names)) != len(names) or not all(names):
-        raise UserError(f"--label-column={label_column!r} is invalid: {where} has label names that are empty or "
+        raise UserError(f"{label_key}={label_column!r} is invalid: {where} has label names that are empty or "
                         f"the same once whitespace is collapsed ({names}); expected distinct names")
     index = {v: c for c, v in enumerate(values)}
     return LabelledRows(table.name, list(rows), [index[v] for v in rows.values()], names)

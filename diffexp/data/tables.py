@@ -12,21 +12,27 @@ from pathlib import Path
 from typing import Any
 
 from diffexp.data.sources import root_cause
-from diffexp.errors import UserError
+from diffexp.errors import Flag, UserError, cli_flag
 
 TABLE_SUFFIXES = (".jsonl", ".csv", ".parquet")
-DATASET_FLAG = "--dataset"
 EXPECTED = ("expected a local .jsonl, .csv or .parquet file, or a Hugging Face Hub dataset as hf:<name> or "
             "hf:<name>:<config> (needs network the first time)")
 
 
 @dataclass
 class Table:
-    """A table's columns as Python lists; ``class_names[column]`` lists the names of a ClassLabel column."""
+    """A table's columns as Python lists; ``class_names[column]`` lists the names of a ClassLabel column.
+    ``flag``: the options as the user writes them (``--dataset``, or ``options.dataset`` in a fit)."""
 
     spec: str
     columns: dict[str, list[Any]]
     class_names: dict[str, list[str]] = field(default_factory=dict)
+    flag: Flag = cli_flag
+
+    @property
+    def where(self) -> str:
+        """The table as the user named it: ``--dataset='rows.jsonl'``."""
+        return f"{self.flag('dataset')}={self.spec!r}"
 
     @property
     def name(self) -> str:
@@ -35,33 +41,39 @@ class Table:
             return self.spec.removeprefix("hf:").rstrip(":").replace(":", "-").rsplit("/", 1)[-1]
         return Path(self.spec).stem
 
-    def column(self, name: str, flag: str) -> list[Any]:
-        """A column by name; a missing one is a UserError naming ``flag`` and the columns there are."""
+    def column(self, name: str, option: str) -> list[Any]:
+        """A column by name, given as ``option`` (``text_column``); a missing one is a UserError naming that option
+        and the columns there are."""
         if name not in self.columns:
-            raise UserError(f"{flag}={name!r} is invalid: {DATASET_FLAG}={self.spec!r} has no such column; "
+            raise UserError(f"{self.flag(option)}={name!r} is invalid: {self.where} has no such column; "
                             f"its columns: {', '.join(self.columns)}")
         return self.columns[name]
 
 
-def open_table(spec: str, split: str | None = None) -> Table:
-    """The table ``spec`` names; ``split`` selects a Hub dataset's split (default: train)."""
+def open_table(spec: str, split: str | None = None, flag: Flag = cli_flag) -> Table:
+    """The table ``spec`` (option ``dataset``) names; ``split`` (option ``split``) selects a Hub dataset's split
+    (default: train). ``flag``: the options as the user writes them."""
+    given = f"{flag('dataset')}={spec!r}"
     hub = spec.startswith("hf:")
     path = Path(spec).expanduser()
     if not hub and path.exists():
         if split is not None:
-            raise UserError(f"--split={split!r} is invalid: a local file is one table; --split selects a split "
-                            f"of a Hub dataset ({DATASET_FLAG}=hf:<name>)")
+            raise UserError(f"{flag('split')}={split!r} is invalid: a local file is one table; {flag('split')} "
+                            f"selects a split of a Hub dataset ({flag('dataset')}=hf:<name>)")
         if not path.is_file():
-            raise UserError(f"{DATASET_FLAG}={spec!r} is invalid: it is a directory; {EXPECTED}")
+            raise UserError(f"{given} is invalid: it is a directory; {EXPECTED}")
         if path.suffix.lower() not in TABLE_SUFFIXES:
-            raise UserError(f"{DATASET_FLAG}={spec!r} is invalid: unknown extension {path.suffix!r}; {EXPECTED}")
-        return _read_local(spec, path)
-    if not hub and (path.suffix or spec.startswith((".", "/", "~"))):
-        raise UserError(f"{DATASET_FLAG}={spec!r} is invalid: no such file; {EXPECTED}")
-    return _read_hub(spec, split or "train")
+            raise UserError(f"{given} is invalid: unknown extension {path.suffix!r}; {EXPECTED}")
+        table = _read_local(spec, path, given)
+    elif not hub and (path.suffix or spec.startswith((".", "/", "~"))):
+        raise UserError(f"{given} is invalid: no such file; {EXPECTED}")
+    else:
+        table = _read_hub(spec, split or "train", given)
+    table.flag = flag
+    return table
 
 
-def _read_local(spec: str, path: Path) -> Table:
+def _read_local(spec: str, path: Path, given: str) -> Table:
     import pyarrow.csv
     import pyarrow.json
     import pyarrow.parquet
@@ -72,7 +84,7 @@ def _read_local(spec: str, path: Path) -> Table:
     try:
         table = reader(str(path))
     except Exception as err:  # pyarrow raises ArrowInvalid, OSError, ... for a file it cannot parse
-        raise UserError(f"{DATASET_FLAG}={spec!r} is invalid: could not read it as {path.suffix.lower()[1:]}: "
+        raise UserError(f"{given} is invalid: could not read it as {path.suffix.lower()[1:]}: "
                         f"{root_cause(err)}") from None
     return Table(spec, {name: table.column(name).to_pylist() for name in table.column_names},
                  _class_names(table.schema))
@@ -88,17 +100,17 @@ def _class_names(schema) -> dict[str, list[str]]:
     return {name: list(f.names) for name, f in features.items() if isinstance(f, ClassLabel)}
 
 
-def _read_hub(spec: str, split: str) -> Table:
+def _read_hub(spec: str, split: str, given: str) -> Table:
     from datasets import ClassLabel, load_dataset
 
     name, _, config = spec.removeprefix("hf:").partition(":")
     if not name:
-        raise UserError(f"{DATASET_FLAG}={spec!r} is invalid: no dataset name after 'hf:'; {EXPECTED}")
+        raise UserError(f"{given} is invalid: no dataset name after 'hf:'; {EXPECTED}")
     local = "" if spec.startswith("hf:") else "it is not a local file, and "
     try:
         dataset = load_dataset(name, config or None, split=split)
     except Exception as err:  # offline, no such dataset, config or split: `datasets` raises many types
-        raise UserError(f"{DATASET_FLAG}={spec!r} is invalid: {local}the Hugging Face Hub dataset could not be "
+        raise UserError(f"{given} is invalid: {local}the Hugging Face Hub dataset could not be "
                         f"loaded (split {split!r}; offline, only datasets already in the local Hub cache load): "
                         f"{root_cause(err)}; {EXPECTED}") from None
     names = {c: list(f.names) for c, f in dataset.features.items() if isinstance(f, ClassLabel)}

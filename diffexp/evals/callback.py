@@ -83,7 +83,10 @@ class Evaluate(L.Callback):
                              f"trainer.callbacks and evaluate a checkpoint instead: diffexp eval {self.entry.name} "
                              "<run>/checkpoints/last.ckpt")
         if stage == "fit":
-            self.inputs = self.entry.inputs(self.options, self._context(trainer, pl_module))
+            try:
+                self.inputs = self.entry.inputs(self.options, self._context(trainer, pl_module))
+            except UserError as err:  # its options.<key> words, under the callback that has them, as __init__'s
+                raise UserError(f"diffexp.evals.Evaluate(evaluation={self.entry.name!r}): {err}") from None
 
     def _context(self, trainer: L.Trainer, pl_module: L.LightningModule) -> Context:
         arch = getattr(pl_module, "arch", None)

@@ -31,7 +31,8 @@ def held_out_rows(options: HeldOutOptions, context: Context) -> tuple[list[list[
     context_len = checked_context_len(options.context_len, context)
     tokenizer = context.tokenizer()
     if options.text_file:
-        texts, source = documents.file_texts(options.text_file), "the --text-file files"
+        texts = documents.file_texts(options.text_file, context.flag)
+        source = f"the {context.flag('text_file')} files"
     else:
         texts, source = validation_texts(context)
     return windows(texts, tokenizer, context_len + 1, options.rows, source, context.flag("rows")), source
@@ -49,9 +50,9 @@ def checked_context_len(given: int | None, context: Context) -> int:
     return context_len
 
 
-def validation_texts(context: Context):
+def validation_texts(context: Context, tables: bool = False):
     """(the validation documents of the model's own training data, a description of them); a checkpoint's data
-    prepared again since it was saved is refused."""
+    prepared again since it was saved is refused. `tables`: the evaluation reads tables too (option `dataset`)."""
     from diffexp.data import documents
 
     saved = None
@@ -59,7 +60,7 @@ def validation_texts(context: Context):
         from diffexp.data.loader import ResumableDataLoader
 
         saved = ResumableDataLoader.saved_identity(context.checkpoint)
-    return documents.validation_texts(context.data, saved)
+    return documents.validation_texts(context.data, context.flag, saved, tables)
 
 
 def windows(texts, tokenizer, n_tokens: int, count: int, source: str, flag: str) -> list[list[int]]:

@@ -49,11 +49,14 @@ def build_parser(entry: Evaluation):
 
     class EvalParser(ArgumentParser):
         words: list[str] = []
+        list_flags: set[str] = set()
 
         def error(self, message: str, ex: Exception | None = None):
             if debug_enabled():
                 return super().error(message, ex)
-            raise UserError(f"{parse_message(message, self.words)} (`{self.prog} --help` lists its options)") from None
+            text = parse_message(message, self.words)
+            text += swallowed_checkpoint(text, self.words, self.list_flags, self.prog)
+            raise UserError(f"{text} (`{self.prog} --help` lists its options)") from None
 
     parser = EvalParser(prog=f"diffexp eval {entry.name}", description=f"{entry.summary}. {entry.paper}",
                         allow_abbrev=False, exit_on_error=False)
@@ -68,6 +71,7 @@ def build_parser(entry: Evaluation):
             parser.add_argument(_flag(spec.name), action=ActionYesNo(no_prefix="no-"), default=default, **kwargs)
         elif item is not None:
             parser.add_argument(_flag(spec.name), type=item, nargs="+", default=default, **kwargs)
+            parser.list_flags = parser.list_flags | {_flag(spec.name)}
         else:
             parser.add_argument(_flag(spec.name), type=hint, default=default, **kwargs)
     if entry.reads_text:
@@ -87,6 +91,8 @@ def parse_message(message: str, words: list[str]) -> str:
     """jsonargparse's message with the options' names as flags (`--n-demos`, not `n_demos`)."""
     message = re.sub(r'(Parser key "[^"]+") element \d+:', r"\1:", message)
     text = clean_parser_message(message, words)
+    if re.fullmatch(r"the following arguments are required: checkpoint", text):
+        return f"{CKPT_KEY} is required: a checkpoint to evaluate, the first word after the evaluation's name"
     typed = re.match(r"([\w]+): expected ([\w.]+)\. Got value: (.*)$", text)
     if typed:
         key, kind, value = typed.groups()
@@ -94,6 +100,29 @@ def parse_message(message: str, words: list[str]) -> str:
     text = re.sub(r"unknown key\(s\) ([\w, -]+)", lambda m: "unknown option(s) " + ", ".join(
         "--" + key.strip() for key in m.group(1).split(",")), text)
     return re.sub(r"^(\w+):", lambda m: _flag(m.group(1)) + ":", text)
+
+
+def _checkpoint_like(word: str) -> bool:
+    from pathlib import Path
+
+    return word.endswith(".ckpt") or Path(word).expanduser().exists()
+
+
+def swallowed_checkpoint(text: str, words: list[str], list_flags: set[str], prog: str) -> str:
+    """For an error caused by CKPT written after a list option (`--bits 16 8 CKPT`: the list takes every word up
+    to the next option, CKPT too): what happened and the orders that parse, else ""."""
+    last_option = max((i for i, word in enumerate(words) if word.startswith("-")), default=None)
+    if last_option is None or last_option == len(words) - 1 or words[last_option] not in list_flags:
+        return ""
+    key, values = words[last_option], words[last_option + 1:]
+    if not _checkpoint_like(values[-1]):
+        return ""
+    if not (text.startswith(f"{key}={values[-1]!r} is invalid") or text.startswith(f"{CKPT_KEY} is required")):
+        return ""  # refused for another reason
+    listed = " ".join(values[:-1]) or "..."
+    return (f"; {values[-1]!r} looks like {CKPT_KEY} but was read as one of {key}'s values (a list takes every word "
+            f"up to the next option): give {CKPT_KEY} first ({prog} {CKPT_KEY} {key} {listed}), or end the list "
+            f"with -- ({key} {listed} -- {CKPT_KEY}, as the last words)")
 
 
 def parse(entry: Evaluation, argv: list[str]) -> tuple[dict, dict]:

@@ -51,7 +51,9 @@ class HarnessResults:
         return path
 
 
-def inputs(options: HarnessOptions, context: Context):
+def inputs(options: HarnessOptions, context: Context, likelihood_only: str | None = None):
+    """(the task names, LM-Eval's TaskManager with their datasets loaded, the tokenizer). `likelihood_only`: why
+    generation tasks cannot be scored (an evaluation that reaches only the model's whole-sequence forward)."""
     from diffexp.evals.harness import check_tasks, expand_tasks
 
     if not options.tasks:
@@ -65,7 +67,7 @@ def inputs(options: HarnessOptions, context: Context):
 
         check_compile(str(context.device))
     tasks = expand_tasks(options.tasks)
-    return tasks, check_tasks(tasks, options.include_path), tokenizer
+    return tasks, check_tasks(tasks, options.include_path, context.flag, likelihood_only), tokenizer
 
 
 def score(model, prepared, options: HarnessOptions, context: Context) -> HarnessResults:

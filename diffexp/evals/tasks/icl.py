@@ -77,7 +77,7 @@ def _dataset(options: ICLOptions, context: Context):
         raise UserError(f"{given[0]} is invalid with {context.flag('dataset')}={options.dataset!r}: it shapes the "
                         "synthetic task; a dataset's classes are its labels")
     rows = labelled_rows(options.dataset, options.text_column or "text", options.label_column or "label",
-                         options.split)
+                         options.split, context.flag)
     try:
         task = ClassificationTask(rows, options.n_tests, seed=options.seed, tokenizer=context.tokenizer())
     except ValueError as err:

@@ -40,13 +40,15 @@ def inputs(options: NLLOptions, context: Context):
     context_len = checked_context_len(options.context_len, context)
     tokenizer = context.tokenizer()
     if options.text_file:
-        texts, source = documents.file_texts(options.text_file), "the --text-file files"
+        texts = documents.file_texts(options.text_file, context.flag)
+        source = f"the {context.flag('text_file')} files"
     elif options.dataset:
-        texts = documents.table_texts(options.dataset, options.text_column, options.split)
+        texts = documents.table_texts(options.dataset, options.text_column, options.split, context.flag)
         source = repr(options.dataset)
     else:
-        texts, source = validation_texts(context)
-    return documents.long_token_rows(texts, tokenizer, context_len + 1, options.documents, source), source
+        texts, source = validation_texts(context, tables=True)
+    rows = documents.long_token_rows(texts, tokenizer, context_len + 1, options.documents, source, context.flag)
+    return rows, source
 
 
 def score(model, rows_and_source, options: NLLOptions, context: Context):
