@@ -44,7 +44,7 @@ from diffexp.training.preflight import (
 from diffexp.training.progress import use_step_progress_bar
 from diffexp.training.recipe import DEFAULT_DATA_CLASS, TRAINER_DEFAULTS
 from diffexp.training.report import RunReport, print_summary, progress_interval
-from diffexp.training.runs import AtomicCheckpointIO, resolve_resume, run_logger
+from diffexp.training.runs import AtomicCheckpointIO, RemoveRefusedRun, resolve_resume, run_logger
 from diffexp.training.slurm_jobs import current_job, record_job
 from diffexp.training.throughput import Throughput
 from diffexp.training.values import data_init_args, to_builtin
@@ -169,6 +169,8 @@ class DiffexpCLI(CLIInternals):
             trainer_config.get("logger"), self.setting(self.config, "ckpt_path"))
         if logger is not None:
             trainer.logger = logger
+            if self.subcommand == "fit":  # a new run's directory, reserved here: gone again if setup refuses
+                trainer.callbacks.append(RemoveRefusedRun(Path(logger.log_dir)))
         job = current_job()
         if self.subcommand == "fit" and job and isinstance(trainer.logger, TensorBoardLogger) \
                 and rank_zero_only.rank == 0:  # the run this SLURM job trains, for its requeue's --ckpt_path last

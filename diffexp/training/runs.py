@@ -21,6 +21,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import lightning as L
 import torch
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 from lightning.pytorch.loggers import TensorBoardLogger
@@ -126,6 +127,20 @@ class AtomicCheckpointIO(TorchCheckpointIO):
             if no_space:
                 raise no_space_error(target, needed) from err
             raise
+
+
+class RemoveRefusedRun(L.Callback):
+    """A new run refused at its setup, before its first step (a callback's or the data's check of what the user
+    gave: a UserError), leaves no version_<k> behind: the directory holds only what the start wrote (config.yaml,
+    an event file), and the refused command is as if never run. A run that trained, or saved, keeps everything."""
+
+    def __init__(self, run_dir: Path) -> None:
+        self.run_dir = run_dir
+
+    def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:
+        if not isinstance(exception, UserError) or trainer.global_step > 0 or any(self.run_dir.glob("checkpoints/*")):
+            return
+        shutil.rmtree(self.run_dir, ignore_errors=True)
 
 
 def remove_orphan_temp_files(checkpoint_dir: Path) -> list[Path]:
