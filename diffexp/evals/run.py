@@ -15,7 +15,7 @@ import types
 import typing
 from typing import Any
 
-from diffexp.errors import UserError, debug_enabled
+from diffexp.errors import UserError, cli_flag, debug_enabled
 from diffexp.evals.layout import EVAL_SCALARS_SUFFIX
 from diffexp.evals.registry import Context, Evaluation
 from diffexp.training.parser_messages import clean_parser_message
@@ -37,10 +37,6 @@ def _list_item(hint: Any) -> Any | None:
 
 def _is_bool(hint: Any) -> bool:
     return hint is bool or set(typing.get_args(hint)) == {bool, type(None)}
-
-
-def _flag(name: str) -> str:
-    return f"--{name.replace('_', '-')}"
 
 
 def build_parser(entry: Evaluation):
@@ -68,12 +64,12 @@ def build_parser(entry: Evaluation):
         default = spec.default if spec.default is not dataclasses.MISSING else spec.default_factory()
         item = _list_item(hint)
         if _is_bool(hint):
-            parser.add_argument(_flag(spec.name), action=ActionYesNo(no_prefix="no-"), default=default, **kwargs)
+            parser.add_argument(cli_flag(spec.name), action=ActionYesNo(no_prefix="no-"), default=default, **kwargs)
         elif item is not None:
-            parser.add_argument(_flag(spec.name), type=item, nargs="+", default=default, **kwargs)
-            parser.list_flags = parser.list_flags | {_flag(spec.name)}
+            parser.add_argument(cli_flag(spec.name), type=item, nargs="+", default=default, **kwargs)
+            parser.list_flags = parser.list_flags | {cli_flag(spec.name)}
         else:
-            parser.add_argument(_flag(spec.name), type=hint, default=default, **kwargs)
+            parser.add_argument(cli_flag(spec.name), type=hint, default=default, **kwargs)
     if entry.reads_text:
         parser.add_argument("--tokenizer", type=str | None, default=None,
                             help="'byte' or a tokenizer.json, for checkpoints saved without their tokenizer")
@@ -96,10 +92,10 @@ def parse_message(message: str, words: list[str]) -> str:
     typed = re.match(r"([\w]+): expected ([\w.]+)\. Got value: (.*)$", text)
     if typed:
         key, kind, value = typed.groups()
-        return f"{_flag(key)}={value!r} is invalid: expected {_TYPES.get(kind, kind)}"
+        return f"{cli_flag(key)}={value!r} is invalid: expected {_TYPES.get(kind, kind)}"
     text = re.sub(r"unknown key\(s\) ([\w, -]+)", lambda m: "unknown option(s) " + ", ".join(
         "--" + key.strip() for key in m.group(1).split(",")), text)
-    return re.sub(r"^(\w+):", lambda m: _flag(m.group(1)) + ":", text)
+    return re.sub(r"^(\w+):", lambda m: cli_flag(m.group(1)) + ":", text)
 
 
 def _checkpoint_like(word: str) -> bool:
