@@ -112,7 +112,7 @@ class DiffexpArgumentParser(LightningArgumentParser):
             inner = re.sub(r'Parser key "([\w.]+)"', rf'Parser key "{section}.\1"', inner)
             return clean_parser_message(inner, words) + dash_value_hint(inner, words)
         key, owner = f"{section}.{unknown.group(1)}", configured_class(section, words)
-        return (f"{key_files(key, words)}unknown key(s) {key}" + _nearest(key, known, f"{section}.")
+        return (f"{key_files(key, words, section)}unknown key(s) {key}" + _nearest(key, known, f"{section}.")
                 + (f"; {section} holds the arguments of {owner}: " if owner else f"; {section} accepts: ")
                 + ", ".join(known))
 
@@ -151,13 +151,12 @@ def _nearest(key: str, known: list[str], prefix: str = "") -> str:
     return f"; {key}: did you mean {prefix}{close[0]}?" if close else ""
 
 
-def key_files(key: str, words: list[str]) -> str:
+def key_files(key: str, words: list[str], section: str = "") -> str:
     """`--config FILE: ` for the --config files of `words` that set the dotted `key` (a class section's key under
-    its init_args too), else "" (a key given on the command line)."""
+    the section's init_args too), else "" (a key given on the command line)."""
     from diffexp.training.command_line import config_files, file_setting
 
-    section, _, rest = key.partition(".")
-    spellings = [key] + ([f"{section}.init_args.{rest}"] if rest else [])
+    spellings = [key] + ([f"{section}.init_args.{key.removeprefix(section + '.')}"] if section else [])
     files = [path for path in config_files(words) if any(file_setting(path, k)[0] for k in spellings)]
     return f"--config {', '.join(files)}: " if files else ""
 
