@@ -19,6 +19,7 @@ from diffexp.compare.budget import run_budget
 from diffexp.compare.params import Recipe, all_recipes, fit_parsed, gpu_files
 from diffexp.errors import UserError
 from diffexp.training.recipe import (
+    CHECKPOINT_KEYS,
     READ_SECTIONS,
     TRAINER_KEYS,
     UNREAD_SECTIONS,
@@ -111,6 +112,10 @@ def test_the_reader_knows_only_what_fit_accepts():
     fit_config = fit_parsed(Recipe("tiny", (REPO / "recipes/tiny/diff_v1.yaml",)))
     assert set(READ_SECTIONS + UNREAD_SECTIONS) <= set(to_builtin(fit_config))
     assert set(TRAINER_KEYS) <= set(inspect.signature(Trainer.__init__).parameters)
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    assert set(CHECKPOINT_KEYS) <= set(inspect.signature(ModelCheckpoint.__init__).parameters)
+    assert set(CHECKPOINT_KEYS) <= set(to_builtin(fit_config)["checkpoint"])
 
 
 def test_the_synthetic_vocabularies_are_the_built_modules():
@@ -157,6 +162,10 @@ def test_values_the_reader_converts_are_fits(tmp_path):
     ({"trainer": {"deterministic": True, "max_steps": "7"}}, "trainer.max_steps"),
     ({"data": {"class_path": "my_lab.data.Corpus"}}, "my_lab.data.Corpus"),
     ({"ckpt_path": "last"}, "ckpt_path"),
+    ({"trainer": {"gradient_clip_val": "1.0"}}, "trainer.gradient_clip_val"),  # a value check_trainer compares
+    ({"checkpoint": {"every_n_train_stepz": 5}}, "checkpoint.every_n_train_stepz"),  # keys fit's callbacks lack
+    ({"diagnostics": {"every_n_step": 5}}, "diagnostics.every_n_step"),
+    ({"throughput": {"peak_tflop": 5}}, "throughput.peak_tflop"),
 ])
 def test_what_only_fits_parser_can_judge_goes_to_it(tmp_path, content, reason):
     path = write(tmp_path, "recipe.yaml", content)
@@ -235,6 +244,30 @@ def test_a_bad_value_is_refused_in_fits_words(tmp_path, content):
     assert str(light.value) == str(fit.value) and str(light.value).startswith("model.")
 
 
+@pytest.mark.parametrize("trainer", [{"max_steps": 0}, {"max_steps": -1}, {"gradient_clip_val": -1.0},
+                                     {"accumulate_grad_batches": 0}, {"log_every_n_steps": 0},
+                                     {"val_check_interval": 0}, {"limit_val_batches": -2}],
+                         ids=lambda trainer: next(iter(trainer)) + f"={next(iter(trainer.values()))}")
+def test_a_trainer_value_fit_refuses_is_refused_in_fits_words(tmp_path, trainer):
+    """params prints no figures for a run fit would refuse before any work (max_steps 0 would read as a run "not
+    bounded by steps"): the reader's message is fit's own, and so is params' where fit's parser reads the recipe."""
+    from diffexp.training.cli import parse_config
+    from diffexp.training.preflight import validate_fit_config
+
+    path = write(tmp_path, "recipe.yaml", {"trainer": trainer})
+    with pytest.raises(UserError) as light:
+        read_recipe([path])
+    with pytest.raises(UserError) as fit:
+        validate_fit_config(parse_config(["--config", str(path)]), "fit")
+    assert str(light.value) == str(fit.value) and str(light.value).startswith(f"trainer.{next(iter(trainer))}=")
+    unread = write(tmp_path, "unread.yaml", {"trainer": {**trainer, "sync_batchnorm": False}})  # fit's parser's
+    with pytest.raises(NeedsFitParser):
+        read_recipe([unread])
+    with pytest.raises(UserError) as parsed:
+        fit_parsed(Recipe("x", (unread,)))
+    assert str(parsed.value) == str(fit.value)
+
+
 def test_diffexp_params_refuses_bad_recipes_in_one_paragraph(tmp_path, capsys):
     """Through the CLI guard: exit 2, `error: ...`, no traceback, for the reader's refusals and fit's."""
     from diffexp.cli import main
@@ -242,6 +275,12 @@ def test_diffexp_params_refuses_bad_recipes_in_one_paragraph(tmp_path, capsys):
     cases = {"unknown.yaml": ({"model": {"arch": {"colour": 1}}}, "model.arch.colour"),
              "bad.yaml": ({"model": {"arch": {"backend": "SDPA"}}}, "'SDPA'"),  # fit's parser words this one
              "trainer.yaml": ({"trainer": {"max_step": 5}}, "trainer.max_step"),
+             # fit's words for an unknown key of a recipe: the file, the key, the nearest key
+             "trainer-file.yaml": ({"trainer": {"max_stepz": 10}}, "trainer-file.yaml: unknown key(s) "
+                                   "trainer.max_stepz; trainer.max_stepz: did you mean trainer.max_steps?"),
+             "checkpoint.yaml": ({"checkpoint": {"save_lst": True}}, "unknown key(s) checkpoint.save_lst; "
+                                 "checkpoint.save_lst: did you mean checkpoint.save_last?"),
+             "max-steps.yaml": ({"trainer": {"max_steps": 0}}, "trainer.max_steps=0 is invalid"),
              "yaml.yaml": (None, "not valid YAML")}
     for name, (content, expected) in cases.items():
         path = tmp_path / name

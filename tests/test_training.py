@@ -306,8 +306,9 @@ def test_the_bar_shows_the_steps_loss_without_reading_the_device(tmp_path, monke
 
 
 def test_lightnings_noise_is_dropped_and_its_real_messages_stay():
-    """What tells a diffexp user nothing is dropped from Lightning's log: accelerators the machine lacks, and the
-    "`Trainer.fit` stopped" line that lands on the validation bar's line; a GPU that is there, and warnings, stay."""
+    """What tells a diffexp user nothing is dropped from Lightning's log: accelerators the machine lacks, the
+    "`Trainer.fit` stopped" line that lands on the validation bar's line, and "Seed set to", logged before diffexp's
+    checks (the summary states the seed); a GPU that is there, and warnings, stay."""
     import logging
 
     from diffexp.training.cli import quiet_third_party_noise
@@ -322,6 +323,27 @@ def test_lightnings_noise_is_dropped_and_its_real_messages_stay():
         return all(h.filter(record) for h in handlers)
 
     for noise in ("GPU available: False, used: False", "TPU available: False, using: 0 TPU cores",
-                  "`Trainer.fit` stopped: `max_steps=400` reached."):
+                  "`Trainer.fit` stopped: `max_steps=400` reached.", "Seed set to 1234"):
         assert not shown(noise), noise
     assert shown("GPU available: True (cuda), used: True") and shown("model: diff_v1, parameters total 919,296")
+
+
+def test_the_summary_states_the_seed_the_run_was_seeded_with(tmp_path, monkeypatch, capsys):
+    """Lightning's "Seed set to" line is dropped (it came before any refusal): the summary says the seed instead,
+    the one seed_everything was given, which the run is seeded with as before."""
+    import os
+    from types import SimpleNamespace
+
+    from diffexp.training.report import RunReport, print_summary
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("PL_GLOBAL_SEED", raising=False)
+    recipe = write_recipe(tmp_path, attention="baseline", max_steps=2)
+    main(["fit", "--config", str(recipe), "--seed_everything", "11"])
+    assert "\nseed            11\n" in capsys.readouterr().out
+    assert os.environ["PL_GLOBAL_SEED"] == "11"  # seed_everything's record of the seed it set
+    unseeded = SimpleNamespace(log_dir=None, is_global_zero=True, callbacks=[RunReport(seed=False)],
+                               callback_metrics={}, global_step=0,
+                               strategy=SimpleNamespace(root_device=torch.device("cpu")))
+    print_summary(unseeded)
+    assert "seed            none (seed_everything: false)" in capsys.readouterr().out

@@ -46,6 +46,9 @@ def workspace(tmp_path_factory):
     (root / "list.yaml").write_text("- 1\n- 2\n")
     (root / "afile").write_text("x")
     (root / "unread.yaml").write_text("model:\n  arch:\n    gate: headwise\n")
+    (root / "data-typo.yaml").write_text("data:\n  init_args:\n    batch_sise: 3\n")
+    (root / "data-unknown.yaml").write_text("data:\n  bogus: 3\n")
+    (root / "trainer-typo.yaml").write_text("trainer:\n  max_stepz: 10\n")
     return root
 
 
@@ -208,6 +211,26 @@ CASES = [
      ["data.k_classes", "1"]),
     ("data-class", ["fit", "--config", RECIPE, "--data", "diffexp.data.NoSuchDataModule"],
      ["NoSuchDataModule"]),
+    # a data module's keys: named as data.<key>, with the nearest key and the keys of the configured class
+    ("unknown-data-key", ["fit", "--config", RECIPE, "--data.bogus", "3"],
+     ["unknown key(s) data.bogus; data holds the arguments of diffexp.data.TextDataModule: source, ", "seq_len"]),
+    ("misspelt-data-key", ["fit", "--config", RECIPE, "--data.batch_sise", "3"],
+     ["unknown key(s) data.batch_sise; data.batch_sise: did you mean data.batch_size?"]),
+    ("misspelt-needle-key", ["fit", "--config", "{repo}/recipes/needle/baseline.yaml", "--data.dept", "0.5"],
+     ["unknown key(s) data.dept; data.dept: did you mean data.depth?",
+      "data holds the arguments of diffexp.data.needle.NeedleDataModule: context_len"]),
+    ("misspelt-mqar-key", ["fit", "--config", "{repo}/recipes/mqar/diff_v1.yaml", "--data.num_kv_pair", "4"],
+     ["data.num_kv_pair: did you mean data.num_kv_pairs?", "diffexp.data.mqar.MQARDataModule"]),
+    ("misspelt-data-key-in-file", ["fit", "--config", RECIPE, "--config", "{root}/data-typo.yaml"],
+     ["--config {root}/data-typo.yaml: unknown key(s) data.batch_sise; data.batch_sise: did you mean "
+      "data.batch_size?", "diffexp.data.TextDataModule"]),
+    ("unknown-data-key-in-file", ["fit", "--config", RECIPE, "--config", "{root}/data-unknown.yaml"],
+     ["--config {root}/data-unknown.yaml: unknown key(s) data.bogus;"]),
+    ("data-value-text", ["fit", "--config", RECIPE, "--data.batch_size", "abc"],
+     ["data.batch_size: 'abc' is not allowed; allowed: an integer or auto"]),
+    ("misspelt-trainer-key-in-file", ["fit", "--config", RECIPE, "--config", "{root}/trainer-typo.yaml"],
+     ["--config {root}/trainer-typo.yaml: unknown key(s) trainer.max_stepz; trainer.max_stepz: did you mean "
+      "trainer.max_steps?", "`diffexp fit --help`"]),
     # callbacks diffexp always adds
     ("diagnostics", ["fit", "--config", RECIPE, "--diagnostics.every_n_steps", "-1"],
      ["diagnostics", "every_n_steps=-1"]),
@@ -265,9 +288,23 @@ def test_bad_input_fails_early_and_clearly(workspace, no_work, monkeypatch, caps
     assert message.startswith("error:"), text[-2000:]
     for fragment in fragments:
         assert fragment.format(root=workspace) in message, f"{fragment!r} not in {message!r}"
-    assert "weights_only=False" not in message
+    assert "weights_only=False" not in message and "NestedArg" not in message
     assert "typing." not in message and "<class" not in message, message  # values a user writes, not Python types
     assert snapshot(workspace) == before
+
+
+def test_a_refused_fit_prints_only_its_error(tmp_path):
+    """A refusal found after Lightning seeds (a model value) is the command's whole output, as a user sees it in a
+    fresh process: no "Seed set to N" above the error, and no file written."""
+    from tests.helpers import run_cli
+
+    recipe = write_recipe(tmp_path, attention="diff_v1")
+    before = sorted(tmp_path.rglob("*"))
+    done = run_cli(["fit", "--config", str(recipe), "--model.arch.n_layers", "0"], cwd=tmp_path, check=False)
+    assert done.returncode == 2
+    assert done.stderr.splitlines() == ["error: model.arch.n_layers=0 is invalid: expected a positive integer",
+                                        "(DIFFEXP_DEBUG=1 shows the traceback)"], done.stderr
+    assert done.stdout == "" and sorted(tmp_path.rglob("*")) == before
 
 
 @pytest.mark.parametrize("argv, unknown, nearest", [

@@ -209,11 +209,15 @@ def parsed(recipe: Recipe):
 
 
 def fit_parsed(recipe: Recipe):
-    """The recipe's config as `diffexp fit` parses it."""
+    """The recipe's config as `diffexp fit` parses it, its trainer values checked as fit checks them."""
     from diffexp.training.cli import parse_config
+    from diffexp.training.trainer_checks import check_trainer
+    from diffexp.training.values import to_builtin
 
     with _quiet_parse():
-        return parse_config(recipe.args())
+        config = parse_config(recipe.args())
+    check_trainer(to_builtin(config.get("trainer") or {}), "fit")
+    return config
 
 
 def model_config(recipe: Recipe, config=None):

@@ -56,44 +56,131 @@ class DiffexpArgumentParser(LightningArgumentParser):
 
     appended_help = ""  # set on the fit/validate/test parsers: the default data module's options
     parsed_words: list[str] = []  # the words parsed last, read by error()
+    #: the last error of a class's own parser (jsonargparse parses data.* with the data module's): (its message,
+    #: the keys it accepts), which the error of the section that holds the class reads (_section_error)
+    class_error: tuple[str, list[str]] | None = None
 
     def __init__(self, *args, **kwargs) -> None:
         kwargs.setdefault("allow_abbrev", False)  # --trainer.max_step is an unknown key, not max_steps
         super().__init__(*args, **kwargs)
 
+    @property
+    def parses_a_class(self) -> bool:
+        """Whether this is the parser jsonargparse makes for a class's arguments (data.*, trainer.logger.*): it
+        makes each with exit_on_error=False; fit's own parsers exit on error."""
+        return self.exit_on_error is False
+
     def format_help(self) -> str:
         return super().format_help() + self.appended_help
 
     def parse_args(self, args=None, *rest, **kwargs):
+        if self.parses_a_class:  # `--data.bogus 3` parsed as `--bogus=3` by the data module's parser
+            return super().parse_args(args, *rest, **kwargs)
         if args is not None or not DiffexpArgumentParser.parsed_words:  # a subcommand's parser keeps the root's words
             DiffexpArgumentParser.parsed_words = [str(a) for a in (sys.argv[1:] if args is None else args)]
+        DiffexpArgumentParser.class_error = None
         return super().parse_args(args, *rest, **kwargs)
 
     def error(self, message: str, ex: Exception | None = None):
         if debug_enabled():
             return super().error(message, ex)
+        if self.parses_a_class:  # jsonargparse folds this into the section's error, which names it (_section_error)
+            DiffexpArgumentParser.class_error = (message, self._long_options())
+            raise UserError(message)
         prog = self.prog.replace(" [options]", "")
         words = DiffexpArgumentParser.parsed_words
-        text = clean_parser_message(message, words) + dash_value_hint(message, words) + self._nearest_keys(message)
+        text = self._section_error(message, words)
+        if text is None:
+            text, prog = self._unknown_in_file(message, words) or (None, prog)
+        if text is None:
+            text = clean_parser_message(message, words) + dash_value_hint(message, words) + self._nearest_keys(message)
         raise UserError(f"{text} (`{prog} --help` lists the accepted keys)") from None
+
+    def _long_options(self) -> list[str]:
+        """The keys this parser accepts (not --help, nor a list's append form `--key+`)."""
+        return [option.lstrip("-") for action in self._actions for option in action.option_strings
+                if option.startswith("--") and not option.endswith(("+", "help"))]
+
+    def _section_error(self, message: str, words: list[str]) -> str | None:
+        """A class section's error (`--data.bogus 3`, a recipe's `data: {batch_sise: 16}`) as the class's parser
+        found it, with the key as the user writes it: jsonargparse reports it as the section's value matching no
+        type ("data: NestedArg(key='bogus', val='3') is not allowed; allowed: LightningDataModule or null")."""
+        found = re.match(r'Parser key "([\w.]+)":\s*Does not validate against any of the Union subtypes', message)
+        recorded, DiffexpArgumentParser.class_error = DiffexpArgumentParser.class_error, None
+        if not found or recorded is None or recorded[0].splitlines()[0] not in message:
+            return None
+        section, (inner, known) = found.group(1), recorded
+        unknown = re.match(r"Option '([\w.]+)' is not accepted", inner)
+        if unknown is None:  # a bad value of one of the class's keys: the key under its section
+            inner = re.sub(r'Parser key "([\w.]+)"', rf'Parser key "{section}.\1"', inner)
+            return clean_parser_message(inner, words) + dash_value_hint(inner, words)
+        key, owner = f"{section}.{unknown.group(1)}", configured_class(section, words)
+        return (f"{key_files(key, words, section)}unknown key(s) {key}" + _nearest(key, known, f"{section}.")
+                + (f"; {section} holds the arguments of {owner}: " if owner else f"; {section} accepts: ")
+                + ", ".join(known))
+
+    def _unknown_in_file(self, message: str, words: list[str]) -> tuple[str, str] | None:
+        """A --config file's unknown key (`trainer: {max_stepz: 10}`), which jsonargparse reports as "Subcommand
+        'fit' does not accept option 'trainer.max_stepz'": the file, the key and the nearest accepted key, with
+        the subcommand's prog (`diffexp fit`, whose --help lists its keys)."""
+        found = re.match(r"Subcommand '(\w+)' does not accept option '([\w.]+)'", message)
+        if not found:
+            return None
+        subcommand, key = found.groups()
+        parser = next((choice for action in self._actions if isinstance(getattr(action, "choices", None), dict)
+                       for name, choice in action.choices.items() if name == subcommand), None)
+        if not isinstance(parser, DiffexpArgumentParser):
+            return None
+        text = f"{key_files(key, words)}unknown key(s) {key}" + _nearest(key, parser._long_options())
+        return text, parser.prog.replace(" [options]", "")
 
     def _nearest_keys(self, message: str) -> str:
         """For each unknown --key, the accepted keys it is nearest to (a misspelt or shortened key)."""
-        import difflib
-
         unknown = re.match(r"unrecognized arguments: (.*)", " ".join(message.split()))
         if not unknown:
             return ""
-        known = [option.lstrip("-") for action in self._actions for option in action.option_strings
-                 if option.startswith("--")]
-        hints = []
-        for arg in unknown.group(1).split():
-            if arg.startswith("--"):
-                key = arg.split("=", 1)[0].lstrip("-")
-                close = difflib.get_close_matches(key, known, n=1, cutoff=0.75)
-                if close:
-                    hints.append(f"{key}: did you mean {close[0]}?")
-        return ("; " + "; ".join(hints)) if hints else ""
+        known = self._long_options()
+        return "".join(_nearest(arg.split("=", 1)[0].lstrip("-"), known) for arg in unknown.group(1).split()
+                       if arg.startswith("--"))
+
+
+def _nearest(key: str, known: list[str], prefix: str = "") -> str:
+    """`; KEY: did you mean NEAREST?` for the accepted key nearest to a misspelt or shortened one, else "";
+    `known` are the keys under `prefix` (a class section's, compared without the section: `data.` would make
+    any two keys alike)."""
+    import difflib
+
+    close = difflib.get_close_matches(key.removeprefix(prefix), known, n=1, cutoff=0.75)
+    return f"; {key}: did you mean {prefix}{close[0]}?" if close else ""
+
+
+def key_files(key: str, words: list[str], section: str = "") -> str:
+    """`--config FILE: ` for the --config files of `words` that set the dotted `key` (a class section's key under
+    the section's init_args too), else "" (a key given on the command line)."""
+    from diffexp.training.command_line import config_files, file_setting
+
+    spellings = [key] + ([f"{section}.init_args.{key.removeprefix(section + '.')}"] if section else [])
+    files = [path for path in config_files(words) if any(file_setting(path, k)[0] for k in spellings)]
+    return f"--config {', '.join(files)}: " if files else ""
+
+
+def configured_class(section: str, words: list[str]) -> str | None:
+    """The class a class section (data) is configured with, as written: the last of the --config files'
+    `section.class_path` and the command line's `--section CLASS` / `--section.class_path CLASS`; fit's default
+    data module when none sets it (None for another section)."""
+    from diffexp.training.command_line import CONFIG_FLAG, file_setting
+
+    chosen = DEFAULT_DATA_CLASS if section == "data" else None
+    for i, word in enumerate(words):
+        name, sep, value = word.partition("=")
+        value = value if sep else (words[i + 1] if i + 1 < len(words) else "")
+        if name == CONFIG_FLAG:
+            held, spec = file_setting(value, section)
+            spec = spec.get("class_path") if held and isinstance(spec, dict) else spec if held else None
+            chosen = spec if isinstance(spec, str) else chosen
+        elif name in (f"--{section}", f"--{section}.class_path") and value and not value.startswith("{"):
+            chosen = value
+    return chosen
 
 
 class DiffexpCLI(CLIInternals):
@@ -183,7 +270,9 @@ class DiffexpCLI(CLIInternals):
         # validation's end: this validation's report line is printed first
         checkpoints = [i for i, c in enumerate(trainer.callbacks) if isinstance(c, ModelCheckpoint)]
         at = checkpoints[0] if checkpoints else len(trainer.callbacks)
-        trainer.callbacks[at:at] = [RunReport(), Preemption()]  # Preemption: SIGTERM, SIGINT, SIGUSR1
+        # RunReport states the seed in the summary (Lightning's "Seed set to" line is dropped: quiet_third_party_noise)
+        seed = self.setting(self.config, "seed_everything")
+        trainer.callbacks[at:at] = [RunReport(seed=seed), Preemption()]  # Preemption: SIGTERM, SIGINT, SIGUSR1
         if self.subcommand == "fit":  # its row in TensorBoard's HParams tab; first, so the checkpoints saved at a
             trainer.callbacks.insert(0, RunHParams())  # validation's end hold the val/loss it has just recorded
         return trainer
@@ -260,7 +349,8 @@ def _is_tensorboard(logger) -> bool:
 
 #: fragments of the Lightning messages quiet_third_party_noise drops
 NOISE = ("litlogger", "available: False", "`Trainer.fit` stopped:",
-         "SLURM auto-requeueing enabled")  # diffexp requeues on SIGUSR1 itself (training.preemption)
+         "SLURM auto-requeueing enabled",  # diffexp requeues on SIGUSR1 itself (training.preemption)
+         "Seed set to")  # logged before diffexp's checks, so it came before a refusal; fit's summary states the seed
 
 
 class _DropMessages(logging.Filter):
@@ -275,8 +365,10 @@ class _DropMessages(logging.Filter):
 def quiet_third_party_noise() -> None:
     """Drop messages that tell a diffexp user nothing (real warnings stay): Lightning's litlogger
     advertisement, its own deprecated pytree call, the accelerators a machine lacks ("TPU available: False", while
-    "GPU available: True (cuda), used: True" stays), and "`Trainer.fit` stopped: `max_steps=400` reached.", which
-    lands on the validation bar's line (the run summary says how the run ended)."""
+    "GPU available: True (cuda), used: True" stays), "`Trainer.fit` stopped: `max_steps=400` reached.", which
+    lands on the validation bar's line (the run summary says how the run ended), and "Seed set to 1234", which
+    seed_everything logs before any of diffexp's checks, so that a refused command printed it above its error (the
+    seed is set as before; fit's summary states it)."""
     import warnings
 
     warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\).*")

@@ -24,6 +24,7 @@ from diffexp.parallel.launch import check_launch, requested_world_size, strategy
 from diffexp.training.checkpointing import check_checkpoint_settings
 from diffexp.training.construction import check_build_config
 from diffexp.training.global_batch import GLOBAL_BATCH, accumulation_for
+from diffexp.training.trainer_checks import check_trainer
 from diffexp.training.values import data_init_args, to_builtin
 
 # data module settings that do not change what is trained (where files live, how many loader processes)
@@ -53,34 +54,6 @@ def model_sections(config) -> tuple[ModelConfig, Any, Any]:
     optim = OptimConfig(**(model.get("optim") or {}))
     ar_hit = ARHitConfig(**(model.get("ar_hit") or {}))
     return arch, optim, ar_hit
-
-
-def check_trainer(trainer: dict[str, Any], subcommand: str) -> None:
-    if subcommand == "fit":
-        max_steps, max_epochs = trainer.get("max_steps"), trainer.get("max_epochs")
-        if max_steps is not None and max_steps != -1 and max_steps <= 0:
-            raise invalid("trainer.max_steps", max_steps, "expected a positive number of optimizer steps "
-                          "(or -1 together with a positive trainer.max_epochs)")
-        if max_steps in (None, -1) and (max_epochs is None or max_epochs <= 0):
-            raise invalid("trainer.max_steps", max_steps, "expected a positive number of optimizer steps; "
-                          "without it, give a positive trainer.max_epochs")
-    clip = trainer.get("gradient_clip_val")
-    if clip is not None and not clip >= 0:
-        raise invalid("trainer.gradient_clip_val", clip, "expected a number >= 0 (0 or null: no clipping)")
-    accumulate = trainer.get("accumulate_grad_batches")
-    if accumulate is not None and accumulate < 1:
-        raise invalid("trainer.accumulate_grad_batches", accumulate, "expected a positive integer")
-    every = trainer.get("log_every_n_steps")
-    if every is not None and every < 1:
-        raise invalid("trainer.log_every_n_steps", every, "expected a positive integer")
-    interval = trainer.get("val_check_interval")
-    if interval is not None and not interval > 0:
-        raise invalid("trainer.val_check_interval", interval,
-                      "expected a positive number of steps (int) or fraction of an epoch (float)")
-    for key in ("limit_train_batches", "limit_val_batches", "limit_test_batches"):
-        value = trainer.get(key)
-        if value is not None and value < 0:
-            raise invalid(f"trainer.{key}", value, "expected a number >= 0")
 
 
 def check_writable(key: str, path: str | os.PathLike | None) -> None:

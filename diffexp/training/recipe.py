@@ -11,15 +11,17 @@ its run's budget, each key checked and each default filled in from where fit tak
 - data: the data module's class_path (TextDataModule by default) and every argument of its __init__, read from
   the class's source (a diffexp data module, so nothing is imported);
 - trainer: max_steps (fit's default, TRAINER_DEFAULTS, when unset), and accumulate_grad_batches and strategy
-  when set;
+  when set; the values fit checks before any work (trainer_checks.check_trainer: max_steps 0, a negative
+  gradient_clip_val, ...) are refused in fit's words;
 - global_batch: rows.
 
 An unknown key in those sections is refused (UserError: the key as written, the file, the keys allowed). What
 only fit's parser can judge raises NeedsFitParser instead, and the caller reads the recipe with fit's parser
 (diffexp.training.cli.parse_config): a key outside the sections above and TRAINER_KEYS, a value of another type
 than its key's (jsonargparse converts some, as "128" or 1e-3 for a number), a class outside diffexp, a class_path
-that a later file changes, ckpt_path. The rest of a recipe (the other trainer settings, the logger, the callbacks,
-checkpoint.*, diagnostics.*, throughput.*) changes no count or budget; their values are fit's to check.
+that a later file changes, ckpt_path, a key of checkpoint.*, diagnostics.* or throughput.* that their class does
+not take. The rest of a recipe (the other trainer settings, the logger, the callbacks, the values of checkpoint.*,
+diagnostics.*, throughput.*) changes no count or budget; their values are fit's to check when it builds the run.
 tests/test_recipe_reader.py checks that every recipe under recipes/ reads as fit's parser reads it.
 """
 
@@ -73,6 +75,14 @@ TRAINER_KEYS = TRAINER_READ + (
 #: diffexp's callbacks' settings: no count or budget depends on them); any other goes to fit's parser
 READ_SECTIONS = ("model", "data", "trainer", "global_batch")
 UNREAD_SECTIONS = ("seed_everything", "checkpoint", "diagnostics", "throughput")
+#: the sections of the callbacks fit always adds (diffexp.training.cli), whose keys are checked, not their values
+CALLBACK_SECTIONS = ("checkpoint", "diagnostics", "throughput")
+CALLBACK_CLASSES = {"diagnostics": "diffexp.training.diagnostics.Diagnostics",
+                    "throughput": "diffexp.training.throughput.Throughput"}
+#: the arguments of checkpoint.* (RunCheckpoint takes ModelCheckpoint's; tests/test_recipe_reader.py checks each)
+CHECKPOINT_KEYS = ("dirpath", "filename", "monitor", "verbose", "save_last", "save_top_k", "save_on_exception",
+                   "save_weights_only", "mode", "auto_insert_metric_name", "every_n_train_steps",
+                   "train_time_interval", "every_n_epochs", "save_on_train_epoch_end", "enable_version_counter")
 #: the class whose arguments global_batch holds
 GLOBAL_BATCH_CLASS = "diffexp.training.global_batch.GlobalBatch"
 
@@ -117,6 +127,9 @@ def read_recipe(files: Sequence[str | Path], label: str = "RECIPE") -> dict:
     for _, content in loaded:
         merged = _merge(merged, content, "")
     where = _Where(label, loaded)
+    for section in CALLBACK_SECTIONS:
+        if section in merged:
+            _callback_settings(section, merged[section])
     return {"model": _model(merged.get("model", {}), where),
             "data": _data(merged.get("data", {}), where),
             "trainer": _trainer(merged.get("trainer", {})),
@@ -371,22 +384,38 @@ def _data(given: Any, where: _Where) -> dict:
 
 
 def _trainer(given: Any) -> dict:
-    """The trainer settings read (TRAINER_READ), fit's default max_steps where unset."""
+    """The trainer settings read (TRAINER_READ), fit's default max_steps where unset; the values fit checks before
+    any work (trainer_checks.check_trainer) are checked as fit checks them."""
+    from diffexp.training.trainer_checks import CHECKED_TYPES, check_trainer
+
     if not isinstance(given, dict):
         raise NeedsFitParser(f"trainer: {given!r}, not a mapping")
     unknown = [key for key in given if key not in TRAINER_KEYS]
     if unknown:
         raise NeedsFitParser(f"trainer.{unknown[0]}")
-    read = {"max_steps": TRAINER_DEFAULTS["max_steps"]}
-    for key in ("max_steps", "accumulate_grad_batches"):
+    checked = {"max_steps": TRAINER_DEFAULTS["max_steps"]}
+    for key, tp in CHECKED_TYPES.items():
         if key in given:
             try:
-                read[key] = _conform(given[key], int)
+                checked[key] = _conform(given[key], tp)
             except _Mismatch:
                 raise NeedsFitParser(f"trainer.{key}: {given[key]!r}") from None
+    check_trainer(checked, "fit")
+    read = {key: checked[key] for key in ("max_steps", "accumulate_grad_batches") if key in checked}
     if "strategy" in given:
         read["strategy"] = _strategy(given["strategy"])
     return read
+
+
+def _callback_settings(section: str, given: Any) -> None:
+    """checkpoint.*, diagnostics.* and throughput.* change no figure, so their values are fit's to check; a key
+    their class does not take is a recipe fit refuses, which fit's parser then words."""
+    if not isinstance(given, dict):
+        raise NeedsFitParser(f"{section}: {given!r}, not a mapping")
+    accepted = CHECKPOINT_KEYS if section == "checkpoint" else tuple(_signature(CALLBACK_CLASSES[section]))
+    unknown = [key for key in given if key not in accepted]
+    if unknown:
+        raise NeedsFitParser(f"{section}.{unknown[0]}")
 
 
 def _strategy(strategy: Any) -> Any:

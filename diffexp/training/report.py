@@ -68,7 +68,8 @@ def progress_line(step: int, max_steps: int, loss: float | None, tokens_per_s: f
 class RunReport(L.Callback):
     """Per-validation lines without a TTY, and the numbers of the closing summary."""
 
-    def __init__(self, progress_every_s: float | None = None) -> None:
+    def __init__(self, progress_every_s: float | None = None, seed: int | bool | None = None) -> None:
+        self.seed = seed  # the run's seed_everything (false: not seeded), for the summary
         self.started = time.time()
         self.tokens_per_s: list[float] = []
         self._train_loss: torch.Tensor | float | None = None
@@ -130,6 +131,13 @@ class RunReport(L.Callback):
         return statistics.median(self.tokens_per_s) if self.tokens_per_s else None
 
 
+def _seed_text(seed) -> str:
+    """The seed_everything a run was seeded with (Lightning replaces true with the seed it drew)."""
+    if seed is None or seed is False:
+        return "none (seed_everything: false)"
+    return str(int(seed))
+
+
 def _number_text(value) -> str:
     return "-" if value is None else f"{float(value):.4f}"
 
@@ -158,6 +166,8 @@ def print_summary(trainer: L.Trainer, ended: str = "done", notes: list[str] = ()
         f"tokens/s        {tokens:,.0f} (median over steps)" if tokens else "tokens/s        -",
         f"wall time       {wall / 60:.1f} min" if wall is not None else "wall time       -",
     ]
+    if report is not None:
+        lines.append(f"seed            {_seed_text(report.seed)}")
     peak = peak_line(trainer.strategy.root_device, getattr(trainer.strategy, "estimated_memory", None))
     if peak is not None:
         lines.append(f"peak memory     {peak}")
